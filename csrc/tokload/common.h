@@ -1,0 +1,31 @@
+/*
+ * common.h -- macros shared by every tokload C header.
+ *
+ * The C core is a set of pure `static inline` functions over plain structs and
+ * file descriptors.  Headers include nothing from Python, allocate nothing,
+ * keep no globals and print nothing; each compiles alone with
+ * `cc -fsyntax-only`.
+ */
+#ifndef TOKLOAD_COMMON_H
+#define TOKLOAD_COMMON_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__GNUC__) || defined(__clang__)
+#define TL_INLINE static inline __attribute__((always_inline))
+#define TL_LIKELY(x) __builtin_expect(!!(x), 1)
+#define TL_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define TL_RESTRICT __restrict__
+#else
+#define TL_INLINE static inline
+#define TL_LIKELY(x) (x)
+#define TL_UNLIKELY(x) (x)
+#define TL_RESTRICT
+#endif
+
+/* Debug builds (TOKLOAD_DEBUG=1) keep asserts; release builds define NDEBUG. */
+#include <assert.h>
+#define TL_ASSERT(x) assert(x)
+
+#endif /* TOKLOAD_COMMON_H */
