@@ -1,0 +1,400 @@
+"""A keyed pseudorandom permutation of ``[0, n)``, computed per index.
+
+The one job of this module is to wrap the generalized Feistel cipher of
+``csrc/tokload/gfc.h``: argument checks and conversions happen here with the
+GIL held, whole arrays are permuted in C without it.
+"""
+
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_RawFree, PyMem_RawMalloc
+from libc.stdint cimport uint32_t, uint64_t
+
+cimport tokload._lib as lib
+
+import operator
+import threading
+
+import numpy as np
+
+# Largest table of round outputs built automatically, in bytes.  Larger tables
+# stop fitting in the CPU caches, and past that point a lookup costs more than
+# computing Speck (measured in bench/bench_permute.py).
+AUTO_TABLE_MAX_BYTES = 4 << 20
+# Arrays shorter than this are permuted without releasing the GIL: dropping and
+# retaking it costs more than the work.
+cdef enum:
+    _NOGIL_MIN = 256
+# Rounds beyond this are surely a mistake (and cost 108 bytes each).
+MAX_ROUNDS = 1 << 16
+
+_U64_LIMIT = 1 << 64
+
+
+cdef uint64_t _as_u64(object value, str name, int lo=0) except? 0xFFFFFFFFFFFFFFFF:
+    """Convert a Python integer in [lo, 2**64 - 1] or raise naming the argument."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+    if not lo <= v < _U64_LIMIT:
+        raise ValueError(f"{name} must be in [{lo}, 2**64 - 1], got {v}")
+    return <uint64_t>v
+
+
+def epoch_seed(seed, epoch):
+    """The permutation key of epoch ``epoch`` of a run seeded with ``seed``.
+
+    It is Speck64/128 of the 64-bit block ``epoch`` under the 128-bit key
+    ``("tokl", "epoc", seed)``, so for a fixed ``seed`` distinct epochs always
+    get distinct keys.  ``Permutation.for_epoch(n, seed, epoch)`` is
+    ``Permutation(n, seed=epoch_seed(seed, epoch))``.
+
+    Both arguments are integers in ``[0, 2**64)``; the result is one too.
+    """
+    return lib.tl_gfc_epoch_seed(_as_u64(seed, "seed"), _as_u64(epoch, "epoch"))
+
+
+cdef class Permutation:
+    """A seeded pseudorandom permutation of ``range(n)``, computed per index.
+
+    ``Permutation(n, seed=0, rounds=6)`` is the generalized Feistel cipher of
+    Black & Rogaway with the Speck64/128 round function and cycle walking,
+    bit-compatible with ``pygfc.Permutation(n, rounds, seed)`` (gfc 1.1.0).
+    Nothing is precomputed: ``p[i]`` costs O(rounds) time and O(1) memory for
+    any ``i``, for every ``n`` from 1 to ``2**64 - 1``.
+
+    Unlike gfc, it is a bijection for every ``n``: gfc maps two indices to one
+    value for some ``n > 2**52`` (a floating-point square root) and for some
+    ``n`` near ``2**63`` (a 64-bit wrap-around in the round addition).  tokload
+    fixes both, so it differs from pygfc only where pygfc is not a permutation.
+
+    Args:
+        n: size of the domain, ``1 <= n <= 2**64 - 1``.
+        seed: the key, any integer in ``[0, 2**64)``.
+        rounds: Feistel rounds, ``0 <= rounds <= 65536``.  0 is the identity;
+            use 6 or more for a shuffle (the default, 6, matches gfc's README).
+        table: precompute every round output (``rounds * ceil(sqrt(n))``
+            uint32 values) so each round is one lookup.  ``None`` (default)
+            builds it on the first bulk call whose work it would repay, if it
+            fits in ``AUTO_TABLE_MAX_BYTES``; ``True`` builds it now whatever
+            its size; ``False`` never.  The results are identical either way.
+
+    Indexing: ``p[i]`` accepts ``-n <= i < n`` like a sequence and returns an
+    ``int``; ``p[start:stop:step]`` returns a ``numpy.uint64`` array.
+    ``p.take(indices)`` and ``p.inverse_take(values)`` permute whole integer
+    arrays with the GIL released; they are safe to call from many threads at
+    once on the same object.
+    """
+
+    cdef lib.tl_gfc _g
+    cdef uint32_t *_keys
+    cdef uint32_t *_table
+    cdef object _table_mode
+    cdef object _table_lock
+    cdef uint64_t _bulk_seen
+
+    def __cinit__(self, n, seed=0, rounds=6, *, table=None):
+        # Validate everything before allocating anything: a half-built object
+        # must still be safe to deallocate.
+        self._keys = NULL
+        self._table = NULL
+        cdef uint64_t cn = _as_u64(n, "n", 1)
+        cdef uint64_t cseed = _as_u64(seed, "seed")
+        cdef uint64_t crounds = _as_u64(rounds, "rounds")
+        if crounds > MAX_ROUNDS:
+            raise ValueError(f"rounds must be in [0, {MAX_ROUNDS}], got {crounds}")
+        if table is not None and not isinstance(table, bool):
+            raise TypeError(f"table must be True, False or None, got {table!r}")
+        self._table_mode = table
+        self._table_lock = threading.Lock()
+        self._bulk_seen = 0
+        if crounds:
+            self._keys = <uint32_t *>PyMem_Malloc(lib.tl_gfc_keys_len(crounds) * sizeof(uint32_t))
+            if self._keys is NULL:
+                raise MemoryError(f"cannot allocate the round keys of {crounds} rounds")
+            lib.tl_gfc_expand_keys(cseed, crounds, self._keys)
+        lib.tl_gfc_init(&self._g, cn, crounds, cseed, self._keys)
+        if table is True:
+            self._build_table()
+
+    def __dealloc__(self):
+        # Only called once no thread can be using the object any more.
+        if self._table is not NULL:
+            PyMem_RawFree(self._table)
+        if self._keys is not NULL:
+            PyMem_Free(self._keys)
+
+    @classmethod
+    def for_epoch(cls, n, seed, epoch, rounds=6, *, table=None):
+        """The permutation of epoch ``epoch`` of a run seeded with ``seed``.
+
+        Same as ``Permutation(n, seed=epoch_seed(seed, epoch), rounds=rounds)``:
+        each epoch of a run gets its own independent shuffle, and the order of
+        epoch ``e`` depends on nothing but ``(n, seed, e, rounds)``.
+        """
+        return cls(n, seed=epoch_seed(seed, epoch), rounds=rounds, table=table)
+
+    # ---- properties ---------------------------------------------------------
+
+    @property
+    def n(self):
+        """Size of the domain (an ``int``; may exceed what ``len()`` allows)."""
+        return self._g.n
+
+    @property
+    def seed(self):
+        """The key."""
+        return self._g.seed
+
+    @property
+    def rounds(self):
+        """Number of Feistel rounds."""
+        return self._g.rounds
+
+    @property
+    def grid_side(self):
+        """``a = ceil(sqrt(n))``: the domain sits in an ``a x a`` grid."""
+        return self._g.a
+
+    @property
+    def has_table(self):
+        """Whether the table of round outputs has been built."""
+        return self._table is not NULL
+
+    @property
+    def table_nbytes(self):
+        """Size in bytes the table of round outputs has, or would have."""
+        return lib.tl_gfc_table_len(&self._g) * sizeof(uint32_t)
+
+    # ---- scalar access -------------------------------------------------------
+
+    def __len__(self):
+        if self._g.n > 0x7FFFFFFFFFFFFFFF:
+            raise OverflowError(
+                f"len() cannot exceed 2**63 - 1; this permutation has n={self._g.n} (use .n)"
+            )
+        return self._g.n
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return self._slice(key)
+        try:
+            i = operator.index(key)
+        except TypeError:
+            raise TypeError(
+                f"Permutation indices must be integers or slices, not {type(key).__name__}"
+            ) from None
+        n = self._g.n
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {key} is out of range for a permutation of n={n} "
+                             f"(valid: -{n} <= i < {n})")
+        return lib.tl_gfc_encrypt(&self._g, <uint64_t>i)
+
+    def inverse(self, value):
+        """The index ``i`` with ``self[i] == value``, for ``0 <= value < n``."""
+        try:
+            v = operator.index(value)
+        except TypeError:
+            raise TypeError(f"value must be an integer, got {type(value).__name__}") from None
+        n = self._g.n
+        if not 0 <= v < n:
+            raise IndexError(f"value {value} is out of range for a permutation of n={n} "
+                             f"(valid: 0 <= value < {n})")
+        return lib.tl_gfc_decrypt(&self._g, <uint64_t>v)
+
+    def __iter__(self):
+        cdef uint64_t start = 0, chunk = 1 << 14
+        cdef uint64_t n = self._g.n
+        while start < n:
+            stop = start + chunk if n - start > chunk else n
+            yield from self.range(start, stop).tolist()
+            start = stop
+
+    def __contains__(self, value):
+        try:
+            v = operator.index(value)
+        except TypeError:
+            return False
+        return 0 <= v < self._g.n
+
+    # ---- bulk access ---------------------------------------------------------
+
+    def range(self, start, stop, out=None):
+        """``[self[i] for i in range(start, stop)]`` as a 1-D array, in C.
+
+        Args:
+            start, stop: ``0 <= start <= stop <= n``.
+            out: optional C-contiguous ``uint64`` (or, when ``n <= 2**63``,
+                ``int64``) array of length ``stop - start`` to fill.
+
+        Returns:
+            ``out``, or a new ``numpy.uint64`` array.
+        """
+        cdef uint64_t cstart = _as_u64(start, "start")
+        cdef uint64_t cstop = _as_u64(stop, "stop")
+        if not cstart <= cstop <= self._g.n:
+            raise IndexError(f"range [{start}, {stop}) is not within [0, {self._g.n}]")
+        cdef uint64_t count = cstop - cstart
+        out = self._prepare_out(out, (count,), "out")
+        cdef uint64_t[::1] dst = out.reshape(-1).view(np.uint64)
+        self._note_bulk(count)
+        cdef lib.tl_gfc g = self._g
+        if count >= _NOGIL_MIN:
+            with nogil:
+                lib.tl_gfc_encrypt_range(&g, cstart, &dst[0], count)
+        elif count:
+            lib.tl_gfc_encrypt_range(&g, cstart, &dst[0], count)
+        return out
+
+    def take(self, indices, out=None):
+        """``self[i]`` for every ``i`` of an integer array, in C without the GIL.
+
+        Args:
+            indices: array-like of integers, any shape, every value in
+                ``[0, n)`` (negative values are an error here, unlike ``p[i]``).
+                ``uint64`` and ``int64`` C-contiguous arrays are read in place.
+            out: optional C-contiguous ``uint64`` (or, when ``n <= 2**63``,
+                ``int64``) array of the same shape; may be ``indices`` itself.
+
+        Returns:
+            ``out``, or a new ``numpy.uint64`` array of the shape of ``indices``.
+
+        Raises:
+            TypeError: ``indices`` is not an integer array.
+            IndexError: a value is outside ``[0, n)`` (the first one is named).
+        """
+        return self._apply(indices, out, 0)
+
+    def inverse_take(self, values, out=None):
+        """``self.inverse(v)`` for every ``v`` of an integer array; see ``take``."""
+        return self._apply(values, out, 1)
+
+    # ---- helpers ---------------------------------------------------------------
+
+    def _slice(self, key):
+        r = range(*key.indices(self._g.n))
+        if r.step == 1:
+            return self.range(r.start, max(r.start, r.stop))
+        idx = np.arange(len(r), dtype=np.uint64)
+        if r.step > 0:
+            idx *= np.uint64(r.step)
+            idx += np.uint64(r.start)
+        else:
+            idx *= np.uint64(-r.step)
+            idx = np.uint64(r.start) - idx
+        return self.take(idx, out=idx)
+
+    def _apply(self, indices, out, int inverse):
+        what = "value" if inverse else "index"
+        src = np.asarray(indices)
+        if src.dtype.kind not in "iu" and src.size:
+            raise TypeError(f"{what} arrays must have an integer dtype, got {src.dtype}")
+        shape = src.shape
+        flat = np.ascontiguousarray(src).reshape(-1)
+        if flat.dtype != np.uint64:
+            # Negative values wrap to >= 2**63 and are reported below.
+            flat = flat.view(np.uint64) if flat.dtype == np.int64 else flat.astype(np.uint64)
+        out = self._prepare_out(out, shape, "out")
+        cdef const uint64_t[::1] s = flat
+        cdef uint64_t[::1] d = out.reshape(-1).view(np.uint64)
+        cdef size_t count = s.shape[0]
+        self._note_bulk(count)
+        cdef lib.tl_gfc g = self._g
+        cdef size_t bad = count
+        if count >= _NOGIL_MIN:
+            with nogil:
+                bad = lib.tl_gfc_apply_many(&g, inverse, &s[0], &d[0], count)
+        elif count:
+            bad = lib.tl_gfc_apply_many(&g, inverse, &s[0], &d[0], count)
+        if bad != count:
+            orig = src.reshape(-1)[bad]
+            raise IndexError(f"{what} {orig} at position {bad} is out of range for a "
+                             f"permutation of n={self._g.n} (valid: 0 <= {what} < {self._g.n})")
+        return out
+
+    def _prepare_out(self, out, shape, str name):
+        if out is None:
+            return np.empty(shape, dtype=np.uint64)
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"{name} must be a numpy array, got {type(out).__name__}")
+        if out.dtype == np.int64:
+            if self._g.n > 0x8000000000000000:
+                raise TypeError(f"{name} must be uint64 when n > 2**63 (n={self._g.n})")
+        elif out.dtype != np.uint64:
+            raise TypeError(f"{name} must have dtype uint64 or int64, got {out.dtype}")
+        if out.shape != tuple(shape):
+            raise ValueError(f"{name} has shape {out.shape}, expected {tuple(shape)}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError(f"{name} must be a writeable C-contiguous array")
+        return out
+
+    cdef _note_bulk(self, uint64_t count):
+        """Account for bulk work; build the table once it pays for itself."""
+        if self._table is not NULL or self._table_mode is False:
+            return
+        if self._table_mode is None:
+            self._bulk_seen += count
+            if self._bulk_seen < self._g.a or self.table_nbytes > AUTO_TABLE_MAX_BYTES:
+                return
+        self._build_table()
+
+    cdef _build_table(self):
+        cdef uint64_t length = lib.tl_gfc_table_len(&self._g)
+        cdef uint32_t *table
+        if self._g.rounds == 0 or self._g.a < 2:
+            return  # nothing to look up
+        with self._table_lock:
+            if self._table is not NULL:
+                return
+            table = <uint32_t *>PyMem_RawMalloc(length * sizeof(uint32_t))
+            if table is NULL:
+                raise MemoryError(f"cannot allocate a {length * 4}-byte permutation table")
+            with nogil:
+                lib.tl_gfc_table_fill(&self._g, table)
+            # Publish: later bulk calls copy _g, table included, under the GIL.
+            self._table = table
+            self._g.table = table
+
+    # ---- protocol ----------------------------------------------------------------
+
+    def __reduce__(self):
+        return (_rebuild, (self._g.n, self._g.seed, self._g.rounds, self._table_mode))
+
+    def __repr__(self):
+        return f"Permutation(n={self._g.n}, seed={self._g.seed}, rounds={self._g.rounds})"
+
+    def __eq__(self, other):
+        if not isinstance(other, Permutation):
+            return NotImplemented
+        return (self.n, self.seed, self.rounds) == (other.n, other.seed, other.rounds)
+
+    def __hash__(self):
+        return hash((Permutation, self._g.n, self._g.seed, self._g.rounds))
+
+
+def _rebuild(n, seed, rounds, table):
+    return Permutation(n, seed, rounds, table=table)
+
+
+def _round_function(seed, round_index, value):
+    """F_{i+1}(value) of the Feistel network: Speck64/128 under key ``i*2**64 + seed``.
+
+    A test hook: exposes the C round function to the known-answer tests.
+    """
+    cdef uint32_t rk[lib.TL_SPECK_ROUNDS]
+    cdef uint64_t i = _as_u64(round_index, "round_index")
+    cdef uint64_t s = _as_u64(seed, "seed")
+    lib.tl_speck_expand(<uint32_t>s, <uint32_t>(s >> 32), <uint32_t>i, <uint32_t>(i >> 32), rk)
+    return lib.tl_speck_encrypt(rk, _as_u64(value, "value"))
+
+
+def _speck64_128(key, block):
+    """Speck64/128 of ``block`` (x = high word) under the 128-bit ``key``.  A test hook."""
+    cdef uint32_t rk[lib.TL_SPECK_ROUNDS]
+    k = operator.index(key)
+    if not 0 <= k < (1 << 128):
+        raise ValueError(f"key must be in [0, 2**128 - 1], got {k}")
+    lib.tl_speck_expand(<uint32_t>(k & 0xFFFFFFFF), <uint32_t>((k >> 32) & 0xFFFFFFFF),
+                        <uint32_t>((k >> 64) & 0xFFFFFFFF), <uint32_t>(k >> 96), rk)
+    return lib.tl_speck_encrypt(rk, _as_u64(block, "block"))
