@@ -1,0 +1,92 @@
+"""The layering rules of ARCHITECTURE.md, checked on the sources."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADERS = sorted((ROOT / "csrc" / "tokload").glob("*.h"))
+PYX = sorted((ROOT / "tokload").glob("_*.pyx"))
+
+
+def test_there_is_something_to_check() -> None:
+    assert HEADERS and PYX
+
+
+@pytest.mark.parametrize("header", HEADERS, ids=lambda p: p.name)
+def test_c_headers_are_pure(header: Path) -> None:
+    text = header.read_text()
+    assert "Python.h" not in text and "Py_" not in text, "no Python API in csrc/"
+    for banned in (
+        r"\bmalloc\s*\(",
+        r"\bcalloc\s*\(",
+        r"\bfree\s*\(",
+        r"\bprintf\s*\(",
+        r"\bexit\s*\(",
+    ):
+        assert not re.search(banned, text), f"{header.name} must not call {banned}"
+    guard = "TOKLOAD_" + header.stem.upper() + "_H"
+    assert f"#ifndef {guard}" in text and f"#define {guard}" in text
+
+
+@pytest.mark.parametrize("header", HEADERS, ids=lambda p: p.name)
+def test_c_headers_compile_alone(header: Path) -> None:
+    cc = subprocess.run(
+        [
+            "cc",
+            "-std=c11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-fsyntax-only",
+            "-x",
+            "c",
+            "-I",
+            str(ROOT / "csrc"),
+            str(header),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert cc.returncode == 0, cc.stderr
+
+
+@pytest.mark.parametrize("pyx", PYX, ids=lambda p: p.name)
+def test_compiled_modules_have_stubs_and_no_torch(pyx: Path) -> None:
+    assert pyx.with_suffix(".pyi").exists(), f"{pyx.name} needs a .pyi stub"
+    assert not re.search(r"^\s*(import|from)\s+torch", pyx.read_text(), re.M)
+
+
+def test_compiled_modules_never_import_torch() -> None:
+    code = (
+        "import sys, tokload; "
+        + "; ".join(f"import tokload.{p.stem}" for p in PYX)
+        + "; assert 'torch' not in sys.modules, 'a compiled module imported torch'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_c_declaration_states_its_exception_behaviour() -> None:
+    # Everything in _lib.pxd is declared nogil; a function without noexcept or
+    # except would re-take the GIL after each call to check for an exception.
+    text = re.sub(r"#.*", "", (ROOT / "tokload" / "_lib.pxd").read_text())
+    decls = re.findall(r"\b(tl_\w+)\(([^)]*)\)\s*(noexcept|except\b)?", text)
+    assert len(decls) >= 10
+    missing = [name for name, _args, spec in decls if not spec]
+    assert not missing, f"declare noexcept or except: {missing}"
+
+
+@pytest.mark.parametrize("header", HEADERS, ids=lambda p: p.name)
+def test_headers_name_their_cython_mirror(header: Path) -> None:
+    if header.name == "common.h":
+        return
+    text = header.read_text()
+    assert "tokload/_lib.pxd" in text
+    lib = (ROOT / "tokload" / "_lib.pxd").read_text()
+    assert f'cdef extern from "tokload/{header.name}"' in lib
