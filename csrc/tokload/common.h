@@ -9,6 +9,12 @@
 #ifndef TOKLOAD_COMMON_H
 #define TOKLOAD_COMMON_H
 
+/* preadv and posix_fadvise are GNU/POSIX extensions; every tokload header
+ * includes this one first, before any system header. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+
 #include <stddef.h>
 #include <stdint.h>
 

@@ -35,10 +35,10 @@
 #ifndef TOKLOAD_GFC_H
 #define TOKLOAD_GFC_H
 
-#include <math.h>
-
 #include "common.h"
 #include "speck.h"
+
+#include <math.h>
 
 #ifndef __SIZEOF_INT128__
 #error "tokload's permutation needs a compiler with unsigned __int128"
