@@ -18,7 +18,7 @@ from glob import glob
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-MODULES = ["_permute"]
+MODULES = ["_permute", "_io"]
 
 DEBUG = os.environ.get("TOKLOAD_DEBUG") == "1"
 SANITIZE = os.environ.get("TOKLOAD_SANITIZE", "")
