@@ -1,0 +1,344 @@
+"""Writing datasets: :class:`Writer` appends documents; :func:`merge` joins datasets.
+
+The writer keeps FORMAT.md's promise: the manifest is written last and
+atomically, and lists only shards whose files are complete and fsynced, so a
+crash never leaves a manifest that refers to data that is not on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Self
+
+import numpy as np
+import numpy.typing as npt
+
+from tokload.errors import FormatError
+from tokload.format import (
+    MANIFEST,
+    METADATA_FIELD,
+    NO_METADATA,
+    Manifest,
+    ShardInfo,
+    check_dtype,
+    fsync_dir,
+    read_manifest,
+    write_manifest,
+)
+
+Span = tuple[int, int, bytes]
+"""A metadata record attached to rows ``[start, stop)`` of a document."""
+
+_U64 = np.dtype("<u8")
+
+
+class Writer:
+    """Write a tokload dataset, one document at a time.
+
+    Args:
+        path: the dataset directory (created if needed).
+        dtype: the row dtype: a plain integer dtype (``"<u4"``) or a structured
+            one with integer fields (``[("token", "<u4"), ("concept", "<u2")]``).
+            With ``metadata=True`` it must have a ``"<u4"`` field ``metadata_id``,
+            which the writer fills from the spans given to :meth:`write`.
+        metadata: write a stream with metadata (``.mdx``/``.mdb`` per shard).
+        shard_bytes: start a new shard before a document that would take the
+            current one past this many bytes of rows (a single larger document
+            still gets a shard of its own). Default 1 GiB.
+        mode: ``"w"`` to create (refuses an existing dataset), ``"a"`` to add
+            shards to one (same dtype and options required; existing shards are
+            never touched).
+        name_prefix: shard names are ``f"{name_prefix}-{k:05d}"``; by default a
+            random prefix, so writers running in parallel never collide.
+        user: free-form JSON stored in the manifest (tokenizer, source, ...).
+        durable: fsync each shard and the directory before listing it.
+
+    Use as a context manager, or call :meth:`close`: nothing is visible to
+    readers until a shard is closed and the manifest rewritten.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        dtype: npt.DTypeLike = "<u4",
+        *,
+        metadata: bool = False,
+        shard_bytes: int = 1 << 30,
+        mode: str = "w",
+        name_prefix: str | None = None,
+        user: Mapping[str, Any] | None = None,
+        durable: bool = True,
+    ) -> None:
+        self.path = Path(path)
+        if mode not in ("w", "a"):
+            raise ValueError(f"mode must be 'w' or 'a', got {mode!r}")
+        if shard_bytes < 1:
+            raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+        self.dtype: np.dtype[Any] = np.dtype(dtype).newbyteorder("<")
+        check_dtype(self.dtype, "Writer dtype")
+        self.shard_bytes = shard_bytes
+        self.durable = durable
+        self.path.mkdir(parents=True, exist_ok=True)
+        exists = (self.path / MANIFEST).exists()
+        if mode == "w" and exists:
+            raise FileExistsError(
+                17, "a dataset already exists here; use mode='a' to append", str(self.path)
+            )
+        if exists:
+            self.manifest = read_manifest(self.path)
+            if self.manifest.dtype != self.dtype or self.manifest.metadata != metadata:
+                raise FormatError(
+                    f"{self.path}: cannot append dtype={self.dtype}, metadata={metadata} to a "
+                    f"dataset of dtype={self.manifest.dtype}, metadata={self.manifest.metadata}"
+                )
+            if not self.manifest.documents:
+                raise FormatError(f"{self.path}: the dataset has no document index to append to")
+            if user:
+                self.manifest.user.update(user)
+        else:
+            self.manifest = Manifest(
+                dtype=self.dtype, documents=True, metadata=metadata, user=dict(user or {})
+            )
+            self.manifest.check(str(self.path))
+        self.metadata = metadata
+        self.prefix = name_prefix or f"w{secrets.token_hex(4)}"
+        taken = {s.name for s in self.manifest.shards}
+        self._seq = 0
+        while self._name(self._seq) in taken:
+            self._seq += 1
+        self._shard: _OpenShard | None = None
+        self._closed = False
+
+    def _name(self, seq: int) -> str:
+        return f"{self.prefix}-{seq:05d}"
+
+    # ---- writing -------------------------------------------------------------
+
+    def write(
+        self,
+        rows: npt.ArrayLike | Mapping[str, npt.ArrayLike],
+        spans: Sequence[Span] | None = None,
+    ) -> None:
+        """Append one document.
+
+        Args:
+            rows: the document's rows: an array convertible to the dataset
+                dtype without loss (values out of a field's range are an error,
+                never wrapped), or, for a structured dtype, a mapping from field
+                name to a 1-D array (missing fields are 0).
+            spans: for a dataset with metadata, ``(start, stop, payload)`` per
+                metadata record: rows ``[start, stop)`` of this document get
+                that record (``payload`` is bytes, stored as is). Spans must not
+                overlap; rows outside every span have no metadata.
+        """
+        if self._closed:
+            raise ValueError("write to a closed Writer")
+        arr = self._convert(rows)
+        n = len(arr)
+        payloads: list[bytes] = []
+        if self.metadata:
+            ids = np.full(n, NO_METADATA, dtype=np.uint32)
+            for k, (start, stop, payload) in enumerate(sorted(spans or (), key=lambda s: s[0])):
+                if not (0 <= start < stop <= n):
+                    raise ValueError(
+                        f"span [{start}, {stop}) is not a non-empty range within the document's "
+                        f"{n} rows"
+                    )
+                if (ids[start:stop] != NO_METADATA).any():
+                    raise ValueError(f"span [{start}, {stop}) overlaps another span")
+                ids[start:stop] = k  # renumbered to shard ids below
+                payloads.append(bytes(payload))
+        elif spans:
+            raise ValueError("spans given, but the dataset was opened with metadata=False")
+        nbytes = n * self.dtype.itemsize
+        shard = self._shard
+        if (
+            shard is not None
+            and shard.rows
+            and (
+                shard.rows * self.dtype.itemsize + nbytes > self.shard_bytes
+                or shard.records + len(payloads) >= NO_METADATA
+            )
+        ):
+            self._close_shard()
+            shard = None
+        if shard is None:
+            shard = self._shard = _OpenShard(self.path, self._name(self._seq), self.metadata)
+            self._seq += 1
+        if self.metadata:
+            local = np.where(ids == NO_METADATA, ids, ids + np.uint32(shard.records))
+            arr[METADATA_FIELD] = local
+        shard.add(arr, payloads)
+
+    def _convert(self, rows: npt.ArrayLike | Mapping[str, npt.ArrayLike]) -> np.ndarray:
+        dt = self.dtype
+        if isinstance(rows, Mapping):
+            if dt.fields is None:
+                raise TypeError("a mapping of fields was given, but the dtype is not structured")
+            unknown = set(rows) - set(dt.fields)
+            if unknown:
+                raise ValueError(f"unknown fields {sorted(unknown)}; the dtype has {dt.names}")
+            lengths = {len(np.asarray(v)) for v in rows.values()}
+            if len(lengths) > 1:
+                raise ValueError(f"fields have different lengths: {sorted(lengths)}")
+            out = np.zeros(lengths.pop() if lengths else 0, dtype=dt)
+            for name, values in rows.items():
+                out[name] = _checked_cast(np.asarray(values), dt.fields[name][0], name)
+            return out
+        src = np.asarray(rows)
+        if src.ndim != 1:
+            raise ValueError(f"a document must be 1-D, got shape {src.shape}")
+        if dt.fields is None:
+            return _checked_cast(src, dt, "rows")
+        if src.dtype.fields is None:
+            raise TypeError(
+                f"the dataset dtype is structured ({dt}); pass a structured array "
+                "or a mapping of fields"
+            )
+        out = np.zeros(len(src), dtype=dt)
+        for name in src.dtype.names or ():
+            if name not in dt.fields:
+                raise ValueError(f"unknown field {name!r}; the dtype has {dt.names}")
+            out[name] = _checked_cast(src[name], dt.fields[name][0], name)
+        return out
+
+    # ---- finishing -------------------------------------------------------------
+
+    def _close_shard(self) -> None:
+        shard, self._shard = self._shard, None
+        if shard is None:
+            return
+        info = shard.finish(self.durable)
+        if info.rows == 0 and info.documents == 0:
+            shard.remove()
+            return
+        self.manifest.shards.append(info)
+        if self.durable:
+            fsync_dir(self.path)
+        write_manifest(self.path, self.manifest)
+
+    def flush(self) -> None:
+        """Close the current shard and publish it in the manifest."""
+        self._close_shard()
+
+    def close(self) -> None:
+        """Publish what was written and release the files (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close_shard()
+        if not (self.path / MANIFEST).exists():
+            write_manifest(self.path, self.manifest)  # an empty dataset is still a dataset
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Every document written so far is whole (write validates first), so
+        # they are published even when the block raised.
+        self.close()
+
+
+def _checked_cast(values: np.ndarray, dtype: np.dtype[Any], what: str) -> np.ndarray:
+    if values.dtype == dtype:
+        return values
+    if values.size == 0:
+        return values.astype(dtype)
+    if values.dtype.kind not in "iub":
+        raise TypeError(f"{what} must be integers, got dtype {values.dtype}")
+    info = np.iinfo(dtype)
+    lo, hi = values.min(), values.max()
+    if lo < info.min or hi > info.max:
+        bad = lo if lo < info.min else hi
+        raise ValueError(f"{what}: value {bad} does not fit in {dtype} [{info.min}, {info.max}]")
+    return values.astype(dtype)
+
+
+class _OpenShard:
+    """The files of the shard being written."""
+
+    def __init__(self, root: Path, name: str, metadata: bool) -> None:
+        self.name = name
+        base = root / name
+        self.paths = [base.with_name(name + ext) for ext in (".rows", ".docs", ".mdx", ".mdb")]
+        if not metadata:
+            self.paths = self.paths[:2]
+        self.files: list[IO[bytes]] = [open(p, "xb", buffering=1 << 20) for p in self.paths]  # noqa: SIM115
+        self.rows = 0
+        self.documents = 0
+        self.records = 0
+        self.meta_bytes = 0
+        self.files[1].write(np.zeros(1, _U64).tobytes())  # first document starts at row 0
+        if metadata:
+            self.files[2].write(np.zeros(1, _U64).tobytes())
+
+    def add(self, rows: np.ndarray, payloads: list[bytes]) -> None:
+        self.files[0].write(np.ascontiguousarray(rows).tobytes())
+        self.rows += len(rows)
+        self.documents += 1
+        self.files[1].write(np.array([self.rows], _U64).tobytes())
+        if payloads:
+            ends = self.meta_bytes + np.cumsum([len(p) for p in payloads], dtype=np.uint64)
+            for p in payloads:
+                self.files[3].write(p)
+            self.files[2].write(ends.astype(_U64).tobytes())
+            self.records += len(payloads)
+            self.meta_bytes = int(ends[-1])
+
+    def finish(self, durable: bool) -> ShardInfo:
+        for f in self.files:
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+            f.close()
+        return ShardInfo(self.name, self.rows, self.documents, self.records, self.meta_bytes)
+
+    def remove(self) -> None:
+        for p in self.paths:
+            p.unlink(missing_ok=True)
+
+
+def merge(output: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str]]) -> Manifest:
+    """Join datasets into one by writing a manifest only; no data is copied.
+
+    The merged manifest lists every input's shards, in the order given, by
+    their paths relative to ``output`` (FORMAT.md), so the inputs must stay
+    where they are. All inputs need the same dtype and options. ``output`` may
+    not already hold a dataset.
+
+    Returns the merged manifest.
+    """
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST).exists():
+        raise FileExistsError(17, "a dataset already exists here", str(out))
+    if not inputs:
+        raise ValueError("merge needs at least one input dataset")
+    manifests = [(Path(p), read_manifest(p)) for p in inputs]
+    first = manifests[0][1]
+    merged = Manifest(dtype=first.dtype, documents=first.documents, metadata=first.metadata)
+    for path, m in manifests:
+        if (m.dtype, m.documents, m.metadata) != (first.dtype, first.documents, first.metadata):
+            raise FormatError(
+                f"{path}: dtype={m.dtype}, documents={m.documents}, metadata={m.metadata} "
+                f"differs from {manifests[0][0]}: dtype={first.dtype}, "
+                f"documents={first.documents}, metadata={first.metadata}"
+            )
+        rel = os.path.relpath(path.resolve(), out.resolve())
+        for s in m.shards:
+            name = os.path.normpath(os.path.join(rel, s.name))
+            merged.shards.append(
+                ShardInfo(name, s.rows, s.documents, s.metadata_records, s.metadata_bytes)
+            )
+        merged.user.setdefault("merged_from", []).append(rel)
+    write_manifest(out, merged)
+    return merged
