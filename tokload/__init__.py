@@ -2,12 +2,56 @@
 
 Global shuffling with nothing precomputed (:class:`Permutation`), computed per
 index in O(1) time and memory and bit-compatible with the reference ``gfc``
-library.  See README.md for the whole picture and ARCHITECTURE.md for the
+library; sharded datasets written by :class:`Writer` (FORMAT.md) or found in
+Megatron and flat-token layouts, read in constant time per observation through
+the views :class:`TokenStream`, :class:`Documents` and
+:class:`StreamWithMetadata`.  See README.md for the whole picture and ARCHITECTURE.md for the
 invariants.
 """
 
+from tokload import errors
 from tokload._permute import Permutation, epoch_seed
+from tokload.errors import (
+    CorruptDataError,
+    FormatError,
+    MissingShardError,
+    TokloadError,
+    TruncatedFileError,
+)
+from tokload.format import Source, open_dataset
+from tokload.interop import open_flat, open_megatron
+from tokload.views import (
+    DocumentBatch,
+    Documents,
+    MetadataBatch,
+    StreamWithMetadata,
+    TokenStream,
+    split,
+)
+from tokload.writer import Writer, merge
 
-__all__ = ["Permutation", "__version__", "epoch_seed"]
+__all__ = [
+    "CorruptDataError",
+    "DocumentBatch",
+    "Documents",
+    "FormatError",
+    "MetadataBatch",
+    "MissingShardError",
+    "Permutation",
+    "Source",
+    "StreamWithMetadata",
+    "TokenStream",
+    "TokloadError",
+    "TruncatedFileError",
+    "Writer",
+    "__version__",
+    "epoch_seed",
+    "errors",
+    "merge",
+    "open_dataset",
+    "open_flat",
+    "open_megatron",
+    "split",
+]
 
 __version__ = "0.1.0"

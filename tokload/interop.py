@@ -1,0 +1,241 @@
+"""Foreign formats read in place, without conversion.
+
+- Megatron indexed datasets (``prefix.bin`` + ``prefix.idx``, as written by
+  megatron-core's ``IndexedDatasetBuilder``): :func:`open_megatron`.
+- Flat headerless token files (``.bin`` or ``.npy`` arrays of uint16/uint32,
+  as OLMo-core/dolma, nanotron/datatrove and nanoGPT write them), one or
+  several files read as one stream: :func:`open_flat`. Document boundaries
+  come from an offsets index or from an end-of-document token.
+
+Opening reads headers only (the ``.idx`` header is 34 bytes; a ``.npy``
+header is one block); sequence pointers and lengths are read per access.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from tokload._io import DocIndex, FileSet, MegatronIndex, RowSet
+from tokload.errors import FormatError, MissingShardError
+from tokload.format import Source, check_dtype, fingerprint
+
+MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+# megatron.core.datasets.indexed_dataset.DType codes
+MEGATRON_DTYPES: dict[int, np.dtype[Any]] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype("<i2"),
+    4: np.dtype("<i4"),
+    5: np.dtype("<i8"),
+    8: np.dtype("<u2"),
+}
+_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents + 1
+
+
+def _size(path: Path, what: str) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        raise MissingShardError(2, f"missing {what}", str(path)) from None
+
+
+def open_megatron(prefix: str | os.PathLike[str]) -> Source:
+    """Open ``prefix.bin``/``prefix.idx`` (Megatron ``MMapIndexedDataset`` layout).
+
+    The ``.idx`` holds: the magic ``MMIDIDX\\0\\0``, version (u64, 1), dtype code
+    (u8), sequence count S (u64), document count D + 1 (u64), then int32
+    lengths[S], int64 byte pointers[S], int64 document_indices[D + 1].
+
+    As :class:`~tokload.views.Documents`, observation ``i`` is sequence ``i``
+    (what ``IndexedDataset[i]`` returns); as a
+    :class:`~tokload.views.TokenStream`, the stream is the ``.bin`` in order.
+    ``source.user["document_indices"]`` reads Megatron's document index on
+    demand.
+    """
+    prefix = os.fspath(prefix)
+    idx_path, bin_path = Path(prefix + ".idx"), Path(prefix + ".bin")
+    idx_size = _size(idx_path, "Megatron index")
+    bin_size = _size(bin_path, "Megatron data")
+    with open(idx_path, "rb") as f:
+        head = f.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        raise FormatError(f"{idx_path}: {len(head)} bytes is too short for a Megatron index header")
+    magic, version, code, nseq, ndoc1 = _HEADER.unpack(head)
+    if magic != MEGATRON_MAGIC:
+        raise FormatError(f"{idx_path}: bad magic {magic!r}; not a Megatron .idx")
+    if version != 1:
+        raise FormatError(f"{idx_path}: unknown Megatron index version {version}")
+    if code not in MEGATRON_DTYPES:
+        raise FormatError(f"{idx_path}: unsupported Megatron dtype code {code}")
+    dtype = MEGATRON_DTYPES[code]
+    len_off = _HEADER.size
+    ptr_off = len_off + 4 * nseq
+    doc_off = ptr_off + 8 * nseq
+    need = doc_off + 8 * ndoc1
+    if idx_size < need:
+        raise FormatError(
+            f"{idx_path}: {idx_size} bytes, but {nseq} sequences and {ndoc1} document "
+            f"indices need {need}"
+        )
+    if bin_size % dtype.itemsize:
+        raise FormatError(f"{bin_path}: {bin_size} bytes is not a multiple of {dtype} rows")
+    rows = bin_size // dtype.itemsize
+    bin_files = FileSet([bin_path])
+    idx_files = FileSet([idx_path])
+    rowset = RowSet(bin_files, [rows], dtype.itemsize)
+    seq_index = MegatronIndex(idx_files, nseq, len_off, ptr_off, dtype.itemsize, rows)
+    src = Source(
+        rows=rowset,
+        dtype=dtype,
+        docs=seq_index,
+        meta=None,
+        fingerprint=fingerprint(dtype, [(rows, nseq)]),
+        description=str(prefix),
+        _closers=[bin_files, idx_files],
+    )
+    src.user = {"document_indices": lambda: np.fromfile(idx_path, "<i8", ndoc1, offset=doc_off)}
+    return src
+
+
+def _npy_layout(path: Path) -> tuple[np.dtype[Any], int, int]:
+    """(dtype, rows, data offset) of a 1-D ``.npy`` file, from its header alone."""
+    with open(path, "rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            reader = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, _fortran, dtype = reader(f)
+        except ValueError as e:
+            raise FormatError(f"{path}: not a .npy file: {e}") from None
+        offset = f.tell()
+    if len(shape) != 1:
+        raise FormatError(f"{path}: a token file must be 1-D, got shape {shape}")
+    return np.dtype(dtype), int(shape[0]), offset
+
+
+def open_flat(
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    dtype: npt.DTypeLike | None = None,
+    *,
+    doc_index: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+    eos: int | None = None,
+) -> Source:
+    """Open headerless token files (``.bin``) or 1-D ``.npy`` arrays as one stream.
+
+    Args:
+        paths: one file or several (read in the order given, as shards).
+        dtype: row dtype of ``.bin`` files (``uint16``/``uint32``; little-endian);
+            ``.npy`` files carry their own.
+        doc_index: per file, a ``.npy`` or raw little-endian ``uint64`` array of
+            ``documents + 1`` row offsets (0 first, the file's rows last); gives
+            the source documents.
+        eos: alternatively, the end-of-document token: document boundaries are
+            found by one pass over each file the first time (vectorized, in
+            chunks) and cached next to it as ``<file>.eos<token>.docs``, which
+            later opens read without scanning. A document ends with its eos
+            token; trailing tokens after the last eos form a last document.
+
+    Without either, the source has a token stream but no documents.
+    """
+    plist = [Path(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
+    if not plist:
+        raise ValueError("open_flat needs at least one file")
+    layouts = []
+    for p in plist:
+        if p.suffix == ".npy":
+            _size(p, "token file")
+            dt, rows, base = _npy_layout(p)
+            if dtype is not None and np.dtype(dtype) != dt:
+                raise FormatError(f"{p}: holds {dt}, but dtype={np.dtype(dtype)} was given")
+        else:
+            if dtype is None:
+                raise ValueError(f"{p}: a headerless .bin file needs dtype= (e.g. np.uint16)")
+            dt = np.dtype(dtype).newbyteorder("<")
+            size = _size(p, "token file")
+            if size % dt.itemsize:
+                raise FormatError(f"{p}: {size} bytes is not a whole number of {dt} rows")
+            rows, base = size // dt.itemsize, 0
+        layouts.append((dt, rows, base))
+    dt0 = layouts[0][0]
+    check_dtype(dt0, str(plist[0]))
+    for p, (dt, _, _) in zip(plist, layouts, strict=True):
+        if dt != dt0:
+            raise FormatError(f"{p}: dtype {dt} differs from {plist[0]}'s {dt0}")
+    files = FileSet(plist, [b for _, _, b in layouts])
+    closers: list[Any] = [files]
+    rowset = RowSet(files, [r for _, r, _ in layouts], dt0.itemsize)
+    docs = None
+    doc_counts = [0] * len(plist)
+    if doc_index is not None and eos is not None:
+        raise ValueError("give doc_index or eos, not both")
+    if eos is not None:
+        doc_index = [
+            _eos_index(p, r, b, dt0, eos) for p, (_, r, b) in zip(plist, layouts, strict=True)
+        ]
+    if doc_index is not None:
+        ilist = [
+            Path(p)
+            for p in ([doc_index] if isinstance(doc_index, (str, os.PathLike)) else doc_index)
+        ]
+        if len(ilist) != len(plist):
+            raise ValueError(f"{len(plist)} token files but {len(ilist)} document indexes")
+        bases = []
+        for k, ip in enumerate(ilist):
+            if ip.suffix == ".npy":
+                idt, entries, ibase = _npy_layout(ip)
+                if idt != np.dtype("<u8") and idt != np.dtype("<i8"):
+                    raise FormatError(f"{ip}: a document index must be int64/uint64, got {idt}")
+            else:
+                size = _size(ip, "document index")
+                if size % 8:
+                    raise FormatError(f"{ip}: {size} bytes is not a whole number of uint64")
+                entries, ibase = size // 8, 0
+            if entries < 1:
+                raise FormatError(f"{ip}: a document index needs at least one entry")
+            doc_counts[k] = entries - 1
+            bases.append(ibase)
+        ifiles = FileSet(ilist, bases)
+        closers.append(ifiles)
+        docs = DocIndex(ifiles, doc_counts, rowset)
+    return Source(
+        rows=rowset,
+        dtype=dt0,
+        docs=docs,
+        meta=None,
+        fingerprint=fingerprint(
+            dt0, [(r, d) for (_, r, _), d in zip(layouts, doc_counts, strict=True)]
+        ),
+        description=", ".join(map(str, plist)),
+        _closers=closers,
+    )
+
+
+def _eos_index(path: Path, rows: int, base: int, dtype: np.dtype[Any], eos: int) -> Path:
+    """Build (once) the document index of a token file from its eos tokens."""
+    cache = path.with_name(f"{path.name}.eos{eos}.docs")
+    if cache.exists() and cache.stat().st_mtime >= path.stat().st_mtime:
+        return cache
+    data = np.memmap(path, dtype=dtype, mode="r", offset=base, shape=(rows,)) if rows else None
+    ends: list[np.ndarray] = [np.zeros(1, dtype="<u8")]
+    chunk = 1 << 24
+    for start in range(0, rows, chunk):
+        assert data is not None
+        hits = np.flatnonzero(np.asarray(data[start : start + chunk]) == eos)
+        ends.append((hits + start + 1).astype("<u8"))
+    offsets = np.concatenate(ends)
+    if offsets[-1] != rows:
+        offsets = np.append(offsets, np.uint64(rows))
+    tmp = cache.with_name(cache.name + ".tmp")
+    offsets.astype("<u8").tofile(tmp)
+    os.replace(tmp, cache)
+    return cache

@@ -1,0 +1,472 @@
+"""Observation views: a dataset read as a plain list, ``view[i]``, in constant time.
+
+- :class:`TokenStream`: observation ``i`` is rows ``[i*stride, i*stride + window)``
+  of the concatenated stream (it may span shards).
+- :class:`Documents`: observation ``i`` is document ``i``.
+- :class:`StreamWithMetadata`: token windows plus, per token, the position of
+  its metadata record in the list of distinct records of the window (or of the
+  batch), and that list.
+
+Each view has ``len(view)``, ``view[i]`` and a bulk ``view.read(indices,
+out=...)`` that fills preallocated arrays in one call into the C core, without
+the GIL. Any view can be cut to a contiguous range of its observations with
+:meth:`subset` (or :func:`split`, Megatron's ``"969,30,1"`` style) at no cost.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Self, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from tokload._io import split_fields
+from tokload.errors import FormatError
+from tokload.format import MANIFEST, METADATA_FIELD, Source, open_dataset
+
+DataLike = str | os.PathLike[str] | Source
+Fields = np.ndarray | dict[str, np.ndarray]
+V = TypeVar("V", bound="View")
+
+
+def open_source(data: DataLike) -> Source:
+    """A Source from a tokload dataset directory, a Megatron prefix, or a Source."""
+    if isinstance(data, Source):
+        return data
+    from tokload import interop
+
+    path = os.fspath(data)
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST)):
+        return open_dataset(path)
+    prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
+    if os.path.exists(prefix + ".idx"):
+        return interop.open_megatron(prefix)
+    if path.endswith(".npy") and os.path.isfile(path):
+        return interop.open_flat(path)
+    if os.path.isdir(path):
+        return open_dataset(path)  # raises: no manifest
+    raise FileNotFoundError(
+        2,
+        "not a tokload dataset, a Megatron .bin/.idx prefix or a .npy token file "
+        "(flat .bin files need tokload.interop.open_flat(path, dtype=...))",
+        path,
+    )
+
+
+class View:
+    """What every view shares: a Source and a contiguous range of observations."""
+
+    _total: int
+
+    def __init__(self, data: DataLike) -> None:
+        self.source = open_source(data)
+        self._lo = 0
+        self._hi = -1  # set by subclasses once _total is known
+
+    def _init_range(self) -> None:
+        self._hi = self._total
+
+    def __len__(self) -> int:
+        return self._hi - self._lo
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the data and the view's configuration (for resume checks)."""
+        kind = type(self).__name__
+        return f"{self.source.fingerprint}:{kind}:{self._config()}:{self._lo}:{self._hi}"
+
+    def _config(self) -> str:
+        return ""
+
+    def subset(self, start: int, stop: int) -> Self:
+        """The observations ``[start, stop)`` of this view, as a view of the same kind."""
+        n = len(self)
+        if not 0 <= start <= stop <= n:
+            raise IndexError(f"subset [{start}, {stop}) is not within [0, {n}]")
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other._lo, other._hi = self._lo + start, self._lo + stop
+        return other
+
+    def _global(self, indices: npt.ArrayLike) -> np.ndarray:
+        """Validate observation indices and map them to the underlying numbering."""
+        a = np.asarray(indices)
+        if a.dtype.kind not in "iu":
+            if a.size == 0:
+                a = a.astype(np.int64)
+            else:
+                raise TypeError(f"indices must be integers, got dtype {a.dtype}")
+        a = a.reshape(-1)
+        n = len(self)
+        if a.size:
+            lo, hi = a.min(), a.max()
+            if lo < 0 or hi >= n:
+                bad = lo if lo < 0 else hi
+                raise IndexError(
+                    f"observation {bad} is out of range for a view of {n} (valid: 0 <= i < {n})"
+                )
+        return a.astype(np.uint64) + np.uint64(self._lo)
+
+    def _index(self, i: int) -> np.ndarray:
+        n = len(self)
+        try:
+            j = int(np.asarray(i).item()) if not isinstance(i, int) else i
+        except (TypeError, ValueError):
+            raise TypeError(f"view indices must be integers, not {type(i).__name__}") from None
+        if j < 0:
+            j += n
+        if not 0 <= j < n:
+            raise IndexError(f"observation {i} is out of range for a view of {n}")
+        return np.array([j], dtype=np.int64)
+
+    def close(self) -> None:
+        """Close the dataset's files (shared by every subset of this view)."""
+        self.source.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.source.description!r}, {self._config()} n={len(self)})"
+
+
+def split(view: V, weights: str | Sequence[float]) -> list[V]:
+    """Cut a view into consecutive, non-overlapping parts by weight.
+
+    ``split(view, "969,30,1")`` gives train/validation/test views like
+    Megatron's ``split`` argument: part ``k`` gets observations
+    ``[round(n*c_k), round(n*c_{k+1}))`` where ``c`` are the normalized
+    cumulative weights. The parts cover the view exactly.
+    """
+    w = [float(x) for x in weights.split(",")] if isinstance(weights, str) else list(weights)
+    if not w or any(x < 0 for x in w) or sum(w) <= 0:
+        raise ValueError(f"split weights must be non-negative with a positive sum, got {weights!r}")
+    n = len(view)
+    total = sum(w)
+    bounds = [0]
+    acc = 0.0
+    for x in w:
+        acc += x
+        bounds.append(min(n, round(n * acc / total)))
+    bounds[-1] = n
+    return [view.subset(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def _field_layout(
+    dtype: np.dtype[Any], skip: str | None = None
+) -> list[tuple[str, np.dtype[Any], int]]:
+    assert dtype.fields is not None
+    return [(name, ft, off) for name, (ft, off, *_r) in dtype.fields.items() if name != skip]
+
+
+def _check_out(arr: Any, shape: tuple[int, ...], dtype: np.dtype[Any], what: str) -> np.ndarray:
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"{what} must be a numpy array, got {type(arr).__name__}")
+    if arr.dtype != dtype:
+        raise TypeError(f"{what} must have dtype {dtype}, got {arr.dtype}")
+    if arr.shape != shape:
+        raise ValueError(f"{what} has shape {arr.shape}, expected {shape}")
+    if not arr.flags.c_contiguous or not arr.flags.writeable:
+        raise ValueError(f"{what} must be a writeable C-contiguous array")
+    return arr
+
+
+class _Windows(View):
+    """Shared by the two windowed views: windows of a row stream."""
+
+    def __init__(self, data: DataLike, window: int, stride: int | None) -> None:
+        super().__init__(data)
+        stride = window if stride is None else stride
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive integer, got {window!r}")
+        if not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"stride must be a positive integer, got {stride!r}")
+        self.window, self.stride = window, stride
+        rows = self.source.num_rows
+        self._total = 0 if rows < window else (rows - window) // stride + 1
+        self._init_range()
+
+    def _config(self) -> str:
+        return f"window={self.window}, stride={self.stride},"
+
+    def _read_rows(self, starts: np.ndarray, dst: np.ndarray) -> None:
+        b = len(starts)
+        item = self.source.dtype.itemsize
+        self.source.rows.read(
+            starts,
+            np.full(b, self.window, dtype=np.uint64),
+            np.arange(b, dtype=np.uint64) * np.uint64(self.window * item),
+            dst,
+        )
+
+
+class TokenStream(_Windows):
+    """Windows of the concatenated token stream.
+
+    Args:
+        data: a tokload dataset directory, a Megatron ``.bin/.idx`` prefix, a
+            ``.npy`` token file, or a :class:`~tokload.format.Source`.
+        window: rows per observation (e.g. 4097 for 4096-token training with
+            the next-token target).
+        stride: rows between the starts of consecutive observations (default
+            ``window``: non-overlapping). ``len(view)`` is
+            ``(rows - window) // stride + 1``.
+
+    ``view[i]`` and ``view.read(indices)`` give, for a plain dtype, arrays of
+    shape ``[window]`` / ``[B, window]``; for a structured dtype a dict with
+    one such array per field. Reads cost one binary search and one ``preadv``
+    per shard a window spans, whatever ``i`` is.
+    """
+
+    def __init__(self, data: DataLike, window: int, stride: int | None = None) -> None:
+        super().__init__(data, window, stride)
+
+    def __getitem__(self, i: int) -> Fields:
+        out = self.read(self._index(i))
+        if isinstance(out, dict):
+            return {k: v[0] for k, v in out.items()}
+        first: np.ndarray = out[0]
+        return first
+
+    def empty(self, batch: int) -> Fields:
+        """Arrays ``read`` can fill for ``batch`` observations."""
+        dt = self.source.dtype
+        if dt.fields is None:
+            return np.empty((batch, self.window), dtype=dt)
+        return {name: np.empty((batch, self.window), ft) for name, ft, _ in _field_layout(dt)}
+
+    def read(self, indices: npt.ArrayLike, out: Fields | None = None) -> Fields:
+        """Observations ``indices`` into ``out`` (new arrays when None).
+
+        ``out`` must match :meth:`empty` (dtype, shape ``[B, window]``,
+        C-contiguous): the loader passes pinned buffers here.
+        """
+        idx = self._global(indices)
+        b = len(idx)
+        starts = idx * np.uint64(self.stride)
+        dt = self.source.dtype
+        if out is None:
+            out = self.empty(b)
+        if dt.fields is None:
+            assert isinstance(out, np.ndarray) or not isinstance(out, dict)
+            dst = _check_out(out, (b, self.window), dt, "out")
+            self._read_rows(starts, dst)
+            return dst
+        if not isinstance(out, dict):
+            raise TypeError("out must be a dict of per-field arrays for a structured dtype")
+        layout = _field_layout(dt)
+        outs = [
+            _check_out(out.get(name), (b, self.window), ft, f"out[{name!r}]")
+            for name, ft, _ in layout
+        ]
+        scratch = np.empty((b, self.window), dtype=dt)
+        self._read_rows(starts, scratch)
+        split_fields(
+            scratch,
+            b * self.window,
+            dt.itemsize,
+            [o for _, _, o in layout],
+            [ft.itemsize for _, ft, _ in layout],
+            outs,
+        )
+        return out
+
+
+@dataclass
+class DocumentBatch:
+    """Documents read back to back.
+
+    ``values`` holds the rows of all documents concatenated (an array, or a
+    dict of arrays for a structured dtype); document ``k`` is
+    ``values[offsets[k]:offsets[k+1]]``; ``lengths = diff(offsets)``.
+    """
+
+    values: Fields
+    lengths: np.ndarray
+    offsets: np.ndarray
+
+
+class Documents(View):
+    """Observation ``i`` is document ``i``.
+
+    Args:
+        data: a tokload dataset (with documents), a Megatron prefix (a
+            document is a Megatron *sequence*, as ``IndexedDataset[i]``), or a
+            flat token file opened with a document index.
+
+    ``view[i]`` is the document's rows (an array, or a dict of per-field
+    arrays); ``read(indices)`` packs a batch into one :class:`DocumentBatch`;
+    ``read_padded(indices, length)`` gives ``[B, length]`` arrays plus the
+    lengths (longer documents are truncated). Each document costs one read of
+    its index entries and one ``preadv`` of its rows.
+    """
+
+    def __init__(self, data: DataLike) -> None:
+        super().__init__(data)
+        if self.source.docs is None:
+            raise FormatError(f"{self.source.description} has no document index")
+        self._total = self.source.num_documents
+        self._init_range()
+
+    def __getitem__(self, i: int) -> Fields:
+        return self.read(self._index(i)).values
+
+    def extents(self, indices: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """First global row and length (uint64) of each document."""
+        assert self.source.docs is not None
+        starts, lengths = self.source.docs.extents(self._global(indices))
+        return starts, lengths
+
+    def read(self, indices: npt.ArrayLike) -> DocumentBatch:
+        starts, lengths = self.extents(indices)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        values = self._read(starts, lengths, offsets[:-1].astype(np.uint64), int(offsets[-1]))
+        return DocumentBatch(values, lengths.astype(np.int64), offsets)
+
+    def read_padded(
+        self, indices: npt.ArrayLike, length: int, pad: int = 0
+    ) -> tuple[Fields, np.ndarray]:
+        """Documents as ``[B, length]`` rows padded with ``pad`` (truncated when longer).
+
+        Returns ``(values, lengths)`` where ``lengths`` (int64) are the
+        numbers of real rows.
+        """
+        if length < 1:
+            raise ValueError(f"length must be positive, got {length}")
+        starts, lengths = self.extents(indices)
+        lengths = np.minimum(lengths, np.uint64(length))
+        b = len(lengths)
+        dst_offsets = np.arange(b, dtype=np.uint64) * np.uint64(length)
+        values = self._read(starts, lengths, dst_offsets, b * length, pad=pad)
+        shaped: Fields
+        if isinstance(values, dict):
+            shaped = {k: v.reshape(b, length) for k, v in values.items()}
+        else:
+            shaped = values.reshape(b, length)
+        return shaped, lengths.astype(np.int64)
+
+    def _read(
+        self,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        dst_rows: np.ndarray,
+        total: int,
+        pad: int | None = None,
+    ) -> Fields:
+        dt = self.source.dtype
+        item = np.uint64(dt.itemsize)
+        if dt.fields is None:
+            out = np.empty(total, dtype=dt) if pad is None else np.full(total, pad, dtype=dt)
+            self.source.rows.read(starts, lengths, dst_rows * item, out)
+            return out
+        scratch = np.zeros(total, dtype=dt)
+        self.source.rows.read(starts, lengths, dst_rows * item, scratch)
+        layout = _field_layout(dt)
+        outs = {name: np.empty(total, ft) for name, ft, _ in layout}
+        split_fields(
+            scratch,
+            total,
+            dt.itemsize,
+            [o for _, _, o in layout],
+            [ft.itemsize for _, ft, _ in layout],
+            list(outs.values()),
+        )
+        if pad is not None and pad != 0:
+            # Rows past each document's length were zero-filled: set them to pad.
+            mask = np.ones(total, dtype=bool)
+            for s, n in zip(dst_rows.tolist(), lengths.tolist(), strict=True):
+                mask[s : s + n] = False
+            for v in outs.values():
+                v[mask] = pad
+        return outs
+
+
+@dataclass
+class MetadataBatch:
+    """Token windows with their metadata.
+
+    ``fields``: the rows' fields other than ``metadata_id``, each ``[B, T]``;
+    ``positions``: ``[B, T]`` int32, the index into ``metadata`` of each row's
+    record, or -1; ``metadata``: the distinct records of the batch in order of
+    first appearance, each passed through the view's ``deserialize``.
+    """
+
+    fields: dict[str, np.ndarray]
+    positions: np.ndarray
+    metadata: list[Any]
+
+
+class StreamWithMetadata(_Windows):
+    """Token windows whose rows carry a shard-local ``metadata_id``.
+
+    Args:
+        data: a tokload dataset written with ``metadata=True``.
+        window, stride: as for :class:`TokenStream`.
+        deserialize: turns a record's bytes into what the batch carries
+            (default: the ``bytes`` themselves). Called once per distinct
+            record of a batch, never per token.
+
+    A window's metadata costs at most two extra reads per shard it spans: one
+    coalesced read of the index entries, one of the record bytes.
+    """
+
+    def __init__(
+        self,
+        data: DataLike,
+        window: int,
+        stride: int | None = None,
+        deserialize: Callable[[bytes], Any] | None = None,
+    ) -> None:
+        super().__init__(data, window, stride)
+        if self.source.meta is None:
+            raise FormatError(f"{self.source.description} has no metadata")
+        self.deserialize = deserialize or bytes
+
+    def __getitem__(self, i: int) -> MetadataBatch:
+        b = self.read(self._index(i))
+        return MetadataBatch({k: v[0] for k, v in b.fields.items()}, b.positions[0], b.metadata)
+
+    def read(
+        self,
+        indices: npt.ArrayLike,
+        out: dict[str, np.ndarray] | None = None,
+        positions: np.ndarray | None = None,
+    ) -> MetadataBatch:
+        """Observations ``indices``; ``out`` and ``positions`` may be preallocated."""
+        assert self.source.meta is not None
+        idx = self._global(indices)
+        b, t = len(idx), self.window
+        starts = idx * np.uint64(self.stride)
+        dt = self.source.dtype
+        layout = _field_layout(dt, skip=METADATA_FIELD)
+        if out is None:
+            out = {name: np.empty((b, t), ft) for name, ft, _ in layout}
+        outs = [_check_out(out.get(name), (b, t), ft, f"out[{name!r}]") for name, ft, _ in layout]
+        if positions is None:
+            positions = np.empty((b, t), dtype=np.int32)
+        _check_out(positions, (b, t), np.dtype(np.int32), "positions")
+        ids = np.empty((b, t), dtype=np.uint32)
+        assert dt.fields is not None
+        scratch = np.empty((b, t), dtype=dt)
+        self._read_rows(starts, scratch)
+        id_off = dt.fields[METADATA_FIELD][1]
+        split_fields(
+            scratch,
+            b * t,
+            dt.itemsize,
+            [o for _, _, o in layout] + [id_off],
+            [ft.itemsize for _, ft, _ in layout] + [4],
+            [*outs, ids],
+        )
+        items, spans, blob_bytes = self.source.meta.gather(starts, t, ids, positions)
+        blob = np.empty(int(blob_bytes), dtype=np.uint8)
+        self.source.meta.read(spans, blob)
+        raw = blob.tobytes()
+        de = self.deserialize
+        metadata = [
+            de(raw[o : o + n])
+            for o, n in zip(items["blob"].tolist(), items["length"].tolist(), strict=True)
+        ]
+        return MetadataBatch(out, positions, metadata)
