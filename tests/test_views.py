@@ -1,0 +1,424 @@
+"""Views read byte-exact: every read is compared with a pure NumPy reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tokload
+from tokload import Documents, StreamWithMetadata, TokenStream, Writer
+
+DATA = Path(__file__).parent / "data"
+MEGATRON = DATA / "megatron"
+
+PLAIN = ["<u2", "<u4", "<i4", "<u8", "|u1"]
+STRUCT = [[("token", "<u4"), ("concept", "<u2")], [("a", "<i2"), ("b", "<u8"), ("c", "|u1")]]
+
+
+@dataclass
+class Corpus:
+    """A dataset on disk and what it should contain."""
+
+    path: Path
+    dtype: np.dtype[Any]
+    docs: list[np.ndarray]
+    labels: list[bytes | None] | None = None  # per row, for metadata datasets
+
+    @property
+    def stream(self) -> np.ndarray:
+        return np.concatenate(self.docs) if self.docs else np.zeros(0, self.dtype)
+
+
+def make_corpus(
+    path: Path,
+    dtype: Any,
+    lengths: list[int],
+    shard_bytes: int,
+    seed: int = 0,
+    metadata: bool = False,
+) -> Corpus:
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(dtype)
+    docs, labels = [], []
+    with Writer(path, dt, metadata=metadata, shard_bytes=shard_bytes) as w:
+        for d, n in enumerate(lengths):
+            doc = np.zeros(n, dt)
+            for name in dt.names or [None]:
+                ft = dt if name is None else dt.fields[name][0]
+                info = np.iinfo(ft)
+                vals = rng.integers(info.min, info.max, size=n, dtype=ft, endpoint=True)
+                if name is None:
+                    doc = vals
+                elif name != "metadata_id":
+                    doc[name] = vals
+            spans = []
+            lab: list[bytes | None] = [None] * n
+            if metadata:
+                s = 0
+                while s < n:
+                    e = min(n, s + int(rng.integers(1, 12)))
+                    if rng.random() < 0.7:
+                        payload = f"d{d}[{s}:{e}]".encode() * int(rng.integers(0, 3))
+                        spans.append((s, e, payload))
+                        lab[s:e] = [payload] * (e - s)
+                    s = e
+                doc["metadata_id"] = 0xFFFFFFFF
+                for s, e, _p in spans:
+                    doc["metadata_id"][s:e] = 0  # the writer renumbers; compare elsewhere
+            w.write(doc, spans=spans or None)
+            docs.append(doc)
+            labels += lab
+    return Corpus(path, dt, docs, labels if metadata else None)
+
+
+def fields_of(value: Any, dtype: np.dtype[Any]) -> dict[str, np.ndarray]:
+    if dtype.names is None:
+        return {"": np.asarray(value)}
+    if isinstance(value, dict):
+        return value
+    return {name: value[name] for name in dtype.names}
+
+
+def assert_same(got: Any, expected: np.ndarray, dtype: np.dtype[Any], skip: str = "") -> None:
+    exp = fields_of(expected, dtype)
+    g = fields_of(got, dtype)
+    for name, arr in exp.items():
+        if name == skip:
+            continue
+        assert g[name].dtype == arr.dtype, name
+        np.testing.assert_array_equal(g[name], arr, err_msg=f"field {name!r}")
+
+
+# ---- token streams -----------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from(PLAIN + STRUCT),
+    lengths=st.lists(st.integers(0, 300), min_size=1, max_size=25),
+    shard_bytes=st.integers(1, 4000),
+    window=st.integers(1, 700),
+    stride=st.integers(1, 500),
+    data=st.data(),
+)
+def test_token_stream_matches_numpy(
+    dtype: Any, lengths: list[int], shard_bytes: int, window: int, stride: int, data: Any
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        c = make_corpus(Path(tmp) / "ds", dtype, lengths, shard_bytes, seed=len(lengths))
+        ref = c.stream
+        view = TokenStream(c.path, window=window, stride=stride)
+        n = 0 if len(ref) < window else (len(ref) - window) // stride + 1
+        assert len(view) == n
+        if n == 0:
+            return
+        idx = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=12))
+        batch = view.read(idx)
+        for b, i in enumerate(idx):
+            expected = ref[i * stride : i * stride + window]
+            row = {k: v[b] for k, v in batch.items()} if isinstance(batch, dict) else batch[b]
+            assert_same(row, expected, c.dtype)
+            assert_same(view[i], expected, c.dtype)
+        assert_same(view[-1], ref[(n - 1) * stride : (n - 1) * stride + window], c.dtype)
+        view.close()
+
+
+def test_windows_spanning_many_shards_cost_one_request_per_shard(tmp_path: Path) -> None:
+    c = make_corpus(tmp_path / "ds", "<u4", [10] * 40, shard_bytes=40)  # one doc per shard
+    src = tokload.open_dataset(c.path)
+    assert len(src.rows.cum) == 41
+    for start, count, shards in [(0, 10, 1), (5, 10, 2), (5, 100, 11), (0, 400, 40), (399, 1, 1)]:
+        plan = src.rows.plan(start, count)
+        assert len(plan) == shards
+        assert sum(length for _, _, length, _ in plan) == count * 4
+    view = TokenStream(src, window=95, stride=7)
+    got = view.read([3])
+    assert isinstance(got, np.ndarray)
+    assert_same(got[0], c.stream[21:116], c.dtype)
+
+
+def test_read_into_preallocated_buffers(tmp_path: Path) -> None:
+    c = make_corpus(tmp_path / "ds", STRUCT[0], [500] * 4, shard_bytes=1000)
+    view = TokenStream(c.path, window=64)
+    out = view.empty(3)
+    assert isinstance(out, dict)
+    got = view.read([0, 5, 2], out=out)
+    assert got is out
+    for b, i in enumerate([0, 5, 2]):
+        assert_same({k: v[b] for k, v in out.items()}, c.stream[i * 64 : (i + 1) * 64], c.dtype)
+    plain = make_corpus(tmp_path / "p", "<u2", [100] * 3, shard_bytes=120)
+    pv = TokenStream(plain.path, window=16)
+    buf = np.zeros((2, 16), np.uint16)
+    assert pv.read([1, 17], out=buf) is buf
+    np.testing.assert_array_equal(buf, [plain.stream[16:32], plain.stream[272:288]])
+
+
+# ---- documents -----------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from(PLAIN[:3] + STRUCT[:1]),
+    lengths=st.lists(st.integers(0, 200), min_size=1, max_size=30),
+    shard_bytes=st.integers(1, 3000),
+    data=st.data(),
+)
+def test_documents_match_numpy(dtype: Any, lengths: list[int], shard_bytes: int, data: Any) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        c = make_corpus(Path(tmp) / "ds", dtype, lengths, shard_bytes, seed=sum(lengths))
+        view = Documents(c.path)
+        assert len(view) == len(lengths)
+        idx = data.draw(st.lists(st.integers(0, len(lengths) - 1), min_size=1, max_size=10))
+        batch = view.read(idx)
+        np.testing.assert_array_equal(batch.lengths, [lengths[i] for i in idx])
+        values = fields_of(batch.values, c.dtype)
+        for b, i in enumerate(idx):
+            part = {k: v[batch.offsets[b] : batch.offsets[b + 1]] for k, v in values.items()}
+            assert_same(part if c.dtype.names else part[""], c.docs[i], c.dtype)
+            assert_same(view[i], c.docs[i], c.dtype)
+        padded, plen = view.read_padded(idx, 37, pad=3)
+        pf = fields_of(padded, c.dtype)
+        for b, i in enumerate(idx):
+            k = min(37, lengths[i])
+            assert plen[b] == k
+            for name, arr in fields_of(c.docs[i], c.dtype).items():
+                np.testing.assert_array_equal(pf[name][b, :k], arr[:k])
+                assert (pf[name][b, k:] == 3).all()
+
+
+def test_subset_and_split(tmp_path: Path) -> None:
+    c = make_corpus(tmp_path / "ds", "<u4", list(range(1, 101)), shard_bytes=500)
+    docs = Documents(c.path)
+    train, valid, test = tokload.split(docs, "969,30,1")
+    assert (len(train), len(valid), len(test)) == (97, 3, 0)
+    train, valid, test = tokload.split(docs, [8, 1, 1])
+    assert (len(train), len(valid), len(test)) == (80, 10, 10)
+    np.testing.assert_array_equal(valid[0], c.docs[80])
+    np.testing.assert_array_equal(test[-1], c.docs[99])
+    with pytest.raises(IndexError, match=r"observation 10 is out of range for a view of 10"):
+        valid.read([10])
+    inner = train.subset(10, 20).subset(2, 5)
+    assert len(inner) == 3
+    np.testing.assert_array_equal(inner[0], c.docs[12])
+    stream = TokenStream(c.path, window=50)
+    part = stream.subset(7, 9)
+    np.testing.assert_array_equal(part[1], c.stream[400:450])
+    assert part.fingerprint != stream.fingerprint
+    with pytest.raises(ValueError, match="split weights"):
+        tokload.split(docs, "0,0")
+
+
+# ---- stream with metadata --------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 150), min_size=1, max_size=20),
+    shard_bytes=st.integers(1, 2000),
+    window=st.integers(1, 300),
+    stride=st.integers(1, 200),
+    data=st.data(),
+)
+def test_stream_with_metadata_matches_reference(
+    lengths: list[int], shard_bytes: int, window: int, stride: int, data: Any
+) -> None:
+    dt = [("token", "<u4"), ("metadata_id", "<u4"), ("concept", "<u2")]
+    with tempfile.TemporaryDirectory() as tmp:
+        c = make_corpus(
+            Path(tmp) / "ds", dt, lengths, shard_bytes, metadata=True, seed=len(lengths)
+        )
+        assert c.labels is not None
+        ref = c.stream
+        view = StreamWithMetadata(c.path, window=window, stride=stride)
+        n = len(view)
+        if n == 0:
+            return
+        idx = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=8))
+        batch = view.read(idx)
+        assert set(batch.fields) == {"token", "concept"}
+        for b, i in enumerate(idx):
+            rows = slice(i * stride, i * stride + window)
+            for name in ("token", "concept"):
+                np.testing.assert_array_equal(batch.fields[name][b], ref[name][rows])
+            got = [None if p < 0 else batch.metadata[p] for p in batch.positions[b]]
+            assert got == c.labels[rows]
+        # Records are distinct per (shard, id) and each is used.
+        used = np.unique(batch.positions[batch.positions >= 0])
+        np.testing.assert_array_equal(used, np.arange(len(batch.metadata)))
+        one = view[idx[0]]
+        rows = slice(idx[0] * stride, idx[0] * stride + window)
+        assert [None if p < 0 else one.metadata[p] for p in one.positions] == c.labels[rows]
+
+
+def test_metadata_costs_two_reads_per_shard_segment(tmp_path: Path) -> None:
+    dt = [("token", "<u4"), ("metadata_id", "<u4")]
+    c = make_corpus(tmp_path / "ds", dt, [40] * 10, shard_bytes=400, metadata=True)
+    src = tokload.open_dataset(c.path)
+    assert src.meta is not None
+    t = 100
+    starts = np.array([30, 150], dtype=np.uint64)
+    scratch = TokenStream(src, window=t, stride=1).read(starts)
+    assert isinstance(scratch, dict)
+    ids = np.ascontiguousarray(scratch["metadata_id"]).astype(np.uint32)
+    pos = np.empty((2, t), np.int32)
+    items, spans, blob = src.meta.gather(starts, t, ids, pos)
+    assert len(items) == len(np.unique(pos[pos >= 0]))
+    shards_spanned = sum(len(src.rows.plan(int(s), t)) for s in starts)
+    assert len(spans) <= shards_spanned  # one coalesced data read per segment
+    assert blob == sum(int(s["length"]) for s in spans)
+    deser = StreamWithMetadata(src, window=t, stride=1, deserialize=lambda b: b.decode()[::-1])
+    assert all(isinstance(m, str) for m in deser.read([30]).metadata)
+
+
+# ---- foreign formats -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tiny_uint16", "tiny_int32"])
+def test_megatron_fixture_matches_megatron(name: str) -> None:
+    expected = json.loads((MEGATRON / "expected.json").read_text())["datasets"][name]
+    seqs = [np.array(s) for doc in expected["documents"] for s in doc]
+    docs = Documents(MEGATRON / name)
+    assert len(docs) == expected["sequence_count"] == len(seqs)
+    assert docs.source.dtype == np.dtype(expected["dtype"])
+    for i, s in enumerate(seqs):
+        np.testing.assert_array_equal(docs[i], s)
+    batch = docs.read(np.arange(len(seqs))[::-1])
+    np.testing.assert_array_equal(batch.values, np.concatenate(seqs[::-1]))
+    assert docs.source.user["document_indices"]().tolist() == expected["document_index"]
+    flat = np.concatenate(seqs)
+    for path in (MEGATRON / name, f"{MEGATRON / name}.bin", f"{MEGATRON / name}.idx"):
+        stream = TokenStream(path, window=129, stride=64)
+        assert len(stream) == (len(flat) - 129) // 64 + 1
+        for i in (0, 7, len(stream) - 1):
+            np.testing.assert_array_equal(stream[i], flat[i * 64 : i * 64 + 129])
+
+
+def test_megatron_cross_check_with_megatron_core(tmp_path: Path) -> None:
+    """Files written by megatron-core's own builder, read by both (where it installs)."""
+    idx_mod = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    torch = pytest.importorskip("torch")
+    prefix = str(tmp_path / "mc")
+    builder = idx_mod.IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        builder.add_item(
+            torch.from_numpy(rng.integers(0, 2**31 - 1, int(rng.integers(1, 99)), dtype=np.int32))
+        )
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    theirs = idx_mod.IndexedDataset(prefix)
+    ours = Documents(prefix)
+    assert len(ours) == len(theirs)
+    for i in range(len(theirs)):
+        np.testing.assert_array_equal(ours[i], theirs[i])
+
+
+def test_flat_files_npy_and_bin(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 2**16, 1000, dtype=np.uint16)
+    b = rng.integers(0, 2**16, 777, dtype=np.uint16)
+    a.tofile(tmp_path / "a.bin")
+    b.tofile(tmp_path / "b.bin")
+    np.save(tmp_path / "c.npy", b.astype(np.uint32))
+    src = tokload.open_flat([tmp_path / "a.bin", tmp_path / "b.bin"], np.uint16)
+    stream = TokenStream(src, window=100, stride=90)
+    ab = np.concatenate([a, b])
+    for i in range(len(stream)):
+        np.testing.assert_array_equal(stream[i], ab[i * 90 : i * 90 + 100])
+    npy = TokenStream(tmp_path / "c.npy", window=7)
+    np.testing.assert_array_equal(npy[100], b[700:707].astype(np.uint32))
+    # documents from an offsets index (.npy) and from an eos token
+    np.save(tmp_path / "a.docs.npy", np.array([0, 10, 10, 400, 1000], dtype=np.uint64))
+    d = Documents(
+        tokload.open_flat(tmp_path / "a.bin", np.uint16, doc_index=tmp_path / "a.docs.npy")
+    )
+    assert len(d) == 4
+    np.testing.assert_array_equal(d[2], a[10:400])
+    assert len(d[1]) == 0
+    eos = int(a[123])
+    ends = np.flatnonzero(a == eos) + 1
+    bounds = np.concatenate([[0], ends, [] if ends[-1] == len(a) else [len(a)]]).astype(int)
+    e = Documents(tokload.open_flat(tmp_path / "a.bin", np.uint16, eos=eos))
+    assert len(e) == len(bounds) - 1
+    for k in range(len(e)):
+        np.testing.assert_array_equal(e[k], a[bounds[k] : bounds[k + 1]])
+    assert (tmp_path / f"a.bin.eos{eos}.docs").exists()  # cached for the next open
+    with pytest.raises(ValueError, match=r"needs dtype="):
+        tokload.open_flat(tmp_path / "a.bin")
+
+
+def test_opening_is_independent_of_size(tmp_path: Path) -> None:
+    """A 16 GiB sparse token file opens without reading it; reads at its end work."""
+    big = tmp_path / "big.bin"
+    rows = 4 << 30
+    with open(big, "wb") as f:
+        f.truncate(rows * 4)
+        f.seek((rows - 3) * 4)
+        f.write(np.array([7, 8, 9], dtype=np.uint32).tobytes())
+    t0 = time.perf_counter()
+    stream = TokenStream(tokload.open_flat(big, np.uint32), window=3, stride=1)
+    assert time.perf_counter() - t0 < 1.0
+    assert len(stream) == rows - 2
+    np.testing.assert_array_equal(stream[-1], [7, 8, 9])
+    np.testing.assert_array_equal(stream[rows // 2], [0, 0, 0])
+
+
+# ---- writer behaviour ----------------------------------------------------------------------------
+
+
+def test_append_and_merge_without_copying(tmp_path: Path) -> None:
+    a = make_corpus(tmp_path / "a", "<u4", [50, 60], shard_bytes=10**6, seed=1)
+    with Writer(a.path, "<u4", mode="a") as w:
+        w.write([1, 2, 3])
+    m = tokload.open_dataset(a.path).manifest
+    assert m is not None and len(m.shards) == 2
+    np.testing.assert_array_equal(Documents(a.path)[2], [1, 2, 3])
+    b = make_corpus(tmp_path / "parts" / "b", "<u4", [5, 6, 7], shard_bytes=30, seed=2)
+    merged = tokload.merge(tmp_path / "merged", [a.path, b.path])
+    assert all(not (tmp_path / "merged" / f"{s.name}.rows").is_symlink() for s in merged.shards)
+    assert os.listdir(tmp_path / "merged") == ["manifest.json"]
+    docs = Documents(tmp_path / "merged")
+    assert len(docs) == 6
+    np.testing.assert_array_equal(docs[5], b.docs[2])
+    # the fingerprint depends on contents, not on where shards live
+    again = tokload.merge(tmp_path / "merged2", [a.path, b.path])
+    assert again.fingerprint() == merged.fingerprint()
+
+
+def test_a_crash_leaves_only_complete_shards(tmp_path: Path) -> None:
+    code = f"""
+import os, numpy as np, tokload
+w = tokload.Writer({str(tmp_path / "ds")!r}, "<u4", shard_bytes=400)
+for k in range(25):
+    w.write(np.full(30, k, np.uint32))  # a shard holds 3 documents of 120 bytes
+os._exit(0)  # killed mid-shard: no close(), no flush
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+    docs = Documents(tmp_path / "ds")
+    assert len(docs) == 24  # 8 complete shards of 3; the 25th document was never published
+    for k in range(24):
+        np.testing.assert_array_equal(docs[k], np.full(30, k))
+
+
+def test_values_are_range_checked_and_structured_input_accepted(tmp_path: Path) -> None:
+    with Writer(tmp_path / "u2", "<u2") as w:
+        with pytest.raises(ValueError, match=r"value 65536 does not fit in uint16"):
+            w.write([1, 65536])
+        with pytest.raises(ValueError, match=r"value -1 does not fit"):
+            w.write(np.array([-1]))
+        with pytest.raises(TypeError, match=r"must be integers, got dtype float64"):
+            w.write([1.5])
+        w.write(np.array([1, 2], dtype=np.int64))
+    np.testing.assert_array_equal(Documents(tmp_path / "u2")[0], [1, 2])
