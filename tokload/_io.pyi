@@ -35,6 +35,15 @@ class RowSet:
         dst_offsets: npt.ArrayLike,
         out: np.ndarray[Any, Any] | bytearray | memoryview,
     ) -> None: ...
+    def read_windows(
+        self,
+        indices: npt.ArrayLike,
+        first: int,
+        count: int,
+        stride: int,
+        window: int,
+        out: np.ndarray[Any, Any],
+    ) -> None: ...
 
 def split_fields(
     rows: np.ndarray[Any, Any] | bytes | bytearray | memoryview,

@@ -90,6 +90,9 @@ cdef extern from "tokload/plan.h" nogil:
     int tl_rows_read_many(const tl_rowset *rs, const uint64_t *starts, const uint64_t *lengths,
                           const uint64_t *dst_offsets, size_t count, uint8_t *dst,
                           tl_io_error *err, size_t *failed_item) noexcept
+    int tl_rows_read_windows(const tl_rowset *rs, const uint64_t *starts, size_t count,
+                             uint64_t window, uint8_t *dst, tl_io_error *err,
+                             size_t *failed_item) noexcept
     void tl_split_fields(const uint8_t *rows, uint64_t nrows, uint64_t row_bytes,
                          size_t nfields, const uint64_t *off, const uint64_t *size,
                          uint8_t *const *dst) noexcept

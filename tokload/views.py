@@ -190,15 +190,16 @@ class _Windows(View):
     def _config(self) -> str:
         return f"window={self.window}, stride={self.stride},"
 
-    def _read_rows(self, starts: np.ndarray, dst: np.ndarray) -> None:
-        b = len(starts)
-        item = self.source.dtype.itemsize
-        self.source.rows.read(
-            starts,
-            np.full(b, self.window, dtype=np.uint64),
-            np.arange(b, dtype=np.uint64) * np.uint64(self.window * item),
-            dst,
-        )
+    def _read_windows(self, indices: np.ndarray, dst: np.ndarray) -> None:
+        """Windows of observations ``indices`` (checked in C) back to back into dst."""
+        self.source.rows.read_windows(indices, self._lo, len(self), self.stride, self.window, dst)
+
+    @staticmethod
+    def _indices(indices: npt.ArrayLike) -> np.ndarray:
+        a = np.asarray(indices)
+        if a.dtype.kind not in "iu" and a.size:
+            raise TypeError(f"indices must be integers, got dtype {a.dtype}")
+        return a.reshape(-1)
 
 
 class TokenStream(_Windows):
@@ -242,16 +243,14 @@ class TokenStream(_Windows):
         ``out`` must match :meth:`empty` (dtype, shape ``[B, window]``,
         C-contiguous): the loader passes pinned buffers here.
         """
-        idx = self._global(indices)
+        idx = self._indices(indices)
         b = len(idx)
-        starts = idx * np.uint64(self.stride)
         dt = self.source.dtype
         if out is None:
             out = self.empty(b)
         if dt.fields is None:
-            assert isinstance(out, np.ndarray) or not isinstance(out, dict)
             dst = _check_out(out, (b, self.window), dt, "out")
-            self._read_rows(starts, dst)
+            self._read_windows(idx, dst)
             return dst
         if not isinstance(out, dict):
             raise TypeError("out must be a dict of per-field arrays for a structured dtype")
@@ -261,7 +260,7 @@ class TokenStream(_Windows):
             for name, ft, _ in layout
         ]
         scratch = np.empty((b, self.window), dtype=dt)
-        self._read_rows(starts, scratch)
+        self._read_windows(idx, scratch)
         split_fields(
             scratch,
             b * self.window,
@@ -436,9 +435,8 @@ class StreamWithMetadata(_Windows):
     ) -> MetadataBatch:
         """Observations ``indices``; ``out`` and ``positions`` may be preallocated."""
         assert self.source.meta is not None
-        idx = self._global(indices)
+        idx = self._indices(indices)
         b, t = len(idx), self.window
-        starts = idx * np.uint64(self.stride)
         dt = self.source.dtype
         layout = _field_layout(dt, skip=METADATA_FIELD)
         if out is None:
@@ -450,7 +448,8 @@ class StreamWithMetadata(_Windows):
         ids = np.empty((b, t), dtype=np.uint32)
         assert dt.fields is not None
         scratch = np.empty((b, t), dtype=dt)
-        self._read_rows(starts, scratch)
+        self._read_windows(idx, scratch)
+        starts = (idx.astype(np.uint64) + np.uint64(self._lo)) * np.uint64(self.stride)
         id_off = dt.fields[METADATA_FIELD][1]
         split_fields(
             scratch,

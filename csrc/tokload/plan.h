@@ -136,6 +136,27 @@ TL_INLINE int tl_rows_read_many(const tl_rowset *rs, const uint64_t *starts, con
 }
 
 /*
+ * Read `count` windows of `window` rows: window i is rows [starts[i], starts[i]
+ * + window), written back to back from dst.  Same contract as
+ * tl_rows_read_many.
+ */
+TL_INLINE int tl_rows_read_windows(const tl_rowset *rs, const uint64_t *starts, size_t count,
+                                   uint64_t window, uint8_t *dst, tl_io_error *err,
+                                   size_t *failed_item)
+{
+    const uint64_t bytes = window * rs->row_bytes;
+    for (size_t i = 0; i < count; i++) {
+        uint64_t at = (uint64_t)i * bytes;
+        int rc = tl_rows_read_many(rs, &starts[i], &window, &at, 1, dst, err, failed_item);
+        if (rc) {
+            *failed_item = i;
+            return rc;
+        }
+    }
+    return 0;
+}
+
+/*
  * De-interleave rows of a structured dtype: field f (offset off[f], size
  * size[f] bytes in each row) of row r goes to dst[f] + r * size[f].
  */
