@@ -20,6 +20,7 @@ from tokload.errors import (
 )
 from tokload.format import Source, open_dataset
 from tokload.interop import open_flat, open_megatron
+from tokload.loader import DataLoader
 from tokload.views import (
     DocumentBatch,
     Documents,
@@ -32,6 +33,7 @@ from tokload.writer import Writer, merge
 
 __all__ = [
     "CorruptDataError",
+    "DataLoader",
     "DocumentBatch",
     "Documents",
     "FormatError",

@@ -69,8 +69,11 @@ class Manifest:
         return sum(s.documents for s in self.shards)
 
     def fingerprint(self) -> str:
-        """SHA-256 of the dtype and per-shard (rows, documents): see FORMAT.md."""
-        return fingerprint(self.dtype, [(s.rows, s.documents) for s in self.shards])
+        """SHA-256 of the dtype and per shard (base name, rows, documents): see FORMAT.md."""
+        return fingerprint(
+            self.dtype,
+            [(os.path.basename(s.name), s.rows, s.documents) for s in self.shards],
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -185,7 +188,8 @@ def check_dtype(dtype: np.dtype[Any], where: str = "dtype") -> None:
         raise FormatError(f"{where}: empty dtype")
 
 
-def fingerprint(dtype: np.dtype[Any], shards: list[tuple[int, int]]) -> str:
+def fingerprint(dtype: np.dtype[Any], shards: list[tuple[Any, ...]]) -> str:
+    """SHA-256 of the canonical JSON of the dtype and one tuple per shard."""
     canon = json.dumps(
         {"dtype": dtype_to_json(dtype), "shards": [list(s) for s in shards]},
         sort_keys=True,

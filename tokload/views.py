@@ -30,6 +30,9 @@ from tokload.format import MANIFEST, METADATA_FIELD, Source, open_dataset
 
 DataLike = str | os.PathLike[str] | Source
 Fields = np.ndarray | dict[str, np.ndarray]
+Alloc = Callable[[tuple[int, ...], Any], np.ndarray]
+"""Allocates an uninitialized C-contiguous array: ``alloc(shape, dtype)``. The
+loader passes one that returns views of pinned torch tensors."""
 V = TypeVar("V", bound="View")
 
 
@@ -230,12 +233,12 @@ class TokenStream(_Windows):
         first: np.ndarray = out[0]
         return first
 
-    def empty(self, batch: int) -> Fields:
+    def empty(self, batch: int, alloc: Alloc = np.empty) -> Fields:
         """Arrays ``read`` can fill for ``batch`` observations."""
         dt = self.source.dtype
         if dt.fields is None:
-            return np.empty((batch, self.window), dtype=dt)
-        return {name: np.empty((batch, self.window), ft) for name, ft, _ in _field_layout(dt)}
+            return alloc((batch, self.window), dt)
+        return {name: alloc((batch, self.window), ft) for name, ft, _ in _field_layout(dt)}
 
     def read(self, indices: npt.ArrayLike, out: Fields | None = None) -> Fields:
         """Observations ``indices`` into ``out`` (new arrays when None).
@@ -317,28 +320,38 @@ class Documents(View):
         starts, lengths = self.source.docs.extents(self._global(indices))
         return starts, lengths
 
-    def read(self, indices: npt.ArrayLike) -> DocumentBatch:
+    def read(self, indices: npt.ArrayLike, alloc: Alloc = np.empty) -> DocumentBatch:
+        """The documents back to back (see :class:`DocumentBatch`)."""
         starts, lengths = self.extents(indices)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        values = self._read(starts, lengths, offsets[:-1].astype(np.uint64), int(offsets[-1]))
+        values = self._read(
+            starts, lengths, offsets[:-1].astype(np.uint64), int(offsets[-1]), alloc=alloc
+        )
         return DocumentBatch(values, lengths.astype(np.int64), offsets)
 
     def read_padded(
-        self, indices: npt.ArrayLike, length: int, pad: int = 0
+        self,
+        indices: npt.ArrayLike,
+        length: int | None = None,
+        pad: int = 0,
+        alloc: Alloc = np.empty,
     ) -> tuple[Fields, np.ndarray]:
-        """Documents as ``[B, length]`` rows padded with ``pad`` (truncated when longer).
+        """Documents as ``[B, length]`` rows padded with ``pad``.
 
-        Returns ``(values, lengths)`` where ``lengths`` (int64) are the
-        numbers of real rows.
+        ``length=None`` pads to the longest document of the batch (at least 1);
+        longer documents are truncated to ``length``. Returns ``(values,
+        lengths)`` where ``lengths`` (int64) are the numbers of real rows.
         """
-        if length < 1:
+        if length is not None and length < 1:
             raise ValueError(f"length must be positive, got {length}")
         starts, lengths = self.extents(indices)
+        if length is None:
+            length = max(1, int(lengths.max())) if len(lengths) else 1
         lengths = np.minimum(lengths, np.uint64(length))
         b = len(lengths)
         dst_offsets = np.arange(b, dtype=np.uint64) * np.uint64(length)
-        values = self._read(starts, lengths, dst_offsets, b * length, pad=pad)
+        values = self._read(starts, lengths, dst_offsets, b * length, pad=pad, alloc=alloc)
         shaped: Fields
         if isinstance(values, dict):
             shaped = {k: v.reshape(b, length) for k, v in values.items()}
@@ -353,17 +366,20 @@ class Documents(View):
         dst_rows: np.ndarray,
         total: int,
         pad: int | None = None,
+        alloc: Alloc = np.empty,
     ) -> Fields:
         dt = self.source.dtype
         item = np.uint64(dt.itemsize)
         if dt.fields is None:
-            out = np.empty(total, dtype=dt) if pad is None else np.full(total, pad, dtype=dt)
+            out = alloc((total,), dt)
+            if pad is not None:
+                out.fill(pad)
             self.source.rows.read(starts, lengths, dst_rows * item, out)
             return out
         scratch = np.zeros(total, dtype=dt)
         self.source.rows.read(starts, lengths, dst_rows * item, scratch)
         layout = _field_layout(dt)
-        outs = {name: np.empty(total, ft) for name, ft, _ in layout}
+        outs = {name: alloc((total,), ft) for name, ft, _ in layout}
         split_fields(
             scratch,
             total,
@@ -372,7 +388,7 @@ class Documents(View):
             [ft.itemsize for _, ft, _ in layout],
             list(outs.values()),
         )
-        if pad is not None and pad != 0:
+        if pad is not None:
             # Rows past each document's length were zero-filled: set them to pad.
             mask = np.ones(total, dtype=bool)
             for s, n in zip(dst_rows.tolist(), lengths.tolist(), strict=True):
@@ -422,6 +438,11 @@ class StreamWithMetadata(_Windows):
         if self.source.meta is None:
             raise FormatError(f"{self.source.description} has no metadata")
         self.deserialize = deserialize or bytes
+
+    def empty(self, batch: int, alloc: Alloc = np.empty) -> dict[str, np.ndarray]:
+        """Per-field arrays (all fields but ``metadata_id``) ``read`` can fill."""
+        layout = _field_layout(self.source.dtype, skip=METADATA_FIELD)
+        return {name: alloc((batch, self.window), ft) for name, ft, _ in layout}
 
     def __getitem__(self, i: int) -> MetadataBatch:
         b = self.read(self._index(i))

@@ -1,0 +1,503 @@
+"""The DataLoader: order, rank split, exactly-once resume, prefetch threads, batches."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from harness import Segment, assert_exactly_once, run_segments
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tokload
+from tokload import DataLoader, Documents, StreamWithMetadata, TokenStream, Writer
+from tokload.errors import StateError
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Documents k = 0..119 whose tokens are k*1000 + (0, 1, ...): a token names its place."""
+    path = tmp_path_factory.mktemp("loader") / "ds"
+    with Writer(path, "<u4", shard_bytes=3000) as w:
+        for k in range(120):
+            w.write(np.arange(k * 1000, k * 1000 + 5 + k % 23, dtype=np.uint32))
+    return path
+
+
+@pytest.fixture(scope="module")
+def meta_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("loader") / "meta"
+    with Writer(
+        path, [("token", "<u4"), ("metadata_id", "<u4")], metadata=True, shard_bytes=2000
+    ) as w:
+        for k in range(40):
+            w.write(
+                {"token": np.arange(k * 100, k * 100 + 20)},
+                spans=[(0, 5, b"head-%d" % k), (10, 20, b"tail-%d" % k)],
+            )
+    return path
+
+
+def reader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("tokload-reader")]
+
+
+def wait_no_readers(timeout: float = 1.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while reader_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not reader_threads()
+
+
+# ---- order and rank split -----------------------------------------------------------------------
+
+
+def test_positions_map_to_epoch_permutations(corpus: Path) -> None:
+    view = TokenStream(corpus, window=7, stride=5)
+    n = len(view)
+    loader = DataLoader(view, 16, seed=11, num_threads=0)
+    got = []
+    for _, batch in zip(range(3 * n // 16 + 2), loader, strict=False):
+        got.append(batch)
+    pos = torch.cat([b["position"] for b in got]).numpy()
+    idx = torch.cat([b["index"] for b in got]).numpy()
+    np.testing.assert_array_equal(pos, np.arange(len(pos)))
+    for q, i in zip(pos.tolist(), idx.tolist(), strict=True):
+        e, j = divmod(q, n)
+        assert i == tokload.Permutation.for_epoch(n, 11, e)[j]
+    tokens = torch.cat([b["tokens"] for b in got]).numpy()
+    for b, i in enumerate(idx[:50].tolist()):
+        np.testing.assert_array_equal(tokens[b], view[i])
+
+
+@pytest.mark.parametrize("kind", ["stream", "documents", "metadata"])
+def test_global_batches_do_not_depend_on_the_number_of_ranks(
+    kind: str, corpus: Path, meta_corpus: Path
+) -> None:
+    def view() -> Any:
+        if kind == "stream":
+            return TokenStream(corpus, window=9)
+        if kind == "documents":
+            return Documents(corpus)
+        return StreamWithMetadata(meta_corpus, window=8, stride=3)
+
+    g = 16
+    per_r: dict[int, list[list[tuple[int, bytes]]]] = {}
+    for r_count in (1, 2, 4, 8):
+        steps: list[list[tuple[int, bytes]]] = [[] for _ in range(12)]
+        for r in range(r_count):
+            ld = DataLoader(
+                view(), g // r_count, seed=5, rank=r, world_size=r_count, num_threads=1, prefetch=2
+            )
+            for s, b in zip(range(12), ld, strict=False):
+                # rank r takes positions c + r + k*R
+                c = s * g
+                np.testing.assert_array_equal(
+                    b["position"].numpy(), c + r + r_count * np.arange(g // r_count)
+                )
+                for k in range(len(b["index"])):
+                    row = b["tokens"][k] if "tokens" in b else b["token"][k]
+                    if "lengths" in b:  # padding depends on the rank's batch: compare real rows
+                        row = row[: int(b["lengths"][k])]
+                    steps[s].append((int(b["index"][k]), row.numpy().tobytes()))
+            ld.close()
+        per_r[r_count] = [sorted(s) for s in steps]
+    assert per_r[1] == per_r[2] == per_r[4] == per_r[8]
+
+
+def test_device_mesh_data_parallel_dimension(corpus: Path) -> None:
+    class FakeMesh:  # the two DeviceMesh methods the loader uses
+        def __init__(self, ranks: dict[str, int], sizes: dict[str, int]) -> None:
+            self.ranks, self.sizes = ranks, sizes
+
+        def get_local_rank(self, dim: str) -> int:
+            return self.ranks[dim]
+
+        def size(self, dim: str) -> int:
+            return self.sizes[dim]
+
+    view = TokenStream(corpus, window=9)
+    a = DataLoader(
+        view, 4, mesh=FakeMesh({"dp": 1, "tp": 0}, {"dp": 2, "tp": 4}), mesh_dim="dp", num_threads=0
+    )
+    b = DataLoader(
+        view, 4, mesh=FakeMesh({"dp": 1, "tp": 3}, {"dp": 2, "tp": 4}), mesh_dim="dp", num_threads=0
+    )
+    assert (a.rank, a.world_size) == (1, 2)
+    assert torch.equal(next(iter(a))["tokens"], next(iter(b))["tokens"])
+    with pytest.raises(ValueError, match="either a DeviceMesh or rank/world_size"):
+        DataLoader(view, 4, mesh=FakeMesh({"dp": 0}, {"dp": 1}), rank=0, world_size=1)
+
+
+def test_rank_defaults_to_torch_distributed(corpus: Path) -> None:
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    ld = DataLoader(TokenStream(corpus, window=9), 4)
+    assert (ld.rank, ld.world_size) == (0, 1)
+    with pytest.raises(ValueError, match="give both rank and world_size"):
+        DataLoader(TokenStream(corpus, window=9), 4, rank=1)
+    with pytest.raises(ValueError, match=r"need 0 <= rank < world_size, got rank=3"):
+        DataLoader(TokenStream(corpus, window=9), 4, rank=3, world_size=2)
+
+
+# ---- exactly once and resume --------------------------------------------------------------------
+
+
+segments = st.lists(
+    st.builds(
+        Segment,
+        world_size=st.integers(1, 5),
+        batch_size=st.integers(1, 9),
+        steps=st.one_of(st.none(), st.integers(0, 25)),
+        num_threads=st.sampled_from([0, 0, 1, 2]),
+    ),
+    min_size=1,
+    max_size=5,
+)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    segs=segments,
+    epochs=st.integers(1, 3),
+    seed=st.integers(0, 2**64 - 1),
+    window=st.integers(5, 60),
+)
+def test_exactly_once_across_resumes_and_rescales(
+    corpus: Path, segs: list[Segment], epochs: int, seed: int, window: int
+) -> None:
+    view = TokenStream(corpus, window=window, stride=max(1, window // 2))
+    n = len(view)
+
+    def make(**kw: Any) -> DataLoader:
+        return DataLoader(view, seed=seed, epochs=epochs, prefetch=3, **kw)
+
+    segs = [*segs, Segment(world_size=3, batch_size=4, steps=None)]  # finish the run
+    got = run_segments(make, segs)
+    assert got.cursors[-1] == epochs * n
+    assert_exactly_once(got, n, epochs * n)
+
+
+@pytest.mark.parametrize("kind", ["stream", "documents", "metadata"])
+def test_resumed_batches_equal_an_uninterrupted_run(
+    kind: str, corpus: Path, meta_corpus: Path
+) -> None:
+    def make(**kw: Any) -> DataLoader:
+        if kind == "stream":
+            view: Any = TokenStream(corpus, window=33, stride=20)
+        elif kind == "documents":
+            view = Documents(corpus)
+        else:
+            view = StreamWithMetadata(meta_corpus, window=8, stride=3)
+        return DataLoader(view, seed=99, epochs=2, prefetch=4, **kw)
+
+    whole = run_segments(make, [Segment(2, 5, None, num_threads=2)])
+    parts = run_segments(
+        make,
+        [
+            Segment(2, 5, 7, num_threads=2),
+            Segment(2, 5, 4, num_threads=1),
+            Segment(2, 5, None, num_threads=0),
+        ],
+    )
+    flat_whole = [whole.batches[k] for k in sorted(whole.batches)]
+    flat_parts = [parts.batches[k] for k in sorted(parts.batches)]
+    assert len(flat_whole) == len(flat_parts)
+    for a, b in zip(flat_whole, flat_parts, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            if torch.is_tensor(a[key]):
+                assert torch.equal(a[key], b[key]), key
+            else:
+                assert a[key] == b[key], key
+
+
+def test_state_dict_round_trip_and_refusals(corpus: Path, tmp_path: Path) -> None:
+    view = TokenStream(corpus, window=9)
+    ld = DataLoader(view, 4, seed=1, num_threads=0)
+    it = iter(ld)
+    for _ in range(5):
+        next(it)
+    st1 = ld.state_dict()
+    assert st1["cursor"] == 20
+    other = DataLoader(view, 7, seed=1, num_threads=0)
+    other.load_state_dict(st1)
+    assert other.state_dict() == st1  # save -> load -> save is the identity
+    with pytest.raises(StateError, match=r"saved for seed=1, this loader has seed=2"):
+        DataLoader(view, 4, seed=2).load_state_dict(st1)
+    with pytest.raises(StateError, match=r"saved for n=.*pass force=True"):
+        DataLoader(TokenStream(corpus, window=10), 4, seed=1).load_state_dict(st1)
+    DataLoader(view.subset(0, len(view)), 4, seed=1).load_state_dict(st1)  # the same data
+    twin = tmp_path / "twin"  # another dataset with exactly the same sizes
+    with Writer(twin, "<u4", shard_bytes=3000) as w:
+        for k in range(120):
+            w.write(np.zeros(5 + k % 23, dtype=np.uint32))
+    assert len(TokenStream(twin, window=9)) == len(view)
+    with pytest.raises(StateError, match=r"saved for fingerprint="):
+        DataLoader(TokenStream(twin, window=9), 4, seed=1).load_state_dict(st1)
+    forced = DataLoader(TokenStream(corpus, window=10), 4, seed=1)
+    forced.load_state_dict(st1, force=True)
+    assert forced.cursor == 20
+    with pytest.raises(StateError, match="not a tokload loader state"):
+        ld.load_state_dict({"step": 3})
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    assert isinstance(ld, Stateful)
+    torch.save(ld.state_dict(), tmp_path / "state.pt")
+    ld.load_state_dict(torch.load(tmp_path / "state.pt"))
+
+
+def test_jump_to_any_step(corpus: Path) -> None:
+    view = TokenStream(corpus, window=9)
+    ld = DataLoader(view, 4, seed=3, num_threads=1)
+    first = [b["position"].tolist() for _, b in zip(range(3), ld, strict=False)]
+    assert first == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    ld.cursor = 1000  # skip a bad stretch
+    assert next(iter(ld))["position"].tolist() == [1000, 1001, 1002, 1003]
+    assert ld.cursor == 1004
+    with pytest.raises(ValueError, match="cursor must be a non-negative integer"):
+        ld.cursor = -1
+
+
+# ---- epochs and evaluation ----------------------------------------------------------------------
+
+
+def test_epochs_drop_last_and_evaluation(corpus: Path) -> None:
+    view = Documents(corpus)  # n = 120
+    ld = DataLoader(view, 7, rank=0, world_size=2, epochs=2, num_threads=0)
+    assert len(ld) == 18  # ceil(240 / 14)
+    batches = list(ld)
+    assert len(batches) == 18 and ld.cursor == 240
+    assert batches[-1]["position"].tolist() == [238]  # a partial last batch: rank 0 gets one
+    assert list(ld) == []  # done
+    # drop_last: no global batch straddles an epoch; 120 = 8*14 + 8 -> 8 steps per epoch
+    dl = DataLoader(view, 7, rank=1, world_size=2, epochs=2, drop_last=True, num_threads=0)
+    got = [b["position"] for b in dl]
+    assert (
+        len(got) == 16 == len(DataLoader(view, 7, rank=0, world_size=2, epochs=2, drop_last=True))
+    )
+    assert got[8][0] == 121  # the second epoch starts at position 120 (+ rank 1)
+    # evaluation: one pass in order, split across ranks, last partial batch delivered
+    seen = []
+    for r in range(3):
+        ev = DataLoader(view, 50, shuffle=False, epochs=1, rank=r, world_size=3, num_threads=0)
+        seen += [
+            (int(p), int(i)) for b in ev for p, i in zip(b["position"], b["index"], strict=True)
+        ]
+    assert sorted(seen) == [(i, i) for i in range(120)]
+    with pytest.raises(TypeError, match="endless"):
+        len(DataLoader(view, 2))
+
+
+def test_batch_contents_per_view_kind(corpus: Path, meta_corpus: Path) -> None:
+    docs = Documents(corpus)
+    b = next(iter(DataLoader(docs, 3, seed=4, num_threads=0)))
+    lengths = b["lengths"].tolist()
+    assert b["tokens"].shape == (3, max(lengths))
+    for k, i in enumerate(b["index"].tolist()):
+        np.testing.assert_array_equal(b["tokens"][k, : lengths[k]].numpy(), docs[i])
+        assert (b["tokens"][k, lengths[k] :] == 0).all()
+    fixed = next(iter(DataLoader(docs, 3, seed=4, pad_to=8, pad_value=7, num_threads=0)))
+    assert fixed["tokens"].shape == (3, 8)
+    packed = next(iter(DataLoader(docs, 3, seed=4, documents="pack", num_threads=0)))
+    cu = packed["cu_seqlens"].tolist()
+    for k, i in enumerate(packed["index"].tolist()):
+        np.testing.assert_array_equal(packed["tokens"][cu[k] : cu[k + 1]].numpy(), docs[i])
+    meta = StreamWithMetadata(meta_corpus, window=8, stride=3)
+    m = next(iter(DataLoader(meta, 4, seed=4, num_threads=0)))
+    assert m["metadata_positions"].shape == (4, 8) and m["token"].shape == (4, 8)
+    for k, i in enumerate(m["index"].tolist()):
+        ref = meta[i]
+        want = [None if p < 0 else ref.metadata[p] for p in ref.positions]
+        got = [None if p < 0 else m["metadata"][p] for p in m["metadata_positions"][k]]
+        assert got == want
+    custom = DataLoader(docs, 2, num_threads=1, collate=lambda raw: sorted(raw))
+    assert next(iter(custom)) == sorted(["tokens", "lengths", "index", "position"])
+
+
+# ---- threads ------------------------------------------------------------------------------------
+
+
+def test_an_error_in_a_reader_thread_reaches_the_right_next(corpus: Path) -> None:
+    def collate(raw: dict[str, Any]) -> int:
+        if 40 in raw["position"]:
+            raise_in_collate()
+        return int(raw["position"][0])
+
+    def raise_in_collate() -> None:
+        raise ValueError("bad sample at position 40")
+
+    ld = DataLoader(TokenStream(corpus, window=9), 4, num_threads=3, prefetch=6, collate=collate)
+    it = iter(ld)
+    assert [next(it) for _ in range(10)] == list(range(0, 40, 4))
+    with pytest.raises(ValueError, match="bad sample at position 40") as e:
+        next(it)
+    names = [f.name for f in e.traceback]
+    assert "raise_in_collate" in names  # the original traceback
+    assert any("reader thread" in note and "cursor 40" in note for note in e.value.__notes__)
+    assert ld.cursor == 40  # nothing after the failure counts as delivered
+    with pytest.raises(StopIteration):
+        next(it)  # the pass ended at the failure ...
+    with pytest.raises(ValueError, match="position 40"):
+        next(iter(ld))  # ... and a new one starts at the batch that failed
+
+
+def test_threads_stop_on_close_break_and_gc(corpus: Path) -> None:
+    view = TokenStream(corpus, window=9)
+    ld = DataLoader(view, 4, num_threads=3, prefetch=8)
+    it = iter(ld)
+    next(it)
+    assert len(reader_threads()) == 3
+    ld.close()
+    assert wait_no_readers()
+    for i, _b in enumerate(DataLoader(view, 4, num_threads=2)):
+        if i == 3:
+            break
+    gc.collect()
+    assert wait_no_readers()
+
+    def consume() -> None:
+        it2 = iter(DataLoader(view, 4, num_threads=2))
+        next(it2)
+
+    consume()
+    gc.collect()
+    assert wait_no_readers()
+    with DataLoader(view, 4, num_threads=2) as ctx:
+        next(iter(ctx))
+    assert wait_no_readers()
+
+
+def test_ctrl_c_stops_promptly(corpus: Path) -> None:
+    code = f"""
+import sys, time, threading, tokload
+view = tokload.TokenStream({str(corpus)!r}, window=9)
+loader = tokload.DataLoader(view, 4, num_threads=2, prefetch=4)
+print("ready", flush=True)
+try:
+    for b in loader:
+        time.sleep(0.01)
+except KeyboardInterrupt:
+    t0 = time.monotonic()
+    loader.close()
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("tokload-reader")]
+    print("interrupted", round(time.monotonic() - t0, 3), alive, flush=True)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=10)
+    words = out.split()
+    assert words[0] == "interrupted", out
+    assert float(words[1]) < 1.0 and words[2] == "[]", out
+
+
+def test_prefetched_batches_are_not_counted(corpus: Path) -> None:
+    ld = DataLoader(TokenStream(corpus, window=9), 4, num_threads=2, prefetch=8)
+    it = iter(ld)
+    next(it)
+    time.sleep(0.2)  # let the threads run ahead
+    assert ld.cursor == 4
+    ld.close()
+
+
+# ---- pinned memory ------------------------------------------------------------------------------
+
+
+def test_pin_memory_without_a_gpu(corpus: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    view = TokenStream(corpus, window=9)
+    with pytest.raises(RuntimeError, match=r"pin_memory=True needs a CUDA device"):
+        DataLoader(view, 4, pin_memory=True)
+    ld = DataLoader(view, 4, pin_memory="auto", num_threads=1)
+    assert not ld.pinned
+    b = next(iter(ld))
+    assert not b["tokens"].is_pinned()
+    with pytest.raises(ValueError, match="pin_memory must be"):
+        DataLoader(view, 4, pin_memory="yes")
+
+
+@pytest.mark.gpu
+def test_pinned_batches_and_device_copy(corpus: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    view = TokenStream(corpus, window=9)
+    ld = DataLoader(view, 4, pin_memory=True, num_threads=2)
+    b = next(iter(ld))
+    assert b["tokens"].is_pinned() and b["index"].is_pinned() is False
+    dev = DataLoader(view, 4, device="cuda", num_threads=2)
+    d = next(iter(dev))
+    torch.cuda.current_stream().wait_event(d["_ready"])
+    assert d["tokens"].device.type == "cuda"
+    np.testing.assert_array_equal(d["tokens"].cpu().numpy()[0], view[int(d["index"][0])])
+
+
+def test_buffers_are_never_reused(corpus: Path) -> None:
+    ld = DataLoader(TokenStream(corpus, window=9), 4, num_threads=2, prefetch=2)
+    kept: Iterator[Any] = iter(ld)
+    batches = [next(kept) for _ in range(20)]
+    ptrs = {b["tokens"].data_ptr() for b in batches}
+    assert len(ptrs) == 20
+    view = TokenStream(ld.view.source, window=9)
+    for b in batches:
+        for k, i in enumerate(b["index"].tolist()):
+            np.testing.assert_array_equal(b["tokens"][k].numpy(), view[i])
+    ld.close()
+
+
+def test_bad_arguments(corpus: Path) -> None:
+    view = TokenStream(corpus, window=9)
+    with pytest.raises(TypeError, match="view must be a TokenStream"):
+        DataLoader([1, 2], 4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0"):
+        DataLoader(view, 0)
+    with pytest.raises(ValueError, match="epochs must be >= 1 or None, got 0"):
+        DataLoader(view, 2, epochs=0)
+    with pytest.raises(ValueError, match="drop_last with a global batch of 8000"):
+        DataLoader(view, 1000, rank=0, world_size=8, drop_last=True)
+    with pytest.raises(ValueError, match="the view is empty"):
+        DataLoader(view.subset(0, 0), 2)
+    with pytest.raises(ValueError, match="documents must be 'pad' or 'pack'"):
+        DataLoader(Documents(view.source), 2, documents="ragged")
+    with pytest.raises(ValueError, match="past the end"):
+        DataLoader(view, 2, epochs=1).cursor = len(view) + 1
+    assert os.cpu_count()
+
+
+@pytest.mark.parametrize("kind", ["stream", "documents"])
+def test_batches_do_not_depend_on_threads_or_task_size(kind: str, corpus: Path) -> None:
+    def run(threads: int, per_task: int) -> list[dict[str, Any]]:
+        view: Any = (
+            TokenStream(corpus, window=11, stride=7) if kind == "stream" else Documents(corpus)
+        )
+        ld = DataLoader(
+            view, 6, seed=8, epochs=2, num_threads=threads, prefetch=5, steps_per_task=per_task
+        )
+        return list(ld)
+
+    ref = run(0, 1)
+    for threads, per_task in [(1, 1), (2, 4), (3, 7)]:
+        got = run(threads, per_task)
+        assert len(got) == len(ref)
+        for a, b in zip(ref, got, strict=True):
+            for key in a:
+                assert torch.equal(a[key], b[key]), (threads, per_task, key)
