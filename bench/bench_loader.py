@@ -150,6 +150,8 @@ def test_main_thread_slowdown(corpus: Path, name: str) -> None:
     t.join(5)
     keep = float(np.median(busy) / np.median(idle))
     RESULTS[name] = keep
-    print(f"\n{name}: main-thread Python loop keeps {keep:.0%} of its speed (runs: "
-          f"{', '.join(f'{b / i:.0%}' for b, i in zip(busy, idle, strict=True))}); the loader "
-          f"delivered {np.median(rates) / 1e6:.1f} Mtok/s meanwhile")
+    print(
+        f"\n{name}: main-thread Python loop keeps {keep:.0%} of its speed (runs: "
+        f"{', '.join(f'{b / i:.0%}' for b, i in zip(busy, idle, strict=True))}); the loader "
+        f"delivered {np.median(rates) / 1e6:.1f} Mtok/s meanwhile"
+    )
