@@ -1,0 +1,156 @@
+"""Tokenizers for ``tokload build``: a byte-level one needing no files, or a
+Hugging Face ``tokenizer.json``.
+
+Both give, for a batch of texts, the token ids of each text and each token's
+character span ``[start, end)`` in it, which is how character annotations
+become token spans. Tokenization of a batch runs in native code (Rust for
+Hugging Face tokenizers, NumPy for bytes) with the GIL released.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+
+@dataclass
+class Encoded:
+    """One text: token ids (int64) and per-token character spans ``[T, 2]`` (int64)."""
+
+    ids: np.ndarray
+    offsets: np.ndarray
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+
+    def encode_batch(self, texts: list[str]) -> list[Encoded]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0-255, with BOS = 256 and EOS = 257 (vocabulary 258).
+
+    Each byte's character span is the span of the character it belongs to.
+    """
+
+    name = "bytes"
+    vocab_size = 258
+    bos_id: int | None = 256
+    eos_id: int | None = 257
+
+    def encode_batch(self, texts: list[str]) -> list[Encoded]:
+        out = []
+        for text in texts:
+            data = text.encode("utf-8", "surrogatepass")
+            ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+            # A byte starts a character unless it is a continuation byte 10xxxxxx.
+            starts = (ids & 0xC0) != 0x80
+            char_of_byte = np.cumsum(starts) - 1
+            offsets = np.stack([char_of_byte, char_of_byte + 1], axis=1)
+            out.append(Encoded(ids, offsets))
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", "replace")
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "bytes", "vocab_size": self.vocab_size, "bos": 256, "eos": 257}
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` ``tokenizer.json`` (fast; releases the GIL).
+
+    BOS/EOS default to the first of the usual special tokens the vocabulary
+    has (``<|endoftext|>``, ``</s>``, ``<eos>``, ``[SEP]`` / ``<s>``, ``<bos>``,
+    ``[CLS]``); pass ids to override.
+    """
+
+    _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+    _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
+
+    def __init__(
+        self, path: str | os.PathLike[str], bos_id: int | None = None, eos_id: int | None = None
+    ) -> None:
+        try:
+            from tokenizers import Tokenizer as _Tok
+        except ImportError:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "a tokenizer.json needs the 'tokenizers' package: pip install tokenizers"
+            ) from None
+        self.path = Path(path)
+        self._tok = _Tok.from_file(str(self.path))
+        self.name = str(self.path)
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.eos_id = eos_id if eos_id is not None else self._find(self._EOS_NAMES)
+        self.bos_id = bos_id if bos_id is not None else self._find(self._BOS_NAMES)
+        self._sha = hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+    def _find(self, names: tuple[str, ...]) -> int | None:
+        for name in names:
+            i = self._tok.token_to_id(name)
+            if i is not None:
+                return int(i)
+        return None
+
+    def encode_batch(self, texts: list[str]) -> list[Encoded]:
+        encs = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [
+            Encoded(
+                np.asarray(e.ids, dtype=np.int64),
+                np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2),
+            )
+            for e in encs
+        ]
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=False))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "tokenizer.json",
+            "path": str(self.path),
+            "sha256": self._sha,
+            "vocab_size": self.vocab_size,
+            "bos": self.bos_id,
+            "eos": self.eos_id,
+        }
+
+
+def load_tokenizer(spec: str | os.PathLike[str] | None) -> Tokenizer:
+    """``None`` or ``"bytes"``: the byte tokenizer; otherwise a tokenizer.json path."""
+    if spec is None or str(spec) == "bytes":
+        return ByteTokenizer()
+    path = Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(2, "no tokenizer.json here (or use 'bytes')", str(path))
+    return HFTokenizer(path)
+
+
+def from_description(desc: dict[str, Any]) -> Tokenizer | None:
+    """The tokenizer a dataset was built with, if it can still be loaded (for decoding)."""
+    if desc.get("kind") == "bytes":
+        return ByteTokenizer()
+    path = desc.get("path")
+    if desc.get("kind") == "tokenizer.json" and path and Path(path).is_file():
+        try:
+            return HFTokenizer(path, desc.get("bos"), desc.get("eos"))
+        except ImportError:
+            return None
+    return None
+
+
+def token_dtype(vocab_size: int) -> np.dtype[Any]:
+    """uint16 when every id fits, else uint32."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
