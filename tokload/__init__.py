@@ -9,8 +9,9 @@ the views :class:`TokenStream`, :class:`Documents` and
 invariants.
 """
 
-from tokload import errors
+from tokload import errors, tools
 from tokload._permute import Permutation, epoch_seed
+from tokload.builder import BuildError, build
 from tokload.errors import (
     CorruptDataError,
     FormatError,
@@ -32,6 +33,7 @@ from tokload.views import (
 from tokload.writer import Writer, merge
 
 __all__ = [
+    "BuildError",
     "CorruptDataError",
     "DataLoader",
     "DocumentBatch",
@@ -47,6 +49,7 @@ __all__ = [
     "TruncatedFileError",
     "Writer",
     "__version__",
+    "build",
     "epoch_seed",
     "errors",
     "merge",
@@ -54,6 +57,7 @@ __all__ = [
     "open_flat",
     "open_megatron",
     "split",
+    "tools",
 ]
 
 __version__ = "0.1.0"

@@ -1,0 +1,343 @@
+"""tokload build, the CLI and the demo."""
+
+from __future__ import annotations
+
+import bz2
+import filecmp
+import gzip
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tokload
+from tokload import BuildError, Documents, StreamWithMetadata, build
+from tokload.__main__ import main
+
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "ünïcode",
+    "☃",
+    "snowmen",
+    "watch",
+]
+
+
+def write_corpus(root: Path, files: int = 5, docs: int = 30, seed: int = 0) -> list[Path]:
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for f in range(files):
+        p = root / f"part-{f:02d}.jsonl"
+        with open(p, "w") as out:
+            for d in range(docs):
+                words = [WORDS[i] for i in rng.integers(0, len(WORDS), int(rng.integers(0, 40)))]
+                text = " ".join(words)
+                anns = []
+                pos = 0
+                for w in words:
+                    pos = text.index(w, pos)
+                    if w in ("fox", "☃", "ünïcode"):
+                        anns.append({"start": pos, "end": pos + len(w), "concept": w})
+                    pos += len(w)
+                out.write(
+                    json.dumps(
+                        {"text": text, "id": f"{f}-{d}", "source": f"s{f % 2}", "spans": anns}
+                    )
+                    + "\n"
+                )
+        paths.append(p)
+    return paths
+
+
+def dataset_files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def meta_build(inputs: Any, out: Path, **kw: Any) -> tokload.builder.BuildSummary:
+    return build(
+        inputs, out, keep_fields=["id", "source"], annotations_field="spans", progress=False, **kw
+    )
+
+
+def test_same_output_with_1_and_3_workers(tmp_path: Path) -> None:
+    inputs = write_corpus(tmp_path / "in")
+    s1 = meta_build(inputs, tmp_path / "w1", workers=1, shard_bytes=2000)
+    s3 = meta_build(inputs, tmp_path / "w3", workers=3, shard_bytes=2000)
+    assert s1.documents == s3.documents == 150 and s1.tokens == s3.tokens > 0
+    a, b = dataset_files(tmp_path / "w1"), dataset_files(tmp_path / "w3")
+    assert a == b
+
+
+def test_an_interrupted_build_resumes_to_the_same_result(tmp_path: Path) -> None:
+    inputs = write_corpus(tmp_path / "in")
+    meta_build(inputs, tmp_path / "full")
+    out = tmp_path / "resumed"
+    meta_build(inputs, out)
+    # As if the build was killed: one part gone, another half-written.
+    shutil.rmtree(out / "parts" / "00002")
+    (out / "parts" / "00003.tmp").mkdir()
+    (out / "parts" / "00003.tmp" / "garbage.rows").write_bytes(b"x" * 10)
+    shutil.rmtree(out / "parts" / "00003")
+    (out / "manifest.json").unlink()
+    summary = meta_build(inputs, out, workers=2)
+    assert summary.built == 2 and summary.inputs == 5
+    assert dataset_files(out) == dataset_files(tmp_path / "full")
+
+
+def test_part_and_merge_equal_a_single_build(tmp_path: Path) -> None:
+    inputs = write_corpus(tmp_path / "in", files=7)
+    single = tmp_path / "single"
+    meta_build(inputs, single)
+    for k in range(3):
+        assert (
+            main(
+                [
+                    "build",
+                    *map(str, inputs),
+                    "-o",
+                    str(tmp_path / f"p{k}"),
+                    "--part",
+                    f"{k}/3",
+                    "--keep-field",
+                    "id",
+                    "--keep-field",
+                    "source",
+                    "--annotations",
+                    "spans",
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
+    assert (
+        main(["merge", str(tmp_path / "merged"), *(str(tmp_path / f"p{k}") for k in range(3))]) == 0
+    )
+    a, b = tokload.open_dataset(single), tokload.open_dataset(tmp_path / "merged")
+    assert a.fingerprint == b.fingerprint
+    da, db = Documents(a), Documents(b)
+    assert len(da) == len(db) == 7 * 30
+    for i in range(len(da)):
+        for f in ("token", "metadata_id"):
+            np.testing.assert_array_equal(da[i][f], db[i][f])
+
+
+def test_annotations_land_on_their_tokens_bytes(tmp_path: Path) -> None:
+    inputs = write_corpus(tmp_path / "in", files=2)
+    meta_build(inputs, tmp_path / "ds", bos=True)
+    view = StreamWithMetadata(tmp_path / "ds", window=1, stride=1, deserialize=json.loads)
+    docs = Documents(tmp_path / "ds")
+    recs = [json.loads(line) for p in inputs for line in p.read_text().splitlines()]
+    checked = 0
+    for d, rec in enumerate(recs):
+        start, length = (int(x[0]) for x in docs.extents([d]))
+        batch = view.read(np.arange(start, start + length))
+        tokens = batch.fields["token"][:, 0]
+        assert tokens[0] == 256 and tokens[-1] == 257  # BOS ... EOS
+        per_token = [None if p < 0 else batch.metadata[p] for p in batch.positions[:, 0]]
+        assert all(
+            m is not None and m["document"] == {"id": rec["id"], "source": rec["source"]}
+            for m in per_token
+        )
+        for ann in rec["spans"]:
+            covered = [
+                t
+                for t, m in zip(tokens.tolist(), per_token, strict=True)
+                if m is not None
+                and any(a["concept"] == ann["concept"] for a in m.get("annotations", []))
+            ]
+            assert bytes(covered).decode().count(ann["concept"]) >= 1
+            checked += 1
+        text_bytes = bytes(t for t in tokens.tolist() if t < 256)
+        assert text_bytes.decode() == rec["text"]
+    assert checked > 10
+
+
+def _hf_tokenizer(path: Path, vocab_size: int | None = None) -> Path:
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if vocab_size is None:
+        tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["[UNK]", "<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+        tok.train_from_iterator([" ".join(WORDS)] * 50, trainer)
+    else:  # a word-level vocabulary too big for uint16
+        vocab = {w: i for i, w in enumerate(WORDS)}
+        vocab.update({f"filler{i}": len(WORDS) + i for i in range(vocab_size - len(WORDS) - 2)})
+        vocab["[UNK]"] = len(vocab)
+        vocab["</s>"] = len(vocab)
+        tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+def test_tokenizer_json_offsets_and_dtype(tmp_path: Path) -> None:
+    tj = _hf_tokenizer(tmp_path / "tokenizer.json")
+    inputs = write_corpus(tmp_path / "in", files=2)
+    s = meta_build(inputs, tmp_path / "ds", tokenizer=tj)
+    src = tokload.open_dataset(tmp_path / "ds")
+    assert src.dtype["token"] == np.dtype("<u2")
+    tok = tokload.tokenizer.HFTokenizer(tj)
+    view = StreamWithMetadata(src, window=1, stride=1, deserialize=json.loads)
+    docs = Documents(src)
+    recs = [json.loads(line) for p in inputs for line in p.read_text().splitlines()]
+    for d, rec in enumerate(recs):
+        start, length = (int(x[0]) for x in docs.extents([d]))
+        batch = view.read(np.arange(start, start + length))
+        ids = batch.fields["token"][:, 0].tolist()
+        assert ids[-1] == tok.eos_id
+        assert tok.decode(ids[:-1]) == rec["text"]
+        for ann in rec["spans"]:
+            cov = [
+                t
+                for t, p in zip(ids, batch.positions[:, 0].tolist(), strict=True)
+                if p >= 0
+                and any(
+                    a["concept"] == ann["concept"] for a in batch.metadata[p].get("annotations", [])
+                )
+            ]
+            assert ann["concept"] in tok.decode(cov)
+    assert s.tokens == src.num_rows
+    big = _hf_tokenizer(tmp_path / "big.json", vocab_size=70_000)
+    build(inputs, tmp_path / "big", tokenizer=big, progress=False)
+    assert tokload.open_dataset(tmp_path / "big").dtype == np.dtype("<u4")
+    loader = tokload.DataLoader(tokload.TokenStream(tmp_path / "big", window=8), 4, seed=1)
+    assert next(iter(loader))["tokens"].shape == (4, 8)
+
+
+def test_compressed_parquet_and_text_inputs(tmp_path: Path) -> None:
+    recs = [{"text": f"doc {i} " * (i + 1), "id": i} for i in range(20)]
+    lines = "".join(json.dumps(r) + "\n" for r in recs)
+    (tmp_path / "in").mkdir()
+    with gzip.open(tmp_path / "in" / "a.jsonl.gz", "wt") as f:
+        f.write(lines)
+    with bz2.open(tmp_path / "in" / "b.jsonl.bz2", "wt") as f:
+        f.write(lines)
+    zstd = pytest.importorskip("zstandard")
+    (tmp_path / "in" / "c.jsonl.zst").write_bytes(zstd.ZstdCompressor().compress(lines.encode()))
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(recs), tmp_path / "in" / "d.parquet")
+    (tmp_path / "in" / "e.txt").write_text("plain text file")
+    s = build([tmp_path / "in"], tmp_path / "ds", keep_fields=["id"], progress=False)
+    assert s.inputs == 5 and s.documents == 4 * 20 + 1
+    docs = Documents(tmp_path / "ds")
+    assert bytes(docs[20 * 3]["token"][:-1].tolist()).decode() == recs[0]["text"]
+    assert bytes(docs[80]["token"][:-1].tolist()).decode() == "plain text file"
+
+
+@pytest.mark.parametrize(
+    ("line", "reason", "message"),
+    [
+        ("{not json", "malformed JSON", r"bad\.jsonl:2: malformed JSON"),
+        ('{"body": "x"}', "no text field 'text'", r"bad\.jsonl:2: no text field 'text'"),
+        (
+            '{"text": "abc", "spans": [{"start": 1, "end": 9}]}',
+            "annotation [1, 9) is outside",
+            r"bad\.jsonl:2: annotation \[1, 9\) is outside the text \(3 characters\)",
+        ),
+    ],
+)
+def test_bad_records_stop_or_are_skipped_and_counted(
+    tmp_path: Path, line: str, reason: str, message: str
+) -> None:
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"text": "good one"}\n' + line + '\n{"text": "good two"}\n')
+    with pytest.raises(BuildError, match=message):
+        build([p], tmp_path / "stop", annotations_field="spans", progress=False)
+    s = build([p], tmp_path / "skip", annotations_field="spans", on_error="skip", progress=False)
+    assert s.documents == 2 and sum(s.skipped.values()) == 1
+    assert next(iter(s.skipped)).startswith(reason.split(" [")[0])
+    assert "skipped 1" in str(s)
+
+
+def test_unreadable_input(tmp_path: Path) -> None:
+    p = tmp_path / "x.jsonl.gz"
+    p.write_bytes(b"this is not gzip")
+    with pytest.raises(BuildError, match=r"x\.jsonl\.gz: unreadable"):
+        build([p], tmp_path / "o1", progress=False)
+    s = build([p], tmp_path / "o2", on_error="skip", progress=False)
+    assert s.skipped == {"unreadable": 1}
+    with pytest.raises(FileNotFoundError, match="no such input"):
+        build([tmp_path / "missing.jsonl"], tmp_path / "o3", progress=False)
+
+
+def test_cli_exit_codes_and_tools(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    inputs = write_corpus(tmp_path / "in", files=2)
+    out = tmp_path / "ds"
+    assert (
+        main(
+            [
+                "build",
+                *map(str, inputs),
+                "-o",
+                str(out),
+                "--keep-field",
+                "id",
+                "--annotations",
+                "spans",
+                "--shard-size",
+                "1k",
+                "-j",
+                "2",
+            ]
+        )
+        == 0
+    )
+    assert "60 documents" in capsys.readouterr().out
+    assert main(["inspect", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "documents   60" in shown and "text    " in shown and "metadata of its first" in shown
+    assert main(["verify", str(out)]) == 0
+    assert capsys.readouterr().out.endswith(": ok\n")
+    assert main(["bench", str(out), "--seconds", "0.2", "--window", "33"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens_per_s"] > 0
+    # corrupt a document index: verify names it and fails
+    m = tokload.open_dataset(out).manifest
+    assert m is not None
+    docs = out / (m.shards[0].name + ".docs")
+    d = np.fromfile(docs, "<u8")
+    d[-1] += 5  # past the shard's rows
+    d.tofile(docs)
+    assert main(["verify", str(out)]) == 1
+    assert f"document index entry {len(d) - 1} = {d[-1]} breaks" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n")
+    assert main(["build", str(bad), "-o", str(tmp_path / "b")]) == 1
+    assert "bad.jsonl:1: malformed JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["build"])
+    assert e.value.code == 2
+    assert main(["inspect", str(tmp_path / "nothing")]) == 1
+    assert os.path.exists(out / "manifest.json")
+
+
+def test_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "every sample (tokens and metadata) bitwise equal" in out
+    assert "demo passed" in out
+    assert filecmp  # (imported for dataset comparisons above)

@@ -1,0 +1,159 @@
+"""What the ``inspect``, ``verify`` and ``bench`` commands do, as functions."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokload.errors import TokloadError
+from tokload.format import METADATA_FIELD, open_dataset
+from tokload.tokenizer import from_description
+
+
+def inspect(path: str | os.PathLike[str], sample: int | None = 0, tokens: int = 64) -> str:
+    """A readable summary of a dataset: manifest, sizes, and one decoded sample."""
+    src = open_dataset(path)
+    m = src.manifest
+    assert m is not None
+    lines = [
+        f"dataset     {path}",
+        f"dtype       {m.dtype}",
+        f"shards      {len(m.shards)}",
+        f"documents   {m.num_documents:,}",
+        f"rows        {m.rows:,}  ({m.rows * m.dtype.itemsize / 1e6:.1f} MB of rows)",
+        f"metadata    {'yes' if m.metadata else 'no'}"
+        + (f" ({sum(s.metadata_records for s in m.shards):,} records)" if m.metadata else ""),
+        f"fingerprint {m.fingerprint()[:16]}",
+    ]
+    tok_desc = m.user.get("tokenizer")
+    if tok_desc:
+        lines.append(f"tokenizer   {json.dumps(tok_desc)}")
+    if sample is not None and m.num_documents:
+        from tokload.views import Documents
+
+        docs = Documents(src)
+        d = docs[sample % len(docs)]
+        toks = d["token"] if isinstance(d, dict) else d
+        lines.append(
+            f"document {sample % len(docs)}: {len(toks)} rows; first {min(tokens, len(toks))}:"
+        )
+        lines.append("  ids     " + " ".join(map(str, toks[:tokens].tolist())))
+        tok = from_description(tok_desc) if tok_desc else None
+        if tok is not None:
+            lines.append("  text    " + repr(tok.decode([int(t) for t in toks[:tokens]])))
+        if m.metadata and src.meta is not None:
+            from tokload.views import StreamWithMetadata
+
+            starts, _ = docs.extents([sample % len(docs)])
+            view = StreamWithMetadata(src, window=1, stride=1)
+            first = view[int(starts[0])] if len(view) > int(starts[0]) else None
+            if first is not None and first.metadata:
+                lines.append(f"  metadata of its first token: {first.metadata[0]!r}")
+    src.close()
+    return "\n".join(lines)
+
+
+def verify(path: str | os.PathLike[str], chunk_rows: int = 1 << 22) -> list[str]:
+    """Check every file of a dataset; returns the problems found (empty: sound).
+
+    Checks, reading the files: sizes against the manifest; each document
+    index starts at 0, never decreases and ends at the shard's rows; each
+    metadata index starts at 0, never decreases and ends at the data size;
+    every row's metadata id is a record of its shard (or none).
+    """
+    problems: list[str] = []
+    try:
+        src = open_dataset(path)
+    except (TokloadError, OSError) as e:
+        return [str(e)]
+    m = src.manifest
+    assert m is not None
+    root = Path(path)
+    for s in m.shards:
+        base = root / s.name
+        if m.documents:
+            p = base.with_name(base.name + ".docs")
+            bad = _first_bad_offset(np.fromfile(p, "<u8"), s.rows)
+            if bad is not None:
+                problems.append(
+                    f"{p}: document index entry {bad[0]} = {bad[1]} breaks "
+                    f"0 = first <= ... <= last = {s.rows} (the shard's rows)"
+                )
+        if m.metadata:
+            p = base.with_name(base.name + ".mdx")
+            bad = _first_bad_offset(np.fromfile(p, "<u8"), s.metadata_bytes)
+            if bad is not None:
+                problems.append(
+                    f"{p}: metadata index entry {bad[0]} = {bad[1]} breaks 0 = "
+                    f"first <= ... <= last = {s.metadata_bytes} (the data size)"
+                )
+            rows_path = base.with_name(base.name + ".rows")
+            mm = np.memmap(rows_path, dtype=m.dtype, mode="r") if s.rows else None
+            for start in range(0, s.rows, chunk_rows):
+                assert mm is not None
+                ids = np.asarray(mm[METADATA_FIELD][start : start + chunk_rows])
+                bad_rows = np.flatnonzero((ids != 0xFFFFFFFF) & (ids >= s.metadata_records))
+                if len(bad_rows):
+                    r = int(bad_rows[0]) + start
+                    problems.append(
+                        f"{rows_path}: row {r} has metadata id {int(mm[METADATA_FIELD][r])}"
+                        f", but the shard has {s.metadata_records} records"
+                    )
+                    break
+        if problems:
+            break  # the first problem is what a user needs; verify again after fixing it
+    src.close()
+    return problems
+
+
+def _first_bad_offset(offsets: np.ndarray, last: int) -> tuple[int, int] | None:
+    """The first (entry, value) of an offset index that is not 0, non-decreasing, ``last``."""
+    if offsets[0] != 0:
+        return 0, int(offsets[0])
+    down = np.flatnonzero(offsets[1:] < offsets[:-1])
+    if len(down):
+        return int(down[0]) + 1, int(offsets[down[0] + 1])
+    if offsets[-1] != last:
+        return len(offsets) - 1, int(offsets[-1])
+    return None
+
+
+def bench(
+    path: str | os.PathLike[str],
+    seconds: float = 5.0,
+    window: int = 4097,
+    batch_size: int = 8,
+    num_threads: int | None = None,
+) -> dict[str, Any]:
+    """Stream a dataset through the DataLoader for ``seconds``; time to first batch and rate."""
+    from tokload.loader import DataLoader
+    from tokload.views import TokenStream
+
+    t0 = time.perf_counter()
+    view = TokenStream(path, window=window, stride=window - 1)
+    loader = DataLoader(view, batch_size, seed=0, num_threads=num_threads)
+    it = iter(loader)
+    next(it)
+    first = time.perf_counter() - t0
+    n, t1 = 0, time.perf_counter()
+    while time.perf_counter() - t1 < seconds:
+        next(it)
+        n += 1
+    elapsed = time.perf_counter() - t1
+    loader.close()
+    return {
+        "time_to_first_batch_s": first,
+        "batches": n,
+        "tokens_per_s": n * batch_size * window / elapsed,
+        "window": window,
+        "batch_size": batch_size,
+        "threads": loader.num_threads,
+    }
+
+
+__all__ = ["bench", "inspect", "verify"]
