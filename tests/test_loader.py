@@ -385,8 +385,11 @@ def test_threads_stop_on_close_break_and_gc(corpus: Path) -> None:
 
 
 def test_ctrl_c_stops_promptly(corpus: Path) -> None:
+    # Python keeps SIGINT ignored if it started that way (a background job of a
+    # shell, as under CI): install the usual KeyboardInterrupt handler first.
     code = f"""
-import sys, time, threading, tokload
+import signal, sys, time, threading, tokload
+signal.signal(signal.SIGINT, signal.default_int_handler)
 view = tokload.TokenStream({str(corpus)!r}, window=9)
 loader = tokload.DataLoader(view, 4, num_threads=2, prefetch=4)
 print("ready", flush=True)
