@@ -11,6 +11,7 @@ invariants.
 
 from tokload import errors, tools
 from tokload._permute import Permutation, epoch_seed
+from tokload.blend import Blend
 from tokload.builder import BuildError, build
 from tokload.errors import (
     CorruptDataError,
@@ -33,6 +34,7 @@ from tokload.views import (
 from tokload.writer import Writer, merge
 
 __all__ = [
+    "Blend",
     "BuildError",
     "CorruptDataError",
     "DataLoader",

@@ -23,7 +23,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self, cast
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from tokload._permute import Permutation
 from tokload.errors import StateError
 from tokload.prefetch import Prefetcher
 from tokload.views import Documents, StreamWithMetadata, TokenStream, View
+
+if TYPE_CHECKING:
+    from tokload.blend import Blend
 
 STATE_VERSION = 1
 Batch = dict[str, Any]
@@ -168,11 +171,17 @@ class DataLoader:
         pad_value: int = 0,
         steps_per_task: int = 4,
     ) -> None:
-        if not isinstance(view, (TokenStream, Documents, StreamWithMetadata)):
+        from tokload.blend import Blend
+
+        if not isinstance(view, (TokenStream, Documents, StreamWithMetadata, Blend)):
             raise TypeError(
-                f"view must be a TokenStream, Documents or StreamWithMetadata, "
+                f"view must be a TokenStream, Documents, StreamWithMetadata or Blend, "
                 f"got {type(view).__name__}"
             )
+        # token windows (a plain stream or a blend of them): read in chunks
+        self._windows = isinstance(view, (TokenStream, Blend)) and not isinstance(
+            view, StreamWithMetadata
+        )
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         if len(view) == 0:
@@ -354,8 +363,9 @@ class DataLoader:
             raw.update(res.fields)
             raw["metadata_positions"] = res.positions
             raw["metadata"] = res.metadata
-        elif isinstance(view, TokenStream):
-            got = view.read(idx, out=view.empty(b, alloc=self._alloc))
+        elif self._windows:
+            wv = cast("TokenStream | Blend", view)
+            got = wv.read(idx, out=wv.empty(b, alloc=self._alloc))
             raw.update(got if isinstance(got, dict) else {"tokens": got})
         else:
             assert isinstance(view, Documents)
@@ -386,17 +396,13 @@ class DataLoader:
         batch.
         """
         view = self.view
-        if (
-            len(spans) == 1
-            or not isinstance(view, TokenStream)
-            or isinstance(view, StreamWithMetadata)
-        ):
+        if len(spans) == 1 or not self._windows:
             return [self.raw_batch(*sp) for sp in spans]
         pos_list = [self.positions(*sp) for sp in spans]
         pos = np.concatenate(pos_list)
         idx = self._order.indices(pos)
-        out = view.empty(len(idx), alloc=self._alloc)
-        got = view.read(idx, out=out)
+        wv = cast("TokenStream | Blend", view)
+        got = wv.read(idx, out=wv.empty(len(idx), alloc=self._alloc))
         fields = got if isinstance(got, dict) else {"tokens": got}
         raws, at = [], 0
         for p in pos_list:

@@ -1,0 +1,215 @@
+"""Blend: exact proportions, per-component epochs, schedules, caps, nesting, resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from harness import Segment, assert_exactly_once, run_segments
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokload import Blend, DataLoader, Documents, TokenStream, Writer
+from tokload.blend import largest_remainder
+
+
+@pytest.fixture(scope="module")
+def views(tmp_path_factory: pytest.TempPathFactory) -> list[TokenStream]:
+    """Components whose window k of component c is filled with c*10000 + k."""
+    root = tmp_path_factory.mktemp("blend")
+    out = []
+    for c, n in enumerate([50, 130, 7, 300]):
+        with Writer(root / f"c{c}", "<u4") as w:
+            for k in range(n):
+                w.write(np.full(4, c * 10000 + k, np.uint32))
+        out.append(TokenStream(root / f"c{c}", window=4))
+    return out
+
+
+def test_largest_remainder() -> None:
+    assert largest_remainder([1, 1, 1], 100) == [34, 33, 33]
+    assert largest_remainder([0.5, 0.3, 0.2], 7) == [4, 2, 1]
+    assert largest_remainder([3, 0, 1], 4) == [3, 0, 1]
+    assert sum(largest_remainder([0.123, 0.456, 0.789], 1000)) == 1000
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    weights=st.lists(st.floats(0.0, 10.0), min_size=4, max_size=4).filter(lambda w: sum(w) > 0.1),
+    block=st.integers(1, 300),
+    seed=st.integers(0, 2**64 - 1),
+    data=st.data(),
+)
+def test_exact_proportions_and_once_per_component_epoch(
+    views: list[TokenStream], weights: list[float], block: int, seed: int, data: Any
+) -> None:
+    length = block * 23 + data.draw(st.integers(0, block - 1))
+    blend = Blend(
+        list(zip(views, weights, strict=True)), seed=seed, length=length, block_size=block
+    )
+    comp, cpos = blend.component_positions(np.arange(length))
+    per_block = largest_remainder(weights, block)
+    for b in range(length // block):  # every full block holds each share exactly
+        counts = np.bincount(comp[b * block : (b + 1) * block], minlength=4)
+        assert counts.tolist() == per_block
+    # Every prefix is within one sample per block of the target: at a block boundary
+    # only the rounding of each full block (< 1 each) remains; inside a block, the
+    # deal adds at most one more.
+    w = np.asarray(weights) / sum(weights)
+    for L in [*range(0, length, max(1, length // 50)), *range(0, length, block)]:
+        cum = np.bincount(comp[:L], minlength=4)
+        bound = L / block if L % block == 0 else -(-L // block) + 1
+        assert (np.abs(cum - L * w) <= bound + 1e-9).all(), (L, cum, L * w)
+        assert blend.proportions(0, L).tolist() == cum.tolist()
+    a, b = sorted(data.draw(st.tuples(st.integers(0, length), st.integers(0, length))))
+    assert blend.proportions(a, b).tolist() == np.bincount(comp[a:b], minlength=4).tolist()
+    # each component sees its positions 0, 1, 2, ... once; each of its epochs is a permutation
+    _, index = blend.locate(np.arange(length))
+    for c in range(4):
+        mine = np.sort(cpos[comp == c])
+        np.testing.assert_array_equal(mine, np.arange(len(mine)))
+        n = len(views[c])
+        by_pos = index[comp == c][np.argsort(cpos[comp == c])]
+        for e in range(len(mine) // n):
+            assert sorted(by_pos[e * n : (e + 1) * n].tolist()) == list(range(n))
+
+
+def test_sources_interleave_rather_than_arrive_in_runs(views: list[TokenStream]) -> None:
+    blend = Blend([(views[0], 1), (views[1], 1)], seed=4, length=10_000, block_size=1000)
+    comp, _ = blend.locate(np.arange(10_000))
+    runs = np.flatnonzero(np.diff(comp)).size + 1
+    assert runs > 3000  # a fair coin gives ~5000 runs; blocks of 500+500 would give 20
+
+
+def test_random_access_equals_sequential(views: list[TokenStream]) -> None:
+    blend = Blend([(views[0], 2), (views[2], 1), (views[3], 3)], seed=9, length=5000, block_size=64)
+    seq = blend.read(np.arange(5000))
+    assert isinstance(seq, np.ndarray)
+    comp, index = blend.locate(np.arange(5000))
+    np.testing.assert_array_equal(seq[:, 0], np.array([0, 2, 3])[comp] * 10000 + index)
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        idx = rng.integers(0, 5000, 37)
+        np.testing.assert_array_equal(blend.read(idx), seq[idx])
+    np.testing.assert_array_equal(blend[4999], seq[4999])
+
+
+def test_a_schedule_change_leaves_earlier_positions_unchanged(views: list[TokenStream]) -> None:
+    base = [(views[0], 5.0), (views[1], 3.0), (views[2], 0.0)]  # component 2 joins later
+    one = Blend(base, seed=2, length=20_000, block_size=100, schedule=[(6000, [1, 1, 1])])
+    two = Blend(
+        base,
+        seed=2,
+        length=20_000,
+        block_size=100,
+        schedule=[(6000, [1, 1, 1]), (12_000, [0, 1, 9])],
+    )
+    a, b = one.locate(np.arange(20_000)), two.locate(np.arange(20_000))
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x[:12_000], y[:12_000])
+        assert not np.array_equal(x[12_000:], y[12_000:])
+    assert one.proportions(0, 6000).tolist() == [63 * 60, 37 * 60, 0]  # 62.5/37.5 -> 63/37
+    assert one.proportions(6000, 12_000).tolist() == [2040, 1980, 1980]  # 34/33/33 per block
+    assert two.proportions(12_000, 20_000).tolist() == [0, 800, 7200]
+
+
+def test_caps_redistribute_and_end_the_blend(views: list[TokenStream]) -> None:
+    # component 2 (7 samples) capped at 3 epochs = 21 samples; its share then goes to the others
+    capped = Blend(
+        [(views[0], 1), (views[1], 1), (views[2], 2)],
+        seed=1,
+        length=4000,
+        block_size=100,
+        max_epochs={2: 3},
+    )
+    comp, cpos = capped.component_positions(np.arange(4000))
+    assert (comp == 2).sum() == 21
+    assert sorted(cpos[comp == 2].tolist()) == list(range(21))
+    tail = np.bincount(comp[1000:], minlength=3)
+    assert tail.tolist() == [1500, 1500, 0]
+    # every component capped: the blend ends by itself
+    ends = Blend([(views[0], 1), (views[2], 1)], seed=1, block_size=10, max_epochs={0: 1, 1: 2})
+    assert len(ends) == 50 + 14
+    comp, index = ends.locate(np.arange(len(ends)))
+    assert np.bincount(comp).tolist() == [50, 14]
+    assert sorted(index[comp == 0].tolist()) == list(range(50))
+    with pytest.raises(ValueError, match=r"length 65 is past the end of the blend \(64"):
+        Blend([(views[0], 1), (views[2], 1)], block_size=10, max_epochs={0: 1, 1: 2}, length=65)
+
+
+def test_nested_blends(views: list[TokenStream]) -> None:
+    inner = Blend([(views[0], 1), (views[1], 1)], seed=3, length=1000, block_size=10)
+    outer = Blend([(inner, 3), (views[3], 1)], seed=4, length=4000, block_size=40)
+    got = outer.read(np.arange(4000))
+    assert isinstance(got, np.ndarray)
+    comp, index = outer.locate(np.arange(4000))
+    assert np.bincount(comp).tolist() == [3000, 1000]
+    inner_rows = inner.read(index[comp == 0])
+    np.testing.assert_array_equal(got[comp == 0], inner_rows)
+    assert (got[comp == 1][:, 0] // 10000 == 3).all()
+    # the inner blend's 1000 positions are each used 3 times (3 component epochs)
+    assert np.bincount(index[comp == 0], minlength=1000).tolist() == [3] * 1000
+
+
+def test_through_the_dataloader_resume_and_rescale(views: list[TokenStream]) -> None:
+    blend = Blend(
+        [(views[0], 1), (views[1], 2), (views[2], 1)],
+        seed=5,
+        length=900,
+        block_size=32,
+        schedule=[(320, [0, 1, 1])],
+    )
+
+    def make(**kw: Any) -> DataLoader:
+        return DataLoader(blend, seed=11, epochs=2, prefetch=3, **kw)
+
+    got = run_segments(
+        make,
+        [Segment(3, 4, 17, num_threads=1), Segment(2, 9, 20), Segment(5, 2, None, num_threads=2)],
+    )
+    assert_exactly_once(got, len(blend), 2 * len(blend))
+    whole = run_segments(make, [Segment(3, 4, None, num_threads=0)])
+    tokens = {
+        p: b["tokens"][k].tolist()
+        for b in whole.batches.values()
+        for k, p in enumerate(b["position"].tolist())
+    }
+    for b in got.batches.values():
+        for k, p in enumerate(b["position"].tolist()):
+            assert b["tokens"][k].tolist() == tokens[p]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"components": []}, ValueError, "at least one component"),
+        ({"weights": [1, -1]}, ValueError, r"stage 0: weights must be non-negative"),
+        ({"weights": [0, 0]}, ValueError, r"stage 0: all weights are zero"),
+        ({"schedule": [(200, [1, 1]), (100, [1, 2])]}, ValueError, r"out of order: stage 2"),
+        ({"schedule": [(150, [1, 1])]}, ValueError, r"starts at position 150, not a multiple"),
+        ({"schedule": [(200, [1])]}, ValueError, r"stage 1 gives 1 weights for 2 components"),
+        ({"length": None}, ValueError, r"length is required unless every component is capped"),
+        ({"max_epochs": {5: 1}}, ValueError, r"max_epochs: need a component in \[0, 2\)"),
+        ({"block_size": 0}, ValueError, r"block_size must be positive"),
+    ],
+)
+def test_bad_blends(
+    views: list[TokenStream], kwargs: dict[str, Any], exc: type[Exception], match: str
+) -> None:
+    weights = kwargs.pop("weights", [1, 1])
+    comps = kwargs.pop("components", list(zip(views[:2], weights, strict=True)))
+    args: dict[str, Any] = {"length": 1000, "block_size": 100, **kwargs}
+    with pytest.raises(exc, match=match):
+        Blend(comps, **args)
+
+
+def test_bad_components(views: list[TokenStream], tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="component 1 is empty"):
+        Blend([(views[0], 1), (views[1].subset(0, 0), 1)], length=10)
+    with pytest.raises(TypeError, match="component 0 must be a TokenStream or a Blend"):
+        Blend([(Documents(views[0].source), 1)], length=10)
+    other = TokenStream(views[0].source, window=3)
+    with pytest.raises(ValueError, match="component 1 has window 3"):
+        Blend([(views[0], 1), (other, 1)], length=10)

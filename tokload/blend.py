@@ -1,0 +1,399 @@
+"""Deterministic blending of views by weight, random access, O(#stages + #components) memory.
+
+Position ``q`` of a :class:`Blend` is computed on demand, from ``q`` alone:
+
+1. **Blocks.** Positions are cut into blocks of ``M`` (``block_size``). In a
+   block, component ``c`` gets ``k_c`` slots: its share ``M * w_c / sum(w)``
+   rounded by largest remainder (ties to the lower component), so every block
+   holds each component in exactly its proportion up to one sample. (Choose
+   ``M`` so that the ``M * w_c / sum(w)`` are whole numbers when long-run
+   ratios must be exact: otherwise the rounding repeats in every block.)
+2. **Interleaving.** The slots of block ``b`` are dealt by a permutation keyed
+   by ``(seed, b)`` that is also *low-discrepancy*: component ``c``'s ``k_c``
+   slots get the ideal times ``(j + u_c) / k_c``, ``j < k_c``, with a phase
+   ``u_c`` in ``[0, 1)`` keyed by ``(seed, b, c)``, and the slots go to those
+   times in increasing order (ties to the lower component). Sources interleave
+   evenly, and every prefix of a block holds each component within about one
+   sample of its share (a uniformly random deal would stray by ~sqrt(M)).
+3. **Per-component epochs.** The ``j``-th slot of ``c`` in block ``b`` is the
+   component's own position ``p = (its samples before block b) + j``:
+   component epoch ``p // n_c``, index ``perm_{c,e}(p % n_c)``, a permutation
+   per component and epoch keyed by ``(seed, c, e)``. An upsampled component
+   cycles through its epochs, each sample once per epoch.
+
+**Schedules.** ``schedule=[(0, weights0), (P1, weights1), ...]`` changes the
+weights at positions ``P_i`` (multiples of ``M``). Counts before a change
+depend only on the stages before it, so adding a stage to a running job
+changes nothing already consumed. A weight of 0 leaves a component out of a
+stage, so a component can join from a stage onward.
+
+**Caps.** ``max_epochs={c: k}`` stops component ``c`` after ``k`` epochs: in the
+block where it runs out it gets only what is left, and from the next block on
+its weight is 0 and the others' shares are recomputed from their weights (its
+share is redistributed in proportion). When every component of a stage is
+exhausted the blend ends there.
+
+Everything is compiled at construction into a short list of *segments*
+(runs of blocks with the same counts), so a lookup is a binary search over
+segments plus the layout of its block (``O(M)`` to compute, cached for the
+256 most recent blocks); nothing grows with the number of positions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from tokload._permute import Permutation, epoch_seed
+from tokload.views import Alloc, Fields, StreamWithMetadata, TokenStream, View, _check_out
+
+# Domain separation for the keys derived from the blend seed.
+_SLOT_TAG = 0x736C6F74  # "slot"
+_COMP_TAG = 0x636F6D70  # "comp"
+
+
+def largest_remainder(weights: Sequence[float], total: int) -> list[int]:
+    """Integers summing to ``total`` in the proportions of ``weights`` (ties: lower index)."""
+    w = np.asarray(weights, dtype=np.float64)
+    s = w.sum()
+    if s <= 0:
+        raise ValueError("weights must have a positive sum")
+    exact = w * total / s
+    base = np.floor(exact).astype(np.int64)
+    left = total - int(base.sum())
+    order = sorted(range(len(w)), key=lambda i: (-(exact[i] - base[i]), i))
+    for i in order[:left]:
+        base[i] += 1
+    return [int(x) for x in base]
+
+
+@dataclass(frozen=True)
+class _Segment:
+    first_block: int  # blocks [first_block, first_block + blocks)
+    blocks: int  # may be -1 for "to infinity"
+    counts: tuple[int, ...]  # slots per component per block
+    before: tuple[int, ...]  # samples of each component before first_block
+
+
+class Blend(View):
+    """A weighted, scheduled mixture of views; itself a view for the DataLoader.
+
+    Args:
+        components: ``[(view, weight), ...]``; the views are TokenStreams (same
+            window and dtype) or Blends of them. Weights are the first stage's.
+        seed: the blend's key (slot interleaving and component shuffles).
+        length: number of positions (``len(blend)``); default: where the blend
+            ends because every component is capped, else required.
+        block_size: ``M``; proportions are exact in every block of ``M``.
+        schedule: ``[(position, weights), ...]`` stages after the first
+            (positions multiples of ``M``, increasing).
+        max_epochs: ``{component: epochs}`` caps.
+        rounds: Feistel rounds of the permutations.
+
+    ``blend.locate(positions)`` gives ``(component, index in component)``;
+    ``blend.read(positions)`` reads the samples; ``blend.proportions(a, b)``
+    counts the components over positions ``[a, b)``.
+    """
+
+    window: int
+
+    def __init__(
+        self,
+        components: Sequence[tuple[View, float]],
+        *,
+        seed: int = 0,
+        length: int | None = None,
+        block_size: int = 1024,
+        schedule: Sequence[tuple[int, Sequence[float]]] = (),
+        max_epochs: Mapping[int, int] | None = None,
+        rounds: int = 6,
+    ) -> None:
+        if not components:
+            raise ValueError("a Blend needs at least one component")
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.views: list[TokenStream | Blend] = []
+        for c, (v, _w) in enumerate(components):
+            if not isinstance(v, (TokenStream, Blend)) or isinstance(v, StreamWithMetadata):
+                raise TypeError(
+                    f"component {c} must be a TokenStream or a Blend, got {type(v).__name__}"
+                )
+            if len(v) == 0:
+                raise ValueError(f"component {c} is empty: {v!r}")
+            self.views.append(v)
+        self.sizes = [len(v) for v in self.views]
+        first = self.views[0]
+        self.window = first.window
+        self._dtype = _dtype_of(first)
+        for c, v in enumerate(self.views):
+            if v.window != self.window or _dtype_of(v) != self._dtype:
+                raise ValueError(
+                    f"component {c} has window {v.window} and dtype {_dtype_of(v)}; "
+                    f"component 0 has {self.window} and {self._dtype}"
+                )
+        self.seed, self.block_size, self.rounds = int(seed), int(block_size), int(rounds)
+        k = len(self.views)
+        stages = [(0, list(map(float, (w for _, w in components))))]
+        for pos, weights in schedule:
+            stages.append((int(pos), list(map(float, weights))))
+        for i, (pos, weights) in enumerate(stages):
+            if len(weights) != k:
+                raise ValueError(f"stage {i} gives {len(weights)} weights for {k} components")
+            if any(w < 0 or w != w for w in weights):
+                raise ValueError(f"stage {i}: weights must be non-negative, got {weights}")
+            if sum(weights) <= 0:
+                raise ValueError(f"stage {i}: all weights are zero")
+            if pos % self.block_size:
+                raise ValueError(
+                    f"stage {i} starts at position {pos}, not a multiple of the "
+                    f"block size {self.block_size}"
+                )
+            if i and pos <= stages[i - 1][0]:
+                raise ValueError(
+                    f"the schedule is out of order: stage {i} starts at {pos}, "
+                    f"after {stages[i - 1][0]}"
+                )
+        caps = dict(max_epochs or {})
+        for c, e in caps.items():
+            if not 0 <= c < k or e < 1:
+                raise ValueError(
+                    f"max_epochs: need a component in [0, {k}) and epochs >= 1, got {c}: {e}"
+                )
+        self.stages = stages
+        self.max_epochs = caps
+        self._segments = self._compile()
+        self._starts = [s.first_block for s in self._segments]
+        end = self._end_position()
+        if length is None:
+            if end is None:
+                raise ValueError("length is required unless every component is capped")
+            length = end
+        if end is not None and length > end:
+            raise ValueError(
+                f"length {length} is past the end of the blend ({end} positions: "
+                "its capped components run out)"
+            )
+        self.source = first.source  # for View's close(); components keep their own
+        self._total = int(length)
+        self._lo, self._hi = 0, self._total
+        self._cache: OrderedDict[tuple[int, int], Permutation] = OrderedDict()
+        self._layouts: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # ---- compilation --------------------------------------------------------------
+
+    def _compile(self) -> list[_Segment]:
+        m, k = self.block_size, len(self.views)
+        limit = {c: e * self.sizes[c] for c, e in self.max_epochs.items()}
+        used = [0] * k
+        segments: list[_Segment] = []
+        stage_blocks = [pos // m for pos, _ in self.stages] + [-1]
+        for si, (_, weights) in enumerate(self.stages):
+            block, stop = stage_blocks[si], stage_blocks[si + 1]
+            while stop == -1 or block < stop:
+                live = [
+                    w if (c not in limit or used[c] < limit[c]) else 0.0
+                    for c, w in enumerate(weights)
+                ]
+                if sum(live) <= 0:
+                    return self._finish(segments, block)  # everything capped: the end
+                counts = largest_remainder(live, m)
+                # blocks until a capped component runs out with these counts
+                run = -1 if stop == -1 else stop - block
+                for c, lim in limit.items():
+                    if counts[c]:
+                        full = (lim - used[c]) // counts[c]  # whole blocks it can fill
+                        run = full if run == -1 else min(run, full)
+                if run:
+                    segments.append(_Segment(block, run, tuple(counts), tuple(used)))
+                    if run == -1:
+                        return segments
+                    used = [u + run * n for u, n in zip(used, counts, strict=True)]
+                    block += run
+                    continue
+                # One block where some capped component has fewer left than its count:
+                # give it what is left and deal the freed slots to the others.
+                short = {c: limit[c] - used[c] for c in limit if counts[c] > limit[c] - used[c]}
+                fixed = [short.get(c, 0) for c in range(k)]
+                rest = m - sum(fixed)
+                others = [0.0 if c in short else w for c, w in enumerate(live)]
+                if sum(others) > 0:
+                    extra = largest_remainder(others, rest)
+                    counts = [f + e for f, e in zip(fixed, extra, strict=True)]
+                    segments.append(_Segment(block, 1, tuple(counts), tuple(used)))
+                    used = [u + n for u, n in zip(used, counts, strict=True)]
+                    block += 1
+                else:
+                    # only exhausted components were left: a final partial block
+                    segments.append(_Segment(block, 1, tuple(fixed), tuple(used)))
+                    return self._finish(segments, block + 1, partial=sum(fixed))
+        return segments
+
+    def _finish(self, segments: list[_Segment], block: int, partial: int = 0) -> list[_Segment]:
+        self._end_block, self._partial = block, partial
+        return segments
+
+    def _end_position(self) -> int | None:
+        if not hasattr(self, "_end_block"):
+            return None
+        if self._partial:
+            return (self._end_block - 1) * self.block_size + self._partial
+        return self._end_block * self.block_size
+
+    # ---- lookups --------------------------------------------------------------------
+
+    def _perm(self, key: tuple[int, int], n: int, seed: int) -> Permutation:
+        with self._lock:
+            p = self._cache.get(key)
+            if p is None:
+                p = Permutation(n, seed=seed, rounds=self.rounds)
+                self._cache[key] = p
+                while len(self._cache) > 256:
+                    self._cache.popitem(last=False)
+            return p
+
+    def _layout(self, b: int, seg: _Segment) -> tuple[np.ndarray, np.ndarray]:
+        """(component, lane) of each slot of block b: see the module docstring."""
+        with self._lock:
+            hit = self._layouts.get(b)
+            if hit is not None:
+                self._layouts.move_to_end(b)
+                return hit
+        key = epoch_seed(self.seed ^ _SLOT_TAG, b)
+        comps, lanes, times = [], [], []
+        for c, k in enumerate(seg.counts):
+            if k:
+                u = epoch_seed(key, c) / 2.0**64  # the phase, in [0, 1)
+                j = np.arange(k, dtype=np.int64)
+                comps.append(np.full(k, c, dtype=np.int64))
+                lanes.append(j)
+                times.append((j + u) / k)
+        comp, lane, time = (np.concatenate(x) for x in (comps, lanes, times))
+        order = np.lexsort((comp, time))
+        layout = (comp[order], lane[order])
+        with self._lock:
+            self._layouts[b] = layout
+            while len(self._layouts) > 256:
+                self._layouts.popitem(last=False)
+        return layout
+
+    def component_positions(self, positions: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """``(component, its own position p)`` (int64) of blend positions.
+
+        Component ``c`` sees its positions ``0, 1, 2, ...`` exactly once each, in
+        order within every block; ``p // len(component)`` is its epoch.
+        """
+        q = self._global(positions).astype(np.int64)
+        blocks, slots = np.divmod(q, self.block_size)
+        comp = np.empty(len(q), dtype=np.int64)
+        cpos = np.empty(len(q), dtype=np.int64)
+        for b in np.unique(blocks).tolist():
+            sel = blocks == b
+            seg = self._segments[bisect.bisect_right(self._starts, b) - 1]
+            slot_comp, slot_lane = self._layout(b, seg)
+            c = slot_comp[slots[sel]]
+            comp[sel] = c
+            counts = np.asarray(seg.counts, dtype=np.int64)
+            before = np.asarray(seg.before, dtype=np.int64)
+            cpos[sel] = before[c] + (b - seg.first_block) * counts[c] + slot_lane[slots[sel]]
+        return comp, cpos
+
+    def locate(self, positions: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """``(component, index in component)`` (int64 arrays) of blend positions."""
+        comp, cpos = self.component_positions(positions)
+        index = np.empty(len(comp), dtype=np.int64)
+        for c in np.unique(comp).tolist():
+            sel = comp == c
+            n = self.sizes[c]
+            epochs, j = np.divmod(cpos[sel], n)
+            out = np.empty(int(sel.sum()), dtype=np.int64)
+            for e in np.unique(epochs).tolist():
+                es = epochs == e
+                cseed = epoch_seed(epoch_seed(self.seed ^ _COMP_TAG, c), e)
+                out[es] = self._perm((c, e), n, cseed).take(j[es]).astype(np.int64)
+            index[sel] = out
+        return comp, index
+
+    def proportions(self, start: int, stop: int) -> np.ndarray:
+        """How many of positions ``[start, stop)`` each component gets (int64 counts)."""
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"range [{start}, {stop}) is not within [0, {len(self)}]")
+        counts: np.ndarray = self._count_before(stop) - self._count_before(start)
+        return counts
+
+    def _count_before(self, q: int) -> np.ndarray:
+        """Samples of each component in blend positions [0, q) (of the whole blend)."""
+        m = self.block_size
+        q += self._lo
+        b, r = divmod(q, m)
+        seg = self._segments[bisect.bisect_right(self._starts, b) - 1] if self._segments else None
+        k = len(self.views)
+        if seg is None:
+            return np.zeros(k, dtype=np.int64)
+        counts = np.asarray(seg.counts, dtype=np.int64)
+        total = np.asarray(seg.before, dtype=np.int64) + (b - seg.first_block) * counts
+        if r:
+            slot_comp, _ = self._layout(b, seg)
+            total += np.bincount(slot_comp[:r], minlength=k)
+        return total
+
+    # ---- reading ------------------------------------------------------------------------
+
+    def empty(self, batch: int, alloc: Alloc = np.empty) -> Fields:
+        """Arrays ``read`` can fill for ``batch`` observations (as the components')."""
+        return self.views[0].empty(batch, alloc=alloc)
+
+    def read(self, indices: npt.ArrayLike, out: Fields | None = None) -> Fields:
+        """The samples at blend positions ``indices``, read component by component."""
+        comp, index = self.locate(indices)
+        b = len(comp)
+        if out is None:
+            out = self.empty(b)
+        for c in np.unique(comp).tolist():
+            sel = np.flatnonzero(comp == c)
+            got = self.views[c].read(index[sel])
+            if isinstance(out, dict):
+                assert isinstance(got, dict)
+                for name, arr in out.items():
+                    _check_out(arr, (b, self.window), arr.dtype, f"out[{name!r}]")
+                    arr[sel] = got[name]
+            else:
+                assert isinstance(got, np.ndarray)
+                _check_out(out, (b, self.window), out.dtype, "out")
+                out[sel] = got
+        return out
+
+    def __getitem__(self, i: int) -> Fields:
+        got = self.read(self._index(i))
+        if isinstance(got, dict):
+            return {k: v[0] for k, v in got.items()}
+        return np.asarray(got[0])
+
+    @property
+    def fingerprint(self) -> str:
+        parts = ",".join(v.fingerprint for v in self.views)
+        return (
+            f"Blend({parts}):{self.seed}:{self.block_size}:{self.stages}:"
+            f"{sorted(self.max_epochs.items())}:{self._lo}:{self._hi}"
+        )
+
+    def close(self) -> None:
+        for v in self.views:
+            v.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Blend({len(self.views)} components, stages={len(self.stages)}, "
+            f"block_size={self.block_size}, n={len(self)})"
+        )
+
+
+def _dtype_of(view: TokenStream | Blend) -> Any:
+    return view._dtype if isinstance(view, Blend) else view.source.dtype
