@@ -85,6 +85,7 @@ def test_trillion_tokens_open_fast_and_stay_small(trillion: tuple[Path, dict[int
 
     for i, value in known.items():
         w = view[i]
+        assert isinstance(w, np.ndarray)
         assert w[0] == value and w[-1] == value + 0x100, i
     assert len(view.source.rows.plan(min(known) + 0, 1)) == 1
 
