@@ -113,7 +113,8 @@ class DataLoader:
         mesh, mesh_dim: a ``DeviceMesh`` and its data-parallel dimension (name
             or index, default 0); ranks differing only in other dimensions get
             identical batches.
-        prefetch: batches built ahead of the trainer (per rank).
+        prefetch: batches built ahead of the trainer (per rank); keep it at
+            least twice ``steps_per_task`` so a task is always being built.
         num_threads: reader threads; 0 builds each batch in ``next()`` (handy
             for debugging). Default: half the CPU cores, between 1 and 4, so
             the training thread keeps a core of its own.
@@ -158,7 +159,7 @@ class DataLoader:
         world_size: int | None = None,
         mesh: Any = None,
         mesh_dim: str | int | None = None,
-        prefetch: int = 4,
+        prefetch: int = 16,
         num_threads: int | None = None,
         pin_memory: bool | str = "auto",
         device: Any = None,
@@ -169,7 +170,7 @@ class DataLoader:
         documents: str = "pad",
         pad_to: int | None = None,
         pad_value: int = 0,
-        steps_per_task: int = 4,
+        steps_per_task: int = 8,
     ) -> None:
         from tokload.blend import Blend
 
