@@ -102,7 +102,8 @@ def install() -> dict[str, str]:
         )
         pip("--no-deps", "mosaicml-streaming", "litdata")
         pip("-c", str(constraints), *LIGHT_DEPS)
-        pip("-c", str(constraints), "--no-deps", str(ROOT))
+    # tokload from this checkout, rebuilt every run so the current code is measured
+    pip("--no-deps", "--force-reinstall", str(ROOT))
     versions: dict[str, str] = {}
     for pkg in (
         "torch",
