@@ -198,6 +198,15 @@ def test_writer_rejects_bad_spans_and_modes(tmp_path: Path) -> None:
         Writer(tmp_path / "f", "<f4")
     with pytest.raises(FormatError, match=r"needs a '<u4' field 'metadata_id'"):
         Writer(tmp_path / "n", "<u4", metadata=True)
+    padded = np.dtype(
+        {"names": ["a", "b"], "formats": ["<u4", "<u2"], "offsets": [0, 4], "itemsize": 8}
+    )
+    with pytest.raises(
+        FormatError,
+        match=r"packed without padding: 6 bytes of fields in an? "
+        r"8-byte row",
+    ):
+        Writer(tmp_path / "pad", padded)
     with pytest.raises(FormatError, match=r"differs from"):
         tokload.merge(tmp_path / "mm", [tmp_path / "m", tmp_path / "p"])
 

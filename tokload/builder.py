@@ -411,7 +411,6 @@ def _build_input(
     skipped: Counter[str] = Counter()
     docs = tokens = 0
     size = path.stat().st_size
-    reported = 0
 
     def fail(where: str, reason: str) -> None:
         if opts.on_error == "stop":
@@ -472,7 +471,7 @@ def _build_input(
             "skipped": dict(sorted(skipped.items())),
         }
     os.replace(tmp, final)  # the part is complete: publish it
-    report(size - reported)
+    report(size)  # progress counts whole inputs
 
 
 def _document(

@@ -184,8 +184,12 @@ def check_dtype(dtype: np.dtype[Any], where: str = "dtype") -> None:
     for name, (ft, *_rest) in dtype.fields.items():
         if ft.kind not in _INT_KINDS or ft.shape:
             raise FormatError(f"{where}: field {name!r} must be an integer scalar, got {ft}")
-    if dtype.itemsize == 0:
-        raise FormatError(f"{where}: empty dtype")
+    packed = sum(ft.itemsize for ft, *_rest in dtype.fields.values())
+    if dtype.itemsize == 0 or packed != dtype.itemsize:
+        raise FormatError(
+            f"{where}: fields must be packed without padding: {packed} bytes of fields in "
+            f"a row of {dtype.itemsize} bytes"
+        )
 
 
 def fingerprint(dtype: np.dtype[Any], shards: list[tuple[Any, ...]]) -> str:
