@@ -203,8 +203,8 @@ def test_writer_rejects_bad_spans_and_modes(tmp_path: Path) -> None:
     )
     with pytest.raises(
         FormatError,
-        match=r"packed without padding: 6 bytes of fields in an? "
-        r"8-byte row",
+        match=r"packed without padding: 6 bytes of fields in a "
+        r"row of 8 bytes",
     ):
         Writer(tmp_path / "pad", padded)
     with pytest.raises(FormatError, match=r"differs from"):
