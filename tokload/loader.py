@@ -61,6 +61,8 @@ class _Order:
 
     def indices(self, positions: np.ndarray) -> np.ndarray:
         """Sample indices (int64) of global positions (uint64)."""
+        if len(positions) == 0:  # a rank with nothing left in a final partial batch
+            return np.zeros(0, dtype=np.int64)
         n = np.uint64(self.n)
         j = positions % n
         if not self.shuffle:
@@ -350,8 +352,10 @@ class DataLoader:
         ``"position"``, and per view kind ``"lengths"``/``"cu_seqlens"`` or
         ``"metadata_positions"``/``"metadata"``. This is what ``collate`` gets.
         """
+        if self._windows:
+            return self.raw_batches([(start, end)])[0]
         pos = self.positions(start, end)
-        idx = self._order.indices(pos) if len(pos) else np.zeros(0, np.int64)
+        idx = self._order.indices(pos)
         raw: dict[str, Any] = {}
         view = self.view
         b = len(idx)
@@ -364,10 +368,6 @@ class DataLoader:
             raw.update(res.fields)
             raw["metadata_positions"] = res.positions
             raw["metadata"] = res.metadata
-        elif self._windows:
-            wv = cast("TokenStream | Blend", view)
-            got = wv.read(idx, out=wv.empty(b, alloc=self._alloc))
-            raw.update(got if isinstance(got, dict) else {"tokens": got})
         else:
             assert isinstance(view, Documents)
             if self.documents == "pad":
@@ -397,7 +397,7 @@ class DataLoader:
         batch.
         """
         view = self.view
-        if len(spans) == 1 or not self._windows:
+        if not self._windows:
             return [self.raw_batch(*sp) for sp in spans]
         pos_list = [self.positions(*sp) for sp in spans]
         pos = np.concatenate(pos_list)
