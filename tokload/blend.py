@@ -203,7 +203,7 @@ class Blend(View):
                     for c, w in enumerate(weights)
                 ]
                 if sum(live) <= 0:
-                    return self._finish(segments, block)  # everything capped: the end
+                    return segments  # everything capped: the blend ends here
                 counts = largest_remainder(live, m)
                 # blocks until a capped component runs out with these counts
                 run = -1 if stop == -1 else stop - block
@@ -233,19 +233,20 @@ class Blend(View):
                 else:
                     # only exhausted components were left: a final partial block
                     segments.append(_Segment(block, 1, tuple(fixed), tuple(used)))
-                    return self._finish(segments, block + 1, partial=sum(fixed))
-        return segments
-
-    def _finish(self, segments: list[_Segment], block: int, partial: int = 0) -> list[_Segment]:
-        self._end_block, self._partial = block, partial
+                    return segments
         return segments
 
     def _end_position(self) -> int | None:
-        if not hasattr(self, "_end_block"):
+        """Where the blend ends (every component capped), or None when it never does.
+
+        The compiled segments run to infinity unless it ends; then the last
+        segment's last block holds ``sum(counts)`` slots (fewer than M when the
+        final block is partial).
+        """
+        last = self._segments[-1]
+        if last.blocks == -1:
             return None
-        if self._partial:
-            return (self._end_block - 1) * self.block_size + self._partial
-        return self._end_block * self.block_size
+        return (last.first_block + last.blocks - 1) * self.block_size + sum(last.counts)
 
     # ---- lookups --------------------------------------------------------------------
 
