@@ -7,6 +7,7 @@ crash never leaves a manifest that refers to data that is not on disk.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 from collections.abc import Mapping, Sequence
@@ -16,12 +17,14 @@ from typing import IO, Any, Self
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 from tokload.errors import FormatError
 from tokload.format import (
     MANIFEST,
     METADATA_FIELD,
     NO_METADATA,
+    SHARD_FILES,
     Manifest,
     ShardInfo,
     check_dtype,
@@ -264,33 +267,38 @@ def _checked_cast(values: np.ndarray, dtype: np.dtype[Any], what: str) -> np.nda
 
 
 class _OpenShard:
-    """The files of the shard being written."""
+    """The files of the shard being written, each with its running xxh3_64."""
 
     def __init__(self, root: Path, name: str, metadata: bool) -> None:
         self.name = name
-        base = root / name
-        self.paths = [base.with_name(name + ext) for ext in (".rows", ".docs", ".mdx", ".mdb")]
-        if not metadata:
-            self.paths = self.paths[:2]
+        self.exts = SHARD_FILES if metadata else SHARD_FILES[:2]
+        self.paths = [root / f"{name}.{ext}" for ext in self.exts]
         self.files: list[IO[bytes]] = [open(p, "xb", buffering=1 << 20) for p in self.paths]  # noqa: SIM115
+        # The checksums are computed from the bytes as they are written: no second pass.
+        self.hashes = [xxhash.xxh3_64() for _ in self.paths]
         self.rows = 0
         self.documents = 0
         self.records = 0
         self.meta_bytes = 0
-        self.files[1].write(np.zeros(1, _U64).tobytes())  # first document starts at row 0
+        first = np.zeros(1, _U64).tobytes()
+        self._put(1, first)  # first document starts at row 0
         if metadata:
-            self.files[2].write(np.zeros(1, _U64).tobytes())
+            self._put(2, first)
+
+    def _put(self, k: int, data: bytes | memoryview) -> None:
+        self.files[k].write(data)
+        self.hashes[k].update(data)
 
     def add(self, rows: np.ndarray, payloads: list[bytes]) -> None:
-        self.files[0].write(np.ascontiguousarray(rows).tobytes())
+        self._put(0, np.ascontiguousarray(rows).view(np.uint8).data)
         self.rows += len(rows)
         self.documents += 1
-        self.files[1].write(np.array([self.rows], _U64).tobytes())
+        self._put(1, np.array([self.rows], _U64).tobytes())
         if payloads:
             ends = self.meta_bytes + np.cumsum([len(p) for p in payloads], dtype=np.uint64)
             for p in payloads:
-                self.files[3].write(p)
-            self.files[2].write(ends.astype(_U64).tobytes())
+                self._put(3, p)
+            self._put(2, ends.astype(_U64).tobytes())
             self.records += len(payloads)
             self.meta_bytes = int(ends[-1])
 
@@ -300,7 +308,10 @@ class _OpenShard:
             if durable:
                 os.fsync(f.fileno())
             f.close()
-        return ShardInfo(self.name, self.rows, self.documents, self.records, self.meta_bytes)
+        checksums = {ext: h.hexdigest() for ext, h in zip(self.exts, self.hashes, strict=True)}
+        return ShardInfo(
+            self.name, self.rows, self.documents, self.records, self.meta_bytes, checksums
+        )
 
     def remove(self) -> None:
         for p in self.paths:
@@ -336,9 +347,7 @@ def merge(output: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str
         rel = os.path.relpath(path.resolve(), out.resolve())
         for s in m.shards:
             name = os.path.normpath(os.path.join(rel, s.name))
-            merged.shards.append(
-                ShardInfo(name, s.rows, s.documents, s.metadata_records, s.metadata_bytes)
-            )
+            merged.shards.append(dataclasses.replace(s, name=name))  # checksums carried over
         merged.user.setdefault("merged_from", []).append(rel)
     write_manifest(out, merged)
     return merged

@@ -1,0 +1,91 @@
+"""Deep verification: recompute the checksums the writer recorded (FORMAT.md).
+
+The one job of this module is :func:`verify_checksums`, which ``tokload verify
+--deep`` runs. It reads every byte of a dataset once, in fixed-size chunks
+(memory stays bounded whatever the file sizes), so it costs a full pass over
+the data; opening a dataset never does this.
+"""
+
+from __future__ import annotations
+
+import os
+
+import xxhash
+
+from tokload.errors import TokloadError
+from tokload.format import CHECKSUM_KEY, MANIFEST, SHARD_FILES, open_regular, read_manifest
+
+CHUNK = 8 << 20
+"""Bytes read per call while hashing."""
+
+
+def file_checksum(path: str | os.PathLike[str], what: str = "file") -> str:
+    """The xxh3_64 of a regular file's bytes, as 16 lowercase hex digits.
+
+    Reads in chunks of :data:`CHUNK` bytes into one reused buffer.
+    """
+    fd = open_regular(path, what)
+    try:
+        h = xxhash.xxh3_64()
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        while n := os.readv(fd, [buf]):
+            h.update(view[:n])
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+def verify_checksums(path: str | os.PathLike[str]) -> list[str]:
+    """Recompute every shard file's xxh3_64 and compare it with the manifest.
+
+    Args:
+        path: a tokload dataset directory.
+
+    Returns:
+        The problems found, each a line naming the file; empty when every
+        recorded checksum matches. Stops at the first damaged (or missing,
+        or unreadable) file, so the first problem names it. A dataset, or
+        some of its shards, without recorded checksums (written before
+        tokload recorded them) gives a line saying so: their bytes could
+        not be verified.
+
+    Raises:
+        MissingShardError, FormatError: the manifest itself is missing or bad.
+    """
+    m = read_manifest(path)
+    has = {"rows": True, "docs": m.documents, "mdx": m.metadata, "mdb": m.metadata}
+    exts = [e for e in SHARD_FILES if has[e]]
+    problems: list[str] = []
+    unchecked = 0
+    for s in m.shards:
+        sums = s.checksums or {}
+        if not sums:
+            unchecked += 1
+            continue
+        for ext in exts:
+            want = sums.get(ext)
+            if want is None:
+                continue
+            file = os.path.join(os.fspath(path), f"{s.name}.{ext}")
+            try:
+                got = file_checksum(file, f"shard .{ext} file")
+            except (OSError, TokloadError) as e:
+                return [f"{file}: cannot be checked: {e}"]
+            if got != want:
+                return [
+                    f"{file}: damaged: its {CHECKSUM_KEY} is {got}, the manifest records {want}",
+                ]
+    if unchecked:
+        where = os.path.join(os.fspath(path), MANIFEST)
+        if unchecked == len(m.shards):
+            problems.append(
+                f"{where}: no checksums recorded (written before tokload recorded them); "
+                "the data could not be verified"
+            )
+        else:
+            problems.append(
+                f"{where}: {unchecked} of {len(m.shards)} shards have no checksums recorded; "
+                "their data could not be verified"
+            )
+    return problems
