@@ -17,6 +17,7 @@ from tokload.errors import (
     CorruptDataError,
     FormatError,
     MissingShardError,
+    StateError,
     TokloadError,
     TruncatedFileError,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "MissingShardError",
     "Permutation",
     "Source",
+    "StateError",
     "StreamWithMetadata",
     "TokenStream",
     "TokloadError",

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
-from collections.abc import Mapping
+import secrets
+import stat
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,14 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 METADATA_FIELD = "metadata_id"
 NO_METADATA = 0xFFFFFFFF
+CHECKSUM_KEY = "xxh3_64"
+"""The per-shard manifest key of the files' checksums (FORMAT.md)."""
+SHARD_FILES = ("rows", "docs", "mdx", "mdb")
+"""The extensions of a shard's files, in the order the writer opens them."""
+MAX_COUNT = (1 << 63) - 1
+"""The largest count or size a manifest may hold (a file offset is an int64)."""
 _INT_KINDS = "iu"
+_HEX = frozenset("0123456789abcdef")
 
 
 @dataclass(frozen=True)
@@ -39,15 +47,29 @@ class ShardInfo:
     documents: int = 0
     metadata_records: int = 0
     metadata_bytes: int = 0
+    checksums: Mapping[str, str] | None = field(default=None, hash=False)
+    """xxh3_64 of each of the shard's files, keyed by extension (``"rows"``,
+    ``"docs"``, ``"mdx"``, ``"mdb"``) as 16 lowercase hex digits; None when the
+    writer recorded none."""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "rows": self.rows,
             "documents": self.documents,
             "metadata_records": self.metadata_records,
             "metadata_bytes": self.metadata_bytes,
         }
+        if self.checksums is not None:
+            out[CHECKSUM_KEY] = dict(self.checksums)
+        return out
+
+    def fingerprint_entry(self) -> list[Any]:
+        """What the fingerprint takes from this shard (FORMAT.md)."""
+        entry: list[Any] = [os.path.basename(self.name), self.rows, self.documents]
+        if self.checksums is not None:
+            entry.append(dict(sorted(self.checksums.items())))
+        return entry
 
 
 @dataclass
@@ -69,11 +91,9 @@ class Manifest:
         return sum(s.documents for s in self.shards)
 
     def fingerprint(self) -> str:
-        """SHA-256 of the dtype and per shard (base name, rows, documents): see FORMAT.md."""
-        return fingerprint(
-            self.dtype,
-            [(os.path.basename(s.name), s.rows, s.documents) for s in self.shards],
-        )
+        """SHA-256 of the dtype and per shard (base name, rows, documents[, checksums]):
+        see FORMAT.md."""
+        return fingerprint(self.dtype, [s.fingerprint_entry() for s in self.shards])
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -88,37 +108,43 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> Manifest:
+        """Parse the JSON of a manifest; ``where`` (its path) prefixes every error.
+
+        Everything FORMAT.md forbids is refused with a :class:`FormatError`
+        naming the offending key; ``user`` (and any key this version does not
+        know) is ignored, whatever its JSON type.
+        """
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise FormatError(f'{where}: not a tokload manifest (no "format": "tokload")')
         version = data.get("version")
-        if version != FORMAT_VERSION:
+        if type(version) is not int or version != FORMAT_VERSION:
             raise FormatError(
-                f"{where}: unknown format version {version!r}; this tokload reads version "
+                f"{where}: unknown format version {_show(version)}; this tokload reads version "
                 f"{FORMAT_VERSION}"
             )
-        try:
-            dtype = dtype_from_json(data["dtype"])
-            shards = [
-                ShardInfo(
-                    name=str(s["name"]),
-                    rows=_count(s, "rows"),
-                    documents=_count(s, "documents"),
-                    metadata_records=_count(s, "metadata_records"),
-                    metadata_bytes=_count(s, "metadata_bytes"),
-                )
-                for s in data["shards"]
-            ]
-            m = cls(
-                dtype=dtype,
-                documents=bool(data["documents"]),
-                metadata=bool(data["metadata"]),
-                shards=shards,
-                user=dict(data.get("user") or {}),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, FormatError):
-                raise
-            raise FormatError(f"{where}: malformed manifest: {e!r}") from None
+        for key in ("dtype", "documents", "metadata", "shards"):
+            if key not in data:
+                raise FormatError(f"{where}: malformed manifest: no {key!r}")
+        dtype = dtype_from_json(data["dtype"], f"{where}: dtype")
+        flags = {}
+        for key in ("documents", "metadata"):
+            if not isinstance(data[key], bool):
+                raise FormatError(f"{where}: {key!r} must be true or false, got {_show(data[key])}")
+            flags[key] = data[key]
+        if not isinstance(data["shards"], list):
+            raise FormatError(f"{where}: 'shards' must be a list, got {_show(data['shards'])}")
+        shards = [
+            _shard_from_json(s, f"{where}: shards[{k}]") for k, s in enumerate(data["shards"])
+        ]
+        user = data.get("user")
+        m = cls(
+            dtype=dtype,
+            documents=flags["documents"],
+            metadata=flags["metadata"],
+            shards=shards,
+            # Readers ignore ``user`` (FORMAT.md): a value that is not an object is dropped.
+            user=user if isinstance(user, dict) else {},
+        )
         m.check(where)
         return m
 
@@ -150,13 +176,82 @@ class Manifest:
                 )
 
 
-def _count(s: dict[str, Any], key: str) -> int:
-    v = s.get(key, 0)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise FormatError(
-            f"shard {s.get('name')!r}: {key} must be a non-negative integer, got {v!r}"
-        )
+def _show(value: Any, limit: int = 60) -> str:
+    """``repr`` of a value from a file, cut short (a JSON number may have 4,000 digits)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long for repr
+        return f"<an integer of more than {limit} digits>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _count(s: dict[str, Any], key: str, where: str, required: bool = False) -> int:
+    if key not in s:
+        if required:
+            raise FormatError(f"{where}: malformed manifest: no {key!r}")
+        return 0
+    v = s[key]
+    if type(v) is not int or v < 0:
+        raise FormatError(f"{where}.{key} must be a non-negative integer, got {_show(v)}")
+    if v > MAX_COUNT:
+        raise FormatError(f"{where}.{key} is out of range: {_show(v)} is not below 2**63")
     return v
+
+
+def check_shard_name(name: Any, where: str) -> str:
+    """A shard name as FORMAT.md allows it: a non-empty relative path ('/' and '..'
+    inside are fine) that names a file, without NUL or unpaired surrogates."""
+    if not isinstance(name, str):
+        raise FormatError(f"{where}.name must be a string, got {_show(name)}")
+    problem = None
+    if not name:
+        problem = "is empty"
+    elif "\0" in name:
+        problem = "contains a NUL character"
+    elif name.startswith("/"):
+        problem = "is an absolute path; shard names are relative to the dataset"
+    elif name.rsplit("/", 1)[-1] in ("", ".", ".."):
+        problem = "does not end in a file name"
+    else:
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            problem = "contains an unpaired surrogate (not valid Unicode)"
+    if problem is not None:
+        raise FormatError(f"{where}.name {_show(name)} {problem}")
+    return name
+
+
+def _shard_from_json(s: Any, where: str) -> ShardInfo:
+    if not isinstance(s, dict):
+        raise FormatError(f"{where} must be an object, got {_show(s)}")
+    if "name" not in s:
+        raise FormatError(f"{where}: malformed manifest: no 'name'")
+    name = check_shard_name(s["name"], where)
+    where = f"{where} ({name!r})"
+    checksums = None
+    if CHECKSUM_KEY in s:
+        raw = s[CHECKSUM_KEY]
+        if not isinstance(raw, dict):
+            raise FormatError(f"{where}.{CHECKSUM_KEY} must be an object, got {_show(raw)}")
+        checksums = {}
+        for ext in SHARD_FILES:
+            if ext in raw:
+                v = raw[ext]
+                if not (isinstance(v, str) and len(v) == 16 and set(v) <= _HEX):
+                    raise FormatError(
+                        f"{where}.{CHECKSUM_KEY}.{ext} must be 16 lowercase hex digits, "
+                        f"got {_show(v)}"
+                    )
+                checksums[ext] = v
+    return ShardInfo(
+        name=name,
+        rows=_count(s, "rows", where, required=True),
+        documents=_count(s, "documents", where),
+        metadata_records=_count(s, "metadata_records", where),
+        metadata_bytes=_count(s, "metadata_bytes", where),
+        checksums=checksums,
+    )
 
 
 def dtype_to_json(dtype: np.dtype[Any]) -> Any:
@@ -166,24 +261,54 @@ def dtype_to_json(dtype: np.dtype[Any]) -> Any:
     return [list(item) for item in dtype.descr]
 
 
-def dtype_from_json(value: Any) -> np.dtype[Any]:
+def dtype_from_json(value: Any, where: str = "dtype") -> np.dtype[Any]:
+    """The dtype of a manifest's ``dtype`` value: a string for a plain dtype, a
+    list of ``[name, format]`` pairs (both strings) for a structured one."""
+    if isinstance(value, str):
+        items = None
+    elif isinstance(value, list) and value:
+        items = []
+        for k, item in enumerate(value):
+            if not (
+                isinstance(item, list)
+                and len(item) == 2
+                and all(isinstance(x, str) for x in item)
+                and item[0]
+            ):
+                raise FormatError(
+                    f"{where}[{k}] must be a [name, format] pair of strings, got {_show(item)}"
+                )
+            items.append((item[0], item[1]))
+    else:
+        raise FormatError(
+            f"{where} must be a string or a list of [name, format] pairs, got {_show(value)}"
+        )
     try:
-        if isinstance(value, str):
-            return np.dtype(value)
-        return np.dtype([tuple(item) for item in value])
-    except (TypeError, ValueError) as e:
-        raise FormatError(f"unsupported dtype {value!r}: {e}") from None
+        dtype = np.dtype(value if items is None else items)
+    except Exception as e:  # numpy raises TypeError, ValueError, KeyError, ... for bad strings
+        raise FormatError(f"{where}: unsupported dtype {_show(value)}: {e}") from None
+    if items is None and dtype.fields is not None:
+        raise FormatError(
+            f"{where}: {_show(value)} is a structured dtype; write it as a list of "
+            "[name, format] pairs"
+        )
+    check_dtype(dtype, where)
+    return dtype
 
 
 def check_dtype(dtype: np.dtype[Any], where: str = "dtype") -> None:
-    """Only integer rows (plain or structured with integer fields) are allowed."""
+    """Only little-endian integer rows (plain or structured with integer fields)."""
     if dtype.fields is None:
         if dtype.kind not in _INT_KINDS:
             raise FormatError(f"{where}: rows must be integers, got dtype {dtype}")
+        if dtype != dtype.newbyteorder("<"):
+            raise FormatError(f"{where}: rows must be little-endian, got dtype {dtype.str}")
         return
     for name, (ft, *_rest) in dtype.fields.items():
         if ft.kind not in _INT_KINDS or ft.shape:
             raise FormatError(f"{where}: field {name!r} must be an integer scalar, got {ft}")
+        if ft != ft.newbyteorder("<"):
+            raise FormatError(f"{where}: field {name!r} must be little-endian, got {ft.str}")
     packed = sum(ft.itemsize for ft, *_rest in dtype.fields.values())
     if dtype.itemsize == 0 or packed != dtype.itemsize:
         raise FormatError(
@@ -192,8 +317,8 @@ def check_dtype(dtype: np.dtype[Any], where: str = "dtype") -> None:
         )
 
 
-def fingerprint(dtype: np.dtype[Any], shards: list[tuple[Any, ...]]) -> str:
-    """SHA-256 of the canonical JSON of the dtype and one tuple per shard."""
+def fingerprint(dtype: np.dtype[Any], shards: Sequence[Sequence[Any]]) -> str:
+    """SHA-256 of the canonical JSON of the dtype and one entry (a sequence) per shard."""
     canon = json.dumps(
         {"dtype": dtype_to_json(dtype), "shards": [list(s) for s in shards]},
         sort_keys=True,
@@ -202,28 +327,139 @@ def fingerprint(dtype: np.dtype[Any], shards: list[tuple[Any, ...]]) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()
 
 
+def file_kind(mode: int) -> str:
+    """What a ``st_mode`` describes, for messages."""
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def regular_size(path: str | os.PathLike[str], what: str) -> int:
+    """The size of ``path``, which must be a regular file (symlinks followed).
+
+    Only ``stat``s, so a FIFO or device in a file's place is refused without
+    the open that would block on it.
+
+    Raises:
+        MissingShardError: nothing is there.
+        FormatError: something other than a regular file is there.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise MissingShardError(2, f"missing {what}", os.fspath(path)) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise FormatError(
+            f"{os.fspath(path)}: {what} is {file_kind(st.st_mode)}, not a regular file"
+        )
+    return st.st_size
+
+
+def open_regular(path: str | os.PathLike[str], what: str) -> int:
+    """A read-only descriptor of a regular file, never blocking on a FIFO or device.
+
+    ``stat`` first, then ``O_NONBLOCK`` (no effect on regular files) and
+    ``fstat`` again, in case the file was replaced in between.
+    """
+    regular_size(path, what)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise MissingShardError(2, f"missing {what}", os.fspath(path)) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise FormatError(f"{os.fspath(path)}: {what} is {file_kind(mode)}, not a regular file")
+    return fd
+
+
+def read_regular(path: str | os.PathLike[str], what: str) -> bytes:
+    """All bytes of a regular file (see :func:`open_regular`)."""
+    fd = open_regular(path, what)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def sample_digest(path: str | os.PathLike[str], what: str, block: int = 4096) -> str:
+    """SHA-256 of a file's size, first ``block`` bytes and last ``block`` bytes.
+
+    A cheap identity for files that carry no checksum (two ``pread``s, whatever
+    the size): it tells apart files of the same size whose headers or ends
+    differ, without a pass over the data.
+    """
+    fd = open_regular(path, what)
+    try:
+        size = os.fstat(fd).st_size
+        h = hashlib.sha256(size.to_bytes(8, "little"))
+        h.update(os.pread(fd, block, 0))
+        if size > block:
+            h.update(os.pread(fd, block, max(block, size - block)))
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """Read and check ``path/manifest.json``."""
+    """Read and check ``path/manifest.json``.
+
+    Raises:
+        MissingShardError: there is no manifest.
+        FormatError: it is not a regular file, not UTF-8, not JSON, or not what
+            FORMAT.md allows; the message names the manifest and the key.
+    """
     mpath = Path(path) / MANIFEST
     try:
-        text = mpath.read_text()
-    except FileNotFoundError:
+        raw = read_regular(mpath, "tokload manifest")
+    except MissingShardError:
         raise MissingShardError(2, "no tokload manifest here", str(mpath)) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{mpath}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise FormatError(f"{mpath}: not valid JSON: {e}") from None
+    except RecursionError:
+        raise FormatError(f"{mpath}: JSON nested too deeply to read") from None
+    except ValueError as e:  # e.g. an integer of more than sys.get_int_max_str_digits() digits
+        raise FormatError(f"{mpath}: not valid JSON: {e}") from None
     return Manifest.from_json(data, str(mpath))
 
 
+def create_unique(directory: str | os.PathLike[str], prefix: str) -> tuple[int, str]:
+    """Create a new file with a unique name in ``directory``, mode 0666 less the umask.
+
+    (``tempfile.mkstemp`` would make it 0600, so a dataset renamed from it
+    could not be read by another account, unlike its shards.)
+    """
+    for _ in range(100):
+        tmp = os.path.join(directory, f"{prefix}{os.getpid()}-{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(17, "could not find an unused temporary name", os.fspath(directory))
+
+
 def write_manifest(path: str | os.PathLike[str], manifest: Manifest) -> None:
-    """Write ``path/manifest.json`` atomically: temp file, fsync, rename, fsync dir."""
+    """Write ``path/manifest.json`` atomically: temp file, fsync, rename, fsync dir.
+
+    The file's mode follows the umask, like the shards' files.
+    """
     manifest.check(str(path))
     directory = Path(path)
     text = json.dumps(manifest.to_json(), indent=1) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=".manifest-", suffix=".tmp", dir=directory)
+    fd, tmp = create_unique(directory, ".manifest-")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -284,15 +520,8 @@ class Source:
             c.close()
 
 
-def _stat_size(path: Path, what: str) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        raise MissingShardError(2, f"missing {what}", str(path)) from None
-
-
 def _expect_size(path: Path, what: str, expected: int) -> None:
-    size = _stat_size(path, what)
+    size = regular_size(path, what)
     if size != expected:
         raise FormatError(f"{path}: {what} is {size} bytes but the manifest implies {expected}")
 
@@ -311,17 +540,16 @@ def open_dataset(path: str | os.PathLike[str]) -> Source:
     item = m.dtype.itemsize
     rows_paths, docs_paths, mdx_paths, mdb_paths = [], [], [], []
     for s in m.shards:
-        base = root / s.name
-        rp = base.with_name(base.name + ".rows")
+        rp = root / (s.name + ".rows")
         _expect_size(rp, "shard rows", s.rows * item)
         rows_paths.append(rp)
         if m.documents:
-            dp = base.with_name(base.name + ".docs")
+            dp = root / (s.name + ".docs")
             _expect_size(dp, "document index", (s.documents + 1) * 8)
             docs_paths.append(dp)
         if m.metadata:
-            xp = base.with_name(base.name + ".mdx")
-            bp = base.with_name(base.name + ".mdb")
+            xp = root / (s.name + ".mdx")
+            bp = root / (s.name + ".mdb")
             _expect_size(xp, "metadata index", (s.metadata_records + 1) * 8)
             _expect_size(bp, "metadata records", s.metadata_bytes)
             mdx_paths.append(xp)
