@@ -8,13 +8,17 @@
   come from an offsets index or from an end-of-document token.
 
 Opening reads headers only (the ``.idx`` header is 34 bytes; a ``.npy``
-header is one block); sequence pointers and lengths are read per access.
+header is one block) and, for the fingerprint, the first and last 4 KiB of
+each file; sequence pointers and lengths are read per access. Anything but a
+regular file in a file's place (a FIFO, a device, a directory) is refused
+before it is opened.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,8 +27,16 @@ import numpy as np
 import numpy.typing as npt
 
 from tokload._io import DocIndex, FileSet, MegatronIndex, RowSet
-from tokload.errors import FormatError, MissingShardError
-from tokload.format import Source, check_dtype, fingerprint
+from tokload.errors import FormatError, TokloadError
+from tokload.format import (
+    Source,
+    check_dtype,
+    create_unique,
+    fingerprint,
+    open_regular,
+    regular_size,
+    sample_digest,
+)
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 # megatron.core.datasets.indexed_dataset.DType codes
@@ -40,10 +52,15 @@ _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, doc
 
 
 def _size(path: Path, what: str) -> int:
+    return regular_size(path, what)
+
+
+def _read_head(path: Path, what: str, size: int) -> bytes:
+    fd = open_regular(path, what)
     try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        raise MissingShardError(2, f"missing {what}", str(path)) from None
+        return os.pread(fd, size, 0)
+    finally:
+        os.close(fd)
 
 
 def open_megatron(prefix: str | os.PathLike[str]) -> Source:
@@ -63,8 +80,7 @@ def open_megatron(prefix: str | os.PathLike[str]) -> Source:
     idx_path, bin_path = Path(prefix + ".idx"), Path(prefix + ".bin")
     idx_size = _size(idx_path, "Megatron index")
     bin_size = _size(bin_path, "Megatron data")
-    with open(idx_path, "rb") as f:
-        head = f.read(_HEADER.size)
+    head = _read_head(idx_path, "Megatron index", _HEADER.size)
     if len(head) < _HEADER.size:
         raise FormatError(f"{idx_path}: {len(head)} bytes is too short for a Megatron index header")
     magic, version, code, nseq, ndoc1 = _HEADER.unpack(head)
@@ -96,7 +112,17 @@ def open_megatron(prefix: str | os.PathLike[str]) -> Source:
         dtype=dtype,
         docs=seq_index,
         meta=None,
-        fingerprint=fingerprint(dtype, [(rows, nseq)]),
+        fingerprint=fingerprint(
+            dtype,
+            [
+                (
+                    rows,
+                    nseq,
+                    sample_digest(bin_path, "Megatron data"),
+                    sample_digest(idx_path, "Megatron index"),
+                )
+            ],
+        ),
         description=str(prefix),
         _closers=[bin_files, idx_files],
     )
@@ -104,9 +130,10 @@ def open_megatron(prefix: str | os.PathLike[str]) -> Source:
     return src
 
 
-def _npy_layout(path: Path) -> tuple[np.dtype[Any], int, int]:
+def _npy_layout(path: Path, what: str) -> tuple[np.dtype[Any], int, int]:
     """(dtype, rows, data offset) of a 1-D ``.npy`` file, from its header alone."""
-    with open(path, "rb") as f:
+    size = _size(path, what)
+    with os.fdopen(open_regular(path, what), "rb") as f:
         try:
             version = np.lib.format.read_magic(f)
             reader = (
@@ -115,12 +142,19 @@ def _npy_layout(path: Path) -> tuple[np.dtype[Any], int, int]:
                 else np.lib.format.read_array_header_2_0
             )
             shape, _fortran, dtype = reader(f)
-        except ValueError as e:
+        except Exception as e:  # numpy's header parser raises ValueError, SyntaxError, ...
             raise FormatError(f"{path}: not a .npy file: {e}") from None
         offset = f.tell()
     if len(shape) != 1:
         raise FormatError(f"{path}: a token file must be 1-D, got shape {shape}")
-    return np.dtype(dtype), int(shape[0]), offset
+    dtype = np.dtype(dtype)
+    rows = int(shape[0])
+    if dtype.itemsize == 0 or offset + rows * dtype.itemsize > size:
+        raise FormatError(
+            f"{path}: the header promises {rows} rows of {dtype} after byte {offset}, "
+            f"but the file has {size} bytes"
+        )
+    return dtype, rows, offset
 
 
 def open_flat(
@@ -150,11 +184,12 @@ def open_flat(
     plist = [Path(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
     if not plist:
         raise ValueError("open_flat needs at least one file")
+    if doc_index is not None and eos is not None:
+        raise ValueError("give doc_index or eos, not both")
     layouts = []
     for p in plist:
         if p.suffix == ".npy":
-            _size(p, "token file")
-            dt, rows, base = _npy_layout(p)
+            dt, rows, base = _npy_layout(p, "token file")
             if dtype is not None and np.dtype(dtype) != dt:
                 raise FormatError(f"{p}: holds {dt}, but dtype={np.dtype(dtype)} was given")
         else:
@@ -171,59 +206,82 @@ def open_flat(
     for p, (dt, _, _) in zip(plist, layouts, strict=True):
         if dt != dt0:
             raise FormatError(f"{p}: dtype {dt} differs from {plist[0]}'s {dt0}")
+    samples = [sample_digest(p, "token file") for p in plist]
     files = FileSet(plist, [b for _, _, b in layouts])
     closers: list[Any] = [files]
     rowset = RowSet(files, [r for _, r, _ in layouts], dt0.itemsize)
     docs = None
     doc_counts = [0] * len(plist)
-    if doc_index is not None and eos is not None:
-        raise ValueError("give doc_index or eos, not both")
-    if eos is not None:
-        doc_index = [
-            _eos_index(p, r, b, dt0, eos) for p, (_, r, b) in zip(plist, layouts, strict=True)
-        ]
-    if doc_index is not None:
-        ilist = [
-            Path(p)
-            for p in ([doc_index] if isinstance(doc_index, (str, os.PathLike)) else doc_index)
-        ]
-        if len(ilist) != len(plist):
-            raise ValueError(f"{len(plist)} token files but {len(ilist)} document indexes")
-        bases = []
-        for k, ip in enumerate(ilist):
-            if ip.suffix == ".npy":
-                idt, entries, ibase = _npy_layout(ip)
-                if idt != np.dtype("<u8") and idt != np.dtype("<i8"):
-                    raise FormatError(f"{ip}: a document index must be int64/uint64, got {idt}")
-            else:
-                size = _size(ip, "document index")
-                if size % 8:
-                    raise FormatError(f"{ip}: {size} bytes is not a whole number of uint64")
-                entries, ibase = size // 8, 0
-            if entries < 1:
-                raise FormatError(f"{ip}: a document index needs at least one entry")
-            doc_counts[k] = entries - 1
-            bases.append(ibase)
-        ifiles = FileSet(ilist, bases)
-        closers.append(ifiles)
-        docs = DocIndex(ifiles, doc_counts, rowset)
+    private: list[Path] = []  # eos indexes that could not be cached: unlinked once open
+    try:
+        if eos is not None:
+            doc_index = [
+                _eos_index(p, r, b, dt0, eos, private)
+                for p, (_, r, b) in zip(plist, layouts, strict=True)
+            ]
+        if doc_index is not None:
+            ilist = [
+                Path(p)
+                for p in ([doc_index] if isinstance(doc_index, (str, os.PathLike)) else doc_index)
+            ]
+            if len(ilist) != len(plist):
+                raise ValueError(f"{len(plist)} token files but {len(ilist)} document indexes")
+            bases = []
+            for k, ip in enumerate(ilist):
+                if ip.suffix == ".npy":
+                    idt, entries, ibase = _npy_layout(ip, "document index")
+                    if idt != np.dtype("<u8") and idt != np.dtype("<i8"):
+                        raise FormatError(f"{ip}: a document index must be int64/uint64, got {idt}")
+                else:
+                    size = _size(ip, "document index")
+                    if size % 8:
+                        raise FormatError(f"{ip}: {size} bytes is not a whole number of uint64")
+                    entries, ibase = size // 8, 0
+                if entries < 1:
+                    raise FormatError(f"{ip}: a document index needs at least one entry")
+                doc_counts[k] = entries - 1
+                bases.append(ibase)
+                samples[k] += ":" + sample_digest(ip, "document index")
+            ifiles = FileSet(ilist, bases)
+            closers.append(ifiles)
+            docs = DocIndex(ifiles, doc_counts, rowset)
+    except BaseException:
+        for c in closers:
+            c.close()
+        raise
+    finally:
+        for tmp in private:
+            tmp.unlink(missing_ok=True)
     return Source(
         rows=rowset,
         dtype=dt0,
         docs=docs,
         meta=None,
         fingerprint=fingerprint(
-            dt0, [(r, d) for (_, r, _), d in zip(layouts, doc_counts, strict=True)]
+            dt0,
+            [(r, d, h) for (_, r, _), d, h in zip(layouts, doc_counts, samples, strict=True)],
         ),
         description=", ".join(map(str, plist)),
         _closers=closers,
     )
 
 
-def _eos_index(path: Path, rows: int, base: int, dtype: np.dtype[Any], eos: int) -> Path:
-    """Build (once) the document index of a token file from its eos tokens."""
+def _eos_index(
+    path: Path, rows: int, base: int, dtype: np.dtype[Any], eos: int, private: list[Path]
+) -> Path:
+    """The document index of a token file from its eos tokens, cached next to it.
+
+    Several processes may open the same file at once (every rank of a job
+    does): each writes the cache under a unique temporary name and renames it
+    into place atomically, so a reader sees no cache or a whole one. A cache
+    is used only when it is a regular file of the right shape (0 first, the
+    file's rows last) no older than the data; otherwise the index is
+    recomputed. Where the cache cannot be written (a read-only directory),
+    the index goes to a private temporary file, appended to ``private`` for
+    the caller to unlink once it is open.
+    """
     cache = path.with_name(f"{path.name}.eos{eos}.docs")
-    if cache.exists() and cache.stat().st_mtime >= path.stat().st_mtime:
+    if _cache_ok(cache, rows, os.stat(path).st_mtime):
         return cache
     data = np.memmap(path, dtype=dtype, mode="r", offset=base, shape=(rows,)) if rows else None
     ends: list[np.ndarray] = [np.zeros(1, dtype="<u8")]
@@ -235,7 +293,37 @@ def _eos_index(path: Path, rows: int, base: int, dtype: np.dtype[Any], eos: int)
     offsets = np.concatenate(ends)
     if offsets[-1] != rows:
         offsets = np.append(offsets, np.uint64(rows))
-    tmp = cache.with_name(cache.name + ".tmp")
-    offsets.astype("<u8").tofile(tmp)
-    os.replace(tmp, cache)
+    payload = offsets.astype("<u8").tobytes()
+    try:
+        fd, tmp = create_unique(cache.parent, f".{cache.name}-")
+    except OSError:  # read-only directory, no permission, ...
+        fd, name = tempfile.mkstemp(prefix="tokload-eos-", suffix=".docs")
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        private.append(Path(name))
+        return Path(name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        os.replace(tmp, cache)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return cache
+
+
+def _cache_ok(cache: Path, rows: int, data_mtime: float) -> bool:
+    """Whether ``cache`` is a usable document index of a file of ``rows`` rows."""
+    try:
+        fd = open_regular(cache, "document index cache")
+    except (OSError, TokloadError):
+        return False
+    try:
+        st = os.fstat(fd)
+        if st.st_mtime < data_mtime or st.st_size < 8 or st.st_size % 8:
+            return False
+        first = int.from_bytes(os.pread(fd, 8, 0), "little")
+        last = int.from_bytes(os.pread(fd, 8, st.st_size - 8), "little")
+        return first == 0 and last == rows
+    finally:
+        os.close(fd)
