@@ -1,40 +1,157 @@
 """The ``tokload`` command line.
 
 Exit codes: 0 success; 1 the data is bad (a build error, ``verify`` found a
-problem, a dataset that cannot be opened); 2 the command line is wrong.
+problem, a dataset or input that cannot be opened); 2 the command line is
+wrong; 130 interrupted (Ctrl+C). Every error is one line on stderr naming the
+problem; ``--debug`` (or ``TOKLOAD_DEBUG_CLI=1``) shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
+from typing import Any, NoReturn
 
 from tokload.errors import TokloadError
 
+_DEBUG_ENV = "TOKLOAD_DEBUG_CLI"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and the hint where to look), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each option's help (except where there is none to show);
+    descriptions and examples kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help = action.help or ""
+        if (
+            action.default in (None, [], argparse.SUPPRESS)
+            or isinstance(action.default, bool)
+            or "(default" in help
+        ):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _count(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
 
 def _size(text: str) -> int:
+    """``512M``, ``1G``, ``64k`` or a number of bytes."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
+    try:
+        value = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size (bytes, or with k/M/G/T, e.g. 512M)"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
+def _part(text: str) -> str:
+    from tokload.builder import UsageError, parse_part
+
+    try:
+        parse_part(text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("part ")) from None
+    return text
+
+
+def _version() -> str:
+    import tokload
+
+    return f"tokload {tokload.__version__}"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tokload", description="Feeds tokens to LLM training.")
+    common = _Parser(add_help=False)
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help=f"show the traceback of an error (also: {_DEBUG_ENV}=1)",
+    )
+    p = _Parser(
+        prog="tokload",
+        description="Feeds tokens to LLM training: build, check and stream token datasets.",
+        epilog="Exit codes: 0 ok, 1 bad data, 2 bad command line, 130 interrupted.\n"
+        "Start with 'tokload demo', or 'tokload COMMAND --help'.",
+        formatter_class=_Formatter,
+        parents=[common],
+    )
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    d = sub.add_parser(
-        "demo", help="build a sample corpus, stream it, check resume (no data needed)"
-    )
-    d.add_argument("--seed", type=int, default=7)
-    d.add_argument("--workdir", help="where to build (default: a temporary directory)")
+    def command(name: str, help: str, description: str, example: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            help=help,
+            description=description,
+            epilog="example:\n  " + example.replace("\n", "\n  "),
+            formatter_class=_Formatter,
+            parents=[common],
+        )
 
-    b = sub.add_parser("build", help="tokenize JSONL / Parquet / text files into a dataset")
+    d = command(
+        "demo",
+        "build a sample corpus, stream it, check resume (no data needed)",
+        "Build the top-level modules of Python's standard library into a dataset with "
+        "metadata,\nverify it, stream it on 2 ranks, stop, resume on 3 ranks, and check "
+        "every sample.",
+        "tokload demo --workdir /tmp/tokload-demo",
+    )
+    d.add_argument("--seed", type=int, default=7, help="the shuffle's seed")
+    d.add_argument("--workdir", help="where to build (default: a temporary directory, removed)")
+
+    b = command(
+        "build",
+        "tokenize JSONL / Parquet / text files into a dataset",
+        "Tokenize JSONL (.jsonl/.json/.ndjson, optionally .gz/.bz2/.xz/.zst), Parquet, or\n"
+        "plain-text files into a tokload dataset, one part per input under OUTPUT/parts.\n\n"
+        "Re-running on the same OUTPUT rebuilds exactly the parts whose input (path, size,\n"
+        "modification time), tokenizer or options changed, reuses the others, and removes\n"
+        "the parts of inputs past the end of the input list. A tokenizer.json is copied\n"
+        "into OUTPUT. Ctrl+C stops the build (exit 130) leaving no half-written part or\n"
+        "manifest; the same command resumes it.",
+        "tokload build data/*.jsonl.gz -o corpus --tokenizer tokenizer.json -j 8 \\\n"
+        "    --keep-field id --annotations concepts --on-error skip",
+    )
     b.add_argument("inputs", nargs="+", help="files, globs or directories")
-    b.add_argument("-o", "--output", required=True, help="dataset directory")
-    b.add_argument("--text-field", default="text")
+    b.add_argument("-o", "--output", required=True, help="the dataset directory")
+    b.add_argument("--text-field", default="text", help="the field holding the text")
     b.add_argument(
         "--keep-field",
         action="append",
@@ -45,20 +162,32 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--annotations",
         dest="annotations_field",
-        help="field with character-span annotations {start, end, ...}",
+        help="a field with character-span annotations {start, end, ...}, kept as metadata",
     )
-    b.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json path")
+    b.add_argument(
+        "--tokenizer", default="bytes", help="'bytes' (built in) or a tokenizer.json path"
+    )
     b.add_argument("--bos", action="store_true", help="add BOS before each document")
-    b.add_argument("--no-eos", dest="eos", action="store_false", help="no EOS after documents")
-    b.add_argument("-j", "--workers", type=int, default=1)
-    b.add_argument("--part", help="k/N: build only the k-th of N slices of the inputs")
-    b.add_argument("--on-error", choices=["stop", "skip"], default="stop")
+    b.add_argument("--no-eos", dest="eos", action="store_false", help="no EOS after each document")
+    b.add_argument(
+        "-j", "--workers", type=_count(1), default=1, help="processes building in parallel"
+    )
+    b.add_argument(
+        "--part", type=_part, help="k/N: build only the k-th of N slices of the inputs (k from 0)"
+    )
+    b.add_argument(
+        "--on-error",
+        choices=["stop", "skip"],
+        default="stop",
+        help="at a bad record: stop with its file:line, or skip it and count it per reason",
+    )
     b.add_argument(
         "--shard-size",
         type=_size,
         default=1 << 30,
         dest="shard_bytes",
-        help="shard size limit, e.g. 512M or 1G (default 1G)",
+        metavar="SIZE",
+        help="shard size limit in bytes, or with k/M/G, e.g. 512M (default: 1G)",
     )
     b.add_argument(
         "--progress",
@@ -67,36 +196,100 @@ def _parser() -> argparse.ArgumentParser:
         help="progress bar (default: when stderr is a terminal)",
     )
 
-    m = sub.add_parser("merge", help="join datasets by manifest (no data is copied)")
-    m.add_argument("output")
-    m.add_argument("inputs", nargs="+")
+    m = command(
+        "merge",
+        "join datasets by manifest (no data is copied)",
+        "Write OUTPUT/manifest.json listing the shards of every INPUT dataset, in order;\n"
+        "no data is copied, so the inputs must stay where they are.",
+        "tokload merge corpus part-0 part-1 part-2",
+    )
+    m.add_argument("output", help="the merged dataset's directory (must not hold a dataset)")
+    m.add_argument("inputs", nargs="+", help="the datasets to join")
 
-    i = sub.add_parser("inspect", help="summarize a dataset and decode a sample")
-    i.add_argument("path")
-    i.add_argument("--sample", type=int, default=0, help="document to show")
+    i = command(
+        "inspect",
+        "summarize a dataset and decode a sample",
+        "Print a dataset's manifest summary (dtype, shards, documents, rows, metadata,\n"
+        "fingerprint, tokenizer) and one document: its ids, decoded text and metadata.",
+        "tokload inspect corpus --sample 12",
+    )
+    i.add_argument("path", help="the dataset directory")
+    i.add_argument("--sample", type=_count(0), default=0, help="the document to show")
 
-    v = sub.add_parser("verify", help="check every file; exit 1 naming the first problem")
-    v.add_argument("path")
+    v = command(
+        "verify",
+        "check every file; exit 1 naming the first problem",
+        "Check a dataset's structure: every file's size against the manifest, every\n"
+        "document and metadata index, every row's metadata id. With --deep, also\n"
+        "recompute every file's checksum (reads all the data) and name the first damaged "
+        "file.",
+        "tokload verify corpus --deep",
+    )
+    v.add_argument("path", help="the dataset directory")
+    v.add_argument("--deep", action="store_true", help="also recompute the checksums of every file")
 
-    s = sub.add_parser("bench", help="stream a dataset through the DataLoader")
-    s.add_argument("path")
-    s.add_argument("--seconds", type=float, default=5.0)
-    s.add_argument("--window", type=int, default=4097)
-    s.add_argument("--batch-size", type=int, default=8)
-    s.add_argument("--threads", type=int, default=None)
+    s = command(
+        "bench",
+        "stream a dataset through the DataLoader",
+        "Stream a dataset's token stream through the DataLoader and report the start-up\n"
+        "time (Python and imports), the time to open the dataset and to the first batch,\n"
+        "and the steady rate in tokens/s.",
+        "tokload bench corpus --seconds 10 --batch-size 16 --json",
+    )
+    s.add_argument("path", help="the dataset directory")
+    s.add_argument("--seconds", type=_seconds, default=5.0, help="how long to stream")
+    s.add_argument("--window", type=_count(2), default=4097, help="tokens per sample")
+    s.add_argument("--batch-size", type=_count(1), default=8, help="samples per batch")
+    s.add_argument(
+        "--threads", type=_count(1), default=None, help="reader threads (default: the loader's)"
+    )
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run the command line; returns the exit code."""
+    started = time.perf_counter()
+    parser = _parser()
+    args = parser.parse_args(argv)
+    debug = getattr(args, "debug", False) or os.environ.get(_DEBUG_ENV) == "1"
+    where = f"tokload {args.command}"
     try:
-        return _run(args)
-    except (TokloadError, FileNotFoundError) as e:
-        print(f"tokload {args.command}: {e}", file=sys.stderr)
-        return 1
+        return _run(args, started)
+    except KeyboardInterrupt:
+        what = (
+            "; nothing half-written was kept, the same command resumes"
+            if args.command == "build"
+            else ""
+        )
+        print(f"{where}: interrupted{what}", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        code, message = _describe(e)
+        print(f"{where}: {message}", file=sys.stderr)
+        return code
 
 
-def _run(args: argparse.Namespace) -> int:
+def _describe(e: Exception) -> tuple[int, str]:
+    """(exit code, one line) for an error."""
+    from tokload.builder import UsageError
+
+    if isinstance(e, UsageError):
+        return 2, f"error: {e}"
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return 1, f"{e.filename}: {e.strerror}"
+    if isinstance(e, TokloadError | OSError):
+        return 1, str(e)
+    first = (str(e).strip().splitlines() or [""])[0]
+    return 1, (
+        f"unexpected {type(e).__name__}: {first} (a bug in tokload: rerun with --debug "
+        "for the traceback and report it)"
+    )
+
+
+def _run(args: argparse.Namespace, started: float) -> int:
     if args.command == "demo":
         from tokload import _demo
 
@@ -138,20 +331,21 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "verify":
         from tokload.tools import verify
 
-        problems = verify(args.path)
+        problems = verify(args.path, deep=args.deep)
         for p in problems:
             print(f"tokload verify: {p}", file=sys.stderr)
         if not problems:
-            print(f"tokload verify: {args.path}: ok")
+            checked = "every file's checksum and structure" if args.deep else "structure"
+            print(f"tokload verify: {args.path}: ok ({checked})")
         return 1 if problems else 0
     if args.command == "bench":
-        from tokload.tools import bench
+        from tokload.tools import bench, bench_table, process_age
 
-        print(
-            json.dumps(
-                bench(args.path, args.seconds, args.window, args.batch_size, args.threads), indent=1
-            )
-        )
+        result = {
+            "startup_s": process_age(started),
+            **bench(args.path, args.seconds, args.window, args.batch_size, args.threads),
+        }
+        print(json.dumps(result, indent=1) if args.json else bench_table(args.path, result))
         return 0
     raise AssertionError(args.command)  # pragma: no cover - argparse rejects others
 

@@ -4,11 +4,20 @@ Inputs (JSONL, optionally gzip/bz2/xz/zstd-compressed; Parquet; or any other
 file as one plain-text document) are expanded and sorted, and input ``i`` is
 built, by whichever worker process takes it, into its own part dataset
 ``OUT/parts/iiiii`` (shards named ``in{i:05d}-*``). A part is written in a
-temporary directory and renamed when complete, so an interrupted build
-resumes by rebuilding only the parts that are missing. The top-level
-manifest then lists the parts' shards in input order. Nothing depends on the
-number of workers or on ``--part k/N`` slicing: the same inputs always give
-the same files.
+temporary directory and renamed when complete. Nothing depends on the number
+of workers or on ``--part k/N`` slicing: the same inputs always give the same
+files.
+
+Build integrity: each part's manifest records, under ``user["build"]``, what
+it was built from: the input's identity (absolute path, size, modification
+time, and the SHA-256 of the bytes read, computed while reading), the
+tokenizer's SHA-256 and every option that changes the output. A re-run
+reuses a part only when that record equals what this run would build,
+rebuilds the others, and removes parts whose input index is past the end of
+the input list. The top-level manifest is removed before any part changes and
+written last, so it never lists a part that is missing or stale. A
+``tokenizer.json`` is copied into the dataset (``OUT/tokenizer.json``), so the
+dataset can be decoded wherever it travels.
 
 Per-document metadata (fields kept from each record) and character-span
 annotations become metadata records (FORMAT.md, stream with metadata): each
@@ -20,21 +29,24 @@ and end, ...]}`` (empty parts omitted, keys sorted).
 from __future__ import annotations
 
 import bz2
+import contextlib
 import glob
 import gzip
+import hashlib
 import io
 import itertools
 import json
 import lzma
 import multiprocessing as mp
 import os
+import secrets
 import shutil
+import signal
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -42,18 +54,31 @@ import numpy as np
 
 from tokload.errors import TokloadError
 from tokload.format import (
+    FORMAT_VERSION,
     MANIFEST,
     METADATA_FIELD,
     Manifest,
     ShardInfo,
+    open_dataset,
     read_manifest,
     write_manifest,
 )
-from tokload.tokenizer import Encoded, Tokenizer, load_tokenizer, token_dtype
+from tokload.tokenizer import (
+    TOKENIZER_FILE,
+    Encoded,
+    Tokenizer,
+    copy_tokenizer,
+    load_tokenizer,
+    token_dtype,
+)
 from tokload.writer import Writer
 
 PARTS = "parts"
+BUILDER_VERSION = 1
+"""Bumped whenever the builder would write different bytes for the same input and options."""
+
 _BATCH_DOCS = 256
+_READ_CHUNK = 1 << 20
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _COMPRESSED: dict[str, Callable[..., Any]] = {
     ".gz": gzip.open,
@@ -64,6 +89,10 @@ _COMPRESSED: dict[str, Callable[..., Any]] = {
 
 class BuildError(TokloadError, ValueError):
     """Bad input during a build; the message names the file and line."""
+
+
+class UsageError(ValueError):
+    """The arguments of a build are wrong (``tokload build`` exits with 2)."""
 
 
 @dataclass(frozen=True)
@@ -83,13 +112,26 @@ class BuildOptions:
     def metadata(self) -> bool:
         return bool(self.keep_fields) or self.annotations_field is not None
 
+    def record(self) -> dict[str, Any]:
+        """The options that change the output (the tokenizer is recorded by its hash)."""
+        return {
+            "text_field": self.text_field,
+            "keep_fields": list(self.keep_fields),
+            "annotations_field": self.annotations_field,
+            "bos": self.bos,
+            "eos": self.eos,
+            "on_error": self.on_error,
+            "shard_bytes": self.shard_bytes,
+        }
+
 
 @dataclass
 class BuildSummary:
     """What a build (or a part of one) produced."""
 
     inputs: int = 0
-    built: int = 0  # inputs built by this call (the others were already complete)
+    built: int = 0  # inputs built by this call (the others were reused, unchanged)
+    removed: int = 0  # parts of inputs no longer in the input list, removed
     documents: int = 0
     tokens: int = 0
     shards: int = 0
@@ -101,10 +143,11 @@ class BuildSummary:
         skipped = sum(self.skipped.values())
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items()))
         extra = f", skipped {skipped} ({reasons})" if skipped else ""
+        removed = f", {self.removed} stale parts removed" if self.removed else ""
         return (
             f"{self.documents:,} documents, {self.tokens:,} tokens in {self.shards} shards "
-            f"({self.bytes / 1e6:.1f} MB) from {self.inputs} inputs ({self.built} built now) "
-            f"in {self.seconds:.1f} s{extra}"
+            f"({self.bytes / 1e6:.1f} MB) from {self.inputs} inputs ({self.built} built now"
+            f"{removed}) in {self.seconds:.1f} s{extra}"
         )
 
 
@@ -120,14 +163,17 @@ def expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
             p = Path(m)
             if p.is_dir():
                 found.update(q for q in p.rglob("*") if q.is_file())
-            elif p.exists():
+            elif p.is_file():
                 found.add(p)
+            elif p.exists():
+                raise BuildError(f"{p}: an input must be a regular file or a directory")
             else:
                 raise FileNotFoundError(2, "no such input", str(p))
     return sorted(found)
 
 
-def _parse_part(part: str | tuple[int, int] | None) -> tuple[int, int]:
+def parse_part(part: str | tuple[int, int] | None) -> tuple[int, int]:
+    """``"k/N"`` (or ``(k, N)``) as a checked pair; ``None`` is ``(0, 1)``."""
     if part is None:
         return 0, 1
     if isinstance(part, str):
@@ -135,11 +181,11 @@ def _parse_part(part: str | tuple[int, int] | None) -> tuple[int, int]:
             k_s, n_s = part.split("/")
             k, n = int(k_s), int(n_s)
         except ValueError:
-            raise ValueError(f"part must look like 'k/N', got {part!r}") from None
+            raise UsageError(f"part must look like 'k/N' (e.g. 3/16), got {part!r}") from None
     else:
         k, n = part
     if n < 1 or not 0 <= k < n:
-        raise ValueError(f"part {k}/{n}: need 0 <= k < N")
+        raise UsageError(f"part {k}/{n}: need 0 <= k < N (parts are numbered from 0)")
     return k, n
 
 
@@ -170,74 +216,104 @@ def build(
             "source"]``).
         annotations_field: a field holding a list of character-span annotations
             ``{"start": s, "end": e, ...}``; the other keys are kept.
-        tokenizer: ``"bytes"`` (built in) or the path of a ``tokenizer.json``.
+        tokenizer: ``"bytes"`` (built in) or the path of a ``tokenizer.json``,
+            which is copied to ``output/tokenizer.json``.
         bos, eos: add the tokenizer's BOS / EOS token around each document.
         workers: processes building inputs in parallel.
         part: ``"k/N"``: build only the k-th of N contiguous slices of the
             inputs (``tokload merge`` joins the parts).
         on_error: ``"stop"`` raises :class:`BuildError` at the first bad
-            record; ``"skip"`` skips it and counts it in the summary.
+            record; ``"skip"`` skips it and counts it, per reason, in the summary.
         shard_bytes: shard size limit.
         progress: show a progress bar (default: when stderr is a terminal).
+
+    Re-running on the same ``output`` rebuilds exactly the parts whose input
+    (path, size, modification time), tokenizer or options differ from what
+    they record, and removes the parts of inputs past the end of the input
+    list. On any exception, ``KeyboardInterrupt`` included, the worker
+    processes are stopped and the unfinished parts' temporary directories
+    removed; the top-level manifest is then absent (it is written last), and
+    the same call resumes.
+
+    Raises:
+        UsageError: an argument is wrong (``workers < 1``, a bad ``part``, an
+            output that is a file, a tokenizer without the BOS/EOS asked for).
+        BuildError: a bad record (``on_error="stop"``) or input file.
+        FormatError: the tokenizer file is not a ``tokenizer.json``.
+        FileNotFoundError: an input or the tokenizer is missing.
     """
     t0 = time.perf_counter()
     if on_error not in ("stop", "skip"):
-        raise ValueError(f"on_error must be 'stop' or 'skip', got {on_error!r}")
+        raise UsageError(f"on_error must be 'stop' or 'skip', got {on_error!r}")
     if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
+        raise UsageError(f"workers must be at least 1, got {workers}")
+    if shard_bytes < 1:
+        raise UsageError(f"shard_bytes must be positive, got {shard_bytes}")
+    k, n = parse_part(part)
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out}: the output must be a directory (or not exist yet); it is a file")
+    tok = load_tokenizer(tokenizer)  # fail early on a bad tokenizer
+    for flag, token_id, name in ((bos, tok.bos_id, "BOS"), (eos, tok.eos_id, "EOS")):
+        if flag and token_id is None:
+            hint = "--no-eos" if name == "EOS" else "no --bos"
+            raise UsageError(
+                f"the tokenizer {tok.name} has no {name} token that tokload recognizes; "
+                f"build with {hint}, or use a tokenizer that has one"
+            )
+    files = expand_inputs(inputs)
+    if not files:
+        raise UsageError("no input files (the directories given are empty)")
+    lo, hi = k * len(files) // n, (k + 1) * len(files) // n
+    (out / PARTS).mkdir(parents=True, exist_ok=True)
+    tok_record = tok.describe()
+    if tok_record["kind"] != "bytes":
+        tok_record = copy_tokenizer(tok, out)
     opts = BuildOptions(
         text_field,
         tuple(keep_fields),
         annotations_field,
-        str(tokenizer),
+        str(out / TOKENIZER_FILE) if tok_record["kind"] != "bytes" else "bytes",
         bos,
         eos,
         on_error,
         shard_bytes,
     )
-    tok = load_tokenizer(opts.tokenizer)  # fail early on a bad tokenizer
-    if (bos and tok.bos_id is None) or (eos and tok.eos_id is None):
-        raise ValueError(f"the tokenizer {tok.name} has no {'BOS' if bos else 'EOS'} token")
-    files = expand_inputs(inputs)
-    if not files:
-        raise ValueError("no input files")
-    k, n = _parse_part(part)
-    lo, hi = k * len(files) // n, (k + 1) * len(files) // n
-    out = Path(output)
-    (out / PARTS).mkdir(parents=True, exist_ok=True)
-    todo = []
-    for i in range(lo, hi):
-        final = out / PARTS / f"{i:05d}"
-        if not (final / MANIFEST).exists():
-            shutil.rmtree(out / PARTS / f"{i:05d}.tmp", ignore_errors=True)
-            todo.append(i)
+    base = {
+        "builder": BUILDER_VERSION,
+        "format_version": FORMAT_VERSION,
+        "tokenizer": {key: tok_record.get(key) for key in ("kind", "sha256", "bos", "eos")},
+        "dtype": token_dtype(tok.vocab_size).str,
+        "options": opts.record(),
+    }
+    todo = [i for i in range(lo, hi) if not _up_to_date(out / PARTS / f"{i:05d}", base, files[i])]
+    stale = _stale_parts(out / PARTS, len(files))
+    if todo or stale:
+        # From here on the parts change: no manifest may list them until the end.
+        (out / MANIFEST).unlink(missing_ok=True)
+    for d in stale:
+        _remove_dir(d)
+    for i in todo:
+        _remove_dir(out / PARTS / f"{i:05d}.tmp")
+        _remove_dir(out / PARTS / f"{i:05d}")
     total_bytes = sum(files[i].stat().st_size for i in todo)
     bar = _progress(progress, total_bytes)
-    summary = BuildSummary(inputs=hi - lo, built=len(todo))
+    summary = BuildSummary(inputs=hi - lo, built=len(todo), removed=len(stale))
+    tasks = [(i, str(files[i]), opts, str(out), base) for i in todo]
     try:
         if workers == 1 or len(todo) <= 1:
-            for i in todo:
-                _build_input(i, str(files[i]), opts, str(out), bar.update)
+            for task in tasks:
+                bar.update(_build_input(*task))
         else:
-            ctx = mp.get_context("spawn")
-            queue = ctx.Queue()
-            with ProcessPoolExecutor(
-                max_workers=min(workers, len(todo)),
-                mp_context=ctx,
-                initializer=_init_worker,
-                initargs=(queue,),
-            ) as pool:
-                futures = [
-                    pool.submit(_build_input, i, str(files[i]), opts, str(out), None) for i in todo
-                ]
-                while not all(f.done() for f in futures):
-                    _drain(queue, bar.update, 0.1)
-                _drain(queue, bar.update, 0)
-                for f in futures:
-                    f.result()  # re-raises a worker's BuildError
+            _run_pool(tasks, min(workers, len(todo)), bar.update)
+    except BaseException:
+        for i in todo:  # a worker stopped mid-part leaves its temporary directory
+            _remove_dir(out / PARTS / f"{i:05d}.tmp")
+        raise
     finally:
         bar.close()
-    manifest = _assemble(out, opts, tok, files, lo, hi)
+    manifest = _assemble(out, opts, tok, tok_record, files, lo, hi)
+    open_dataset(out).close()  # the manifest agrees with the files (sizes only: cheap)
     skipped: Counter[str] = Counter()
     for i in range(lo, hi):
         stats = read_manifest(out / PARTS / f"{i:05d}").user.get("stats", {})
@@ -251,14 +327,74 @@ def build(
     return summary
 
 
+def _identity(path: Path) -> dict[str, Any]:
+    st = os.stat(path)
+    return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _up_to_date(part: Path, base: dict[str, Any], path: Path) -> bool:
+    """Whether ``part`` is complete and was built from ``path`` as it is now, with ``base``."""
+    try:
+        m = read_manifest(part)
+    except (TokloadError, OSError, ValueError):
+        return False
+    rec = m.user.get("build")
+    if not isinstance(rec, dict):
+        return False  # built by a tokload that recorded nothing: rebuild
+    got: dict[str, Any] = {key: rec.get(key) for key in base}
+    want = dict(base)
+    stats = m.user.get("stats")
+    skipped_none = isinstance(stats, dict) and not stats.get("skipped")
+    if skipped_none and isinstance(got.get("options"), dict):
+        # A part that skipped nothing is the same whether bad records stop or are skipped.
+        got["options"] = {**got["options"], "on_error": want["options"]["on_error"]}
+    recorded_input = rec.get("input")
+    if not isinstance(recorded_input, dict):
+        return False
+    same_input = {key: recorded_input.get(key) for key in ("path", "size", "mtime_ns")}
+    return bool(got == want and same_input == _identity(path))
+
+
+def _stale_parts(parts: Path, n_inputs: int) -> list[Path]:
+    """Part directories (finished, temporary or half-removed) of inputs past ``n_inputs``."""
+    stale = []
+    for d in parts.iterdir():
+        stem = d.name.split(".")[0]
+        if stem.isdigit() and (int(stem) >= n_inputs or d.name.endswith(".old")):
+            stale.append(d)
+    return sorted(stale)
+
+
+def _remove_dir(d: Path) -> None:
+    """Remove a part directory so that no crash leaves it looking complete.
+
+    The directory is first renamed (atomically) to ``*.old``, which no reader
+    or re-run takes for a part, then deleted.
+    """
+    if not d.exists():
+        return
+    if not d.name.endswith(".old"):
+        old = d.with_name(f"{d.name}.{secrets.token_hex(4)}.old")
+        os.replace(d, old)
+        d = old
+    shutil.rmtree(d, ignore_errors=True)
+
+
 def _assemble(
-    out: Path, opts: BuildOptions, tok: Tokenizer, files: list[Path], lo: int, hi: int
+    out: Path,
+    opts: BuildOptions,
+    tok: Tokenizer,
+    tok_record: dict[str, Any],
+    files: list[Path],
+    lo: int,
+    hi: int,
 ) -> Manifest:
     """The top-level manifest: the parts' shards in input order."""
-    parts = [read_manifest(out / PARTS / f"{i:05d}") for i in range(lo, hi)]
-    first = parts[0]
-    m = Manifest(dtype=first.dtype, documents=True, metadata=first.metadata)
-    for i, p in zip(range(lo, hi), parts, strict=True):
+    tdt = token_dtype(tok.vocab_size)
+    dtype: Any = [("token", tdt.str), (METADATA_FIELD, "<u4")] if opts.metadata else tdt
+    m = Manifest(dtype=np.dtype(dtype), documents=True, metadata=opts.metadata)
+    for i in range(lo, hi):
+        p = read_manifest(out / PARTS / f"{i:05d}")
         for s in p.shards:
             m.shards.append(
                 ShardInfo(
@@ -271,13 +407,54 @@ def _assemble(
             )
     m.user = {
         "built_by": "tokload build",
-        "options": {k: v for k, v in asdict(opts).items() if k != "on_error"},
-        "tokenizer": tok.describe(),
+        "options": {**opts.record(), "tokenizer": tok_record.get("file", tok_record["kind"])},
+        "tokenizer": tok_record,
         "inputs": [str(files[i]) for i in range(lo, hi)],
         "input_range": [lo, hi],
     }
     write_manifest(out, m)
     return m
+
+
+# ---- worker processes ------------------------------------------------------------------
+
+
+def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[[int], None]) -> None:
+    """Run ``_build_input`` over ``tasks`` in ``workers`` processes; stop them all on any error.
+
+    The workers are started with SIGINT blocked (the mask survives ``exec``), so
+    a Ctrl+C sent to the whole process group reaches only this process, which
+    then terminates them: no worker prints a traceback, none outlives the build.
+    """
+    ctx = mp.get_context("spawn")
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        pool = ctx.Pool(workers, initializer=_init_worker)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    try:
+        results = pool.imap_unordered(_build_task, tasks)
+        while True:
+            try:
+                update(results.next(timeout=0.2))
+            except mp.TimeoutError:
+                continue
+            except StopIteration:
+                break
+    except BaseException:
+        pool.terminate()
+        pool.join()
+        raise
+    pool.close()
+    pool.join()
+
+
+def _init_worker() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _build_task(task: tuple[Any, ...]) -> int:
+    return _build_input(*task)
 
 
 # ---- progress -------------------------------------------------------------------------
@@ -301,41 +478,68 @@ def _progress(enabled: bool | None, total: int) -> Any:
     return tqdm(total=total, unit="B", unit_scale=True, desc="tokload build", smoothing=0.1)
 
 
-_QUEUE: Any = None
-
-
-def _init_worker(queue: Any) -> None:
-    global _QUEUE
-    _QUEUE = queue
-
-
-def _drain(queue: Any, update: Callable[[int], None], timeout: float) -> None:
-    import queue as q
-
-    try:
-        while True:
-            update(queue.get(timeout=timeout))
-            timeout = 0
-    except q.Empty:
-        pass
-
-
 # ---- reading inputs ---------------------------------------------------------------------
 
 
-def _open_text(path: Path) -> IO[str]:
+class _HashingReader(io.RawIOBase):
+    """A raw reader that feeds every byte it returns to a hash: the input's
+    content hash costs no second pass over the file."""
+
+    def __init__(self, f: IO[bytes], h: Any) -> None:
+        self._f = f
+        self.hash = h
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = self._f.readinto(b)  # type: ignore[attr-defined]
+        if n:
+            self.hash.update(memoryview(b)[:n])
+        return int(n or 0)
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+
+class _Input:
+    """One input file opened once: its identity and the hash of the bytes read from it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.hash = hashlib.sha256()
+        self._raw = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        st = os.fstat(self._raw.fileno())
+        self.identity: dict[str, Any] = {
+            "path": os.path.abspath(path),
+            "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns,
+        }
+
+    def binary(self) -> IO[bytes]:
+        return io.BufferedReader(_HashingReader(self._raw, self.hash), _READ_CHUNK)
+
+    def record(self) -> dict[str, Any]:
+        return {**self.identity, "sha256": self.hash.hexdigest()}
+
+    def close(self) -> None:
+        self._raw.close()
+
+
+def _open_text(inp: _Input) -> IO[str]:
+    path = inp.path
     suffix = path.suffix
+    raw = inp.binary()
     if suffix in _COMPRESSED:
-        return io.TextIOWrapper(_COMPRESSED[suffix](path, "rb"), encoding="utf-8")
+        return io.TextIOWrapper(_COMPRESSED[suffix](raw, "rb"), encoding="utf-8")
     if suffix == ".zst":
         try:
             import zstandard
         except ImportError:
             raise BuildError(f"{path}: reading .zst needs the 'zstandard' package") from None
-        return io.TextIOWrapper(
-            zstandard.ZstdDecompressor().stream_reader(open(path, "rb")), encoding="utf-8"
-        )
-    return open(path, encoding="utf-8")
+        return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw), encoding="utf-8")
+    return io.TextIOWrapper(raw, encoding="utf-8")
 
 
 def _kind(path: Path) -> str:
@@ -352,39 +556,82 @@ def _kind(path: Path) -> str:
     return "text"
 
 
-Record = tuple[int, dict[str, Any] | None, str | None]  # (line, record, error reason)
+# Why a record is skipped: one key per reason, whatever the details of the message.
+MALFORMED_JSON = "malformed JSON"
+NOT_AN_OBJECT = "not a JSON object"
+NO_TEXT = "missing text field"
+TEXT_NOT_STRING = "text field not a string"
+ANNOTATIONS_NOT_LIST = "annotations not a list"
+ANNOTATION_NO_SPAN = "annotation without integer start/end"
+ANNOTATION_OUTSIDE = "annotation outside the text"
+UNREADABLE = "unreadable input"
+
+Record = tuple[int, dict[str, Any] | None, tuple[str, str] | None]
+"""(line, record, (reason key, message)) of one input record."""
 
 
-def _records(path: Path, text_field: str) -> Iterator[Record]:
+def _records(inp: _Input, text_field: str) -> Iterator[Record]:
+    path = inp.path
     kind = _kind(path)
     if kind == "jsonl":
-        with _open_text(path) as f:
+        with _open_text(inp) as f:
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
                     rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield line_no, None, f"malformed JSON ({e.msg} at column {e.colno})"
+                except (ValueError, RecursionError) as e:
+                    detail = (
+                        f"{e.msg} at column {e.colno}"
+                        if isinstance(e, json.JSONDecodeError)
+                        else str(e).split(";")[0] or type(e).__name__
+                    )
+                    yield line_no, None, (MALFORMED_JSON, f"malformed JSON ({detail})")
                     continue
                 if not isinstance(rec, dict):
-                    yield line_no, None, f"a JSON {type(rec).__name__}, not an object"
+                    yield (
+                        line_no,
+                        None,
+                        (NOT_AN_OBJECT, f"a JSON {type(rec).__name__}, not an object"),
+                    )
                     continue
                 yield line_no, rec, None
     elif kind == "parquet":
         try:
+            import pyarrow as pa
             import pyarrow.parquet as pq
         except ImportError:
             raise BuildError(f"{path}: reading Parquet needs the 'pyarrow' package") from None
-        row = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            for rec in batch.to_pylist():
-                row += 1
-                yield row, rec, None
+        # One pass over the disk: hash the mapped file, then Parquet reads the cached pages.
+        with pa.memory_map(str(path)) as mf:
+            while chunk := mf.read_buffer(_READ_CHUNK * 16):
+                if not chunk.size:
+                    break
+                inp.hash.update(memoryview(chunk))
+            mf.seek(0)
+            row = 0
+            for batch in pq.ParquetFile(mf).iter_batches(batch_size=1024):
+                for rec in batch.to_pylist():
+                    row += 1
+                    yield row, rec, None
     else:
-        with open(path, encoding="utf-8", errors="strict") as f:
-            text = f.read()
+        with inp.binary() as f:
+            text = f.read().decode("utf-8", errors="strict")
         yield 1, {text_field: text, "path": str(path)}, None
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What reading a damaged input raises (beyond ``OSError``)."""
+    errors: list[type[BaseException]] = [OSError, UnicodeDecodeError, EOFError, lzma.LZMAError]
+    with contextlib.suppress(ImportError):
+        import zstandard
+
+        errors.append(zstandard.ZstdError)
+    with contextlib.suppress(ImportError):
+        import pyarrow as pa
+
+        errors.append(pa.ArrowException)
+    return tuple(errors)
 
 
 # ---- building one input ------------------------------------------------------------------
@@ -393,38 +640,39 @@ def _records(path: Path, text_field: str) -> Iterator[Record]:
 _TOKENIZERS: dict[str, Tokenizer] = {}
 
 
-def _build_input(
-    i: int, path_s: str, opts: BuildOptions, out_s: str, report: Callable[[int], None] | None
-) -> None:
-    """Build input i into OUT/parts/iiiii (via a temporary directory)."""
+def _build_input(i: int, path_s: str, opts: BuildOptions, out_s: str, base: dict[str, Any]) -> int:
+    """Build input i into OUT/parts/iiiii (via a temporary directory); returns its size."""
     path, out = Path(path_s), Path(out_s)
     tok = _TOKENIZERS.get(opts.tokenizer)
     if tok is None:
         tok = _TOKENIZERS[opts.tokenizer] = load_tokenizer(opts.tokenizer)
-    if report is None:
-        queue = _QUEUE
-        report = (lambda n: queue.put(n)) if queue is not None else (lambda n: None)
     tdt = token_dtype(tok.vocab_size)
     dtype: Any = [("token", tdt.str), (METADATA_FIELD, "<u4")] if opts.metadata else tdt
     tmp = out / PARTS / f"{i:05d}.tmp"
     final = out / PARTS / f"{i:05d}"
     skipped: Counter[str] = Counter()
     docs = tokens = 0
-    size = path.stat().st_size
 
-    def fail(where: str, reason: str) -> None:
+    def fail(where: str, reason: str, message: str) -> None:
         if opts.on_error == "stop":
-            raise BuildError(f"{where}: {reason} (on_error='skip' skips such records)")
-        skipped[reason.split(" (")[0].split(":")[0]] += 1
+            raise BuildError(f"{where}: {message} (on_error='skip' skips such records)")
+        skipped[reason] += 1
 
-    with Writer(
-        tmp,
-        dtype,
-        metadata=opts.metadata,
-        shard_bytes=opts.shard_bytes,
-        name_prefix=f"in{i:05d}",
-        user={"input": str(path)},
-    ) as w:
+    try:
+        inp = _Input(path)
+    except OSError as e:
+        raise BuildError(f"{path}: cannot open the input: {e.strerror or e}") from None
+    with (
+        contextlib.closing(inp),
+        Writer(
+            tmp,
+            dtype,
+            metadata=opts.metadata,
+            shard_bytes=opts.shard_bytes,
+            name_prefix=f"in{i:05d}",
+            user={"input": str(path)},
+        ) as w,
+    ):
         pending: list[tuple[int, str, dict[str, Any]]] = []
 
         def flush() -> None:
@@ -433,51 +681,54 @@ def _build_input(
                 return
             encs = tok.encode_batch([t for _, t, _ in pending])
             for (line, text, rec), enc in zip(pending, encs, strict=True):
-                rows, spans, err = _document(enc, text, rec, opts, tok)
+                ids, spans, err = _document(enc, text, rec, opts, tok)
                 if err is not None:
-                    fail(f"{path}:{line}", err)
+                    fail(f"{path}:{line}", *err)
                     continue
-                w.write(rows, spans=spans)
+                w.write({"token": ids} if opts.metadata else ids, spans=spans)
                 docs += 1
-                tokens += len(rows)
+                tokens += len(ids)
             pending.clear()
 
         try:
-            for line, rec, err in _records(path, opts.text_field):
+            for line, rec, err in _records(inp, opts.text_field):
                 if err is not None:
-                    fail(f"{path}:{line}", err)
+                    fail(f"{path}:{line}", *err)
                     continue
                 assert rec is not None
                 text = rec.get(opts.text_field)
                 if not isinstance(text, str):
-                    fail(
-                        f"{path}:{line}",
-                        f"no text field {opts.text_field!r}"
-                        if text is None
-                        else f"field {opts.text_field!r} is a {type(text).__name__}, not a string",
-                    )
+                    if text is None:
+                        fail(f"{path}:{line}", NO_TEXT, f"no text field {opts.text_field!r}")
+                    else:
+                        fail(
+                            f"{path}:{line}",
+                            TEXT_NOT_STRING,
+                            f"field {opts.text_field!r} is a {type(text).__name__}, not a string",
+                        )
                     continue
                 pending.append((line, text, rec))
                 if len(pending) >= _BATCH_DOCS:
                     flush()
             flush()
-        except (OSError, UnicodeDecodeError, EOFError, lzma.LZMAError) as e:
+        except _read_errors() as e:
             if isinstance(e, BuildError):
                 raise
-            fail(str(path), f"unreadable: {e}")
+            fail(str(path), UNREADABLE, f"unreadable: {e}")
         w.manifest.user["stats"] = {
             "documents": docs,
             "tokens": tokens,
             "skipped": dict(sorted(skipped.items())),
         }
+        w.manifest.user["build"] = {**base, "input": inp.record()}
     os.replace(tmp, final)  # the part is complete: publish it
-    report(size)  # progress counts whole inputs
+    return int(inp.identity["size"])  # progress counts whole inputs
 
 
 def _document(
     enc: Encoded, text: str, rec: dict[str, Any], opts: BuildOptions, tok: Tokenizer
-) -> tuple[Any, list[tuple[int, int, bytes]] | None, str | None]:
-    """The rows and metadata spans of one document, or an error reason."""
+) -> tuple[Any, list[tuple[int, int, bytes]] | None, tuple[str, str] | None]:
+    """The token ids and metadata spans of one document, or (reason, message)."""
     ids, offsets = enc.ids, enc.offsets
     n_text = len(text)
     if opts.bos:
@@ -492,17 +743,35 @@ def _document(
     anns: list[tuple[int, int, dict[str, Any]]] = []
     raw = rec.get(opts.annotations_field) if opts.annotations_field else None
     if raw is not None and not isinstance(raw, list):
-        return None, None, f"field {opts.annotations_field!r} is not a list of annotations"
+        return (
+            None,
+            None,
+            (
+                ANNOTATIONS_NOT_LIST,
+                f"field {opts.annotations_field!r} is not a list of annotations",
+            ),
+        )
     for a in raw or []:
         if (
             not isinstance(a, dict)
             or not isinstance(a.get("start"), int)
             or not isinstance(a.get("end"), int)
         ):
-            return None, None, f"an annotation without integer start/end: {a!r}"
+            return (
+                None,
+                None,
+                (ANNOTATION_NO_SPAN, f"an annotation without integer start/end: {a!r}"),
+            )
         s, e = a["start"], a["end"]
         if not 0 <= s < e <= n_text:
-            return None, None, (f"annotation [{s}, {e}) is outside the text ({n_text} characters)")
+            return (
+                None,
+                None,
+                (
+                    ANNOTATION_OUTSIDE,
+                    f"annotation [{s}, {e}) is outside the text ({n_text} characters)",
+                ),
+            )
         lo = int(np.searchsorted(offsets[:, 1], s, side="right"))
         hi = int(np.searchsorted(offsets[:, 0], e, side="left"))
         if lo < hi:
@@ -519,4 +788,4 @@ def _document(
             record["annotations"] = covering
         if record and b > a:
             spans.append((a, b, json.dumps(record, sort_keys=True, separators=(",", ":")).encode()))
-    return {"token": ids}, spans, None
+    return ids, spans, None

@@ -10,12 +10,18 @@ Hugging Face tokenizers, NumPy for bytes) with the GIL released.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+
+from tokload.errors import FormatError
+
+TOKENIZER_FILE = "tokenizer.json"
+"""The name of the copy of the tokenizer inside a dataset built with one."""
 
 
 @dataclass
@@ -90,12 +96,25 @@ class HFTokenizer:
                 "a tokenizer.json needs the 'tokenizers' package: pip install tokenizers"
             ) from None
         self.path = Path(path)
-        self._tok = _Tok.from_file(str(self.path))
+        self.data = self.path.read_bytes()
+        try:
+            text = self.data.decode("utf-8")
+            json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise FormatError(
+                f"{self.path}: not a tokenizer.json (not JSON: {_first_line(e)})"
+            ) from None
+        try:
+            self._tok = _Tok.from_str(text)
+        except Exception as e:  # tokenizers raises a bare Exception for any bad file
+            raise FormatError(
+                f"{self.path}: not a Hugging Face tokenizer.json ({_first_line(e)})"
+            ) from None
         self.name = str(self.path)
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.eos_id = eos_id if eos_id is not None else self._find(self._EOS_NAMES)
         self.bos_id = bos_id if bos_id is not None else self._find(self._BOS_NAMES)
-        self._sha = hashlib.sha256(self.path.read_bytes()).hexdigest()
+        self.sha256 = hashlib.sha256(self.data).hexdigest()
 
     def _find(self, names: tuple[str, ...]) -> int | None:
         for name in names:
@@ -121,7 +140,7 @@ class HFTokenizer:
         return {
             "kind": "tokenizer.json",
             "path": str(self.path),
-            "sha256": self._sha,
+            "sha256": self.sha256,
             "vocab_size": self.vocab_size,
             "bos": self.bos_id,
             "eos": self.eos_id,
@@ -129,7 +148,12 @@ class HFTokenizer:
 
 
 def load_tokenizer(spec: str | os.PathLike[str] | None) -> Tokenizer:
-    """``None`` or ``"bytes"``: the byte tokenizer; otherwise a tokenizer.json path."""
+    """``None`` or ``"bytes"``: the byte tokenizer; otherwise a tokenizer.json path.
+
+    Raises:
+        FileNotFoundError: no file at ``spec``.
+        FormatError: the file is not a ``tokenizer.json`` (names the file).
+    """
     if spec is None or str(spec) == "bytes":
         return ByteTokenizer()
     path = Path(spec)
@@ -138,17 +162,61 @@ def load_tokenizer(spec: str | os.PathLike[str] | None) -> Tokenizer:
     return HFTokenizer(path)
 
 
-def from_description(desc: dict[str, Any]) -> Tokenizer | None:
-    """The tokenizer a dataset was built with, if it can still be loaded (for decoding)."""
+def copy_tokenizer(tok: Tokenizer, root: str | os.PathLike[str]) -> dict[str, Any]:
+    """Copy a ``tokenizer.json`` into the dataset at ``root`` (atomically) and return
+    its description for the manifest: the file's name relative to ``root`` and its
+    SHA-256, so that :func:`from_description` finds it wherever the dataset moves."""
+    if not isinstance(tok, HFTokenizer):
+        return tok.describe()
+    dest = Path(root) / TOKENIZER_FILE
+    try:
+        same = hashlib.sha256(dest.read_bytes()).hexdigest() == tok.sha256
+    except OSError:
+        same = False
+    if not same:
+        tmp = dest.with_name(f".{TOKENIZER_FILE}.{os.getpid()}.tmp")
+        try:
+            tmp.write_bytes(tok.data)
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+    desc = tok.describe()
+    source = desc.pop("path")
+    return {**desc, "file": TOKENIZER_FILE, "source": source}
+
+
+def from_description(
+    desc: dict[str, Any], root: str | os.PathLike[str] | None = None
+) -> Tokenizer | None:
+    """The tokenizer a dataset was built with, if it can still be loaded (for decoding).
+
+    A ``tokenizer.json`` is looked up as ``root/desc["file"]`` (the copy inside
+    the dataset) and, for datasets built before tokload copied it, at
+    ``desc["path"]``; it is used only when its SHA-256 is the recorded one.
+    """
     if desc.get("kind") == "bytes":
         return ByteTokenizer()
-    path = desc.get("path")
-    if desc.get("kind") == "tokenizer.json" and path and Path(path).is_file():
+    if desc.get("kind") != "tokenizer.json":
+        return None
+    candidates = []
+    if isinstance(desc.get("file"), str) and root is not None:
+        candidates.append(Path(root) / desc["file"])
+    if isinstance(desc.get("path"), str):
+        candidates.append(Path(desc["path"]))
+    for path in candidates:
+        if not path.is_file():
+            continue
         try:
-            return HFTokenizer(path, desc.get("bos"), desc.get("eos"))
-        except ImportError:
-            return None
+            tok = HFTokenizer(path, desc.get("bos"), desc.get("eos"))
+        except (ImportError, OSError, FormatError):
+            continue
+        if desc.get("sha256") in (None, tok.sha256):
+            return tok
     return None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def token_dtype(vocab_size: int) -> np.dtype[Any]:

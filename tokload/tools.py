@@ -43,9 +43,14 @@ def inspect(path: str | os.PathLike[str], sample: int | None = 0, tokens: int = 
             f"document {sample % len(docs)}: {len(toks)} rows; first {min(tokens, len(toks))}:"
         )
         lines.append("  ids     " + " ".join(map(str, toks[:tokens].tolist())))
-        tok = from_description(tok_desc) if tok_desc else None
+        tok = from_description(tok_desc, root=path) if isinstance(tok_desc, dict) else None
         if tok is not None:
             lines.append("  text    " + repr(tok.decode([int(t) for t in toks[:tokens]])))
+        elif isinstance(tok_desc, dict):
+            lines.append(
+                f"  text    (not decoded: the tokenizer file {tok_desc.get('file')!r} is "
+                "missing from the dataset or not the one it was built with)"
+            )
         if m.metadata and src.meta is not None:
             from tokload.views import StreamWithMetadata
 
@@ -58,14 +63,28 @@ def inspect(path: str | os.PathLike[str], sample: int | None = 0, tokens: int = 
     return "\n".join(lines)
 
 
-def verify(path: str | os.PathLike[str], chunk_rows: int = 1 << 22) -> list[str]:
+def verify(
+    path: str | os.PathLike[str], chunk_rows: int = 1 << 22, *, deep: bool = False
+) -> list[str]:
     """Check every file of a dataset; returns the problems found (empty: sound).
 
     Checks, reading the files: sizes against the manifest; each document
     index starts at 0, never decreases and ends at the shard's rows; each
     metadata index starts at 0, never decreases and ends at the data size;
-    every row's metadata id is a record of its shard (or none).
+    every row's metadata id is a record of its shard (or none). With
+    ``deep=True``, first recomputes every file's checksum against the one the
+    manifest records (:func:`tokload.checksum.verify_checksums`), which reads
+    all the data and names the first damaged file.
     """
+    if deep:
+        from tokload.checksum import verify_checksums
+
+        try:
+            damaged = verify_checksums(path)
+        except (TokloadError, OSError) as e:
+            return [str(e)]
+        if damaged:
+            return damaged
     problems: list[str] = []
     try:
         src = open_dataset(path)
@@ -130,24 +149,40 @@ def bench(
     batch_size: int = 8,
     num_threads: int | None = None,
 ) -> dict[str, Any]:
-    """Stream a dataset through the DataLoader for ``seconds``; time to first batch and rate."""
+    """Stream a dataset's token stream through the DataLoader for ``seconds``.
+
+    Returns the time to open the dataset (``open_s``), from then to the first
+    batch (``first_batch_s``: loader start-up and the first reads), and the
+    steady rate after it (``tokens_per_s``, over ``batches`` batches). The
+    time to import the loader and torch (``import_s``; 0 when already imported)
+    is measured apart: it is not tokload's own.
+    """
+    t_import = time.perf_counter()
+    import torch  # noqa: F401 - imported here so that no timing below includes it
+
     from tokload.loader import DataLoader
     from tokload.views import TokenStream
 
     t0 = time.perf_counter()
     view = TokenStream(path, window=window, stride=window - 1)
+    t_open = time.perf_counter()
     loader = DataLoader(view, batch_size, seed=0, num_threads=num_threads)
-    it = iter(loader)
-    next(it)
-    first = time.perf_counter() - t0
-    n, t1 = 0, time.perf_counter()
-    while time.perf_counter() - t1 < seconds:
+    try:
+        it = iter(loader)
         next(it)
-        n += 1
-    elapsed = time.perf_counter() - t1
-    loader.close()
+        t_first = time.perf_counter()
+        n = 0
+        while time.perf_counter() - t_first < seconds:
+            next(it)
+            n += 1
+        elapsed = time.perf_counter() - t_first
+    finally:
+        loader.close()
     return {
-        "time_to_first_batch_s": first,
+        "import_s": t0 - t_import,
+        "open_s": t_open - t0,
+        "first_batch_s": t_first - t_open,
+        "time_to_first_batch_s": t_first - t0,
         "batches": n,
         "tokens_per_s": n * batch_size * window / elapsed,
         "window": window,
@@ -156,4 +191,45 @@ def bench(
     }
 
 
-__all__ = ["bench", "inspect", "verify"]
+def process_age(at: float | None = None) -> float | None:
+    """Seconds from this process's start to ``at`` (a ``time.perf_counter()`` value;
+    default now): Python's start-up and the imports before ``at``. ``None`` where
+    ``/proc`` cannot tell (resolution: one clock tick, usually 10 ms)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        age = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    if at is not None:
+        age -= time.perf_counter() - at
+    return max(age, 0.0)
+
+
+def bench_table(path: str | os.PathLike[str], r: dict[str, Any]) -> str:
+    """The result of :func:`bench` (and ``startup_s``, if there) as a readable table."""
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:10.1f} ms"
+
+    rows = [
+        f"tokload bench {path}: window {r['window']}, batch {r['batch_size']}, "
+        f"{r['threads']} reader threads",
+    ]
+    if r.get("startup_s") is not None:
+        rows.append(
+            f"  start-up (Python, tokload)  {ms(r['startup_s'])}   imports, not tokload's work"
+        )
+    rows += [
+        f"  import torch and the loader {ms(r['import_s'])}   imports, not tokload's work",
+        f"  open the dataset            {ms(r['open_s'])}",
+        f"  first batch                 {ms(r['first_batch_s'])}",
+        f"  steady rate                 {r['tokens_per_s'] / 1e6:10.1f} M tokens/s "
+        f"({r['batches']:,} batches)",
+    ]
+    return "\n".join(rows)
+
+
+__all__ = ["bench", "bench_table", "inspect", "process_age", "verify"]
