@@ -68,6 +68,8 @@ from tokload.tokenizer import (
     Encoded,
     Tokenizer,
     copy_tokenizer,
+    dataset_copy_is_current,
+    dataset_record,
     load_tokenizer,
     token_dtype,
 )
@@ -266,9 +268,7 @@ def build(
         raise UsageError("no input files (the directories given are empty)")
     lo, hi = k * len(files) // n, (k + 1) * len(files) // n
     (out / PARTS).mkdir(parents=True, exist_ok=True)
-    tok_record = tok.describe()
-    if tok_record["kind"] != "bytes":
-        tok_record = copy_tokenizer(tok, out)
+    tok_record = dataset_record(tok)
     opts = BuildOptions(
         text_field,
         tuple(keep_fields),
@@ -288,9 +288,10 @@ def build(
     }
     todo = [i for i in range(lo, hi) if not _up_to_date(out / PARTS / f"{i:05d}", base, files[i])]
     stale = _stale_parts(out / PARTS, len(files))
-    if todo or stale:
-        # From here on the parts change: no manifest may list them until the end.
+    if todo or stale or not dataset_copy_is_current(tok, out):
+        # From here on the dataset changes: no manifest may list it until the end.
         (out / MANIFEST).unlink(missing_ok=True)
+    copy_tokenizer(tok, out)
     for d in stale:
         _remove_dir(d)
     for i in todo:

@@ -162,27 +162,44 @@ def load_tokenizer(spec: str | os.PathLike[str] | None) -> Tokenizer:
     return HFTokenizer(path)
 
 
-def copy_tokenizer(tok: Tokenizer, root: str | os.PathLike[str]) -> dict[str, Any]:
-    """Copy a ``tokenizer.json`` into the dataset at ``root`` (atomically) and return
-    its description for the manifest: the file's name relative to ``root`` and its
-    SHA-256, so that :func:`from_description` finds it wherever the dataset moves."""
-    if not isinstance(tok, HFTokenizer):
-        return tok.describe()
-    dest = Path(root) / TOKENIZER_FILE
-    try:
-        same = hashlib.sha256(dest.read_bytes()).hexdigest() == tok.sha256
-    except OSError:
-        same = False
-    if not same:
-        tmp = dest.with_name(f".{TOKENIZER_FILE}.{os.getpid()}.tmp")
-        try:
-            tmp.write_bytes(tok.data)
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
+def dataset_record(tok: Tokenizer) -> dict[str, Any]:
+    """The tokenizer's description for a dataset's manifest: for a ``tokenizer.json``,
+    its copy's name relative to the dataset (:data:`TOKENIZER_FILE`), its SHA-256
+    and where it was copied from."""
     desc = tok.describe()
+    if desc["kind"] == "bytes":
+        return desc
     source = desc.pop("path")
     return {**desc, "file": TOKENIZER_FILE, "source": source}
+
+
+def dataset_copy_is_current(tok: Tokenizer, root: str | os.PathLike[str]) -> bool:
+    """Whether ``root`` holds the tokenizer copy ``tok`` needs (and no other copy)."""
+    dest = Path(root) / TOKENIZER_FILE
+    if not isinstance(tok, HFTokenizer):
+        return not dest.exists()
+    try:
+        return hashlib.sha256(dest.read_bytes()).hexdigest() == tok.sha256
+    except OSError:
+        return False
+
+
+def copy_tokenizer(tok: Tokenizer, root: str | os.PathLike[str]) -> None:
+    """Make ``root/tokenizer.json`` the copy of ``tok``'s file (atomically), or
+    remove it for the byte tokenizer, so that :func:`from_description` finds it
+    wherever the dataset moves."""
+    dest = Path(root) / TOKENIZER_FILE
+    if dataset_copy_is_current(tok, root):
+        return
+    if not isinstance(tok, HFTokenizer):
+        dest.unlink(missing_ok=True)
+        return
+    tmp = dest.with_name(f".{TOKENIZER_FILE}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(tok.data)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def from_description(
