@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
+import stat
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from timeouts import no_hang
 
 import tokload
 from tokload import (
@@ -239,3 +245,226 @@ def test_bad_megatron_files(tmp_path: Path) -> None:
     (tmp_path / "t.bin").unlink()
     with pytest.raises(MissingShardError, match="missing Megatron data"):
         tokload.open_megatron(tmp_path / "t")
+
+
+# ---- manifests: every malformation is a FormatError naming the manifest and the key --------
+
+
+def _manifest_cases() -> list[tuple[str, Any, str]]:
+    """(what, how to change the manifest, expected message after the manifest path)."""
+
+    def shard(**kw: Any) -> Any:
+        return lambda m: m["shards"][0].update(kw)
+
+    return [
+        ("version 1.0", {"version": 1.0}, r"unknown format version 1\.0"),
+        ("version true", {"version": True}, r"unknown format version True"),
+        ("documents yes", {"documents": "yes"}, r"'documents' must be true or false, got 'yes'"),
+        ("metadata 0", {"metadata": 0}, r"'metadata' must be true or false, got 0"),
+        ("no dtype", lambda m: m.pop("dtype"), r"malformed manifest: no 'dtype'"),
+        ("big-endian", {"dtype": ">u4"}, r"dtype: rows must be little-endian, got dtype >u4"),
+        (
+            "big-endian field",
+            {"dtype": [["token", ">u4"]]},
+            r"field 'token' must be little-endian, got >u4",
+        ),
+        ("dtype number", {"dtype": 5}, r"dtype must be a string or a list of \[name, format\]"),
+        ("dtype unknown", {"dtype": "u4x"}, r"dtype: unsupported dtype 'u4x'"),
+        ("dtype as string", {"dtype": "u4,u2"}, r"'u4,u2' is a structured dtype"),
+        ("dtype pair", {"dtype": [["token"]]}, r"dtype\[0\] must be a \[name, format\] pair"),
+        ("bool dtype", {"dtype": "|b1"}, r"rows must be integers, got dtype bool"),
+        ("shards object", {"shards": {}}, r"'shards' must be a list, got \{\}"),
+        ("shard string", {"shards": ["x"]}, r"shards\[0\] must be an object, got 'x'"),
+        ("rows true", shard(rows=True), r"shards\[0\] \('s-00000'\)\.rows must be a non-negative"),
+        ("rows float", shard(rows=2.0), r"\.rows must be a non-negative integer, got 2\.0"),
+        ("rows huge", shard(rows=2**70), r"\.rows is out of range: 1180591620717411303424"),
+        ("documents list", shard(documents=[1]), r"\.documents must be a non-negative"),
+        ("empty name", shard(name=""), r"shards\[0\]\.name '' is empty"),
+        ("NUL", shard(name="s-0\x000000"), r"\.name 's-0\\x000000' contains a NUL character"),
+        ("surrogate", shard(name="s\ud800"), r"contains an unpaired surrogate"),
+        ("absolute", shard(name="/etc/passwd"), r"is an absolute path"),
+        ("dir name", shard(name="sub/.."), r"'sub/\.\.' does not end in a file name"),
+        ("name number", shard(name=7), r"shards\[0\]\.name must be a string, got 7"),
+        ("checksums", shard(xxh3_64={"rows": "XYZ"}), r"\.xxh3_64\.rows must be 16 lowercase"),
+        ("checksums list", shard(xxh3_64=[]), r"\.xxh3_64 must be an object, got \[\]"),
+    ]
+
+
+@pytest.mark.parametrize(("what", "change", "message"), _manifest_cases())
+def test_malformed_manifest_names_the_manifest_and_key(
+    tmp_path: Path, what: str, change: Any, message: str
+) -> None:
+    ds = small(tmp_path / "ds")
+    m = json.loads((ds / "manifest.json").read_text())
+    if callable(change):
+        change(m)
+    else:
+        m.update(change)
+    (ds / "manifest.json").write_text(json.dumps(m))
+    mpath = re.escape(str(ds / "manifest.json"))
+    with pytest.raises(FormatError, match=rf"^{mpath}: .*{message}"):
+        tokload.open_dataset(ds)
+
+
+def test_unreadable_manifest_text(tmp_path: Path) -> None:
+    ds = small(tmp_path / "ds")
+    mfile = ds / "manifest.json"
+    text = mfile.read_bytes()
+    mpath = re.escape(str(mfile))
+    cases = [
+        (text.replace(b'"<u4"', b'"<u4\xff"'), rf"^{mpath}: not UTF-8 text \(byte \d+: invalid"),
+        (b"[" * 100_000 + b"]" * 100_000, rf"^{mpath}: JSON nested too deeply"),
+        (
+            text.replace(b'"user": {}', b'"user": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+            rf"^{mpath}: JSON nested too deeply",
+        ),
+        (text.replace(b'"rows": 20', b'"rows": 2' + b"0" * 5000), rf"^{mpath}: not valid JSON"),
+        (b"[1, 2]", rf"^{mpath}: not a tokload manifest"),
+        (b"", rf"^{mpath}: not valid JSON"),
+    ]
+    for raw, message in cases:
+        assert raw != text
+        mfile.write_bytes(raw)
+        with pytest.raises(FormatError, match=message):
+            tokload.open_dataset(ds)
+
+
+@pytest.mark.parametrize("user", [5, "notes", [1, 2], None, {"k": [1, {"x": None}]}, True])
+def test_user_field_of_any_json_type_is_ignored(tmp_path: Path, user: Any) -> None:
+    ds = small(tmp_path / "ds")
+    m = json.loads((ds / "manifest.json").read_text())
+    m["user"] = user
+    (ds / "manifest.json").write_text(json.dumps(m))
+    np.testing.assert_array_equal(Documents(ds)[5], np.arange(10) + 500)
+
+
+def test_shard_names_with_slashes_and_dotdot_work(tmp_path: Path) -> None:
+    """FORMAT.md allows '/' and '..' inside names (merged datasets use both)."""
+    ds = small(tmp_path / "ds")
+    (ds / "sub").mkdir()
+    (tmp_path / "side").mkdir()
+    m = json.loads((ds / "manifest.json").read_text())
+    moved = {"s-00000": "sub/a", "s-00001": "../side/b"}
+    for s in m["shards"]:
+        if s["name"] in moved:
+            for ext in ("rows", "docs"):
+                (ds / f"{s['name']}.{ext}").rename(ds / f"{moved[s['name']]}.{ext}")
+            s["name"] = moved[s["name"]]
+    (ds / "manifest.json").write_text(json.dumps(m))
+    docs = Documents(ds)
+    for k in range(6):
+        np.testing.assert_array_equal(docs[k], np.arange(10) + 100 * k)
+
+
+# ---- special files are refused before they are opened, never waited on ----------------------
+
+
+def _special(path: Path, kind: str) -> None:
+    path.unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to("/dev/zero")
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path))
+        sock.close()
+
+
+SPECIAL = {
+    "fifo": "a FIFO",
+    "device": "a character device",
+    "directory": "a directory",
+    "socket": "a socket",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SPECIAL))
+@pytest.mark.parametrize("victim", ["manifest.json", "s-00001.rows", "s-00002.docs", "s-00000.mdx"])
+def test_special_file_in_a_dataset_is_refused_without_blocking(
+    tmp_path: Path, kind: str, victim: str
+) -> None:
+    ds = small(tmp_path / "ds", metadata=True)
+    _special(ds / victim, kind)
+    with no_hang(10), pytest.raises(FormatError) as e:
+        StreamWithMetadata(ds, window=4)
+    assert str(e.value).startswith(f"{ds / victim}: ")
+    assert f"is {SPECIAL[kind]}, not a regular file" in str(e.value)
+
+
+@pytest.mark.parametrize("kind", sorted(SPECIAL))
+def test_special_file_in_foreign_formats_is_refused_without_blocking(
+    tmp_path: Path, kind: str
+) -> None:
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"t{ext}").write_bytes((MEGATRON / f"tiny_uint16{ext}").read_bytes())
+    np.arange(20, dtype=np.uint16).tofile(tmp_path / "flat.bin")
+    np.save(tmp_path / "flat.npy", np.arange(20, dtype=np.uint16))
+    opens = [
+        ("t.idx", lambda: tokload.open_megatron(tmp_path / "t")),
+        ("t.bin", lambda: tokload.open_megatron(tmp_path / "t")),
+        ("flat.bin", lambda: tokload.open_flat(tmp_path / "flat.bin", np.uint16)),
+        ("flat.npy", lambda: tokload.open_flat(tmp_path / "flat.npy")),
+        (
+            "i.npy",
+            lambda: tokload.open_flat(
+                tmp_path / "flat.bin", np.uint16, doc_index=tmp_path / "i.npy"
+            ),
+        ),
+    ]
+    for victim, opener in opens:
+        saved = (tmp_path / victim).read_bytes() if (tmp_path / victim).is_file() else None
+        _special(tmp_path / victim, kind)
+        with no_hang(10), pytest.raises(FormatError, match=f"is {SPECIAL[kind]}, not a regular"):
+            opener()
+        _remove(tmp_path / victim)
+        if saved is not None:
+            (tmp_path / victim).write_bytes(saved)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        path.rmdir()
+    else:
+        path.unlink()
+
+
+# ---- modes, exports ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_manifest_mode_follows_the_umask_like_the_shards(tmp_path: Path, umask: int) -> None:
+    old = os.umask(umask)
+    try:
+        ds = small(tmp_path / "ds")
+        merged = tokload.merge(tmp_path / "merged", [ds])
+    finally:
+        os.umask(old)
+    assert merged.shards
+    want = 0o666 & ~umask
+    assert stat.S_IMODE(os.stat(ds / "s-00000.rows").st_mode) == want
+    assert stat.S_IMODE(os.stat(ds / "manifest.json").st_mode) == want
+    assert stat.S_IMODE(os.stat(tmp_path / "merged" / "manifest.json").st_mode) == want
+
+
+def test_every_public_exception_is_exported_at_the_top_level() -> None:
+    assert tokload.StateError is tokload.errors.StateError
+    assert tokload.__all__ == sorted(tokload.__all__)
+    modules = [m for name, m in vars(tokload).items() if isinstance(m, types.ModuleType)]
+    modules += [sys.modules[n] for n in list(sys.modules) if n.startswith("tokload.")]
+    found = {
+        name
+        for mod in modules
+        for name, obj in vars(mod).items()
+        if isinstance(obj, type)
+        and issubclass(obj, tokload.TokloadError)
+        and not name.startswith("_")
+        and obj.__module__.startswith("tokload")
+    }
+    assert "StateError" in found
+    missing = sorted(found - set(tokload.__all__))
+    assert not missing, f"not exported at the top level: {missing}"
+    for name in found:
+        assert getattr(tokload, name).__name__ == name
