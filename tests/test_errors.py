@@ -9,6 +9,7 @@ import socket
 import stat
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -402,7 +403,7 @@ def test_special_file_in_foreign_formats_is_refused_without_blocking(
         (tmp_path / f"t{ext}").write_bytes((MEGATRON / f"tiny_uint16{ext}").read_bytes())
     np.arange(20, dtype=np.uint16).tofile(tmp_path / "flat.bin")
     np.save(tmp_path / "flat.npy", np.arange(20, dtype=np.uint16))
-    opens = [
+    opens: list[tuple[str, Callable[[], tokload.Source]]] = [
         ("t.idx", lambda: tokload.open_megatron(tmp_path / "t")),
         ("t.bin", lambda: tokload.open_megatron(tmp_path / "t")),
         ("flat.bin", lambda: tokload.open_flat(tmp_path / "flat.bin", np.uint16)),
