@@ -422,3 +422,38 @@ def test_values_are_range_checked_and_structured_input_accepted(tmp_path: Path) 
             w.write([1.5])
         w.write(np.array([1, 2], dtype=np.int64))
     np.testing.assert_array_equal(Documents(tmp_path / "u2")[0], [1, 2])
+
+
+def test_empty_documents_and_all_empty_metadata_records(tmp_path: Path) -> None:
+    """Valid data with nothing in it reads the same in every build (the debug build
+    once refused it: ``&buf[0]`` on an empty buffer). The sanitizer job runs this."""
+    lengths = [0, 3, 0, 0, 2, 0]
+    with Writer(tmp_path / "d", "<u4", shard_bytes=12, name_prefix="e") as w:
+        for k, n in enumerate(lengths):
+            w.write(np.arange(n, dtype=np.uint32) + 10 * k)
+    docs = Documents(tmp_path / "d")
+    assert len(docs) == len(lengths)
+    for k, n in enumerate(lengths):
+        np.testing.assert_array_equal(docs[k], np.arange(n) + 10 * k)
+    batch = docs.read([0, 2, 3])  # a batch of empty documents only
+    assert batch.lengths.tolist() == [0, 0, 0]
+    assert batch.offsets.tolist() == [0, 0, 0, 0]
+    assert len(np.asarray(batch.values)) == 0
+    padded, plen = docs.read_padded([5, 1], 4)
+    assert plen.tolist() == [0, 3]
+    np.testing.assert_array_equal(np.asarray(padded)[1, :3], [10, 11, 12])
+
+    dt = [("token", "<u4"), ("metadata_id", "<u4")]
+    with Writer(tmp_path / "m", dt, metadata=True, shard_bytes=48, name_prefix="e") as w:
+        w.write({"token": np.arange(6)}, spans=[(0, 3, b""), (3, 6, b"")])  # empty records only
+        w.write({"token": np.arange(0)})  # an empty document
+        w.write({"token": np.arange(6) + 6}, spans=[(0, 1, b""), (2, 4, b"x")])
+    view = StreamWithMetadata(tmp_path / "m", window=3)
+    b = view.read([0, 1])  # windows whose records are all empty
+    assert b.metadata == [b"", b""]
+    assert b.positions.tolist() == [[0, 0, 0], [1, 1, 1]]
+    c = view[2]
+    np.testing.assert_array_equal(c.fields["token"], [6, 7, 8])
+    assert [None if p < 0 else c.metadata[p] for p in c.positions] == [b"", None, b"x"]
+    mdocs = Documents(tmp_path / "m")
+    assert [len(mdocs[k]["token"]) for k in range(3)] == [6, 0, 6]
