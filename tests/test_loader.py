@@ -313,9 +313,16 @@ def test_batch_contents_per_view_kind(corpus: Path, meta_corpus: Path) -> None:
     for k, i in enumerate(b["index"].tolist()):
         np.testing.assert_array_equal(b["tokens"][k, : lengths[k]].numpy(), docs[i])
         assert (b["tokens"][k, lengths[k] :] == 0).all()
-    fixed = next(iter(DataLoader(docs, 3, seed=4, pad_to=8, pad_value=7, num_threads=0)))
+    fixed_docs = Documents(corpus, pad_to=8, pad_value=7)
+    fixed = next(iter(DataLoader(fixed_docs, 3, seed=4, num_threads=0)))
     assert fixed["tokens"].shape == (3, 8)
-    packed = next(iter(DataLoader(docs, 3, seed=4, documents="pack", num_threads=0)))
+    for k, i in enumerate(fixed["index"].tolist()):
+        n = int(fixed["lengths"][k])
+        doc = np.asarray(docs[i])
+        assert n == min(8, len(doc))
+        np.testing.assert_array_equal(fixed["tokens"][k, :n].numpy(), doc[:n])
+        assert (fixed["tokens"][k, n:] == 7).all()
+    packed = next(iter(DataLoader(Documents(corpus, batch="pack"), 3, seed=4, num_threads=0)))
     cu = packed["cu_seqlens"].tolist()
     for k, i in enumerate(packed["index"].tolist()):
         np.testing.assert_array_equal(packed["tokens"][cu[k] : cu[k + 1]].numpy(), docs[i])
@@ -469,8 +476,8 @@ def test_buffers_are_never_reused(corpus: Path) -> None:
 
 def test_bad_arguments(corpus: Path) -> None:
     view = TokenStream(corpus, window=9)
-    with pytest.raises(TypeError, match="view must be a TokenStream"):
-        DataLoader([1, 2], 4)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="list is not a view: it lacks fingerprint, read_batch"):
+        DataLoader([1, 2], 4)
     with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0"):
         DataLoader(view, 0)
     with pytest.raises(ValueError, match="epochs must be >= 1 or None, got 0"):
@@ -479,8 +486,8 @@ def test_bad_arguments(corpus: Path) -> None:
         DataLoader(view, 1000, rank=0, world_size=8, drop_last=True)
     with pytest.raises(ValueError, match="the view is empty"):
         DataLoader(view.subset(0, 0), 2)
-    with pytest.raises(ValueError, match="documents must be 'pad' or 'pack'"):
-        DataLoader(Documents(view.source), 2, documents="ragged")
+    with pytest.raises(ValueError, match="batch must be 'pad' or 'pack', got 'ragged'"):
+        Documents(view.source, batch="ragged")
     with pytest.raises(ValueError, match="past the end"):
         DataLoader(view, 2, epochs=1).cursor = len(view) + 1
     assert os.cpu_count()

@@ -52,7 +52,8 @@ import numpy as np
 import numpy.typing as npt
 
 from tokload._permute import Permutation, epoch_seed
-from tokload.views import Alloc, Fields, StreamWithMetadata, TokenStream, View, _check_out
+from tokload.assembly import Alloc
+from tokload.views import Fields, StreamWithMetadata, TokenStream, View, _check_out
 
 # Domain separation for the keys derived from the blend seed.
 _SLOT_TAG = 0x736C6F74  # "slot"
@@ -351,6 +352,14 @@ class Blend(View):
         """Arrays ``read`` can fill for ``batch`` observations (as the components')."""
         return self.views[0].empty(batch, alloc=alloc)
 
+    rowwise = True
+    """Each sample is one row of every array: the loader reads many steps at once."""
+
+    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, np.ndarray]:
+        """The view protocol (:mod:`tokload.assembly`), as the components' ``read_batch``."""
+        got = self.read(indices, out=self.empty(len(indices), alloc=alloc))
+        return got if isinstance(got, dict) else {"tokens": got}
+
     def read(self, indices: npt.ArrayLike, out: Fields | None = None) -> Fields:
         """The samples at blend positions ``indices``, read component by component."""
         comp, index = self.locate(indices)
@@ -379,10 +388,22 @@ class Blend(View):
 
     @property
     def fingerprint(self) -> str:
+        """The components, the seed, the block size, every stage, the caps and the range."""
+        return f"{self._fingerprint(self.stages)}:{self._hi}"
+
+    def fingerprint_upto(self, stop: int) -> str:
+        """What samples ``[0, stop)`` depend on: the stages that start before ``stop``.
+
+        A stage added later in the schedule changes no earlier position, so the
+        loader (which compares this on resume) accepts it before the new stage.
+        """
+        return self._fingerprint([st for st in self.stages if st[0] < self._lo + stop])
+
+    def _fingerprint(self, stages: list[tuple[int, list[float]]]) -> str:
         parts = ",".join(v.fingerprint for v in self.views)
         return (
-            f"Blend({parts}):{self.seed}:{self.block_size}:{self.stages}:"
-            f"{sorted(self.max_epochs.items())}:{self._lo}:{self._hi}"
+            f"Blend({parts}):{self.seed}:{self.block_size}:{stages}:"
+            f"{sorted(self.max_epochs.items())}:{self._lo}"
         )
 
     def close(self) -> None:

@@ -1,18 +1,17 @@
 """The DataLoader: global shuffle, zero-communication ranks, one-integer resume.
 
-Order (ARCHITECTURE.md, invariants 2-4). With ``n = len(view)``, position
-``q >= 0`` is sample ``view[perm_e(q % n)]`` of epoch ``e = q // n``, where
-``perm_e = Permutation.for_epoch(n, seed, e, rounds)`` (the identity when
-``shuffle=False``). A step that starts at cursor ``c`` covers the global batch
-of positions ``[c, c + G)``, ``G = batch_size * world_size``, and rank ``r``
-takes positions ``c + r + k * world_size``, ``k < batch_size``. The samples of
-a global batch therefore depend on ``c`` and ``G`` only, never on how many
-ranks share it, and no rank ever needs another's state.
+It composes three stages, one job each:
 
-The checkpoint is the cursor: the first position not yet delivered. Resuming
-at it, with any number of ranks and any batch size, delivers every remaining
-position of every epoch exactly once. Prefetched batches are not counted and
-are rebuilt identically after a resume.
+- the **schedule** (:mod:`tokload.schedule`): cursor -> steps -> this rank's
+  positions -> sample indices, pure arithmetic (ARCHITECTURE.md, invariants 2-4);
+- the **assembly** (:mod:`tokload.assembly`): sample indices -> raw arrays,
+  through the view protocol that every view implements (no type dispatch);
+- the **transfer** (:mod:`tokload.transfer`): host buffers with an explicit
+  lifetime, tensors, device copies on a side stream.
+
+This module owns the policy around them: the cursor (the first position not yet
+delivered; the whole checkpoint), reader threads that build several steps per
+task ahead of the trainer, and iteration.
 """
 
 from __future__ import annotations
@@ -21,61 +20,18 @@ import contextlib
 import os
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Self, cast
+from typing import Any, Self
 
 import numpy as np
 
-from tokload._permute import Permutation
+from tokload.assembly import Assembly, check_view, fingerprint_upto
 from tokload.errors import StateError
 from tokload.prefetch import Prefetcher
-from tokload.views import Documents, StreamWithMetadata, TokenStream, View
-
-if TYPE_CHECKING:
-    from tokload.blend import Blend
+from tokload.schedule import Schedule
+from tokload.transfer import Batch, Transfer, TransferBackend, make_backend
 
 STATE_VERSION = 1
-Batch = dict[str, Any]
-
-
-class _Order:
-    """Position -> sample index, with the permutation of each epoch cached."""
-
-    def __init__(self, n: int, seed: int, rounds: int, shuffle: bool) -> None:
-        self.n, self.seed, self.rounds, self.shuffle = n, seed, rounds, shuffle
-        self._cache: OrderedDict[int, Permutation] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def perm(self, epoch: int) -> Permutation:
-        with self._lock:
-            p = self._cache.get(epoch)
-            if p is None:
-                p = Permutation.for_epoch(self.n, self.seed, epoch, self.rounds)
-                self._cache[epoch] = p
-                while len(self._cache) > 4:  # a batch spans at most a few epochs
-                    self._cache.popitem(last=False)
-            else:
-                self._cache.move_to_end(epoch)
-            return p
-
-    def indices(self, positions: np.ndarray) -> np.ndarray:
-        """Sample indices (int64) of global positions (uint64)."""
-        if len(positions) == 0:  # a rank with nothing left in a final partial batch
-            return np.zeros(0, dtype=np.int64)
-        n = np.uint64(self.n)
-        j = positions % n
-        if not self.shuffle:
-            return j.astype(np.int64)
-        epochs = positions // n
-        first, last = int(epochs[0]), int(epochs[-1])
-        if first == last:
-            return self.perm(first).take(j, out=j).view(np.int64)
-        out = np.empty(len(positions), dtype=np.uint64)
-        for e in range(first, last + 1):
-            mask = epochs == e
-            out[mask] = self.perm(e).take(j[mask])
-        return out.view(np.int64)
 
 
 def _resolve_rank(
@@ -105,8 +61,12 @@ class DataLoader:
     """Batches of a view, shuffled globally, split across ranks, resumable exactly.
 
     Args:
-        view: a :class:`~tokload.views.TokenStream`, :class:`~tokload.views.Documents`
-            or :class:`~tokload.views.StreamWithMetadata` (or any subset).
+        view: any view: :class:`~tokload.views.TokenStream`,
+            :class:`~tokload.views.Documents`,
+            :class:`~tokload.views.StreamWithMetadata`, :class:`~tokload.blend.Blend`
+            (or a subset of one), or your own object implementing the view
+            protocol of :mod:`tokload.assembly` (``len``, ``fingerprint``,
+            ``read_batch``).
         batch_size: samples per rank per step (``B``).
         seed: the run seed; epoch ``e`` uses ``Permutation.for_epoch(n, seed, e)``.
         shuffle: False reads in order (evaluation: ``shuffle=False, epochs=1``).
@@ -122,37 +82,42 @@ class DataLoader:
             the training thread keeps a core of its own.
         pin_memory: ``"auto"`` pins when CUDA is available; ``True`` requires
             it (RuntimeError otherwise); ``False`` never pins.
-        device: copy each batch to this device in the reader thread, on a side
-            stream with ``non_blocking=True`` (CUDA only).
-        collate: ``collate(raw)`` replaces the default conversion to tensors;
-            ``raw`` is a dict of NumPy arrays (see :meth:`raw_batch`).
+        device: where batches are delivered. ``"auto"`` (default): this rank's
+            CUDA device (``LOCAL_RANK``, else the current device at
+            construction) when CUDA is available, else the host. A torch device
+            or string (``"cuda:1"``) picks one; ``None`` or ``"cpu"`` keeps host
+            batches. Copies run in the reader threads on a side stream; see
+            :mod:`tokload.transfer` for what a trainer may do with a batch.
+        collate: ``collate(raw)`` replaces the conversion to tensors and the
+            device copy; ``raw`` is the dict of NumPy arrays the view gave, plus
+            ``"index"`` and ``"position"``.
         epochs: stop after ``epochs * n`` positions (None: endless).
         drop_last: never let a global batch straddle the end of an epoch (its
             last ``n % G`` positions are skipped), and drop a final partial
             batch. Default False: nothing is ever skipped.
         rounds: Feistel rounds of the permutation.
-        documents: for a Documents view, ``"pad"`` (``[B, L]`` plus
-            ``lengths``) or ``"pack"`` (one row per rank plus ``cu_seqlens``).
-        pad_to: with ``"pad"``, a fixed ``L`` (longer documents are truncated);
-            None pads to the longest document of the batch.
-        pad_value: the padding token.
         steps_per_task: consecutive steps a reader thread builds per task. For
-            token streams their samples are permuted and read in one call each,
-            so the thread takes the GIL a few times per task instead of per
-            batch, which is what keeps the training thread at full speed. The
-            batches are the same whatever this is.
+            rowwise views (token streams, blends, fixed-length padded documents)
+            the samples of all of them are permuted and read in one call each,
+            so a thread takes the GIL about once per task instead of per batch,
+            which is what keeps the training thread at full speed. The batches
+            are the same whatever this is.
+        transfer: a :class:`~tokload.transfer.TransferBackend` to use instead of
+            the one ``pin_memory`` and ``device`` describe (tests use a fake
+            device).
 
-    Batches are dicts of tensors: ``"tokens"`` (or one entry per field of a
-    structured dtype), ``"index"`` (int64, the view indices) and
-    ``"position"`` (int64, the global positions), plus ``"lengths"`` /
-    ``"cu_seqlens"`` for documents and ``"metadata_positions"`` /
-    ``"metadata"`` for a stream with metadata. Tensors share memory with the
-    buffers the data was read into (no copy); a buffer is never reused.
+    Batches are :class:`~tokload.transfer.Batch` dicts of tensors: the view's
+    arrays (``"tokens"``, or one entry per field of a structured dtype, plus
+    ``"lengths"``/``"cu_seqlens"`` for documents and ``"metadata_positions"``/
+    ``"metadata"`` for a stream with metadata), ``"index"`` (int64, the view
+    indices) and ``"position"`` (int64, the global positions). Host tensors
+    share memory with the buffers the data was read into; no buffer is ever
+    reused by tokload.
     """
 
     def __init__(
         self,
-        view: View,
+        view: Any,
         batch_size: int,
         *,
         seed: int = 0,
@@ -164,30 +129,19 @@ class DataLoader:
         prefetch: int = 16,
         num_threads: int | None = None,
         pin_memory: bool | str = "auto",
-        device: Any = None,
+        device: Any = "auto",
         collate: Callable[[dict[str, Any]], Any] | None = None,
         epochs: int | None = None,
         drop_last: bool = False,
         rounds: int = 6,
-        documents: str = "pad",
-        pad_to: int | None = None,
-        pad_value: int = 0,
         steps_per_task: int = 8,
+        transfer: TransferBackend | None = None,
     ) -> None:
-        from tokload.blend import Blend
-
-        if not isinstance(view, (TokenStream, Documents, StreamWithMetadata, Blend)):
-            raise TypeError(
-                f"view must be a TokenStream, Documents, StreamWithMetadata or Blend, "
-                f"got {type(view).__name__}"
-            )
-        # token windows (a plain stream or a blend of them): read in chunks
-        self._windows = isinstance(view, (TokenStream, Blend)) and not isinstance(
-            view, StreamWithMetadata
-        )
-        if not isinstance(batch_size, int) or batch_size < 1:
+        check_view(view)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if len(view) == 0:
+        n = len(view)
+        if n == 0:
             raise ValueError(f"the view is empty: {view!r}")
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
@@ -195,60 +149,59 @@ class DataLoader:
             num_threads = min(4, max(1, (os.cpu_count() or 2) // 2))
         if num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {num_threads}")
-        if epochs is not None and epochs < 1:
+        if epochs is not None and (isinstance(epochs, bool) or epochs < 1):
             raise ValueError(f"epochs must be >= 1 or None, got {epochs}")
-        if documents not in ("pad", "pack"):
-            raise ValueError(f"documents must be 'pad' or 'pack', got {documents!r}")
-        if pad_to is not None and pad_to < 1:
-            raise ValueError(f"pad_to must be positive, got {pad_to}")
         if steps_per_task < 1:
             raise ValueError(f"steps_per_task must be >= 1, got {steps_per_task}")
         self.view = view
-        self.n = len(view)
+        self.n = n
         self.rank, self.world_size = _resolve_rank(rank, world_size, mesh, mesh_dim)
         self.batch_size = batch_size
         self.global_batch = batch_size * self.world_size
-        if drop_last and self.global_batch > self.n:
+        if drop_last and self.global_batch > n:
             raise ValueError(
                 f"drop_last with a global batch of {self.global_batch} needs at "
-                f"least that many samples, the view has {self.n}"
+                f"least that many samples, the view has {n}"
             )
         self.seed, self.shuffle, self.rounds = int(seed), bool(shuffle), int(rounds)
         self.epochs, self.drop_last = epochs, bool(drop_last)
-        self.total = None if epochs is None else epochs * self.n
+        self.total = None if epochs is None else epochs * n
         self.prefetch, self.num_threads = int(prefetch), int(num_threads)
-        self.collate = collate
-        self.documents, self.pad_to, self.pad_value = documents, pad_to, pad_value
         self.steps_per_task = int(steps_per_task)
-        self._order = _Order(self.n, self.seed, self.rounds, self.shuffle)
-        self._pin = self._resolve_pin(pin_memory)
-        self.device = device
+        self.collate = collate
+        self.schedule = Schedule(
+            n,
+            batch_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            seed=self.seed,
+            rounds=self.rounds,
+            shuffle=self.shuffle,
+            epochs=epochs,
+            drop_last=self.drop_last,
+        )
+        if transfer is None:
+            explicit = device is not None and not (isinstance(device, str) and device == "auto")
+            if collate is not None and explicit:
+                raise ValueError(
+                    "collate= replaces the conversion to tensors and the device copy; "
+                    f"give either collate or device={device!r}, not both"
+                )
+            transfer = make_backend(pin_memory, None if collate is not None else device)
+        self.transfer = Transfer(transfer)
+        self.assembly = Assembly(view, self.transfer.alloc)
         self._cursor = 0
         self._iter: weakref.ref[_LoaderIter] | None = None
-
-    # ---- configuration -------------------------------------------------------------
-
-    @staticmethod
-    def _resolve_pin(pin_memory: bool | str) -> bool:
-        import torch
-
-        if pin_memory == "auto":
-            return bool(torch.cuda.is_available())
-        if pin_memory is True:
-            if not torch.cuda.is_available():
-                raise RuntimeError(
-                    "pin_memory=True needs a CUDA device, and torch.cuda.is_available() is "
-                    "False; use pin_memory='auto' to pin only where a GPU is present"
-                )
-            return True
-        if pin_memory is False:
-            return False
-        raise ValueError(f"pin_memory must be 'auto', True or False, got {pin_memory!r}")
 
     @property
     def pinned(self) -> bool:
         """Whether batches are built in pinned (page-locked) host memory."""
-        return self._pin
+        return self.transfer.pinned
+
+    @property
+    def device(self) -> Any:
+        """The device batches are copied to, or None for host batches."""
+        return self.transfer.backend.device
 
     # ---- the cursor ------------------------------------------------------------------
 
@@ -259,16 +212,17 @@ class DataLoader:
 
     @cursor.setter
     def cursor(self, value: int) -> None:
-        """Jump to a position (e.g. past a bad batch); restarts prefetching."""
-        if not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"cursor must be a non-negative integer, got {value!r}")
-        if self.total is not None and value > self.total:
-            raise ValueError(
-                f"cursor {value} is past the end of the {self.epochs} epochs "
-                f"({self.total} positions)"
-            )
-        self._close_iter()
-        self._cursor = int(value)
+        """Jump to a position (e.g. past a bad batch).
+
+        Inside a running ``for batch in loader`` loop, the loop goes on from the
+        new cursor: batches prefetched for the old one are dropped, nothing is
+        skipped or repeated. A value outside ``[0, 2**64)`` or past the end of
+        the run raises ValueError here.
+        """
+        self._cursor = self.schedule.check_cursor(value)
+        it = self._iter() if self._iter is not None else None
+        if it is not None:
+            it.restart()
 
     @property
     def epoch(self) -> int:
@@ -288,163 +242,94 @@ class DataLoader:
             "seed": self.seed,
             "rounds": self.rounds,
             "shuffle": self.shuffle,
-            "fingerprint": self.view.fingerprint,
+            "fingerprint": self._fingerprint(self._cursor),
         }
+
+    def _fingerprint(self, cursor: int) -> str:
+        """The view's fingerprint for what the positions before ``cursor`` read."""
+        if cursor == 0:
+            return fingerprint_upto(self.view, 0)
+        return fingerprint_upto(self.view, self.n if self.shuffle else min(cursor, self.n))
 
     def load_state_dict(self, state: Mapping[str, Any], *, force: bool = False) -> None:
         """Resume at ``state["cursor"]``; any world size and batch size may differ.
 
         Refuses (StateError) a state computed for another dataset, view size,
-        seed, rounds or shuffle setting, unless ``force=True``.
+        seed, rounds or shuffle setting, unless ``force=True``. Inside a running
+        loop, the loop goes on from the state's cursor (as when setting
+        :attr:`cursor`).
         """
         if not isinstance(state, Mapping) or "cursor" not in state:
             raise StateError(f"not a tokload loader state: {state!r}")
         if state.get("version") != STATE_VERSION:
             raise StateError(f"unknown loader state version {state.get('version')!r}")
+        try:
+            cursor = self.schedule.check_cursor(state["cursor"])
+        except ValueError as e:
+            raise StateError(f"the state's cursor is unusable here: {e}") from None
         if not force:
-            mine = self.state_dict()
-            for key in ("n", "seed", "rounds", "shuffle", "fingerprint"):
-                if state.get(key) != mine[key]:
+            mine = {
+                "n": self.n,
+                "seed": self.seed,
+                "rounds": self.rounds,
+                "shuffle": self.shuffle,
+                "fingerprint": self._fingerprint(cursor),
+            }
+            for key, value in mine.items():
+                if state.get(key) != value:
                     raise StateError(
                         f"the state was saved for {key}={state.get(key)!r}, this loader has "
-                        f"{key}={mine[key]!r}; pass force=True to resume anyway"
+                        f"{key}={value!r}; pass force=True to resume anyway"
                     )
-        self.cursor = int(state["cursor"])
+        self.cursor = cursor
 
-    # ---- the schedule -----------------------------------------------------------------
-
-    def _step_span(self, c: int) -> tuple[int, int] | None:
-        """The global batch [start, end) of the step at cursor c, or None when done."""
-        g = self.global_batch
-        if self.drop_last and self.n - c % self.n < g:
-            c = (c // self.n + 1) * self.n
-        end = c + g
-        if self.total is not None:
-            if c >= self.total:
-                return None
-            if end > self.total:
-                if self.drop_last:
-                    return None
-                end = self.total
-        return c, end
+    # ---- building steps ----------------------------------------------------------------
 
     def positions(self, start: int, end: int) -> np.ndarray:
         """This rank's positions (uint64) in the global batch [start, end)."""
-        first = start + self.rank
-        count = max(0, min(self.batch_size, -(-(end - first) // self.world_size)))
-        return np.uint64(first) + np.uint64(self.world_size) * np.arange(count, dtype=np.uint64)
+        return self.schedule.positions(start, end)
 
-    # ---- building batches ---------------------------------------------------------------
+    def build_steps(self, spans: list[tuple[int, int]]) -> list[Any]:
+        """This rank's batches of consecutive global batches ``spans``, finished.
 
-    def _alloc(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        if not self._pin:
-            return np.empty(shape, dtype=dtype)
-        import torch
-
-        t = torch.empty(shape, dtype=_torch_dtype(np.dtype(dtype)), pin_memory=True)
-        arr: np.ndarray = t.numpy()
-        return arr
+        A rowwise view reads the samples of all of them with one permutation
+        call and one ``read_batch``; each batch is a slice of the result, and
+        their tensors are built once for all of them.
+        """
+        sched, asm = self.schedule, self.assembly
+        if not asm.rowwise or len(spans) == 1:
+            return [self._finish(self.raw_batch(*sp)) for sp in spans]
+        pos_list = [sched.positions(*sp) for sp in spans]
+        pos = np.concatenate(pos_list)
+        raw = asm.read(sched.indices(pos), pos)
+        asm.check_rows(raw, len(pos))
+        whole: dict[str, Any] = raw if self.collate is not None else self.transfer.tensors(raw)
+        out: list[Any] = []
+        at = 0
+        copy = self.transfer.copy if self.device is not None else None
+        collate = self.collate
+        for p in pos_list:
+            b = Batch()
+            end = at + len(p)
+            for k, v in whole.items():
+                b[k] = v[at:end]
+            at = end
+            out.append(collate(b) if collate is not None else (copy(b) if copy else b))
+        return out
 
     def raw_batch(self, start: int, end: int) -> dict[str, Any]:
-        """The NumPy arrays of this rank's part of the global batch [start, end).
+        """The NumPy arrays of this rank's part of the global batch ``[start, end)``.
 
-        Keys: the view's fields (``"tokens"`` for a plain dtype), ``"index"``,
-        ``"position"``, and per view kind ``"lengths"``/``"cu_seqlens"`` or
-        ``"metadata_positions"``/``"metadata"``. This is what ``collate`` gets.
+        This is what ``collate`` gets: the view's ``read_batch`` result plus
+        ``"index"`` and ``"position"``.
         """
-        if self._windows:
-            return self.raw_batches([(start, end)])[0]
-        pos = self.positions(start, end)
-        idx = self._order.indices(pos)
-        raw: dict[str, Any] = {}
-        view = self.view
-        b = len(idx)
-        if isinstance(view, StreamWithMetadata):
-            res = view.read(
-                idx,
-                out=view.empty(b, alloc=self._alloc),
-                positions=self._alloc((b, view.window), np.int32),
-            )
-            raw.update(res.fields)
-            raw["metadata_positions"] = res.positions
-            raw["metadata"] = res.metadata
-        else:
-            assert isinstance(view, Documents)
-            if self.documents == "pad":
-                values, lengths = view.read_padded(
-                    idx, self.pad_to, pad=self.pad_value, alloc=self._alloc
-                )
-                raw.update(values if isinstance(values, dict) else {"tokens": values})
-                raw["lengths"] = lengths
-            else:
-                batch = view.read(idx, alloc=self._alloc)
-                raw.update(
-                    batch.values if isinstance(batch.values, dict) else {"tokens": batch.values}
-                )
-                raw["lengths"] = batch.lengths
-                raw["cu_seqlens"] = batch.offsets
-        raw["index"] = idx
-        raw["position"] = pos.view(np.int64)
-        return raw
-
-    def raw_batches(self, spans: list[tuple[int, int]]) -> list[dict[str, Any]]:
-        """``raw_batch`` for several consecutive global batches at once.
-
-        For a token stream, the samples of all of them are permuted in one call
-        and read in one call into one buffer, and each batch gets a slice of it
-        (the slices never overlap, and no buffer is reused). Other views build
-        batch by batch: their batch shapes (padding) or metadata lists are per
-        batch.
-        """
-        view = self.view
-        if not self._windows:
-            return [self.raw_batch(*sp) for sp in spans]
-        pos_list = [self.positions(*sp) for sp in spans]
-        pos = np.concatenate(pos_list)
-        idx = self._order.indices(pos)
-        wv = cast("TokenStream | Blend", view)
-        got = wv.read(idx, out=wv.empty(len(idx), alloc=self._alloc))
-        fields = got if isinstance(got, dict) else {"tokens": got}
-        raws, at = [], 0
-        for p in pos_list:
-            b = len(p)
-            raw = {k: v[at : at + b] for k, v in fields.items()}
-            raw["index"] = idx[at : at + b]
-            raw["position"] = p.view(np.int64)
-            raws.append(raw)
-            at += b
-        return raws
-
-    def _to_tensors(self, raw: dict[str, Any]) -> Batch:
-        import torch
-
-        batch: Batch = {}
-        for k, v in raw.items():
-            batch[k] = torch.from_numpy(v) if isinstance(v, np.ndarray) else v
-        if self.device is not None:
-            is_cuda = torch.device(self.device).type == "cuda"
-            stream = torch.cuda.Stream() if is_cuda else None  # type: ignore[no-untyped-call]
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    batch = {
-                        k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
-                        for k, v in batch.items()
-                    }
-                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    event.record(stream)
-                batch["_ready"] = event
-            else:
-                batch = {
-                    k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()
-                }
-        return batch
-
-    def build(self, start: int, end: int) -> Any:
-        """This rank's batch for the global batch [start, end), collated."""
-        return self._finish(self.raw_batch(start, end))
+        pos = self.schedule.positions(start, end)
+        return self.assembly.read(self.schedule.indices(pos), pos)
 
     def _finish(self, raw: dict[str, Any]) -> Any:
-        return self.collate(raw) if self.collate is not None else self._to_tensors(raw)
+        if self.collate is not None:
+            return self.collate(raw)
+        return self.transfer.copy(self.transfer.tensors(raw))
 
     # ---- iteration -----------------------------------------------------------------------
 
@@ -455,17 +340,10 @@ class DataLoader:
         return it
 
     def __len__(self) -> int:
-        """Steps left from the cursor (only for a finite number of epochs)."""
+        """Steps left from the cursor (only for a finite number of epochs); O(1)."""
         if self.total is None:
             raise TypeError("an endless DataLoader (epochs=None) has no length")
-        c = self._cursor
-        if not self.drop_last:
-            return -(-(self.total - c) // self.global_batch) if c < self.total else 0
-        steps = 0
-        while (span := self._step_span(c)) is not None:
-            steps += 1
-            c = span[1]
-        return steps
+        return self.schedule.steps_left(self._cursor)
 
     def _close_iter(self) -> None:
         it = self._iter() if self._iter is not None else None
@@ -491,8 +369,9 @@ class DataLoader:
 class _LoaderIter:
     """One pass of iteration: owns the reader threads; advances the loader's cursor.
 
-    Reader task ``k`` builds steps ``[k * c, (k + 1) * c)`` of this pass
-    (``c = steps_per_task``); the consumer takes them in order.
+    Reader task ``k`` builds steps ``[k * c, (k + 1) * c)`` after the cursor the
+    threads started from (``c = steps_per_task``); the consumer takes them in
+    order. :meth:`restart` starts over from the loader's current cursor.
     """
 
     def __init__(self, loader: DataLoader) -> None:
@@ -500,6 +379,11 @@ class _LoaderIter:
         self._closed = False
         self._ready: list[tuple[tuple[int, int], Any]] = []
         self._pf: Prefetcher | None = None
+        self._start()
+
+    def _start(self) -> None:
+        loader = self._loader
+        self._ready = []
         if loader.num_threads > 0:
             # The threads see only the build function, never this object, so
             # dropping the iterator (e.g. leaving a for loop) lets it be collected.
@@ -507,6 +391,15 @@ class _LoaderIter:
             self._pf = Prefetcher(
                 _task_builder(loader, loader.cursor), 0, None, depth, loader.num_threads
             )
+
+    def restart(self) -> None:
+        """Drop what was prefetched and go on from the loader's cursor."""
+        if self._closed:
+            return
+        if self._pf is not None:
+            self._pf.close()
+            self._pf = None
+        self._start()
 
     def __iter__(self) -> _LoaderIter:
         return self
@@ -516,26 +409,27 @@ class _LoaderIter:
             raise StopIteration
         loader = self._loader
         if self._pf is None:
-            s = loader._step_span(loader.cursor)
-            if s is None:
+            span = loader.schedule.span(loader.cursor)
+            if span is None:
                 self.close()
                 raise StopIteration
-            item = loader.build(*s)
-            loader._cursor = s[1]
-            return item
-        if not self._ready:
-            self._ready = self._pf.get()
-            self._ready.reverse()
-        if not self._ready:  # an empty task: the pass is over
-            self.close()
-            raise StopIteration
-        (_start, end), item = self._ready.pop()
-        if isinstance(item, _Failed):
-            # The batch was not delivered: the cursor stays before it, and a new
-            # iterator (or a resume) builds it again.
-            self.close()
-            raise item.exc
+            item = loader.build_steps([span])[0]
+            end = span[1]
+        else:
+            if not self._ready:
+                self._ready = self._pf.get()
+                self._ready.reverse()
+            if not self._ready:  # an empty task: the pass is over
+                self.close()
+                raise StopIteration
+            (_start, end), item = self._ready.pop()
+            if isinstance(item, _Failed):
+                # The batch was not delivered: the cursor stays before it, and a new
+                # iterator (or a resume) builds it again.
+                self.close()
+                raise item.exc
         loader._cursor = end  # delivered: counts now, not when it was built
+        loader.transfer.deliver(item)
         return item
 
     def close(self) -> None:
@@ -566,6 +460,7 @@ def _task_builder(loader: DataLoader, base: int) -> Callable[[int], Any]:
     asks first; each task is asked for once.
     """
     per = loader.steps_per_task
+    schedule = loader.schedule
     lock = threading.Lock()
     chain: dict[str, Any] = {"next": 0, "cursor": base}  # cursor None: the end
     computed: dict[int, list[tuple[int, int]]] = {}
@@ -574,28 +469,22 @@ def _task_builder(loader: DataLoader, base: int) -> Callable[[int], Any]:
         with lock:
             while chain["next"] <= task:
                 c = chain["cursor"]
-                spans: list[tuple[int, int]] = []
-                while c is not None and len(spans) < per:
-                    sp = loader._step_span(c)
-                    c = None if sp is None else sp[1]
-                    if sp is not None:
-                        spans.append(sp)
+                spans = [] if c is None else schedule.spans(c, per)
                 computed[chain["next"]] = spans
-                chain["cursor"] = c
+                chain["cursor"] = spans[-1][1] if len(spans) == per else None
                 chain["next"] += 1
             return computed.pop(task)
 
     def build(task: int) -> list[tuple[tuple[int, int], Any]]:
         spans = spans_of(task)
         try:
-            raws: list[dict[str, Any]] | None = loader.raw_batches(spans)
+            return list(zip(spans, loader.build_steps(spans), strict=True))
         except Exception:
-            raws = None  # rebuild one by one, so the failure lands on its own step
+            pass  # rebuild one by one, so the failure lands on its own step
         out: list[tuple[tuple[int, int], Any]] = []
-        for k, sp in enumerate(spans):
+        for sp in spans:
             try:
-                raw = raws[k] if raws is not None else loader.raw_batch(*sp)
-                out.append((sp, loader._finish(raw)))
+                out.append((sp, loader.build_steps([sp])[0]))
             except BaseException as e:
                 e.add_note(
                     f"(raised in a tokload reader thread while building the batch "
@@ -606,9 +495,3 @@ def _task_builder(loader: DataLoader, base: int) -> Callable[[int], Any]:
         return out
 
     return build
-
-
-def _torch_dtype(dtype: np.dtype[Any]) -> Any:
-    import torch
-
-    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype

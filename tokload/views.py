@@ -25,14 +25,12 @@ import numpy as np
 import numpy.typing as npt
 
 from tokload._io import split_fields
+from tokload.assembly import Alloc
 from tokload.errors import FormatError
 from tokload.format import MANIFEST, METADATA_FIELD, Source, open_dataset
 
 DataLike = str | os.PathLike[str] | Source
 Fields = np.ndarray | dict[str, np.ndarray]
-Alloc = Callable[[tuple[int, ...], Any], np.ndarray]
-"""Allocates an uninitialized C-contiguous array: ``alloc(shape, dtype)``. The
-loader passes one that returns views of pinned torch tensors."""
 V = TypeVar("V", bound="View")
 
 
@@ -223,8 +221,17 @@ class TokenStream(_Windows):
     per shard a window spans, whatever ``i`` is.
     """
 
+    rowwise = True
+    """Each observation is one row of every array: the loader reads many steps at once."""
+
     def __init__(self, data: DataLike, window: int, stride: int | None = None) -> None:
         super().__init__(data, window, stride)
+
+    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, np.ndarray]:
+        """The view protocol (:mod:`tokload.assembly`): ``"tokens"`` ``[B, window]``
+        (or one such array per field of a structured dtype)."""
+        got = self.read(indices, out=self.empty(len(indices), alloc=alloc))
+        return got if isinstance(got, dict) else {"tokens": got}
 
     def __getitem__(self, i: int) -> Fields:
         out = self.read(self._index(i))
@@ -296,6 +303,11 @@ class Documents(View):
         data: a tokload dataset (with documents), a Megatron prefix (a
             document is a Megatron *sequence*, as ``IndexedDataset[i]``), or a
             flat token file opened with a document index.
+        batch: how the DataLoader batches documents: ``"pad"`` (``[B, L]`` plus
+            ``lengths``) or ``"pack"`` (back to back plus ``cu_seqlens``).
+        pad_to: with ``"pad"``, a fixed ``L`` (longer documents are truncated);
+            None pads to the longest document of each batch.
+        pad_value: the padding token.
 
     ``view[i]`` is the document's rows (an array, or a dict of per-field
     arrays); ``read(indices)`` packs a batch into one :class:`DocumentBatch`;
@@ -304,12 +316,47 @@ class Documents(View):
     its index entries and one ``preadv`` of its rows.
     """
 
-    def __init__(self, data: DataLike) -> None:
+    def __init__(
+        self,
+        data: DataLike,
+        *,
+        batch: str = "pad",
+        pad_to: int | None = None,
+        pad_value: int = 0,
+    ) -> None:
         super().__init__(data)
         if self.source.docs is None:
             raise FormatError(f"{self.source.description} has no document index")
+        if batch not in ("pad", "pack"):
+            raise ValueError(f"batch must be 'pad' or 'pack', got {batch!r}")
+        if pad_to is not None and (isinstance(pad_to, bool) or pad_to < 1):
+            raise ValueError(f"pad_to must be a positive integer or None, got {pad_to!r}")
+        self.batch, self.pad_to, self.pad_value = batch, pad_to, pad_value
+        # Padded to a fixed length, every document is one row of every array.
+        self.rowwise = batch == "pad" and pad_to is not None
         self._total = self.source.num_documents
         self._init_range()
+
+    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
+        """The view protocol (:mod:`tokload.assembly`), as the constructor's ``batch`` says.
+
+        ``"pad"``: ``"tokens"`` ``[B, L]`` padded with ``pad_value`` (``L`` is
+        ``pad_to``, or the batch's longest document) and ``"lengths"``;
+        ``"pack"``: ``"tokens"`` ``[sum of lengths]`` back to back, ``"lengths"``
+        and ``"cu_seqlens"`` (``B + 1`` offsets). A structured dtype gives one
+        array per field instead of ``"tokens"``.
+        """
+        raw: dict[str, Any]
+        if self.batch == "pad":
+            values, lengths = self.read_padded(indices, self.pad_to, self.pad_value, alloc)
+            raw = dict(values) if isinstance(values, dict) else {"tokens": values}
+            raw["lengths"] = lengths
+            return raw
+        got = self.read(indices, alloc=alloc)
+        raw = dict(got.values) if isinstance(got.values, dict) else {"tokens": got.values}
+        raw["lengths"] = got.lengths
+        raw["cu_seqlens"] = got.offsets
+        return raw
 
     def __getitem__(self, i: int) -> Fields:
         return self.read(self._index(i)).values
@@ -438,6 +485,20 @@ class StreamWithMetadata(_Windows):
         if self.source.meta is None:
             raise FormatError(f"{self.source.description} has no metadata")
         self.deserialize = deserialize or bytes
+
+    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
+        """The view protocol (:mod:`tokload.assembly`): the fields (all but
+        ``metadata_id``) ``[B, window]``, ``"metadata_positions"`` ``[B, window]``
+        int32 (index into ``"metadata"`` or -1) and ``"metadata"``, the batch's
+        distinct records (a list, deserialized)."""
+        b = len(indices)
+        res = self.read(
+            indices, out=self.empty(b, alloc=alloc), positions=alloc((b, self.window), np.int32)
+        )
+        raw: dict[str, Any] = dict(res.fields)
+        raw["metadata_positions"] = res.positions
+        raw["metadata"] = res.metadata
+        return raw
 
     def empty(self, batch: int, alloc: Alloc = np.empty) -> dict[str, np.ndarray]:
         """Per-field arrays (all fields but ``metadata_id``) ``read`` can fill."""

@@ -1,0 +1,228 @@
+"""The transfer stage: buffer lifetime and device copies, on a fake asynchronous device.
+
+A GPU-less machine still runs the device path's logic here: ``FakeDevice``
+completes copies after random delays on other threads and records any copy
+from memory its allocator cannot see, and any host buffer written while a copy
+from it is pending. The real CUDA tests are in ``test_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from fake_device import FakeDevice
+
+from tokload import DataLoader, Documents, StreamWithMetadata, TokenStream, Writer
+from tokload.transfer import Batch, HostBackend, Transfer, make_backend
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("transfer") / "ds"
+    with Writer(path, "<u4", shard_bytes=4000) as w:
+        for k in range(200):
+            w.write(np.arange(k * 1000, k * 1000 + 7 + k % 31, dtype=np.uint32))
+    return path
+
+
+@pytest.fixture(scope="module")
+def meta_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("transfer") / "meta"
+    with Writer(
+        path, [("token", "<u4"), ("metadata_id", "<u4")], metadata=True, shard_bytes=2000
+    ) as w:
+        for k in range(40):
+            w.write({"token": np.arange(k * 100, k * 100 + 20)}, spans=[(2, 9, b"m%d" % k)])
+    return path
+
+
+# ---- the fake device itself can fail ----------------------------------------------------------
+
+
+def test_the_fake_device_sees_a_buffer_written_during_a_copy() -> None:
+    fd = FakeDevice(min_delay=0.05, max_delay=0.05)
+    host = fd.host_empty((1000,), torch.int32)
+    host.fill_(3)
+    _dev, event = fd.to_device(host)
+    host.fill_(4)  # too early: the copy has not run yet
+    event.synchronize()
+    assert any("written while a copy" in v for v in fd.violations), fd.violations
+    fd.close()
+
+
+def test_the_fake_device_sees_a_copy_from_untracked_memory() -> None:
+    fd = FakeDevice()
+    _dev, event = fd.to_device(torch.from_numpy(np.zeros(10, dtype=np.int64)))
+    event.synchronize()
+    assert fd.violations == [
+        "copy from host memory the allocator does not track (torch.Size([10]), torch.int64)"
+    ]
+    fd.close()
+
+
+def test_the_fake_device_reuses_a_block_only_after_its_copies() -> None:
+    fd = FakeDevice(min_delay=0.2, max_delay=0.2)
+    t = fd.host_empty((256,), torch.int64)
+    ptr = t.data_ptr()
+    _, event = fd.to_device(t)
+    del t  # no cycles: the lease is released at once
+    pending = fd.host_empty((256,), torch.int64)  # the first block is free but copying
+    assert pending.data_ptr() != ptr
+    event.synchronize()
+    del pending
+    again = fd.host_empty((256,), torch.int64)
+    assert fd.reuses == 1 and again.data_ptr() in {ptr, again.data_ptr()}
+    assert fd.violations == []
+    fd.close()
+
+
+# ---- the loader on the fake device ------------------------------------------------------------
+
+
+def _views(corpus: Path, meta_corpus: Path) -> dict[str, Any]:
+    return {
+        "stream": TokenStream(corpus, window=9, stride=5),
+        "padded": Documents(corpus, pad_to=16, pad_value=9),
+        "packed": Documents(corpus, batch="pack"),
+        "metadata": StreamWithMetadata(meta_corpus, window=8, stride=3),
+    }
+
+
+def _reference(view: Any, batch: Batch) -> None:
+    """Compare a delivered batch with direct reads of its indices."""
+    idx = batch["index"].numpy()
+    if isinstance(view, StreamWithMetadata):
+        ref = view.read(idx)
+        np.testing.assert_array_equal(batch["token"].numpy(), ref.fields["token"])
+        np.testing.assert_array_equal(batch["metadata_positions"].numpy(), ref.positions)
+        assert batch["metadata"] == ref.metadata
+    elif isinstance(view, Documents):
+        raw = view.read_batch(idx, np.empty)
+        for k, v in raw.items():
+            np.testing.assert_array_equal(batch[k].numpy(), v)
+    else:
+        np.testing.assert_array_equal(batch["tokens"].numpy(), view.read(idx))
+
+
+@pytest.mark.parametrize("kind", ["stream", "padded", "packed", "metadata"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_device_copies_under_randomized_timing(
+    kind: str, seed: int, corpus: Path, meta_corpus: Path
+) -> None:
+    rng = random.Random(seed)
+    view = _views(corpus, meta_corpus)[kind]
+    fd = FakeDevice(seed=seed, max_delay=0.003)
+    ld = DataLoader(
+        view,
+        rng.choice([3, 4, 7]),
+        seed=seed,
+        num_threads=rng.choice([0, 1, 2, 3]),
+        prefetch=rng.choice([1, 4, 12]),
+        steps_per_task=rng.choice([1, 3, 8]),
+        transfer=fd,
+    )
+    assert ld.pinned and ld.device == "fake"
+    held: list[Batch] = []
+    for step, batch in zip(range(60), ld, strict=False):
+        assert batch.ready is not None and batch.ready.query()  # next() waited for it
+        _reference(view, batch)
+        if rng.random() < 0.3:
+            held.append(batch)  # the trainer keeps some batches for a while
+        if len(held) > 5:
+            held.pop(rng.randrange(len(held)))
+        if step % 7 == 0:
+            time.sleep(rng.uniform(0, 0.004))  # a slow trainer step: copies overtake it
+    ld.close()
+    fd.close()
+    assert fd.violations == []
+    assert fd.copies_issued >= 60
+    assert fd.reuses > 0  # blocks went round the pool: the test exercised reuse
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_the_readme_non_blocking_recipe(threads: int, corpus: Path) -> None:
+    """Host batches copied by the trainer itself, then dropped at once."""
+    view = TokenStream(corpus, window=9, stride=5)
+    fd = FakeDevice(seed=threads, max_delay=0.01, copies=False)
+    ld = DataLoader(view, 4, seed=6, num_threads=threads, prefetch=8, transfer=fd)
+    assert ld.device is None
+    copies = []
+    for batch in zip(range(80), ld, strict=False):
+        b = batch[1]
+        assert b.ready is None
+        dev, event = fd.to_device(b["tokens"])  # tokens.to("cuda", non_blocking=True)
+        copies.append((b["index"].clone(), dev, event))
+        del b, batch  # the trainer drops the host batch while the copy runs
+    ld.close()
+    for idx, dev, event in copies:
+        event.synchronize()
+        np.testing.assert_array_equal(dev.numpy(), view.read(idx.numpy()))
+    fd.close()
+    assert fd.violations == []
+    assert fd.reuses > 0
+
+
+def test_slices_made_by_from_numpy_would_be_caught() -> None:
+    """The defect this stage removes, and why its own slices are safe.
+
+    The old loader read a task into one pinned buffer and gave each batch
+    ``torch.from_numpy`` of a slice: a storage of its own, inside the buffer,
+    that the allocator cannot connect to the buffer (so a copy from it was not
+    tracked). ``Transfer.tensor`` gives views of the allocation's own storage.
+    """
+    fd = FakeDevice(seed=4)
+    tr = Transfer(fd)
+    task = tr.alloc((8, 9), np.uint32)
+    task[...] = np.arange(72).reshape(8, 9)
+    for k in range(0, 8, 2):
+        ev = fd.copy(Batch(tokens=torch.from_numpy(task[k : k + 2]))).ready
+        ev.synchronize()
+    assert len(fd.violations) == 3  # all but the slice at offset 0
+    fd.violations.clear()
+    for k in range(0, 8, 2):
+        out = fd.copy(Batch(tokens=tr.tensor(task[k : k + 2])))
+        out.ready.synchronize()
+        np.testing.assert_array_equal(out["tokens"].numpy(), task[k : k + 2])
+    assert fd.violations == []
+    fd.close()
+
+
+# ---- tensors share the allocation -----------------------------------------------------------
+
+
+def test_tensors_are_views_of_the_allocation_not_copies() -> None:
+    tr = Transfer(HostBackend())
+    a = tr.alloc((4, 6), np.uint16)
+    a[...] = np.arange(24).reshape(4, 6)
+    for part in (a, a[1:3], a.reshape(-1)[5:17], a[:, 2]):
+        t = tr.tensor(part)
+        assert t.data_ptr() == part.__array_interface__["data"][0]
+        np.testing.assert_array_equal(t.numpy(), part)
+    foreign = np.arange(5, dtype=np.int64)
+    t = tr.tensor(foreign)  # not from alloc: copied into a buffer the backend tracks
+    assert t.data_ptr() != foreign.__array_interface__["data"][0]
+    np.testing.assert_array_equal(t.numpy(), foreign)
+
+
+def test_device_arguments_without_a_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert make_backend("auto", "auto").device is None
+    assert make_backend(False, "cpu").device is None
+    with pytest.raises(RuntimeError, match=r"device='cuda:1' needs CUDA"):
+        make_backend("auto", "cuda:1")
+    with pytest.raises(ValueError, match="only CUDA devices"):
+        make_backend("auto", "meta")
+    with pytest.raises(ValueError, match="device must be a torch device"):
+        make_backend("auto", "gpu-please")
+
+
+def test_collate_and_an_explicit_device_conflict(corpus: Path) -> None:
+    with pytest.raises(ValueError, match="give either collate or device='cuda'"):
+        DataLoader(TokenStream(corpus, window=9), 2, collate=dict, device="cuda")

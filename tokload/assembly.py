@@ -1,0 +1,137 @@
+"""The loader's assembly stage and the view protocol it reads through.
+
+The one job of this module is to turn the sample indices of one or several
+steps into raw arrays, by asking the view, and to say what a view must offer
+for the DataLoader to load it. The loader never looks at a view's type: every
+view, tokload's own and a user's, is read through :class:`BatchView`.
+
+The view protocol
+-----------------
+A view is any object with
+
+- ``len(view)``: the number of observations ``n``; the loader's positions map to
+  indices in ``[0, n)``;
+- ``view.fingerprint``: a string that identifies the data and the view's
+  configuration; the loader's checkpoint records it and a resume on a view with
+  another fingerprint is refused;
+- ``view.read_batch(indices, alloc) -> dict``: the observations ``indices`` (an
+  int64 array) as a dict of arrays. Each array that should become a tensor is
+  allocated with ``alloc(shape, dtype)`` and filled in place (the loader passes
+  an allocator of pinned memory on GPU hosts: the bytes go from the file into
+  the final buffer once). Arrays made otherwise are copied into such a buffer;
+  values that are not arrays (a list of records) are passed through as they are.
+  The keys ``"index"`` and ``"position"`` are the loader's.
+
+and, optionally,
+
+- ``view.rowwise = True``: every array ``read_batch`` returns has one row per
+  index, in order, and reading a concatenation of index arrays gives the
+  concatenation of the results. The loader then reads the samples of several
+  steps with one call and gives each step its rows (a token stream's fast path);
+- ``view.fingerprint_upto(stop) -> str``: what observations ``[0, stop)``
+  depend on (a blend, whose later stages may be added during a run). The loader
+  records and compares it instead of ``fingerprint``, for ``stop`` the first
+  observation not yet read in order (``n`` once a shuffled run has started).
+
+``read_batch`` runs on the loader's reader threads, several at once: it must be
+thread-safe, and should spend its time in calls that release the GIL (NumPy on
+large arrays, tokload's reads), not in per-sample Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+Alloc = Callable[[tuple[int, ...], Any], np.ndarray]
+"""Allocates an uninitialized C-contiguous array: ``alloc(shape, dtype)``. The
+loader passes one that returns NumPy views of (pinned) torch tensors."""
+
+
+@runtime_checkable
+class BatchView(Protocol):
+    """What the DataLoader needs from a view (see the module docstring)."""
+
+    def __len__(self) -> int: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]: ...
+
+
+RESERVED_KEYS = ("index", "position")
+
+
+def check_view(view: object) -> None:
+    """Raise TypeError naming what ``view`` lacks of the protocol."""
+    missing = [
+        name
+        for name, ok in (
+            ("__len__", callable(getattr(type(view), "__len__", None))),
+            ("fingerprint", hasattr(view, "fingerprint")),
+            ("read_batch", callable(getattr(view, "read_batch", None))),
+        )
+        if not ok
+    ]
+    if missing:
+        raise TypeError(
+            f"{type(view).__name__} is not a view: it lacks {', '.join(missing)} "
+            "(a view needs len(), .fingerprint and .read_batch(indices, alloc); "
+            "see tokload.assembly)"
+        )
+
+
+def fingerprint_upto(view: Any, stop: int) -> str:
+    """What observations ``[0, stop)`` depend on (the whole fingerprint by default)."""
+    upto = getattr(view, "fingerprint_upto", None)
+    return str(upto(stop) if upto is not None else view.fingerprint)
+
+
+class Assembly:
+    """Sample indices -> raw batches, through the view protocol.
+
+    Args:
+        view: any :class:`BatchView`.
+        alloc: the transfer stage's allocator.
+    """
+
+    def __init__(self, view: Any, alloc: Alloc) -> None:
+        check_view(view)
+        self.view = view
+        self.alloc = alloc
+        self.rowwise = bool(getattr(view, "rowwise", False))
+
+    def read(self, indices: np.ndarray, positions: np.ndarray) -> dict[str, Any]:
+        """The raw batch of samples ``indices`` at global ``positions`` (both 1-D)."""
+        raw = self.view.read_batch(indices, self.alloc)
+        if not isinstance(raw, dict):
+            raise TypeError(
+                f"{type(self.view).__name__}.read_batch returned {type(raw).__name__}, not a dict"
+            )
+        for key in RESERVED_KEYS:
+            if key in raw:
+                raise ValueError(
+                    f"{type(self.view).__name__}.read_batch returned the key {key!r}, "
+                    "which the loader sets"
+                )
+        b = len(indices)
+        index = self.alloc((b,), np.int64)
+        index[:] = indices
+        position = self.alloc((b,), np.int64)
+        position[:] = positions.view(np.int64)
+        raw["index"] = index
+        raw["position"] = position
+        return raw
+
+    def check_rows(self, raw: dict[str, Any], rows: int) -> None:
+        """A rowwise view's result must have ``rows`` rows in every array."""
+        for k, v in raw.items():
+            if not isinstance(v, np.ndarray) or v.ndim == 0 or len(v) != rows:
+                got = getattr(v, "shape", type(v).__name__)
+                raise ValueError(
+                    f"{type(self.view).__name__} is rowwise, but read_batch gave {k!r} "
+                    f"as {got} for {rows} samples (need one row per sample)"
+                )

@@ -1,0 +1,166 @@
+"""The loader's schedule: cursor -> steps -> this rank's positions -> sample indices.
+
+The one job of this module is the order of a training run (ARCHITECTURE.md,
+invariants 2-4), as pure arithmetic: it reads no data and holds no buffers.
+With ``n`` observations, position ``q >= 0`` is sample ``perm_e(q % n)`` of
+epoch ``e = q // n``, where ``perm_e = Permutation.for_epoch(n, seed, e,
+rounds)`` (the identity when ``shuffle=False``). The step at cursor ``c``
+covers the global batch ``[c, c + G)``, ``G = batch_size * world_size``
+(shortened at the end of the run, or moved to the next epoch's start with
+``drop_last`` when the epoch has fewer than ``G`` positions left), and rank
+``r`` takes positions ``c + r + k * world_size``, ``k < batch_size``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from tokload._permute import Permutation
+
+POSITION_LIMIT = 1 << 64
+"""Positions are unsigned 64-bit integers: a cursor is in ``[0, 2**64)``."""
+
+
+class Schedule:
+    """The order of a run: which positions and samples each step gives this rank.
+
+    Args:
+        n: observations in the view (``len(view)``, >= 1).
+        batch_size: samples per rank per step.
+        rank, world_size: this rank and the number of ranks.
+        seed, rounds, shuffle: the permutation of each epoch.
+        epochs: the run ends after ``epochs * n`` positions (None: endless,
+            up to ``2**64`` positions).
+        drop_last: global batches never straddle an epoch's end (its last
+            ``n % G`` positions are skipped), and a final partial batch is dropped.
+
+    Every method is a pure function of the arguments and safe to call from
+    several threads (the per-epoch permutations are cached under a lock).
+    """
+
+    def __init__(
+        self,
+        n: int,
+        batch_size: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        rounds: int = 6,
+        shuffle: bool = True,
+        epochs: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        if n < 1:
+            raise ValueError(f"a schedule needs at least one observation, got n={n}")
+        self.n, self.batch_size = int(n), int(batch_size)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.global_batch = self.batch_size * self.world_size
+        self.seed, self.rounds, self.shuffle = int(seed), int(rounds), bool(shuffle)
+        self.epochs, self.drop_last = epochs, bool(drop_last)
+        self.end = POSITION_LIMIT if epochs is None else min(epochs * self.n, POSITION_LIMIT)
+        self._perms: OrderedDict[int, Permutation] = OrderedDict()
+        self._lock = threading.Lock()
+        # The rank's offsets within a global batch: position c + offsets[k].
+        self._offsets = np.uint64(self.rank) + np.uint64(self.world_size) * np.arange(
+            self.batch_size, dtype=np.uint64
+        )
+
+    # ---- steps --------------------------------------------------------------------------
+
+    def check_cursor(self, value: object) -> int:
+        """``value`` as a cursor, or ValueError naming what is wrong with it."""
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"cursor must be a non-negative integer, got {value!r}")
+        c = int(value)
+        if not 0 <= c < POSITION_LIMIT:
+            raise ValueError(f"cursor must be a non-negative integer below 2**64, got {c}")
+        if self.epochs is not None and c > self.end:
+            raise ValueError(
+                f"cursor {c} is past the end of the {self.epochs} epochs ({self.end} positions)"
+            )
+        return c
+
+    def span(self, c: int) -> tuple[int, int] | None:
+        """The global batch ``[start, end)`` of the step at cursor ``c``; None past the end."""
+        n, g = self.n, self.global_batch
+        if self.drop_last and n - c % n < g:
+            c = (c // n + 1) * n
+        if c >= self.end:
+            return None
+        stop = c + g
+        if stop > self.end:
+            if self.drop_last:
+                return None
+            stop = self.end
+        return c, stop
+
+    def spans(self, c: int, count: int) -> list[tuple[int, int]]:
+        """Up to ``count`` consecutive steps from cursor ``c`` (fewer at the end)."""
+        out: list[tuple[int, int]] = []
+        while len(out) < count:
+            sp = self.span(c)
+            if sp is None:
+                break
+            out.append(sp)
+            c = sp[1]
+        return out
+
+    def steps_left(self, c: int) -> int:
+        """Steps from cursor ``c`` to the end of a finite run, in O(1)."""
+        if self.epochs is None:
+            raise TypeError("an endless schedule (epochs=None) has no length")
+        if c >= self.end:
+            return 0
+        g = self.global_batch
+        if not self.drop_last:
+            return -(-(self.end - c) // g)
+        # Within an epoch, steps start at c, c + G, ... while G positions remain;
+        # every later epoch has n // G steps from its start.
+        e, o = divmod(c, self.n)
+        return (self.n - o) // g + (self.epochs - e - 1) * (self.n // g)
+
+    # ---- positions and samples -------------------------------------------------------------
+
+    def positions(self, start: int, end: int) -> np.ndarray:
+        """This rank's positions (uint64) in the global batch ``[start, end)``."""
+        if end - start == self.global_batch:
+            out: np.ndarray = self._offsets + np.uint64(start)
+            return out
+        first = start + self.rank
+        count = max(0, min(self.batch_size, -(-(end - first) // self.world_size)))
+        return self._offsets[:count] + np.uint64(start)
+
+    def perm(self, epoch: int) -> Permutation:
+        """The permutation of an epoch (the last few are cached)."""
+        with self._lock:
+            p = self._perms.get(epoch)
+            if p is None:
+                p = Permutation.for_epoch(self.n, self.seed, epoch, self.rounds)
+                self._perms[epoch] = p
+                while len(self._perms) > 4:  # a batch spans at most a few epochs
+                    self._perms.popitem(last=False)
+            else:
+                self._perms.move_to_end(epoch)
+            return p
+
+    def indices(self, positions: np.ndarray) -> np.ndarray:
+        """Sample indices (int64) of global positions (uint64, ascending)."""
+        if len(positions) == 0:  # a rank with nothing left in a final partial batch
+            return np.zeros(0, dtype=np.int64)
+        n = np.uint64(self.n)
+        j = positions % n
+        if not self.shuffle:
+            return j.view(np.int64)
+        first, last = int(positions[0]) // self.n, int(positions[-1]) // self.n
+        if first == last:
+            return self.perm(first).take(j, out=j).view(np.int64)
+        epochs = positions // n
+        out = np.empty(len(positions), dtype=np.uint64)
+        for e in range(first, last + 1):
+            mask = epochs == e
+            out[mask] = self.perm(e).take(j[mask])
+        return out.view(np.int64)

@@ -1,0 +1,254 @@
+"""The loader's transfer stage: host buffers with an explicit lifetime, device copies.
+
+The one job of this module is to turn the arrays a view filled into the tensors
+a trainer receives, and to move them to a device, without ever letting a host
+buffer be written while a copy from it may still be running.
+
+**Lifetime, by construction.** Every array the loader hands to a view comes from
+:meth:`Transfer.alloc`, which allocates a fresh tensor through the backend
+(``torch.empty(..., pin_memory=True)`` on a CUDA host) and gives the view its
+NumPy alias to fill. The tensors of a batch are then rebuilt as views of that
+same tensor storage (:meth:`Transfer.tensors`), never through
+``torch.from_numpy``: PyTorch's pinned-memory allocator then sees every
+``non_blocking`` copy from them, whoever starts it (the loader's side stream or
+the trainer's own ``.to("cuda", non_blocking=True)``), records an event for it,
+and gives the memory back for reuse only once the last tensor sharing it is
+gone *and* every recorded copy has completed. tokload never reuses a buffer
+itself, so nothing else can overwrite one.
+
+**Device copies.** With a device, the reader thread copies each batch on a side
+stream of that device (one stream per thread), records an event after the
+copies (:attr:`Batch.ready`), and the ``next()`` that delivers the batch makes
+the trainer's current stream wait for that event and ``record_stream``s every
+device tensor on it, so the caching allocator never reuses their memory while
+the trainer's stream may still use them.
+
+A backend is the mechanism (allocate host memory, copy, wait); tests plug in a
+fake one that completes copies asynchronously on CPU threads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Batch(dict[str, Any]):
+    """A batch: a dict of tensors (and, for a stream with metadata, the records).
+
+    ``ready`` is the event recorded after the batch's device copies (None for
+    host batches). By the time ``next()`` returns the batch, the trainer's
+    current stream already waits for it; use ``ready`` only to hand the batch
+    to yet another stream.
+    """
+
+    __slots__ = ("ready",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ready: Any = None
+
+
+class TransferBackend(Protocol):
+    """What the transfer stage needs from a device (CUDA, or a test's fake one)."""
+
+    pinned: bool
+    """Whether ``host_empty`` gives page-locked memory."""
+    device: Any
+    """The device batches are copied to; None: none (``copy`` is the identity)."""
+
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A new host tensor; its memory is reused only as described above."""
+        ...
+
+    def copy(self, batch: Batch) -> Batch:
+        """The batch with every tensor copied to the device, asynchronously; sets ``ready``."""
+        ...
+
+    def deliver(self, batch: Batch) -> None:
+        """On the trainer's thread: make its current stream wait for ``batch.ready``."""
+        ...
+
+
+class HostBackend:
+    """Host batches in ordinary or pinned memory; no device copies."""
+
+    def __init__(self, pinned: bool = False) -> None:
+        self.pinned = pinned
+        self.device: Any = None
+
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
+        return torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
+
+    def copy(self, batch: Batch) -> Batch:
+        return batch
+
+    def deliver(self, batch: Batch) -> None:
+        return None
+
+
+class CudaBackend(HostBackend):
+    """Pinned host batches copied to one CUDA device on a side stream per reader thread."""
+
+    def __init__(self, device: Any, pinned: bool = True) -> None:
+        import torch
+
+        super().__init__(pinned)
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"CudaBackend needs a cuda device, got {device!r}")
+        self.device = torch.device("cuda", dev.index if dev.index is not None else 0)
+        self._local = threading.local()
+
+    def copy(self, batch: Batch) -> Batch:
+        import torch
+
+        stream = getattr(self._local, "stream", None)
+        if stream is None:  # created on this thread, on our device (not the thread's default 0)
+            stream = self._local.stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        out = Batch()
+        with torch.cuda.stream(stream):
+            for k, v in batch.items():
+                out[k] = v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        out.ready = event
+        return out
+
+    def deliver(self, batch: Batch) -> None:
+        import torch
+
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(batch.ready)
+        for v in batch.values():
+            if isinstance(v, torch.Tensor) and v.device == self.device:
+                v.record_stream(stream)
+
+
+def default_device() -> Any:
+    """The rank's CUDA device (``LOCAL_RANK``, else the current one), or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None and local.isdigit():
+        return torch.device("cuda", int(local) % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def make_backend(pin_memory: bool | str, device: Any) -> TransferBackend:
+    """The backend for the DataLoader's ``pin_memory`` and ``device`` arguments."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if pin_memory == "auto":
+        pin = cuda
+    elif pin_memory is True:
+        if not cuda:
+            raise RuntimeError(
+                "pin_memory=True needs a CUDA device, and torch.cuda.is_available() is "
+                "False; use pin_memory='auto' to pin only where a GPU is present"
+            )
+        pin = True
+    elif pin_memory is False:
+        pin = False
+    else:
+        raise ValueError(f"pin_memory must be 'auto', True or False, got {pin_memory!r}")
+    if isinstance(device, str) and device == "auto":
+        device = default_device()
+    if device is None:
+        return HostBackend(pin)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be a torch device, 'auto' or None, got {device!r}") from e
+    if dev.type == "cpu":
+        return HostBackend(pin)
+    if dev.type != "cuda":
+        raise ValueError(f"device {device!r}: only CUDA devices (or 'cpu'/None) are supported")
+    if not cuda:
+        raise RuntimeError(f"device={device!r} needs CUDA, and torch.cuda.is_available() is False")
+    if dev.index is None:
+        dev = default_device()
+    elif dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this host has {torch.cuda.device_count()} GPUs")
+    return CudaBackend(dev, pin)
+
+
+class Transfer:
+    """Host buffers for the views, tensors for the trainer, device copies.
+
+    Args:
+        backend: where memory comes from and how copies run.
+    """
+
+    def __init__(self, backend: TransferBackend) -> None:
+        self.backend = backend
+        self._dtypes: dict[np.dtype[Any], torch.dtype] = {}
+
+    @property
+    def pinned(self) -> bool:
+        return self.backend.pinned
+
+    def _torch_dtype(self, dtype: np.dtype[Any]) -> torch.dtype:
+        td = self._dtypes.get(dtype)
+        if td is None:
+            import torch
+
+            td = self._dtypes[dtype] = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+        return td
+
+    def alloc(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A new, uninitialized C-contiguous host array (the views' ``alloc``)."""
+        dt = np.dtype(dtype)
+        arr: np.ndarray = self.backend.host_empty(shape, self._torch_dtype(dt)).numpy()
+        return arr
+
+    def tensor(self, a: np.ndarray) -> torch.Tensor:
+        """The tensor for array ``a``: a view of the storage ``a`` was allocated in.
+
+        Arrays that :meth:`alloc` did not make (a view computed a small array
+        itself) are copied into a new host tensor, so every tensor of a batch
+        lives in memory the backend tracks (pinned when it pins).
+        """
+        import torch
+
+        base: Any = a
+        while isinstance(base, np.ndarray):
+            base = base.base
+        td = self._torch_dtype(a.dtype)
+        item = a.itemsize
+        if isinstance(base, torch.Tensor):
+            storage = base.untyped_storage()
+            offset = a.__array_interface__["data"][0] - storage.data_ptr()
+            if offset % item == 0 and all(s % item == 0 for s in a.strides):
+                strides = tuple(s // item for s in a.strides)
+                return torch.empty(0, dtype=td).set_(storage, offset // item, a.shape, strides)
+        t = self.backend.host_empty(a.shape, td)
+        t.numpy()[...] = a
+        return t
+
+    def tensors(self, raw: dict[str, Any]) -> Batch:
+        """The raw arrays of a batch as tensors (other values are kept as they are)."""
+        out = Batch()
+        for k, v in raw.items():
+            out[k] = self.tensor(v) if isinstance(v, np.ndarray) else v
+        return out
+
+    def copy(self, batch: Batch) -> Batch:
+        """The batch on the device (or itself when there is none)."""
+        return batch if self.backend.device is None else self.backend.copy(batch)
+
+    def deliver(self, batch: Any) -> None:
+        """On the trainer's thread, as ``next()`` returns the batch."""
+        if isinstance(batch, Batch) and batch.ready is not None:
+            self.backend.deliver(batch)
