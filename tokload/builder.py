@@ -43,6 +43,7 @@ import secrets
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -423,16 +424,29 @@ def _assemble(
 def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[[int], None]) -> None:
     """Run ``_build_input`` over ``tasks`` in ``workers`` processes; stop them all on any error.
 
-    The workers are started with SIGINT blocked (the mask survives ``exec``), so
-    a Ctrl+C sent to the whole process group reaches only this process, which
-    then terminates them: no worker prints a traceback, none outlives the build.
+    The workers are started with SIGINT ignored (an ignored signal stays ignored
+    across ``exec``, and Python then installs no handler of its own), so a
+    Ctrl+C sent to the whole process group reaches only this process, which
+    terminates them: no worker prints a traceback, none outlives the build.
+    SIGINT is blocked meanwhile, so one that arrives while they start stays
+    pending here (Linux keeps a blocked signal pending even while ignored)
+    and is raised as soon as they have started.
     """
     ctx = mp.get_context("spawn")
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        # Start multiprocessing's resource tracker first: starting it unblocks SIGINT.
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        old_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         pool = ctx.Pool(workers, initializer=_init_worker)
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if main_thread:
+            signal.signal(signal.SIGINT, old_handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
     try:
         results = pool.imap_unordered(_build_task, tasks)
         while True:
