@@ -30,7 +30,22 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """8 inputs of about 8 MB: big enough that a build is still running when signalled."""
     root = tmp_path_factory.mktemp("big")
     rng = np.random.default_rng(0)
-    words = np.array("the quick brown fox jumps over a lazy dog while snowmen watch".split())
+    words = np.array(
+        [
+            "the",
+            "quick",
+            "brown",
+            "fox",
+            "jumps",
+            "over",
+            "a",
+            "lazy",
+            "dog",
+            "while",
+            "snowmen",
+            "watch",
+        ]
+    )
     texts = [" ".join(rng.choice(words, 500)) for _ in range(64)]
     for f in range(FILES):
         with open(root / f"in{f}.jsonl", "w") as out:
