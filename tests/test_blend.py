@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from tokload import Blend, DataLoader, Documents, TokenStream, Writer
 from tokload.blend import largest_remainder
+from tokload.errors import StateError
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +114,21 @@ def test_a_schedule_change_leaves_earlier_positions_unchanged(views: list[TokenS
     assert one.proportions(0, 6000).tolist() == [63 * 60, 37 * 60, 0]  # 62.5/37.5 -> 63/37
     assert one.proportions(6000, 12_000).tolist() == [2040, 1980, 1980]  # 34/33/33 per block
     assert two.proportions(12_000, 20_000).tolist() == [0, 800, 7200]
+    # ... so a run read in order (shuffle=False) resumes before the new stage
+    ld = DataLoader(one, 100, shuffle=False, num_threads=0)
+    ld.cursor = 9000
+    state = ld.state_dict()
+    resumed = DataLoader(two, 100, shuffle=False, num_threads=0)
+    resumed.load_state_dict(state)
+    assert resumed.cursor == 9000
+    ld.cursor = 12_100  # past the new stage: the run read what the new stage changes
+    with pytest.raises(StateError, match="saved for fingerprint="):
+        resumed.load_state_dict(ld.state_dict())
+    shuffled = DataLoader(one, 100, seed=1, num_threads=0)
+    shuffled.cursor = 100  # a shuffled run has read from everywhere already
+    with pytest.raises(StateError, match="saved for fingerprint="):
+        DataLoader(two, 100, seed=1).load_state_dict(shuffled.state_dict())
+    assert one.fingerprint != two.fingerprint
 
 
 def test_caps_redistribute_and_end_the_blend(views: list[TokenStream]) -> None:

@@ -453,7 +453,7 @@ def test_pinned_batches_and_device_copy(corpus: Path) -> None:
     view = TokenStream(corpus, window=9)
     ld = DataLoader(view, 4, pin_memory=True, num_threads=2)
     b = next(iter(ld))
-    assert b["tokens"].is_pinned() and b["index"].is_pinned() is False
+    assert b["tokens"].is_pinned() and b["index"].is_pinned()
     dev = DataLoader(view, 4, device="cuda", num_threads=2)
     d = next(iter(dev))
     torch.cuda.current_stream().wait_event(d["_ready"])
@@ -511,3 +511,113 @@ def test_batches_do_not_depend_on_threads_or_task_size(kind: str, corpus: Path) 
         for a, b in zip(ref, got, strict=True):
             for key in a:
                 assert torch.equal(a[key], b[key]), (threads, per_task, key)
+
+
+# ---- the cursor during iteration ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threads", [0, 1, 3])
+def test_setting_the_cursor_inside_a_loop_goes_on_from_there(threads: int, corpus: Path) -> None:
+    view = TokenStream(corpus, window=9)
+    ld = DataLoader(view, 4, seed=3, num_threads=threads, prefetch=12, steps_per_task=3)
+    got = []
+    for step, b in enumerate(ld):
+        got.append(b["position"].tolist())
+        if step == 2:
+            ld.cursor = 1000  # skip a bad stretch, as the README shows
+        if step == 4:
+            ld.cursor = 8  # and back: prefetched batches for 1008.. are dropped
+        if step == 7:
+            break
+    assert got == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9, 10, 11],
+        [1000, 1001, 1002, 1003],
+        [1004, 1005, 1006, 1007],
+        [8, 9, 10, 11],
+        [12, 13, 14, 15],
+        [16, 17, 18, 19],
+    ]
+    assert ld.cursor == 20
+
+
+def test_load_state_dict_inside_a_loop_goes_on_from_the_state(corpus: Path) -> None:
+    view = TokenStream(corpus, window=9)
+    ld = DataLoader(view, 4, seed=3, num_threads=2, prefetch=8, epochs=1)
+    saved = None
+    seen: list[int] = []
+    for step, b in enumerate(ld):
+        seen += b["position"].tolist()
+        if step == 3:
+            saved = ld.state_dict()
+        if step == 6 and saved is not None:
+            ld.load_state_dict(saved)  # roll back three steps, e.g. after a loss spike
+            saved = None
+    n = len(view)
+    want = list(range(0, 28)) + list(range(16, n))
+    assert seen == want  # nothing skipped; the rolled-back steps come again, once
+    assert ld.cursor == n
+
+
+def test_bad_cursors_are_refused_when_set(corpus: Path) -> None:
+    view = TokenStream(corpus, window=9)
+    ld = DataLoader(view, 4, epochs=2, num_threads=1)
+    it = iter(ld)
+    next(it)
+    for bad, message in [
+        (-1, "non-negative integer below 2\\*\\*64, got -1"),
+        (1 << 64, "below 2\\*\\*64, got 18446744073709551616"),
+        (2 * len(view) + 1, "past the end of the 2 epochs"),
+        (3.0, "non-negative integer, got 3.0"),
+        (True, "non-negative integer, got True"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ld.cursor = bad  # type: ignore[assignment]
+    assert ld.cursor == 4  # unchanged, and the loop goes on
+    assert next(it)["position"].tolist() == [4, 5, 6, 7]
+    state = ld.state_dict()
+    state["cursor"] = 10 * len(view)
+    with pytest.raises(StateError, match=r"cursor is unusable here: cursor .* past the end"):
+        ld.load_state_dict(state)
+    endless = DataLoader(view, 4, num_threads=0)
+    endless.cursor = (1 << 64) - 3  # the last positions there are
+    assert next(iter(endless))["position"].numpy().view(np.uint64).tolist() == [
+        (1 << 64) - 3,
+        (1 << 64) - 2,
+        (1 << 64) - 1,
+    ]
+    ld.close()
+
+
+@given(
+    n=st.integers(1, 60),
+    batch=st.integers(1, 9),
+    world=st.integers(1, 4),
+    epochs=st.integers(1, 4),
+    drop_last=st.booleans(),
+    data=st.data(),
+)
+@settings(max_examples=150, deadline=None)
+def test_len_is_the_number_of_steps_left(
+    n: int, batch: int, world: int, epochs: int, drop_last: bool, data: st.DataObject
+) -> None:
+    from tokload.schedule import Schedule
+
+    if drop_last and batch * world > n:
+        return
+    s = Schedule(n, batch, world_size=world, epochs=epochs, drop_last=drop_last)
+    c = data.draw(st.integers(0, epochs * n))
+    steps, at = 0, c
+    while (sp := s.span(at)) is not None:
+        steps += 1
+        at = sp[1]
+    assert s.steps_left(c) == steps
+
+
+def test_len_does_not_walk_the_steps(corpus: Path) -> None:
+    # about 2.6 * 10**10 steps: walking them (as len() once did) would never finish
+    ld = DataLoader(TokenStream(corpus, window=9), 8, epochs=10**9, drop_last=True)
+    ld.cursor = 12_345
+    n = len(ld.view)
+    assert len(ld) == (n - 12_345 % n) // 8 + (10**9 - 12_345 // n - 1) * (n // 8)

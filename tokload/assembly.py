@@ -117,19 +117,18 @@ class Assembly:
                     f"{type(self.view).__name__}.read_batch returned the key {key!r}, "
                     "which the loader sets"
                 )
-        b = len(indices)
-        index = self.alloc((b,), np.int64)
-        index[:] = indices
-        position = self.alloc((b,), np.int64)
-        position[:] = positions.view(np.int64)
-        raw["index"] = index
-        raw["position"] = position
+        # One buffer for both: half the allocations of a batch's bookkeeping.
+        both = self.alloc((2, len(indices)), np.int64)
+        both[0] = indices
+        both[1] = positions.view(np.int64)
+        raw["index"] = both[0]
+        raw["position"] = both[1]
         return raw
 
     def check_rows(self, raw: dict[str, Any], rows: int) -> None:
         """A rowwise view's result must have ``rows`` rows in every array."""
         for k, v in raw.items():
-            if not isinstance(v, np.ndarray) or v.ndim == 0 or len(v) != rows:
+            if not isinstance(v, np.ndarray) or v.shape[:1] != (rows,):
                 got = getattr(v, "shape", type(v).__name__)
                 raise ValueError(
                     f"{type(self.view).__name__} is rowwise, but read_batch gave {k!r} "

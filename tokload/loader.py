@@ -297,25 +297,19 @@ class DataLoader:
         their tensors are built once for all of them.
         """
         sched, asm = self.schedule, self.assembly
-        if not asm.rowwise or len(spans) == 1:
+        if not asm.rowwise:
             return [self._finish(self.raw_batch(*sp)) for sp in spans]
-        pos_list = [sched.positions(*sp) for sp in spans]
-        pos = np.concatenate(pos_list)
+        pos, ends = sched.task_positions(spans)
         raw = asm.read(sched.indices(pos), pos)
         asm.check_rows(raw, len(pos))
-        whole: dict[str, Any] = raw if self.collate is not None else self.transfer.tensors(raw)
-        out: list[Any] = []
-        at = 0
-        copy = self.transfer.copy if self.device is not None else None
         collate = self.collate
-        for p in pos_list:
-            b = Batch()
-            end = at + len(p)
-            for k, v in whole.items():
-                b[k] = v[at:end]
-            at = end
-            out.append(collate(b) if collate is not None else (copy(b) if copy else b))
-        return out
+        items = list((raw if collate is not None else self.transfer.tensors(raw)).items())
+        batches = [_rows(items, a, e) for a, e in zip([0, *ends], ends, strict=False)]
+        if collate is not None:
+            return [collate(b) for b in batches]
+        if self.device is None:
+            return batches
+        return [self.transfer.copy(b) for b in batches]
 
     def raw_batch(self, start: int, end: int) -> dict[str, Any]:
         """The NumPy arrays of this rank's part of the global batch ``[start, end)``.
@@ -441,6 +435,14 @@ class _LoaderIter:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _rows(items: list[tuple[str, Any]], start: int, end: int) -> Batch:
+    """Rows ``[start, end)`` of every array of a task: one step's batch (views, no copy)."""
+    b = Batch()
+    for k, v in items:
+        b[k] = v[start:end]
+    return b
 
 
 class _Failed:

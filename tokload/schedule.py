@@ -100,6 +100,11 @@ class Schedule:
 
     def spans(self, c: int, count: int) -> list[tuple[int, int]]:
         """Up to ``count`` consecutive steps from cursor ``c`` (fewer at the end)."""
+        g = self.global_batch
+        last = c + count * g
+        if last <= self.end and (not self.drop_last or c % self.n + count * g <= self.n):
+            # No end and no epoch tail to skip: the steps are plain multiples of G.
+            return [(a, a + g) for a in range(c, last, g)]
         out: list[tuple[int, int]] = []
         while len(out) < count:
             sp = self.span(c)
@@ -133,6 +138,16 @@ class Schedule:
         first = start + self.rank
         count = max(0, min(self.batch_size, -(-(end - first) // self.world_size)))
         return self._offsets[:count] + np.uint64(start)
+
+    def task_positions(self, spans: list[tuple[int, int]]) -> tuple[np.ndarray, list[int]]:
+        """This rank's positions of consecutive steps, back to back, and where each ends."""
+        b, g = self.batch_size, self.global_batch
+        if spans[-1][1] - spans[0][0] == len(spans) * g:  # all full: one broadcast
+            starts = np.arange(spans[0][0], spans[-1][1], g, dtype=np.uint64)
+            pos = (starts[:, None] + self._offsets).reshape(-1)
+            return pos, list(range(b, b * len(spans) + 1, b))
+        parts = [self.positions(a, e) for a, e in spans]
+        return np.concatenate(parts), np.cumsum([len(p) for p in parts]).tolist()
 
     def perm(self, epoch: int) -> Permutation:
         """The permutation of an epoch (the last few are cached)."""

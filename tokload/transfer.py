@@ -48,11 +48,7 @@ class Batch(dict[str, Any]):
     to yet another stream.
     """
 
-    __slots__ = ("ready",)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.ready: Any = None
+    ready: Any = None
 
 
 class TransferBackend(Protocol):
@@ -210,7 +206,8 @@ class Transfer:
     def alloc(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """A new, uninitialized C-contiguous host array (the views' ``alloc``)."""
         dt = np.dtype(dtype)
-        arr: np.ndarray = self.backend.host_empty(shape, self._torch_dtype(dt)).numpy()
+        td = self._dtypes.get(dt) or self._torch_dtype(dt)
+        arr: np.ndarray = self.backend.host_empty(shape, td).numpy()
         return arr
 
     def tensor(self, a: np.ndarray) -> torch.Tensor:
@@ -222,17 +219,22 @@ class Transfer:
         """
         import torch
 
-        base: Any = a
-        while isinstance(base, np.ndarray):
+        base: Any = a.base
+        while type(base) is np.ndarray:
             base = base.base
-        td = self._torch_dtype(a.dtype)
-        item = a.itemsize
+        td = self._dtypes.get(a.dtype) or self._torch_dtype(a.dtype)
         if isinstance(base, torch.Tensor):
             storage = base.untyped_storage()
-            offset = a.__array_interface__["data"][0] - storage.data_ptr()
-            if offset % item == 0 and all(s % item == 0 for s in a.strides):
-                strides = tuple(s // item for s in a.strides)
-                return torch.empty(0, dtype=td).set_(storage, offset // item, a.shape, strides)
+            offset, misaligned = divmod(
+                a.__array_interface__["data"][0] - storage.data_ptr(), a.itemsize
+            )
+            if not misaligned:
+                if a.flags.c_contiguous:
+                    # (size without stride: contiguous; the stubs lack this overload)
+                    return torch.empty(0, dtype=td).set_(storage, offset, a.shape)  # type: ignore[call-overload,no-any-return]
+                strides = [s // a.itemsize for s in a.strides]
+                if [s * a.itemsize for s in strides] == list(a.strides):
+                    return torch.empty(0, dtype=td).set_(storage, offset, a.shape, strides)
         t = self.backend.host_empty(a.shape, td)
         t.numpy()[...] = a
         return t

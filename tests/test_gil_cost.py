@@ -1,0 +1,87 @@
+"""How much Python a reader thread runs per batch: the GIL it takes from the trainer.
+
+``sys.setprofile`` counts every Python-level call (functions, and builtins called
+from Python) while a reader task is built, exactly as a reader thread builds it.
+The counts are deterministic, so they are asserted; the README quotes them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tokload import DataLoader, Documents, StreamWithMetadata, TokenStream, Writer
+from tokload.loader import _task_builder
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("gil")
+    with Writer(root / "ds", "<u4", shard_bytes=1 << 20) as w:
+        for k in range(2000):
+            w.write(np.arange(k, k + 300 + k % 97, dtype=np.uint32))
+    with Writer(
+        root / "meta",
+        [("token", "<u4"), ("metadata_id", "<u4")],
+        metadata=True,
+        shard_bytes=1 << 20,
+    ) as w:
+        for k in range(500):
+            w.write({"token": np.arange(300)}, spans=[(0, 100, b"a%d" % k), (150, 300, b"b%d" % k)])
+    return root
+
+
+def calls_per_batch(view: Any, batch_size: int = 8, steps_per_task: int = 8) -> float:
+    """Python-level calls per batch while a reader thread builds a task, steady state."""
+    ld = DataLoader(view, batch_size, num_threads=0, steps_per_task=steps_per_task)
+    build = _task_builder(ld, 0)
+    build(0)  # first tasks: permutation tables, dtype caches
+    build(1)
+    count = 0
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        out = build(2)
+    finally:
+        sys.setprofile(None)
+    return (count - 1) / len(out)  # less the setprofile(None) call itself
+
+
+def test_a_token_stream_batch_costs_a_handful_of_calls(data: Path) -> None:
+    per = calls_per_batch(TokenStream(data / "ds", window=4097))
+    assert per <= 13, per  # 12.6 measured: ~95 per task of 8 steps, 1 per step
+    # the cost is per task, not per sample (8x the samples: the same, within an
+    # extra permutation where a task crosses an epoch) ...
+    assert abs(calls_per_batch(TokenStream(data / "ds", window=65), batch_size=64) - per) <= 1
+    # ... and not per step
+    assert calls_per_batch(TokenStream(data / "ds", window=65), steps_per_task=16) < per / 1.6
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: Documents(d / "ds"),
+        lambda d: Documents(d / "ds", batch="pack"),
+        lambda d: Documents(d / "ds", pad_to=512),
+    ],
+    ids=["padded", "packed", "fixed-length"],
+)
+def test_document_batches_cost_does_not_grow_with_the_batch(make: Any, data: Path) -> None:
+    small = calls_per_batch(make(data), batch_size=4)
+    assert abs(calls_per_batch(make(data), batch_size=64) - small) <= 2
+
+
+def test_metadata_batches_cost_grows_only_with_their_records(data: Path) -> None:
+    view = StreamWithMetadata(data / "meta", window=256)
+    per = calls_per_batch(view)
+    assert per < 160, per

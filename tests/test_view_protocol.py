@@ -1,0 +1,168 @@
+"""The public view protocol: user-written views through the whole loader.
+
+The README's own example view (``Pairs``) and a non-rowwise one (a filtered,
+remapped view of documents) run through the shared resume harness: rank split,
+exactly-once across resumes and rescales, threads, and the fake device.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from fake_device import FakeDevice
+from harness import Segment, assert_exactly_once, run_segments
+
+import tokload
+from tokload import DataLoader, Documents, TokenStream, Writer
+from tokload.assembly import Alloc, BatchView, check_view
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_pairs() -> type:
+    """The ``Pairs`` class exactly as the README defines it."""
+    text = README.read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    block = next(b for b in blocks if "class Pairs" in b)
+    code = block.split("\npairs = ")[0]
+    namespace: dict[str, Any] = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    cls: type = namespace["Pairs"]
+    return cls
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("protocol")
+    paths = []
+    for name, base in (("en", 0), ("de", 10**6)):
+        with Writer(root / name, "<u4", shard_bytes=2000) as w:
+            for k in range(90):
+                w.write(np.arange(base + k * 1000, base + k * 1000 + 6 + k % 13, dtype=np.uint32))
+        paths.append(root / name)
+    return paths[0], paths[1]
+
+
+class Filtered:
+    """Documents whose index is in ``keep``, padded per batch (not rowwise)."""
+
+    def __init__(self, docs: Documents, keep: np.ndarray) -> None:
+        self.docs, self.keep = docs, keep.astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.keep)
+
+    @property
+    def fingerprint(self) -> str:
+        return f"Filtered({self.docs.fingerprint}, {hash(self.keep.tobytes())})"
+
+    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
+        raw = self.docs.read_batch(self.keep[indices], alloc)
+        raw["kept"] = self.keep[indices]  # made with NumPy, not alloc: the loader copies it
+        return raw
+
+
+def test_the_readme_view_satisfies_the_protocol(two: tuple[Path, Path]) -> None:
+    pairs_cls = readme_pairs()
+    pairs = pairs_cls(TokenStream(two[0], window=7), TokenStream(two[1], window=7))
+    check_view(pairs)
+    assert isinstance(pairs, BatchView)
+    with pytest.raises(TypeError, match="int is not a view: it lacks __len__, fingerprint"):
+        check_view(3)
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_readme_pairs_through_resumes_and_rescales(threads: int, two: tuple[Path, Path]) -> None:
+    pairs_cls = readme_pairs()
+    a, b = TokenStream(two[0], window=7), TokenStream(two[1], window=7)
+    pairs = pairs_cls(a, b)
+    n = len(pairs)
+
+    def make(**kw: Any) -> DataLoader:
+        return DataLoader(pairs, seed=9, epochs=2, prefetch=6, steps_per_task=4, **kw)
+
+    got = run_segments(
+        make,
+        [
+            Segment(2, 5, 7, threads),
+            Segment(3, 2, 9, threads),
+            Segment(1, 11, None, threads),
+        ],
+    )
+    assert_exactly_once(got, n, 2 * n)
+    for batch in got.batches.values():
+        idx = batch["index"].numpy()
+        np.testing.assert_array_equal(batch["source"].numpy(), a.read(idx))
+        np.testing.assert_array_equal(batch["target"].numpy(), b.read(idx))
+        assert set(batch) == {"source", "target", "index", "position"}
+
+
+def test_a_filtered_view_through_resumes_rescales_and_a_fake_device(
+    two: tuple[Path, Path],
+) -> None:
+    docs = Documents(two[0])
+    keep = np.flatnonzero(np.arange(len(docs)) % 3 != 1)
+    view = Filtered(docs, keep)
+    n = len(view)
+    fd = FakeDevice(seed=2)
+
+    def make(**kw: Any) -> DataLoader:
+        return DataLoader(view, seed=4, epochs=3, transfer=fd, **kw)
+
+    got = run_segments(make, [Segment(1, 4, 10, 2), Segment(4, 3, 6, 1), Segment(2, 6, None, 0)])
+    assert_exactly_once(got, n, 3 * n)
+    for batch in got.batches.values():
+        np.testing.assert_array_equal(batch["kept"].numpy(), keep[batch["index"].numpy()])
+        for k, d in enumerate(batch["kept"].tolist()):
+            length = int(batch["lengths"][k])
+            np.testing.assert_array_equal(batch["tokens"][k, :length].numpy(), docs[d])
+    fd.close()
+    assert fd.violations == []
+
+
+class BadRows:
+    rowwise = True
+
+    def __len__(self) -> int:
+        return 100
+
+    fingerprint = "bad"
+
+    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
+        return {"x": np.zeros(3)}
+
+
+class Reserved(BadRows):
+    rowwise = False
+
+    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
+        return {"index": np.zeros(len(indices))}
+
+
+def test_a_view_breaking_the_protocol_is_named() -> None:
+    with pytest.raises(ValueError, match="BadRows is rowwise, but read_batch gave 'x' as"):
+        next(iter(DataLoader(BadRows(), 4, num_threads=0, steps_per_task=2, prefetch=2)))
+    it = iter(DataLoader(BadRows(), 4, num_threads=1, steps_per_task=2, prefetch=2))
+    with pytest.raises(ValueError, match="BadRows is rowwise"):
+        next(it)
+    with pytest.raises(ValueError, match="returned the key 'index', which the loader sets"):
+        next(iter(DataLoader(Reserved(), 4, num_threads=0)))
+
+
+def test_tokload_views_implement_the_protocol(two: tuple[Path, Path]) -> None:
+    stream = TokenStream(two[0], window=5)
+    docs = Documents(two[0])
+    blend = tokload.Blend([(stream, 1.0), (TokenStream(two[1], window=5), 1.0)], length=50)
+    for view in (stream, docs, blend, stream.subset(3, 20)):
+        assert isinstance(view, BatchView)
+    assert stream.rowwise and blend.rowwise and not docs.rowwise
+    assert Documents(two[0], pad_to=4).rowwise and not Documents(two[0], batch="pack").rowwise
+    raw = blend.read_batch(np.arange(6), np.empty)
+    np.testing.assert_array_equal(raw["tokens"], blend.read(np.arange(6)))
+    t = torch.from_numpy(raw["tokens"])
+    assert t.shape == (6, 5)
