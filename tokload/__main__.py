@@ -275,13 +275,12 @@ def main(argv: list[str] | None = None) -> int:
 def _describe(e: Exception) -> tuple[int, str]:
     """(exit code, one line) for an error."""
     from tokload.builder import UsageError
+    from tokload.tools import error_message
 
     if isinstance(e, UsageError):
         return 2, f"error: {e}"
-    if isinstance(e, OSError) and e.filename is not None and e.strerror:
-        return 1, f"{e.filename}: {e.strerror}"
     if isinstance(e, TokloadError | OSError):
-        return 1, str(e)
+        return 1, error_message(e)
     first = (str(e).strip().splitlines() or [""])[0]
     return 1, (
         f"unexpected {type(e).__name__}: {first} (a bug in tokload: rerun with --debug "

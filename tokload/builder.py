@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bz2
 import contextlib
+import dataclasses
 import glob
 import gzip
 import hashlib
@@ -59,7 +60,6 @@ from tokload.format import (
     MANIFEST,
     METADATA_FIELD,
     Manifest,
-    ShardInfo,
     open_dataset,
     read_manifest,
     write_manifest,
@@ -397,16 +397,8 @@ def _assemble(
     m = Manifest(dtype=np.dtype(dtype), documents=True, metadata=opts.metadata)
     for i in range(lo, hi):
         p = read_manifest(out / PARTS / f"{i:05d}")
-        for s in p.shards:
-            m.shards.append(
-                ShardInfo(
-                    f"{PARTS}/{i:05d}/{s.name}",
-                    s.rows,
-                    s.documents,
-                    s.metadata_records,
-                    s.metadata_bytes,
-                )
-            )
+        # the part's shards, checksums and all, under their path from the top
+        m.shards.extend(dataclasses.replace(s, name=f"{PARTS}/{i:05d}/{s.name}") for s in p.shards)
     m.user = {
         "built_by": "tokload build",
         "options": {**opts.record(), "tokenizer": tok_record.get("file", tok_record["kind"])},

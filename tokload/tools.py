@@ -82,14 +82,14 @@ def verify(
         try:
             damaged = verify_checksums(path)
         except (TokloadError, OSError) as e:
-            return [str(e)]
+            return [error_message(e)]
         if damaged:
             return damaged
     problems: list[str] = []
     try:
         src = open_dataset(path)
     except (TokloadError, OSError) as e:
-        return [str(e)]
+        return [error_message(e)]
     m = src.manifest
     assert m is not None
     root = Path(path)
@@ -128,6 +128,13 @@ def verify(
             break  # the first problem is what a user needs; verify again after fixing it
     src.close()
     return problems
+
+
+def error_message(e: BaseException) -> str:
+    """An error as one line that starts with the file it names, when it names one."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _first_bad_offset(offsets: np.ndarray, last: int) -> tuple[int, int] | None:
@@ -232,4 +239,4 @@ def bench_table(path: str | os.PathLike[str], r: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["bench", "bench_table", "inspect", "process_age", "verify"]
+__all__ = ["bench", "bench_table", "error_message", "inspect", "process_age", "verify"]

@@ -1,0 +1,364 @@
+"""The command line: one line and the right exit code for every mistake, never
+a traceback (unless asked for), ``--version``, help with descriptions, defaults
+and examples, and ``bench`` as a table or JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_build import _hf_tokenizer, write_corpus
+
+import tokload
+from tokload.__main__ import main
+
+COMMANDS = ["demo", "build", "merge", "inspect", "verify", "bench"]
+
+
+def cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Exit code, stdout and stderr of ``tokload ARGS`` run in this process."""
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse: usage errors, --help, --version
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+def one_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cli")
+    inputs = write_corpus(root / "in", files=2)
+    tokload.build(inputs, root / "ds", keep_fields=["id"], progress=False)
+    return root / "ds"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["build", "x.jsonl", "-o", "o", "-j", "0"],
+            "argument -j/--workers: must be at least 1, got 0",
+        ),
+        (
+            ["build", "x.jsonl", "-o", "o", "-j", "two"],
+            "argument -j/--workers: 'two' is not an integer",
+        ),
+        (["build", "x.jsonl", "-o", "o", "--part", "5/3"], "argument --part: 5/3: need 0 <= k < N"),
+        (
+            ["build", "x.jsonl", "-o", "o", "--part", "3"],
+            "argument --part: must look like 'k/N' (e.g. 3/16), got '3'",
+        ),
+        (["build", "x.jsonl", "-o", "o", "--shard-size", "big"], "'big' is not a size"),
+        (["build", "x.jsonl", "-o", "o", "--shard-size", "0"], "--shard-size: must be positive"),
+        (["build", "x.jsonl", "-o", "o", "--on-error", "ignore"], "invalid choice: 'ignore'"),
+        (["build", "x.jsonl"], "the following arguments are required: -o/--output"),
+        (["bench", "ds", "--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+        (["bench", "ds", "--seconds", "0"], "must be a positive number of seconds, got 0"),
+        (["bench", "ds", "--seconds", "nan"], "must be a positive number of seconds, got nan"),
+        (["bench", "ds", "--window", "1"], "argument --window: must be at least 2, got 1"),
+        (["bench", "ds", "--threads", "0"], "argument --threads: must be at least 1, got 0"),
+        (["inspect", "ds", "--sample", "-1"], "argument --sample: must be at least 0, got -1"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        ([], "the following arguments are required: COMMAND"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = cli(args, capsys)
+    assert code == 2 and out == ""
+    line = one_line(err)
+    assert message in line
+    assert line.startswith("tokload") and "error:" in line and "--help" in line
+
+
+def test_build_argument_mistakes_found_late_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (inp,) = write_corpus(tmp_path / "in", files=1, docs=3)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    code, _, err = cli(["build", str(inp), "-o", str(a_file)], capsys)
+    assert code == 2
+    assert one_line(err) == (
+        f"tokload build: error: {a_file}: the output must be a directory (or not exist "
+        "yet); it is a file"
+    )
+    # a tokenizer with neither EOS nor BOS among its special tokens
+    tj = _hf_tokenizer(tmp_path / "tok.json")
+    raw = json.loads(tj.read_text())
+    raw["added_tokens"] = [t for t in raw["added_tokens"] if t["content"] != "<|endoftext|>"]
+    raw["model"]["vocab"].pop("<|endoftext|>")
+    no_eos = tmp_path / "no-eos.json"
+    no_eos.write_text(json.dumps(raw))
+    code, _, err = cli(
+        ["build", str(inp), "-o", str(tmp_path / "o1"), "--tokenizer", str(no_eos)], capsys
+    )
+    assert code == 2
+    assert one_line(err) == (
+        f"tokload build: error: the tokenizer {no_eos} has no EOS token that tokload "
+        "recognizes; build with --no-eos, or use a tokenizer that has one"
+    )
+    code, out, _ = cli(
+        ["build", str(inp), "-o", str(tmp_path / "o1"), "--tokenizer", str(no_eos), "--no-eos"],
+        capsys,
+    )
+    assert code == 0 and "3 documents" in out
+    code, _, err = cli(["build", str(inp), "-o", str(tmp_path / "o2"), "--bos"], capsys)
+    assert code == 0  # bytes has a BOS
+    code, _, err = cli(
+        ["build", str(inp), "-o", str(tmp_path / "o3"), "--tokenizer", str(tj), "--bos"], capsys
+    )
+    assert code == 2 and "has no BOS token" in one_line(err)
+
+
+def test_data_errors_exit_1_naming_the_file(
+    tmp_path: Path, dataset: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (inp,) = write_corpus(tmp_path / "in", files=1, docs=3)
+    out = str(tmp_path / "o")
+    not_json = tmp_path / "tok.json"
+    not_json.write_bytes(b"\xff\xfe not json")
+    cases = [
+        (
+            ["build", str(inp), "-o", out, "--tokenizer", str(not_json)],
+            f"tokload build: {not_json}: not a tokenizer.json (not JSON: 'utf-8' codec can't "
+            "decode byte 0xff in position 0: invalid start byte)",
+        ),
+        (
+            ["build", str(tmp_path / "nope.jsonl"), "-o", out],
+            f"{tmp_path / 'nope.jsonl'}: no such input",
+        ),
+        (
+            ["build", str(inp), "-o", out, "--tokenizer", "missing.json"],
+            "missing.json: no tokenizer.json here",
+        ),
+        (
+            ["inspect", str(tmp_path / "none")],
+            f"{tmp_path / 'none' / 'manifest.json'}: no tokload manifest here",
+        ),
+        (
+            ["verify", str(tmp_path / "none")],
+            f"{tmp_path / 'none' / 'manifest.json'}: no tokload manifest here",
+        ),
+        (
+            ["bench", str(tmp_path / "none")],
+            f"{tmp_path / 'none'}: not a tokload dataset, a Megatron .bin/.idx prefix",
+        ),
+        (
+            ["merge", str(tmp_path / "m"), str(tmp_path / "none")],
+            f"{tmp_path / 'none' / 'manifest.json'}: no tokload manifest here",
+        ),
+    ]
+    not_tokenizer = tmp_path / "empty.json"
+    not_tokenizer.write_text("{}")
+    cases.append(
+        (
+            ["build", str(inp), "-o", out, "--tokenizer", str(not_tokenizer)],
+            f"tokload build: {not_tokenizer}: not a Hugging Face tokenizer.json (",
+        )
+    )
+    for args, message in cases:
+        code, _, err = cli(args, capsys)
+        assert code == 1, args
+        assert message in one_line(err), args
+    # corrupt manifests: not JSON, not UTF-8, wrong schema
+    for k, text in enumerate([b"{not json", b'{"format": "tokload", "x": "\xff"}', b"[]"]):
+        bad = tmp_path / f"bad{k}"
+        bad.mkdir()
+        (bad / "manifest.json").write_bytes(text)
+        for command in ("inspect", "verify", "bench"):
+            code, _, err = cli([command, str(bad)], capsys)
+            assert code == 1
+            assert one_line(err).startswith(f"tokload {command}: {bad / 'manifest.json'}")
+
+
+def test_debug_flag_and_environment_show_the_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(tokload.MissingShardError, match="no tokload manifest here"):
+        main(["inspect", str(tmp_path), "--debug"])
+    with pytest.raises(tokload.MissingShardError):
+        main(["--debug", "inspect", str(tmp_path)])
+    env = {**os.environ, "TOKLOAD_DEBUG_CLI": "1"}
+    p = subprocess.run(
+        [sys.executable, "-m", "tokload", "inspect", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert p.returncode == 1
+    assert p.stderr.startswith("Traceback (most recent call last):")
+    assert "MissingShardError" in p.stderr
+
+
+def test_an_unexpected_exception_is_one_line_that_says_it_is_a_bug(
+    dataset: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken(*args: object, **kwargs: object) -> str:
+        raise KeyError("shards")
+
+    monkeypatch.setattr(tokload.tools, "inspect", broken)
+    code, _, err = cli(["inspect", str(dataset)], capsys)
+    assert code == 1
+    assert one_line(err) == (
+        "tokload inspect: unexpected KeyError: 'shards' (a bug in tokload: rerun with --debug "
+        "for the traceback and report it)"
+    )
+
+    def interrupted(*args: object, **kwargs: object) -> dict[str, object]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tokload.tools, "bench", interrupted)
+    code, _, err = cli(["bench", str(dataset)], capsys)
+    assert code == 130
+    assert one_line(err) == "tokload bench: interrupted"
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(["--version"], capsys)
+    assert code == 0 and out == f"tokload {tokload.__version__}\n"
+    p = subprocess.run(
+        [sys.executable, "-m", "tokload", "--version"], capture_output=True, text=True
+    )
+    assert (p.returncode, p.stdout, p.stderr) == (0, f"tokload {tokload.__version__}\n", "")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_a_description_defaults_and_an_example(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = cli([command, "--help"], capsys)
+    assert code == 0
+    usage, description, *_ = out.split("\n\n")
+    assert usage.startswith(f"usage: tokload {command}")
+    assert len(description) > 40  # a sentence, not a placeholder
+    assert re.search(rf"example:\n  tokload {command}\b", out)
+    assert "--debug" in out
+    defaults = {
+        "demo": ["(default: 7)"],
+        "build": [
+            "(default: text)",
+            "(default: bytes)",
+            "(default: 1)",
+            "(default: stop)",
+            "(default: 1G)",
+        ],
+        "inspect": ["(default: 0)"],
+        "bench": ["(default: 5.0)", "(default: 4097)", "(default: 8)"],
+        "merge": [],
+        "verify": [],
+    }[command]
+    flat = " ".join(out.split())
+    for d in defaults:
+        assert d in flat
+    assert "(default: None)" not in flat and "(default: False)" not in flat
+    code, top, _ = cli(["--help"], capsys)
+    assert command in top and "Exit codes: 0 ok, 1 bad data, 2 bad command line, 130" in top
+
+
+def test_bench_table_and_json(dataset: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(["bench", str(dataset), "--seconds", "0.2", "--window", "17"], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith(f"tokload bench {dataset}: window 17, batch 8,")
+    labels = [line.split("  ")[1].strip() for line in lines[1:] if line.startswith("  ")]
+    assert labels == [
+        "start-up (Python, tokload)",
+        "import torch and the loader",
+        "open the dataset",
+        "first batch",
+        "steady rate",
+    ]
+    assert not re.search(r"\d\.\d{4,}", out)  # no 16-digit floats
+    assert re.search(r"steady rate +\d+\.\d M tokens/s \([\d,]+ batches\)", out)
+    code, out, _ = cli(
+        ["bench", str(dataset), "--seconds", "0.2", "--window", "17", "--json"], capsys
+    )
+    r = json.loads(out)
+    assert set(r) >= {"startup_s", "import_s", "open_s", "first_batch_s", "tokens_per_s", "batches"}
+    assert r["tokens_per_s"] > 0 and r["window"] == 17 and r["batch_size"] == 8
+    assert r["open_s"] + r["first_batch_s"] == pytest.approx(r["time_to_first_batch_s"])
+
+
+def test_verify_deep_notices_overwritten_token_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inputs = write_corpus(tmp_path / "in", files=2)
+    out = tmp_path / "ds"
+    tokload.build(inputs, out, progress=False)
+    code, stdout, _ = cli(["verify", str(out), "--deep"], capsys)
+    assert (
+        code == 0 and stdout == f"tokload verify: {out}: ok (every file's checksum and structure)\n"
+    )
+    m = tokload.open_dataset(out).manifest
+    assert m is not None
+    rows = out / (m.shards[1].name + ".rows")
+    data = np.fromfile(rows, "<u2")
+    data[5] = 300 - data[5]  # same size, other tokens: the structure is still sound
+    data.tofile(rows)
+    code, stdout, _ = cli(["verify", str(out)], capsys)
+    assert code == 0 and stdout.endswith(": ok (structure)\n")
+    code, _, err = cli(["verify", str(out), "--deep"], capsys)
+    assert code == 1
+    assert str(rows) in one_line(err)
+
+
+def test_the_readme_walk_through_shows_no_traceback(tmp_path: Path) -> None:
+    """build, verify (plain and deep), inspect, bench: real processes, as a user runs them."""
+    inputs = write_corpus(tmp_path / "data", files=3)
+    steps = [
+        [
+            "build",
+            *map(str, inputs),
+            "-o",
+            "corpus",
+            "-j",
+            "2",
+            "--keep-field",
+            "id",
+            "--annotations",
+            "spans",
+        ],
+        [
+            "build",
+            *map(str, inputs),
+            "-o",
+            "corpus",
+            "-j",
+            "2",
+            "--keep-field",
+            "id",
+            "--annotations",
+            "spans",
+        ],
+        ["verify", "corpus"],
+        ["verify", "corpus", "--deep"],
+        ["inspect", "corpus"],
+        ["bench", "corpus", "--seconds", "0.3", "--window", "65"],
+    ]
+    outputs = []
+    for args in steps:
+        p = subprocess.run(
+            [sys.executable, "-m", "tokload", *args], capture_output=True, text=True, cwd=tmp_path
+        )
+        assert "Traceback" not in p.stdout + p.stderr, p.stderr
+        assert p.returncode == 0, (args, p.stderr)
+        outputs.append(p.stdout)
+    assert "(3 built now)" in outputs[0] and "(0 built now)" in outputs[1]
+    assert "metadata of its first token" in outputs[4]
+    assert "steady rate" in outputs[5]
