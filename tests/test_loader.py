@@ -446,21 +446,6 @@ def test_pin_memory_without_a_gpu(corpus: Path) -> None:
         DataLoader(view, 4, pin_memory="yes")
 
 
-@pytest.mark.gpu
-def test_pinned_batches_and_device_copy(corpus: Path) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    view = TokenStream(corpus, window=9)
-    ld = DataLoader(view, 4, pin_memory=True, num_threads=2)
-    b = next(iter(ld))
-    assert b["tokens"].is_pinned() and b["index"].is_pinned()
-    dev = DataLoader(view, 4, device="cuda", num_threads=2)
-    d = next(iter(dev))
-    torch.cuda.current_stream().wait_event(d["_ready"])
-    assert d["tokens"].device.type == "cuda"
-    np.testing.assert_array_equal(d["tokens"].cpu().numpy()[0], view[int(d["index"][0])])
-
-
 def test_buffers_are_never_reused(corpus: Path) -> None:
     ld = DataLoader(TokenStream(corpus, window=9), 4, num_threads=2, prefetch=2)
     kept: Iterator[Any] = iter(ld)

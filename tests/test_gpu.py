@@ -1,0 +1,127 @@
+"""The transfer stage on a real CUDA device (skipped where there is none).
+
+Every batch delivered with ``device=`` and with the README's ``non_blocking``
+recipe is compared bit for bit with a CPU reference while the host is busy
+(threads running NumPy and Python flat out, so reader threads and copies are
+descheduled at random moments), and while the trainer's stream is kept busy
+with kernels, so a copy that was not waited for, or a buffer reused before its
+copy completed, would show as wrong bytes. Throughput and step-time figures are
+in ``bench/bench_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tokload import DataLoader, Documents, TokenStream, Writer
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gpu") / "ds"
+    rng = np.random.default_rng(0)
+    with Writer(path, "<u4", shard_bytes=1 << 22) as w:
+        for _ in range(3000):
+            w.write(rng.integers(0, 1 << 31, int(rng.integers(50, 3000)), dtype=np.uint32))
+    return path
+
+
+@pytest.fixture
+def host_load() -> Iterator[None]:
+    stop = threading.Event()
+
+    def numpy_work() -> None:
+        a = np.random.default_rng(1).random((512, 512))
+        while not stop.is_set():
+            a = (a @ a.T) % 1.0
+
+    def python_work() -> None:
+        x = 0
+        while not stop.is_set():
+            for i in range(10_000):
+                x ^= i
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (numpy_work, python_work)]
+    for t in threads:
+        t.start()
+    yield
+    stop.set()
+    for t in threads:
+        t.join()
+
+
+def busy_stream() -> None:
+    """Queue kernels on the current stream, so copies and uses overlap with them."""
+    a = torch.randn(2048, 2048, device="cuda")
+    for _ in range(4):
+        a = a @ a
+        a /= a.norm()
+
+
+@pytest.mark.usefixtures("host_load")
+@pytest.mark.parametrize("threads", [1, 3])
+def test_device_batches_are_bitwise_right_under_load(threads: int, corpus: Path) -> None:
+    view = TokenStream(corpus, window=4097, stride=4096)
+    ld = DataLoader(view, 8, seed=3, num_threads=threads, prefetch=16, device="cuda")
+    assert ld.pinned and ld.device == torch.device("cuda", torch.cuda.current_device())
+    for step, batch in zip(range(300), ld, strict=False):
+        assert batch["tokens"].device == ld.device and batch.ready is not None
+        busy_stream()
+        got = batch["tokens"].cpu().numpy()  # on the current stream: waits for the copy
+        np.testing.assert_array_equal(got, view.read(batch["index"].cpu().numpy()), str(step))
+    ld.close()
+
+
+@pytest.mark.usefixtures("host_load")
+def test_the_readme_non_blocking_recipe_is_bitwise_right(corpus: Path) -> None:
+    view = TokenStream(corpus, window=4097, stride=4096)
+    ld = DataLoader(view, 8, seed=4, num_threads=2, prefetch=16, device=None)
+    assert ld.pinned
+    kept = []
+    for batch in zip(range(300), ld, strict=False):
+        b = batch[1]
+        assert b["tokens"].is_pinned() and b["index"].is_pinned()
+        dev = b["tokens"].to("cuda", non_blocking=True)  # then the host batch is dropped
+        kept.append((b["index"].clone(), dev))
+        del b, batch
+        busy_stream()
+    torch.cuda.synchronize()
+    for idx, dev in kept:
+        np.testing.assert_array_equal(dev.cpu().numpy(), view.read(idx.numpy()))
+    ld.close()
+
+
+def test_each_rank_gets_its_own_device(corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    last = torch.cuda.device_count() - 1
+    monkeypatch.setenv("LOCAL_RANK", str(last))
+    ld = DataLoader(TokenStream(corpus, window=65), 4, num_threads=2)
+    assert ld.device == torch.device("cuda", last)
+    b = next(iter(ld))
+    assert b["tokens"].device == torch.device("cuda", last)
+    ld.close()
+
+
+def test_documents_and_other_streams(corpus: Path) -> None:
+    docs = Documents(corpus, batch="pack")
+    ld = DataLoader(docs, 4, num_threads=2, device="cuda")
+    s = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    for batch in zip(range(50), ld, strict=False):
+        b = batch[1]
+        with torch.cuda.stream(s):  # another stream: wait on the batch's event first
+            s.wait_event(b.ready)
+            cu = b["cu_seqlens"].cpu().tolist()
+            tokens = b["tokens"].cpu().numpy()
+        for k, i in enumerate(b["index"].cpu().tolist()):
+            np.testing.assert_array_equal(tokens[cu[k] : cu[k + 1]], docs[i])
+    ld.close()
