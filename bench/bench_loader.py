@@ -68,7 +68,7 @@ class MemmapWindows(torch.utils.data.Dataset[torch.Tensor]):
 
 def tokload_loader(tmp: Path, threads: int = 2) -> Iterator[Any]:
     view = tokload.TokenStream(tmp / "ds", window=WINDOW, stride=WINDOW - 1)
-    return iter(tokload.DataLoader(view, BATCH, seed=1, num_threads=threads))
+    return iter(tokload.DataLoader(view, BATCH, seed=1, num_threads=threads, device=None))
 
 
 def torch_loader(tmp: Path, workers: int) -> Iterator[Any]:

@@ -50,7 +50,7 @@ t0 = time.perf_counter()
 if kind == "tokload":
     view = tokload.TokenStream(path, window=4097, stride=4096)
     t_open = time.perf_counter() - t0
-    batch = next(iter(tokload.DataLoader(view, 8, seed=1, num_threads=1)))["tokens"]
+    batch = next(iter(tokload.DataLoader(view, 8, seed=1, num_threads=1, device=None)))["tokens"]
 else:
     import glob
     files = sorted(glob.glob(path + "/*.rows"))

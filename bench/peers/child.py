@@ -59,7 +59,7 @@ def build(loader: str, workers: int, corpus: Path) -> tuple[Iterator[Any], float
         data = corpus / "tokload" if loader == "tokload" else corpus / "megatron"
         t1 = time.perf_counter()
         view = tokload.TokenStream(data, window=WINDOW, stride=WINDOW - 1)
-        tl = tokload.DataLoader(view, BATCH, seed=SEED, num_threads=max(1, workers))
+        tl = tokload.DataLoader(view, BATCH, seed=SEED, num_threads=max(1, workers), device=None)
         INFO.update(index_s=time.perf_counter() - t1, index_bytes=0)
         return (b["tokens"] for b in tl), t_imp
 
