@@ -350,6 +350,7 @@ def test_cli_exit_codes_and_tools(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
+    assert "verify --deep: every file's checksum, every index checks out" in out
     assert "every sample (tokens and metadata) bitwise equal" in out
     assert "demo passed" in out
     assert filecmp  # (imported for dataset comparisons above)

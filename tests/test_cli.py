@@ -362,3 +362,18 @@ def test_the_readme_walk_through_shows_no_traceback(tmp_path: Path) -> None:
     assert "(3 built now)" in outputs[0] and "(0 built now)" in outputs[1]
     assert "metadata of its first token" in outputs[4]
     assert "steady rate" in outputs[5]
+
+
+def test_a_closed_pipe_ends_quietly(dataset: Path) -> None:
+    """``tokload inspect ds | head -0``: the reader is gone before the output comes."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tokload", "inspect", str(dataset)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()  # long before the interpreter has started
+    err = p.stderr.read()
+    assert p.wait(timeout=60) == 141
+    assert err == ""

@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 1 the data is bad (a build error, ``verify`` found a
 problem, a dataset or input that cannot be opened); 2 the command line is
-wrong; 130 interrupted (Ctrl+C). Every error is one line on stderr naming the
+wrong; 130 interrupted (Ctrl+C); 141 the reader of the output went away (a
+closed pipe, as the shell reports SIGPIPE). Every error is one line on stderr naming the
 problem; ``--debug`` (or ``TOKLOAD_DEBUG_CLI=1``) shows the traceback instead.
 """
 
@@ -264,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"{where}: interrupted{what}", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of our output went away (`tokload inspect ds | head`): stop quietly,
+        # and keep Python from reporting the same error when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as e:
         if debug:
             raise

@@ -4,7 +4,7 @@
    corpus: one document per file, its path kept as document metadata, and
    every ``def name`` annotated as a span (``{"kind": "function", ...}``).
 2. ``tokload build`` it (byte tokenizer, 2 worker processes) into a stream
-   with metadata, and ``verify`` it.
+   with metadata, and ``verify --deep`` it (checksums and structure).
 3. Stream shuffled batches through the DataLoader on 2 simulated ranks for
    two epochs (the reference run). Then replay: 2 ranks stop mid-epoch, the
    cursor is saved, and 3 ranks with another batch size resume from it.
@@ -138,11 +138,11 @@ def run(seed: int = 7, workdir: str | None = None) -> int:
             progress=False,
         )
         _say(f"  build: {summary}")
-        problems = verify(tmp / "dataset")
+        problems = verify(tmp / "dataset", deep=True)
         if problems:
             _say(f"  FAIL: verify: {problems[0]}")
             return 1
-        _say("  verify: every file and index checks out")
+        _say("  verify --deep: every file's checksum, every index checks out")
 
         view = tokload.StreamWithMetadata(
             tmp / "dataset", window=WINDOW, stride=STRIDE, deserialize=json.loads
