@@ -223,7 +223,7 @@ def bench_table(path: str | os.PathLike[str], r: dict[str, Any]) -> str:
 
     rows = [
         f"tokload bench {path}: window {r['window']}, batch {r['batch_size']}, "
-        f"{r['threads']} reader threads",
+        f"{r['threads']} reader thread{'' if r['threads'] == 1 else 's'}",
     ]
     if r.get("startup_s") is not None:
         rows.append(
