@@ -81,7 +81,8 @@ def _run_ranks(
     from tokload import DataLoader
 
     loaders = [
-        DataLoader(view, batch, seed=seed, rank=r, world_size=world, epochs=2) for r in range(world)
+        DataLoader(view, batch, seed=seed, rank=r, world_size=world, epochs=2, device=None)
+        for r in range(world)
     ]
     if state is not None:
         for ld in loaders:
