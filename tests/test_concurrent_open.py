@@ -7,8 +7,10 @@ number of documents, whatever the interleaving of their cache writes.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +134,14 @@ def test_without_a_writable_directory_no_cache_is_written(
         raise PermissionError(13, "Read-only file system", os.fspath(directory))
 
     monkeypatch.setattr(interop_module, "create_unique", read_only)
-    before = set(Path(os.environ.get("TMPDIR", "/tmp")).iterdir())
-    _same(_docs(path), want)
+    tmpdir = Path(tempfile.gettempdir())
+    before = set(tmpdir.iterdir())
+    src = tokload.open_flat(path, np.uint16, eos=EOS)
+    d = Documents(src)
+    _same([np.asarray(d[i]) for i in range(len(d))], want)
     assert not cache.exists()
-    assert set(Path(os.environ.get("TMPDIR", "/tmp")).iterdir()) <= before  # nothing left over
+    src.close()
+    assert set(tmpdir.iterdir()) <= before  # the private index is gone with the source
+    _same(_docs(path), want)  # a source that is only garbage-collected cleans up too
+    gc.collect()
+    assert set(tmpdir.iterdir()) <= before

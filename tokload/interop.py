@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -212,7 +213,7 @@ def open_flat(
     rowset = RowSet(files, [r for _, r, _ in layouts], dt0.itemsize)
     docs = None
     doc_counts = [0] * len(plist)
-    private: list[Path] = []  # eos indexes that could not be cached: unlinked once open
+    private: list[Path] = []  # eos indexes that could not be cached next to the data
     try:
         if eos is not None:
             doc_index = [
@@ -248,11 +249,10 @@ def open_flat(
     except BaseException:
         for c in closers:
             c.close()
-        raise
-    finally:
         for tmp in private:
             tmp.unlink(missing_ok=True)
-    return Source(
+        raise
+    src = Source(
         rows=rowset,
         dtype=dt0,
         docs=docs,
@@ -264,6 +264,20 @@ def open_flat(
         description=", ".join(map(str, plist)),
         _closers=closers,
     )
+    for tmp in private:  # files may be (re)opened lazily: unlinked when the source goes
+        src._closers.append(_Unlink(tmp))
+        weakref.finalize(src, tmp.unlink, missing_ok=True)
+    return src
+
+
+class _Unlink:
+    """A closer that removes a private temporary file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def _eos_index(
@@ -278,7 +292,7 @@ def _eos_index(
     file's rows last) no older than the data; otherwise the index is
     recomputed. Where the cache cannot be written (a read-only directory),
     the index goes to a private temporary file, appended to ``private`` for
-    the caller to unlink once it is open.
+    the caller to unlink when the source is closed or collected.
     """
     cache = path.with_name(f"{path.name}.eos{eos}.docs")
     if _cache_ok(cache, rows, os.stat(path).st_mtime):
