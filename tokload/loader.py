@@ -373,6 +373,8 @@ class _LoaderIter:
         self._closed = False
         self._ready: list[tuple[tuple[int, int], Any]] = []
         self._pf: Prefetcher | None = None
+        # Host batches need nothing at delivery: skip the call per batch.
+        self._deliver = loader.transfer.deliver if loader.device is not None else None
         self._start()
 
     def _start(self) -> None:
@@ -423,7 +425,8 @@ class _LoaderIter:
                 self.close()
                 raise item.exc
         loader._cursor = end  # delivered: counts now, not when it was built
-        loader.transfer.deliver(item)
+        if self._deliver is not None:
+            self._deliver(item)
         return item
 
     def close(self) -> None:
