@@ -4,7 +4,8 @@ One module list, one Extension per ``tokload/_*.pyx`` with the C headers of
 ``csrc/tokload`` as dependencies (a header edit rebuilds every module).
 
 Environment switches:
-    TOKLOAD_DEBUG=1       -O0 -g, asserts on, Cython bounds and wraparound checks.
+    TOKLOAD_DEBUG=1       -O0 -g, asserts on, Cython bounds and wraparound checks, and
+                          the I/O engine's fault injection (tokload._io._set_fault_injection).
     TOKLOAD_SANITIZE=...  with TOKLOAD_DEBUG: -fsanitize=... (e.g. "address,undefined");
                           run Python with LD_PRELOAD=$(gcc -print-file-name=libasan.so).
     TOKLOAD_ANNOTATE=1    write Cython's HTML annotation next to each .pyx.
@@ -27,11 +28,12 @@ NATIVE = os.environ.get("TOKLOAD_NATIVE") == "1"
 
 HEADERS = sorted(glob(os.path.join("csrc", "tokload", "*.h")))
 
-compile_args = ["-std=c11", "-Wall", "-Wno-unused-function", "-fno-strict-aliasing"]
-link_args: list[str] = []
+compile_args = ["-std=c11", "-Wall", "-Wno-unused-function", "-fno-strict-aliasing", "-pthread"]
+link_args: list[str] = ["-pthread"]
 macros: list[tuple[str, str | None]] = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
 if DEBUG:
     compile_args += ["-O0", "-g", "-UNDEBUG"]
+    macros.append(("TL_FAULT_INJECTION", "1"))
     if SANITIZE:
         compile_args += [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer"]
         link_args += [f"-fsanitize={SANITIZE}"]

@@ -1,25 +1,260 @@
 """Batch reads of sharded row files, document extents and metadata, without the GIL.
 
-The one job of this module is to bind ``csrc/tokload/plan.h``: it owns the
-open file descriptors of a dataset's shards, checks and converts the arrays
-the Python layer passes, runs a whole batch inside one ``with nogil`` block,
-and turns C error codes into exceptions that name the file and the offset.
-Policy (which rows make an observation, output shapes) lives in ``views.py``.
+The one job of this module is to bind ``csrc/tokload/plan.h`` and the I/O
+engine under it (``engine.h``): it owns the process-wide descriptor cache,
+thread pool and io_uring rings, checks and converts the arrays the Python
+layer passes, plans a whole batch and runs its reads inside one ``with nogil``
+block, and turns C error codes into exceptions that name the file and the
+offset.  Policy (which rows make an observation, output shapes) lives in
+``views.py``.
+
+I/O backends (``io=``): ``"uring"`` (io_uring through raw system calls),
+``"threads"`` (a pool of C threads issuing ``preadv``), ``"sync"`` (one read
+after the other: the reference), ``"auto"`` (io_uring if the kernel allows it
+here, else threads).  Each batch keeps up to ``queue_depth`` reads in flight.
+Defaults come from ``TOKLOAD_IO`` and ``TOKLOAD_IO_DEPTH``.  Files are opened
+when first read; at most ``max_open_files()`` descriptors stay open
+process-wide (``TOKLOAD_MAX_OPEN_FILES``; by default the smaller of 256 and a
+quarter of the soft ``RLIMIT_NOFILE``), least recently used closed first.
 """
 
-from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.bytes cimport PyBytes_AS_STRING
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_RawFree, PyMem_RawMalloc
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport strerror
 
 cimport tokload._lib as lib
 
+import errno as _errno
 import os
+import resource
 
 import numpy as np
 
-from tokload.errors import CorruptDataError, TruncatedFileError
+from tokload.errors import CorruptDataError, MissingShardError, TruncatedFileError
 
 META_NONE = 0xFFFFFFFF
+
+IO_CHOICES = ("auto", "uring", "threads", "sync")
+DEFAULT_QUEUE_DEPTH = 64
+MAX_QUEUE_DEPTH = lib.TL_URING_MAX
+FAULTS_BUILT = bool(lib.TL_FAULTS_BUILT)
+
+_BACKEND_NAMES = {lib.TL_IO_SYNC: "sync", lib.TL_IO_THREADS: "threads", lib.TL_IO_URING: "uring"}
+_BACKEND_CODES = {v: k for k, v in _BACKEND_NAMES.items()}
+
+# Process-wide engine state: one descriptor cache, one thread pool, a free
+# list of io_uring rings (a ring serves one call at a time).  Python-level
+# code that touches them runs with the GIL held.
+cdef lib.tl_fdcache _cache
+cdef lib.tl_pool _pool
+cdef lib.tl_io_faults _faults
+cdef bint _faults_on = False
+cdef lib.tl_uring *_rings[64]
+cdef int _nrings = 0
+cdef int _uring_state = -1  # -1: not probed, 0: unavailable, 1: available
+cdef int _uring_errno = 0
+cdef bint _max_explicit = False
+
+
+def _default_max_open_files():
+    env = os.environ.get("TOKLOAD_MAX_OPEN_FILES")
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"TOKLOAD_MAX_OPEN_FILES={env!r}: expected a positive integer")
+        return n
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 256
+    return max(1, min(256, soft // 4))
+
+
+lib.tl_fdcache_init(&_cache, _default_max_open_files())
+lib.tl_pool_init(&_pool)
+_faults.seed = 0
+_faults.counter = 0
+_faults.rate = 0
+_faults.kinds = 0
+
+
+def set_max_open_files(n=None):
+    """Bound the descriptors tokload keeps open, process-wide (``None``: the
+    default, ``TOKLOAD_MAX_OPEN_FILES`` or min(256, soft RLIMIT_NOFILE // 4)).
+
+    Idle files beyond the bound are closed at once.  Reads in flight pin their
+    files, so the count may exceed the bound by the files being read at that
+    moment (at most the reads in flight), never otherwise.
+    """
+    global _max_explicit
+    if n is None:
+        _max_explicit = False
+        n = _default_max_open_files()
+    else:
+        n = int(n)
+        if n < 1:
+            raise ValueError(f"max_open_files must be at least 1, got {n}")
+        _max_explicit = True
+    lib.tl_fdcache_set_max(&_cache, n)
+
+
+def max_open_files():
+    """The bound on descriptors tokload keeps open."""
+    return _cache.max
+
+
+def open_files():
+    """Descriptors tokload holds open now, all datasets together."""
+    return lib.tl_fdcache_open_count(&_cache)
+
+
+cdef int _probe_uring() noexcept:
+    global _uring_state, _uring_errno
+    cdef lib.tl_uring *r
+    cdef int rc
+    if _uring_state < 0:
+        r = <lib.tl_uring *>PyMem_RawMalloc(sizeof(lib.tl_uring))
+        if r is NULL:
+            return 0
+        rc = lib.tl_uring_setup(r, lib.TL_URING_MAX)
+        if rc == 0:
+            _uring_state = 1
+            _put_ring(r)
+        else:
+            _uring_state = 0
+            _uring_errno = -rc
+            PyMem_RawFree(r)
+    return _uring_state
+
+
+def uring_available():
+    """Whether io_uring works in this process (probed once; a seccomp filter,
+    ``kernel.io_uring_disabled`` or an old kernel make it unavailable)."""
+    return bool(_probe_uring())
+
+
+def uring_error():
+    """Why io_uring is unavailable (``None`` if it is available)."""
+    if _probe_uring():
+        return None
+    code = _uring_errno or _errno.ENOSYS
+    return f"io_uring_setup failed: {strerror(code).decode()} (errno {code})"
+
+
+def resolve_io(io=None):
+    """The backend ``io`` selects here: ``"uring"``, ``"threads"`` or ``"sync"``.
+
+    ``None`` means the ``TOKLOAD_IO`` environment variable (default
+    ``"auto"``); ``"auto"`` is io_uring where it works, else threads.
+    ``"uring"`` where io_uring does not work raises ``OSError``.
+    """
+    if io is None:
+        io = os.environ.get("TOKLOAD_IO") or "auto"
+        where = f"TOKLOAD_IO={io!r}"
+    else:
+        where = f"io={io!r}"
+    if io not in IO_CHOICES:
+        raise ValueError(f"{where}: expected one of {', '.join(IO_CHOICES)}")
+    if io == "auto":
+        return "uring" if _probe_uring() else "threads"
+    if io == "uring" and not _probe_uring():
+        code = _uring_errno or _errno.ENOSYS
+        raise OSError(code, f"{where}, but {uring_error()}; use io='threads' or io='auto'")
+    return io
+
+
+def default_queue_depth():
+    """``TOKLOAD_IO_DEPTH`` if set, else DEFAULT_QUEUE_DEPTH."""
+    env = os.environ.get("TOKLOAD_IO_DEPTH")
+    if not env:
+        return DEFAULT_QUEUE_DEPTH
+    return _checked_depth(env, "TOKLOAD_IO_DEPTH")
+
+
+def _checked_depth(value, str where):
+    try:
+        d = int(value)
+    except (TypeError, ValueError):
+        d = 0
+    if not 1 <= d <= MAX_QUEUE_DEPTH:
+        raise ValueError(f"{where}={value!r}: expected an integer in [1, {MAX_QUEUE_DEPTH}]")
+    return d
+
+
+cdef lib.tl_uring *_take_ring() noexcept:
+    global _nrings
+    cdef lib.tl_uring *r
+    if _nrings:
+        _nrings -= 1
+        return _rings[_nrings]
+    r = <lib.tl_uring *>PyMem_RawMalloc(sizeof(lib.tl_uring))
+    if r is NULL:
+        return NULL
+    if lib.tl_uring_setup(r, lib.TL_URING_MAX) != 0:
+        PyMem_RawFree(r)
+        return NULL
+    return r
+
+
+cdef void _put_ring(lib.tl_uring *r) noexcept:
+    global _nrings
+    if r is NULL:
+        return
+    if r.broken or _nrings == 64:
+        lib.tl_uring_destroy(r)
+        PyMem_RawFree(r)
+        return
+    _rings[_nrings] = r
+    _nrings += 1
+
+
+def _after_fork_in_child():
+    # The child has none of the parent's pool threads, and its rings are the
+    # parent's: start over with the descriptors (still valid) and nothing else.
+    global _nrings
+    lib.tl_fdcache_after_fork(&_cache)
+    lib.tl_pool_after_fork(&_pool)
+    while _nrings:
+        _nrings -= 1
+        lib.tl_uring_destroy(_rings[_nrings])
+        PyMem_RawFree(_rings[_nrings])
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _pool_threads():
+    """Threads in the process-wide read pool (for tests)."""
+    return lib.tl_pool_threads(&_pool)
+
+
+_FAULT_KINDS = {"short": lib.TL_FAULT_SHORT, "eintr": lib.TL_FAULT_EINTR,
+                "eagain": lib.TL_FAULT_EAGAIN, "eio": lib.TL_FAULT_EIO}
+
+
+def _set_fault_injection(seed=0, rate=0.0, kinds=("short", "eintr", "eagain", "eio")):
+    """Debug builds only: make a fraction ``rate`` of read attempts on every
+    backend return a short read, EINTR, EAGAIN or EIO (``kinds``) instead of
+    the kernel's answer, drawn deterministically from ``seed`` and a counter.
+    ``rate=0`` switches it off."""
+    global _faults_on
+    if not FAULTS_BUILT:
+        raise RuntimeError("fault injection needs a debug build (TOKLOAD_DEBUG=1 pip install -e .)")
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"rate must be in [0, 1], got {rate}")
+    mask = 0
+    for k in kinds:
+        if k not in _FAULT_KINDS:
+            raise ValueError(f"unknown fault kind {k!r}; expected some of {sorted(_FAULT_KINDS)}")
+        mask |= _FAULT_KINDS[k]
+    _faults.seed = <uint64_t>(int(seed) & 0xFFFFFFFFFFFFFFFF)
+    _faults.counter = 0
+    _faults.kinds = mask
+    _faults.rate = <uint32_t>min(int(rate * 4294967296.0), 0xFFFFFFFF)
+    _faults_on = rate > 0 and mask != 0
 
 
 cdef object _raise_io(lib.tl_io_error *err, list paths, str what):
@@ -33,65 +268,123 @@ cdef object _raise_io(lib.tl_io_error *err, list paths, str what):
     if err.code == lib.TL_ERR_CORRUPT:
         raise CorruptDataError(f"{path}: {what}: bad value {err.done} at byte {err.offset}")
     code = -err.code
-    raise OSError(code, strerror(code).decode(), path)
+    msg = f"{strerror(code).decode()} while reading {what} ({err.length} bytes at offset {err.offset})"
+    if code == _errno.ENOENT:
+        raise MissingShardError(code, msg, path)
+    raise OSError(code, msg, path)
 
 
 cdef class FileSet:
-    """Open read-only descriptors of a list of files, with a byte base each.
+    """A list of files, each with a byte base, read through the I/O engine.
 
-    Descriptors are opened with ``O_CLOEXEC`` and ``posix_fadvise(RANDOM)``
-    and closed by ``close()`` or garbage collection.
+    Nothing is opened here: a file is opened (``O_CLOEXEC``, then
+    ``posix_fadvise(RANDOM)``) when a read first needs it, and closed again
+    when the process-wide bound on descriptors needs room (least recently
+    used first), by ``close()`` or by garbage collection.
+
+    Args:
+        paths: the files.
+        bases: byte offset of each file's data (default 0).
+        io: ``"auto"``, ``"uring"``, ``"threads"`` or ``"sync"`` (default:
+            ``TOKLOAD_IO``, else ``"auto"``).
+        queue_depth: reads in flight per batch, 1 to MAX_QUEUE_DEPTH
+            (default: ``TOKLOAD_IO_DEPTH``, else DEFAULT_QUEUE_DEPTH).
     """
 
-    cdef lib.tl_file *files
+    cdef lib.tl_fent *files
     cdef readonly list paths
+    cdef list _cpaths
     cdef readonly size_t nfiles
+    cdef bint closed
+    cdef int backend
+    cdef unsigned depth
 
-    def __cinit__(self, paths, bases=None):
+    def __cinit__(self, paths, bases=None, *, io=None, queue_depth=None):
+        global _max_explicit
         self.files = NULL
         self.nfiles = 0
+        self.closed = False
         self.paths = [os.fspath(p) for p in paths]
+        self._cpaths = [os.fsencode(p) for p in self.paths]
         n = len(self.paths)
         bases = [0] * n if bases is None else list(bases)
         if len(bases) != n:
             raise ValueError(f"{n} files but {len(bases)} bases")
-        self.files = <lib.tl_file *>PyMem_Malloc(max(n, 1) * sizeof(lib.tl_file))
+        self.backend = _BACKEND_CODES[resolve_io(io)]
+        self.depth = (default_queue_depth() if queue_depth is None
+                      else _checked_depth(queue_depth, "queue_depth"))
+        if not _max_explicit:
+            # The default follows the limit in force when a dataset is opened.
+            lib.tl_fdcache_set_max(&_cache, _default_max_open_files())
+        self.files = <lib.tl_fent *>PyMem_Malloc(max(n, 1) * sizeof(lib.tl_fent))
         if self.files is NULL:
             raise MemoryError()
         cdef size_t i
         for i in range(n):
-            self.files[i].fd = -1
-        for i in range(n):
-            self.files[i].fd = os.open(self.paths[i], os.O_RDONLY | os.O_CLOEXEC)
-            self.files[i].base = bases[i]
-            self.nfiles = i + 1
-            rc = lib.tl_io_advise_random(self.files[i].fd)
-            if rc not in (0, -22, -29):  # EINVAL, ESPIPE: not a regular file; harmless
-                raise OSError(-rc, strerror(-rc).decode(), self.paths[i])
+            lib.tl_fent_init(&self.files[i], PyBytes_AS_STRING(self._cpaths[i]), bases[i], i)
+        self.nfiles = n
+
+    def configure(self, io=None, queue_depth=None):
+        """Choose the I/O backend and/or the reads in flight per batch
+        (``None`` leaves a setting as it is).  Takes effect at the next read."""
+        if io is not None:
+            self.backend = _BACKEND_CODES[resolve_io(io)]
+        if queue_depth is not None:
+            self.depth = _checked_depth(queue_depth, "queue_depth")
+
+    @property
+    def io(self):
+        """The backend reads use: ``"uring"``, ``"threads"`` or ``"sync"``."""
+        return _BACKEND_NAMES[self.backend]
+
+    @property
+    def queue_depth(self):
+        return self.depth
 
     def close(self):
-        """Close every descriptor (idempotent)."""
-        cdef size_t i
+        """Close every descriptor (idempotent); later reads raise ValueError."""
+        self.closed = True
         if self.files is not NULL:
-            for i in range(self.nfiles):
-                if self.files[i].fd >= 0:
-                    os.close(self.files[i].fd)
-                    self.files[i].fd = -1
+            lib.tl_fdcache_retire(&_cache, self.files, self.nfiles)
 
     def __dealloc__(self):
         if self.files is not NULL:
-            for i in range(self.nfiles):
-                if self.files[i].fd >= 0:
-                    os.close(self.files[i].fd)
+            lib.tl_fdcache_retire(&_cache, self.files, self.nfiles)
             PyMem_Free(self.files)
             self.files = NULL
 
     cdef int check_open(self) except -1:
-        if self.nfiles and self.files[0].fd < 0:
+        if self.closed:
             raise ValueError("I/O on a closed dataset")
         return 0
 
+    cdef int engine_begin(self, lib.tl_engine *e) except -1:
+        """Fill e for one call (takes a ring; give it back with engine_end)."""
+        e.backend = self.backend
+        e.depth = self.depth
+        e.cache = &_cache
+        e.pool = NULL
+        e.ring = NULL
+        e.faults = &_faults if _faults_on else NULL
+        if e.backend == lib.TL_IO_THREADS:
+            if _pool.nthreads + 1 < e.depth:
+                lib.tl_pool_grow(&_pool, e.depth - 1)
+            e.pool = &_pool
+        elif e.backend == lib.TL_IO_URING:
+            e.ring = _take_ring()
+            if e.ring is NULL:  # out of memory or locked memory: this call reads in threads
+                e.backend = lib.TL_IO_THREADS
+                if _pool.nthreads + 1 < e.depth:
+                    lib.tl_pool_grow(&_pool, e.depth - 1)
+                e.pool = &_pool
+        return 0
+
+    cdef void engine_end(self, lib.tl_engine *e) noexcept:
+        _put_ring(e.ring)
+        e.ring = NULL
+
     def fds(self):
+        """The descriptor of each file now (-1 where it is not open)."""
         return [self.files[i].fd for i in range(self.nfiles)]
 
 
@@ -183,14 +476,26 @@ cdef class RowSet:
         nbytes = la * np.uint64(self.rs.row_bytes)
         if ((da + nbytes) > dst.shape[0]).any():
             raise ValueError("a destination range runs past the end of out")
+        cdef uint8_t *dptr = &dst[0] if dst.shape[0] else NULL
+        cdef size_t nreq = lib.tl_rows_count_reqs(&self.rs, &s[0], &l[0], 0, n), m
+        cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>PyMem_Malloc(max(nreq, 1) * sizeof(lib.tl_ioreq))
+        if reqs is NULL:
+            raise MemoryError()
+        cdef lib.tl_engine eng
         cdef lib.tl_io_error err
         cdef size_t failed = 0
         cdef int rc
-        with nogil:
-            rc = lib.tl_rows_read_many(&self.rs, &s[0], &l[0], &d[0], n, &dst[0], &err, &failed)
-        if rc:
-            _raise_io(&err, self.files.paths, f"rows [{sa[failed]}, {sa[failed] + la[failed]})")
-
+        try:
+            self.files.engine_begin(&eng)
+            with nogil:
+                m = lib.tl_rows_plan_many(&self.rs, &s[0], &l[0], 0, &d[0], n, dptr, reqs)
+                rc = lib.tl_engine_run(&eng, reqs, m, &err, &failed)
+            self.files.engine_end(&eng)
+            if rc:
+                i = reqs[failed].item
+                _raise_io(&err, self.files.paths, f"rows [{sa[i]}, {sa[i] + la[i]})")
+        finally:
+            PyMem_Free(reqs)
 
     def read_windows(self, indices, uint64_t first, uint64_t count, uint64_t stride,
                      uint64_t window, out):
@@ -220,8 +525,11 @@ cdef class RowSet:
         cdef uint64_t *starts = <uint64_t *>PyMem_Malloc(n * sizeof(uint64_t))
         if starts is NULL:
             raise MemoryError()
+        cdef lib.tl_ioreq *reqs = NULL
+        cdef lib.tl_engine eng
         cdef lib.tl_io_error err
-        cdef size_t failed = 0
+        cdef size_t failed = 0, nreq, m
+        cdef uint8_t *dptr = &dst[0] if dst.shape[0] else NULL
         cdef int rc
         try:
             for b in range(n):
@@ -230,12 +538,20 @@ cdef class RowSet:
                     raise IndexError(f"observation {i} is out of range for a view of {count} "
                                      f"(valid: 0 <= i < {count})")
                 starts[b] = (first + <uint64_t>i) * stride
+            nreq = lib.tl_rows_count_reqs(&self.rs, starts, NULL, window, n)
+            reqs = <lib.tl_ioreq *>PyMem_Malloc(max(nreq, 1) * sizeof(lib.tl_ioreq))
+            if reqs is NULL:
+                raise MemoryError()
+            self.files.engine_begin(&eng)
             with nogil:
-                rc = lib.tl_rows_read_windows(&self.rs, starts, n, window, &dst[0], &err, &failed)
+                m = lib.tl_rows_plan_many(&self.rs, starts, NULL, window, NULL, n, dptr, reqs)
+                rc = lib.tl_engine_run(&eng, reqs, m, &err, &failed)
+            self.files.engine_end(&eng)
             if rc:
-                s0 = starts[failed]
+                s0 = starts[reqs[failed].item]
                 _raise_io(&err, self.files.paths, f"rows [{s0}, {s0 + window})")
         finally:
+            PyMem_Free(reqs)
             PyMem_Free(starts)
 
 
@@ -306,13 +622,30 @@ cdef class DocIndex:
         starts = np.empty(n, dtype=np.uint64)
         lengths = np.empty(n, dtype=np.uint64)
         cdef uint64_t[::1] s = starts, l = lengths
+        entries = np.empty(2 * n, dtype=np.uint64)
+        cdef uint64_t[::1] ent = entries
         cdef lib.tl_io_error err
+        cdef lib.tl_engine eng
         cdef size_t failed = 0
         cdef int rc = 0
-        if n:
+        if n == 0:
+            return starts, lengths
+        cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>PyMem_Malloc(n * sizeof(lib.tl_ioreq))
+        if reqs is NULL:
+            raise MemoryError()
+        try:
+            self.files.engine_begin(&eng)
             with nogil:
-                rc = lib.tl_docs_extents(self.files.files, &self._doc_cum[0], &self._row_cum[0],
-                                         self.files.nfiles, &i[0], n, &s[0], &l[0], &err, &failed)
+                lib.tl_docs_plan(self.files.files, &self._doc_cum[0], self.files.nfiles, &i[0], n,
+                                 &ent[0], reqs)
+                rc = lib.tl_engine_run(&eng, reqs, n, &err, &failed)
+                if rc == 0:
+                    rc = lib.tl_docs_finish(self.files.files, &self._doc_cum[0],
+                                            &self._row_cum[0], self.files.nfiles, &i[0], n,
+                                            &ent[0], &s[0], &l[0], &err, &failed)
+            self.files.engine_end(&eng)
+        finally:
+            PyMem_Free(reqs)
         if rc:
             _raise_io(&err, self.files.paths, f"the document index entry of document {i[failed]}")
         return starts, lengths
@@ -353,14 +686,34 @@ cdef class MegatronIndex:
         starts = np.empty(n, dtype=np.uint64)
         lengths = np.empty(n, dtype=np.uint64)
         cdef uint64_t[::1] s = starts, l = lengths
+        lens_a = np.empty(n, dtype=np.int32)
+        ptrs_a = np.empty(n, dtype=np.int64)
+        cdef int32_t[::1] lens = lens_a
+        cdef int64_t[::1] ptrs = ptrs_a
         cdef lib.tl_io_error err
+        cdef lib.tl_engine eng
         cdef size_t failed = 0
         cdef int rc = 0
-        if n:
+        if n == 0:
+            return starts, lengths
+        cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>PyMem_Malloc(2 * n * sizeof(lib.tl_ioreq))
+        if reqs is NULL:
+            raise MemoryError()
+        try:
+            self.file.engine_begin(&eng)
             with nogil:
-                rc = lib.tl_megatron_extents(self.file.files[0].fd, self.len_off, self.ptr_off,
-                                             self.itemsize, self.bin_rows, &i[0], n, &s[0],
-                                             &l[0], &err, &failed)
+                lib.tl_megatron_plan(&self.file.files[0], self.len_off, self.ptr_off, &i[0], n,
+                                     &lens[0], &ptrs[0], reqs)
+                rc = lib.tl_engine_run(&eng, reqs, 2 * n, &err, &failed)
+                if rc:
+                    failed = reqs[failed].item
+                else:
+                    rc = lib.tl_megatron_finish(self.ptr_off, self.itemsize, self.bin_rows, &i[0],
+                                                n, &lens[0], &ptrs[0], &s[0], &l[0], &err,
+                                                &failed)
+            self.file.engine_end(&eng)
+        finally:
+            PyMem_Free(reqs)
         if rc:
             _raise_io(&err, self.file.paths, f"the pointer of sequence {i[failed]}")
         return starts, lengths
@@ -387,8 +740,8 @@ cdef class MetaSet:
         if self.shards is NULL:
             raise MemoryError()
         for k in range(n):
-            self.shards[k].index = index_files.files[k]
-            self.shards[k].data = data_files.files[k]
+            self.shards[k].index = &index_files.files[k]
+            self.shards[k].data = &data_files.files[k]
             self.shards[k].nrec = records[k]
             self.shards[k].data_bytes = data_bytes[k]
             if records[k] >= 0xFFFFFFFF:
@@ -439,13 +792,16 @@ cdef class MetaSet:
         cdef size_t nitems = 0, nspans = 0, failed = 0
         cdef uint64_t blob = 0
         cdef lib.tl_io_error err
+        cdef lib.tl_engine eng
         cdef int rc = 0
         if nwin and window:
+            self.index_files.engine_begin(&eng)
             with nogil:
-                rc = lib.tl_meta_gather(self.shards, &self._row_cum[0], self.rows.files.nfiles,
+                rc = lib.tl_meta_gather(&eng, self.shards, &self._row_cum[0], self.rows.files.nfiles,
                                         &s[0], nwin, window, &idv[0], &pos[0], &hk[0], &hv[0],
                                         hcap, &ent[0], ecap, it, &nitems, sp, &nspans,
                                         &blob, &err, &failed)
+            self.index_files.engine_end(&eng)
         if rc == lib.TL_ERR_BAD_ID:
             raise CorruptDataError(
                 f"{self.rows.files.paths[err.file]}: row {err.offset} has metadata id "
@@ -465,12 +821,24 @@ cdef class MetaSet:
         cdef uint8_t[::1] sp_raw = sarr.view(np.uint8)
         cdef lib.tl_meta_span *sp = <lib.tl_meta_span *>&sp_raw[0]
         cdef uint8_t[::1] dst = out
+        cdef uint8_t *dptr = &dst[0] if dst.shape[0] else NULL
         cdef lib.tl_io_error err
+        cdef lib.tl_engine eng
+        cdef size_t failed = 0
         cdef int rc = 0
         if (sarr["blob"] + sarr["length"]).max() > dst.shape[0]:
             raise ValueError("out is too small for the spans")
-        with nogil:
-            rc = lib.tl_meta_read(self.shards, sp, n, &dst[0], &err)
+        cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>PyMem_Malloc(n * sizeof(lib.tl_ioreq))
+        if reqs is NULL:
+            raise MemoryError()
+        try:
+            self.data_files.engine_begin(&eng)
+            with nogil:
+                lib.tl_meta_plan_read(self.shards, sp, n, dptr, reqs)
+                rc = lib.tl_engine_run(&eng, reqs, n, &err, &failed)
+            self.data_files.engine_end(&eng)
+        finally:
+            PyMem_Free(reqs)
         if rc:
             _raise_io(&err, self.data_files.paths, "metadata records")
 

@@ -43,6 +43,11 @@ cdef extern from "tokload/gfc.h" nogil:
 
 cdef extern from "tokload/io.h" nogil:
     int TL_IO_EOF
+    int TL_FAULTS_BUILT
+    unsigned TL_FAULT_SHORT
+    unsigned TL_FAULT_EINTR
+    unsigned TL_FAULT_EAGAIN
+    unsigned TL_FAULT_EIO
 
     ctypedef struct tl_io_error:
         int code
@@ -51,9 +56,91 @@ cdef extern from "tokload/io.h" nogil:
         uint64_t length
         uint64_t done
 
+    ctypedef struct tl_io_faults:
+        uint64_t seed
+        uint64_t counter
+        uint32_t rate
+        uint32_t kinds
+
     int tl_io_read(int fd, int32_t file, void *buf, uint64_t length, uint64_t offset,
                    tl_io_error *err) noexcept
     int tl_io_advise_random(int fd) noexcept
+
+
+cdef extern from "tokload/fdcache.h" nogil:
+    # Only the fields Cython reads are declared; the layout comes from C.
+    ctypedef struct tl_fent:
+        const char *path
+        uint64_t base
+        int32_t index
+        int fd
+
+    ctypedef struct tl_fdcache:
+        size_t open
+        size_t max
+        uint64_t opens
+
+    void tl_fdcache_init(tl_fdcache *c, size_t max) noexcept
+    void tl_fent_init(tl_fent *e, const char *path, uint64_t base, int32_t index) noexcept
+    int tl_fdcache_acquire(tl_fdcache *c, tl_fent *e, int may_wait) noexcept
+    void tl_fdcache_release(tl_fdcache *c, tl_fent *e) noexcept
+    void tl_fdcache_retire(tl_fdcache *c, tl_fent *ents, size_t n) noexcept
+    void tl_fdcache_set_max(tl_fdcache *c, size_t max) noexcept
+    size_t tl_fdcache_open_count(tl_fdcache *c) noexcept
+    void tl_fdcache_after_fork(tl_fdcache *c) noexcept
+
+
+cdef extern from "tokload/ioreq.h" nogil:
+    ctypedef struct tl_ioreq:
+        tl_fent *file
+        uint64_t offset
+        uint64_t length
+        uint8_t *dst
+        uint64_t item
+
+    int tl_ioreq_run_sync(const tl_ioreq *reqs, size_t n, tl_fdcache *cache,
+                          tl_io_faults *faults, tl_io_error *err, size_t *failed) noexcept
+
+
+cdef extern from "tokload/pool.h" nogil:
+    enum: TL_POOL_MAX
+
+    ctypedef struct tl_pool:
+        unsigned nthreads
+
+    void tl_pool_init(tl_pool *p) noexcept
+    int tl_pool_grow(tl_pool *p, unsigned threads) noexcept
+    unsigned tl_pool_threads(tl_pool *p) noexcept
+    void tl_pool_after_fork(tl_pool *p) noexcept
+
+
+cdef extern from "tokload/uring.h" nogil:
+    enum: TL_URING_MAX
+
+    ctypedef struct tl_uring:
+        int fd
+        unsigned entries
+        int broken
+
+    int tl_uring_setup(tl_uring *r, unsigned entries) noexcept
+    void tl_uring_destroy(tl_uring *r) noexcept
+
+
+cdef extern from "tokload/engine.h" nogil:
+    enum: TL_IO_SYNC
+    enum: TL_IO_THREADS
+    enum: TL_IO_URING
+
+    ctypedef struct tl_engine:
+        int backend
+        unsigned depth
+        tl_fdcache *cache
+        tl_pool *pool
+        tl_uring *ring
+        tl_io_faults *faults
+
+    int tl_engine_run(const tl_engine *e, const tl_ioreq *reqs, size_t n, tl_io_error *err,
+                      size_t *failed) noexcept
 
 
 cdef extern from "tokload/shards.h" nogil:
@@ -67,12 +154,8 @@ cdef extern from "tokload/plan.h" nogil:
     int TL_ERR_BAD_ID
     uint32_t TL_META_NONE
 
-    ctypedef struct tl_file:
-        int fd
-        uint64_t base
-
     ctypedef struct tl_rowset:
-        const tl_file *files
+        tl_fent *files
         const uint64_t *cum
         size_t nfiles
         uint64_t row_bytes
@@ -85,29 +168,33 @@ cdef extern from "tokload/plan.h" nogil:
 
     size_t tl_plan_rows(const tl_rowset *rs, uint64_t start, uint64_t count, uint64_t dst,
                         tl_read_req *reqs, size_t max_reqs) noexcept
-    int tl_plan_execute(const tl_file *files, const tl_read_req *reqs, size_t n,
-                        uint8_t *dst, tl_io_error *err) noexcept
-    int tl_rows_read_many(const tl_rowset *rs, const uint64_t *starts, const uint64_t *lengths,
-                          const uint64_t *dst_offsets, size_t count, uint8_t *dst,
-                          tl_io_error *err, size_t *failed_item) noexcept
-    int tl_rows_read_windows(const tl_rowset *rs, const uint64_t *starts, size_t count,
-                             uint64_t window, uint8_t *dst, tl_io_error *err,
-                             size_t *failed_item) noexcept
+    size_t tl_rows_count_reqs(const tl_rowset *rs, const uint64_t *starts,
+                              const uint64_t *lengths, uint64_t len1, size_t count) noexcept
+    size_t tl_rows_plan_many(const tl_rowset *rs, const uint64_t *starts,
+                             const uint64_t *lengths, uint64_t len1,
+                             const uint64_t *dst_offsets, size_t count, uint8_t *dst,
+                             tl_ioreq *reqs) noexcept
     void tl_split_fields(const uint8_t *rows, uint64_t nrows, uint64_t row_bytes,
                          size_t nfields, const uint64_t *off, const uint64_t *size,
                          uint8_t *const *dst) noexcept
-    int tl_docs_extents(const tl_file *idx_files, const uint64_t *doc_cum,
-                        const uint64_t *row_cum, size_t nfiles, const uint64_t *ids,
-                        size_t count, uint64_t *out_start, uint64_t *out_len,
-                        tl_io_error *err, size_t *failed_item) noexcept
-    int tl_megatron_extents(int idx_fd, uint64_t len_off, uint64_t ptr_off, uint64_t itemsize,
-                            uint64_t bin_rows, const uint64_t *ids, size_t count,
-                            uint64_t *out_start, uint64_t *out_len, tl_io_error *err,
-                            size_t *failed_item) noexcept
+    void tl_docs_plan(tl_fent *idx_files, const uint64_t *doc_cum, size_t nfiles,
+                      const uint64_t *ids, size_t count, uint64_t *entries,
+                      tl_ioreq *reqs) noexcept
+    int tl_docs_finish(const tl_fent *idx_files, const uint64_t *doc_cum,
+                       const uint64_t *row_cum, size_t nfiles, const uint64_t *ids,
+                       size_t count, const uint64_t *entries, uint64_t *out_start,
+                       uint64_t *out_len, tl_io_error *err, size_t *failed_item) noexcept
+    void tl_megatron_plan(tl_fent *idx, uint64_t len_off, uint64_t ptr_off,
+                          const uint64_t *ids, size_t count, int32_t *lens,
+                          int64_t *ptrs, tl_ioreq *reqs) noexcept
+    int tl_megatron_finish(uint64_t ptr_off, uint64_t itemsize, uint64_t bin_rows,
+                           const uint64_t *ids, size_t count, const int32_t *lens,
+                           const int64_t *ptrs, uint64_t *out_start, uint64_t *out_len,
+                           tl_io_error *err, size_t *failed_item) noexcept
 
     ctypedef struct tl_meta_shard:
-        tl_file index
-        tl_file data
+        tl_fent *index
+        tl_fent *data
         uint64_t nrec
         uint64_t data_bytes
 
@@ -124,12 +211,13 @@ cdef extern from "tokload/plan.h" nogil:
         uint64_t length
         uint64_t blob
 
-    int tl_meta_gather(const tl_meta_shard *shards, const uint64_t *row_cum, size_t nfiles,
+    int tl_meta_gather(const tl_engine *eng, const tl_meta_shard *shards,
+                       const uint64_t *row_cum, size_t nfiles,
                        const uint64_t *starts, size_t nwin, uint64_t window,
                        const uint32_t *ids, int32_t *positions, uint64_t *hkeys,
                        int64_t *hvals, uint64_t hcap, uint64_t *entries, uint64_t ecap,
                        tl_meta_item *items, size_t *nitems, tl_meta_span *spans,
                        size_t *nspans, uint64_t *blob_bytes, tl_io_error *err,
                        size_t *failed_item) noexcept
-    int tl_meta_read(const tl_meta_shard *shards, const tl_meta_span *spans, size_t nspans,
-                     uint8_t *blob, tl_io_error *err) noexcept
+    void tl_meta_plan_read(const tl_meta_shard *shards, const tl_meta_span *spans,
+                           size_t nspans, uint8_t *blob, tl_ioreq *reqs) noexcept

@@ -10,6 +10,8 @@
  * without the GIL over arrays the caller allocated and validated; nothing
  * reads outside [base, base + rows * row_bytes) of a file, and a file that
  * shrank since it was opened is reported (TL_IO_EOF), never read past.
+ * Planned requests run on the I/O engine (engine.h): all the reads of a
+ * batch are known before the first is issued, so they go in flight together.
  *
  * Index files hold little-endian integers, as FORMAT.md specifies; this
  * header assumes a little-endian host (checked at compile time).
@@ -18,6 +20,7 @@
 #define TOKLOAD_PLAN_H
 
 #include "common.h"
+#include "engine.h"
 #include "io.h"
 #include "shards.h"
 
@@ -34,13 +37,8 @@
  * row (local to the shard), err->length the shard's records, err->done the id. */
 #define TL_ERR_BAD_ID (-100002)
 
-typedef struct tl_file {
-    int fd;
-    uint64_t base; /* byte offset of the first row (a header before it) */
-} tl_file;
-
 typedef struct tl_rowset {
-    const tl_file *files; /* nfiles entries */
+    tl_fent *files;       /* nfiles entries (fdcache.h: opened on demand) */
     const uint64_t *cum;  /* nfiles + 1 cumulative row counts */
     size_t nfiles;
     uint64_t row_bytes;
@@ -83,77 +81,59 @@ TL_INLINE size_t tl_plan_rows(const tl_rowset *rs, uint64_t start, uint64_t coun
     return n;
 }
 
-/* Execute requests into dst.  Returns 0 or an error code (err filled). */
-TL_INLINE int tl_plan_execute(const tl_file *files, const tl_read_req *reqs, size_t n,
-                              uint8_t *dst, tl_io_error *err)
+/*
+ * Requests needed to read `count` row ranges (range i: rows [starts[i],
+ * starts[i] + len), len = lengths[i], or `len1` for all if lengths is NULL):
+ * one per shard a range touches, empty shards included (an upper bound).
+ * Every range must lie within the rowset.
+ */
+TL_INLINE size_t tl_rows_count_reqs(const tl_rowset *rs, const uint64_t *starts,
+                                    const uint64_t *lengths, uint64_t len1, size_t count)
 {
-    for (size_t i = 0; i < n; i++) {
-        int rc = tl_io_read(files[reqs[i].file].fd, reqs[i].file, dst + reqs[i].dst,
-                            reqs[i].length, reqs[i].offset, err);
-        if (rc) return rc;
+    size_t total = 0;
+    for (size_t i = 0; i < count; i++) {
+        uint64_t len = lengths ? lengths[i] : len1;
+        if (len == 0) continue;
+        size_t a = tl_shards_locate(rs->cum, rs->nfiles, starts[i]);
+        size_t b = tl_shards_locate(rs->cum, rs->nfiles, starts[i] + len - 1);
+        total += b - a + 1;
     }
-    return 0;
+    return total;
 }
 
 /*
- * Read `count` row ranges: range i is rows [starts[i], starts[i] + lengths[i])
- * into dst + dst_offsets[i] (bytes).  Every range must lie within the rowset.
- * On failure *failed_item is the range that failed.
+ * Plan those ranges as engine requests: range i lands at dst + dst_offsets[i]
+ * (or dst + i * len1 * row_bytes if dst_offsets is NULL); each request's item
+ * is its range.  reqs needs tl_rows_count_reqs entries.  Returns the number
+ * of requests written.
  */
-TL_INLINE int tl_rows_read_many(const tl_rowset *rs, const uint64_t *starts, const uint64_t *lengths,
-                                const uint64_t *dst_offsets, size_t count, uint8_t *dst,
-                                tl_io_error *err, size_t *failed_item)
+TL_INLINE size_t tl_rows_plan_many(const tl_rowset *rs, const uint64_t *starts,
+                                   const uint64_t *lengths, uint64_t len1,
+                                   const uint64_t *dst_offsets, size_t count, uint8_t *dst,
+                                   tl_ioreq *reqs)
 {
-    tl_read_req reqs[64];
+    size_t n = 0;
     for (size_t i = 0; i < count; i++) {
-        uint64_t start = starts[i], left = lengths[i], at = dst_offsets[i];
+        uint64_t start = starts[i], left = lengths ? lengths[i] : len1;
+        if (left == 0) continue; /* dst may be NULL when every range is empty */
+        uint8_t *at = dst + (dst_offsets ? dst_offsets[i] : (uint64_t)i * len1 * rs->row_bytes);
+        size_t k = tl_shards_locate(rs->cum, rs->nfiles, start);
         while (left > 0) {
-            /* Plan in slices of at most 64 shards so the plan lives on the stack. */
-            size_t k = tl_shards_locate(rs->cum, rs->nfiles, start);
-            uint64_t span = 0, s = start;
-            size_t shards = 0;
-            while (shards < 64 && span < left) {
-                while (rs->cum[k + 1] <= s) k++;
-                uint64_t avail = rs->cum[k + 1] - s;
-                uint64_t take = left - span < avail ? left - span : avail;
-                span += take;
-                s += take;
-                shards++;
-            }
-            size_t n = tl_plan_rows(rs, start, span, at, reqs, 64);
-            TL_ASSERT(n != (size_t)-1);
-            int rc = tl_plan_execute(rs->files, reqs, n, dst, err);
-            if (rc) {
-                *failed_item = i;
-                return rc;
-            }
-            start += span;
-            at += span * rs->row_bytes;
-            left -= span;
+            while (rs->cum[k + 1] <= start) k++; /* skip empty shards */
+            uint64_t avail = rs->cum[k + 1] - start;
+            uint64_t take = left < avail ? left : avail;
+            reqs[n].file = &rs->files[k];
+            reqs[n].offset = rs->files[k].base + (start - rs->cum[k]) * rs->row_bytes;
+            reqs[n].length = take * rs->row_bytes;
+            reqs[n].dst = at;
+            reqs[n].item = i;
+            n++;
+            at += take * rs->row_bytes;
+            start += take;
+            left -= take;
         }
     }
-    return 0;
-}
-
-/*
- * Read `count` windows of `window` rows: window i is rows [starts[i], starts[i]
- * + window), written back to back from dst.  Same contract as
- * tl_rows_read_many.
- */
-TL_INLINE int tl_rows_read_windows(const tl_rowset *rs, const uint64_t *starts, size_t count,
-                                   uint64_t window, uint8_t *dst, tl_io_error *err,
-                                   size_t *failed_item)
-{
-    const uint64_t bytes = window * rs->row_bytes;
-    for (size_t i = 0; i < count; i++) {
-        uint64_t at = (uint64_t)i * bytes;
-        int rc = tl_rows_read_many(rs, &starts[i], &window, &at, 1, dst, err, failed_item);
-        if (rc) {
-            *failed_item = i;
-            return rc;
-        }
-    }
-    return 0;
+    return n;
 }
 
 /*
@@ -190,30 +170,41 @@ TL_INLINE void tl_split_fields(const uint8_t *rows, uint64_t nrows, uint64_t row
  * file holds docs_k + 1 little-endian uint64 row offsets (local to the shard,
  * starting at 0, non-decreasing, the last equal to the shard's rows).
  * doc_cum has nfiles + 1 cumulative document counts, row_cum the cumulative
- * row counts.  For each global document id: out_start = its first global row,
- * out_len = its rows.  Ids must be < doc_cum[nfiles] (callers check).
- * Offsets that decrease or pass the shard's end give TL_ERR_CORRUPT, with
- * err->offset the byte offset of the bad entry and *failed_item the id.
+ * row counts.  Ids must be < doc_cum[nfiles] (callers check).
+ *
+ * tl_docs_plan writes one 16-byte request per id (its two index entries, into
+ * entries[2i], entries[2i + 1]); after they ran, tl_docs_finish gives each
+ * document's first global row (out_start) and rows (out_len).  Offsets that
+ * decrease or pass the shard's end give TL_ERR_CORRUPT, with err->offset the
+ * byte offset of the bad entry and *failed_item the id's position.
  */
-TL_INLINE int tl_docs_extents(const tl_file *idx_files, const uint64_t *doc_cum,
-                              const uint64_t *row_cum, size_t nfiles, const uint64_t *ids,
-                              size_t count, uint64_t *out_start, uint64_t *out_len,
-                              tl_io_error *err, size_t *failed_item)
+TL_INLINE void tl_docs_plan(tl_fent *idx_files, const uint64_t *doc_cum, size_t nfiles,
+                            const uint64_t *ids, size_t count, uint64_t *entries,
+                            tl_ioreq *reqs)
 {
     for (size_t i = 0; i < count; i++) {
         size_t k = tl_shards_locate(doc_cum, nfiles, ids[i]);
-        uint64_t j = ids[i] - doc_cum[k], e[2];
-        uint64_t at = idx_files[k].base + 8 * j;
-        int rc = tl_io_read(idx_files[k].fd, (int32_t)k, e, 16, at, err);
-        if (rc) {
-            *failed_item = i;
-            return rc;
-        }
+        reqs[i].file = &idx_files[k];
+        reqs[i].offset = idx_files[k].base + 8 * (ids[i] - doc_cum[k]);
+        reqs[i].length = 16;
+        reqs[i].dst = (uint8_t *)&entries[2 * i];
+        reqs[i].item = i;
+    }
+}
+
+TL_INLINE int tl_docs_finish(const tl_fent *idx_files, const uint64_t *doc_cum,
+                             const uint64_t *row_cum, size_t nfiles, const uint64_t *ids,
+                             size_t count, const uint64_t *entries, uint64_t *out_start,
+                             uint64_t *out_len, tl_io_error *err, size_t *failed_item)
+{
+    for (size_t i = 0; i < count; i++) {
+        size_t k = tl_shards_locate(doc_cum, nfiles, ids[i]);
+        const uint64_t *e = &entries[2 * i];
         uint64_t rows = row_cum[k + 1] - row_cum[k];
         if (TL_UNLIKELY(e[0] > e[1] || e[1] > rows)) {
             err->code = TL_ERR_CORRUPT;
             err->file = (int32_t)k;
-            err->offset = at;
+            err->offset = idx_files[k].base + 8 * (ids[i] - doc_cum[k]);
             err->length = 16;
             err->done = e[0] > e[1] ? e[0] : e[1]; /* the offending value */
             *failed_item = i;
@@ -227,23 +218,37 @@ TL_INLINE int tl_docs_extents(const tl_file *idx_files, const uint64_t *doc_cum,
 
 /*
  * Extents of sequences in a Megatron .idx: int32 lengths at byte len_off,
- * int64 byte pointers into the .bin at byte ptr_off, nseq of each.  A pointer
- * must be a multiple of itemsize and the sequence must end within bin_rows.
+ * int64 byte pointers into the .bin at byte ptr_off, nseq of each.
+ * tl_megatron_plan writes two requests per id (request 2i: its length into
+ * lens[i]; 2i + 1: its pointer into ptrs[i]); tl_megatron_finish checks that
+ * a pointer is a multiple of itemsize and the sequence ends within bin_rows.
  */
-TL_INLINE int tl_megatron_extents(int idx_fd, uint64_t len_off, uint64_t ptr_off, uint64_t itemsize,
-                                  uint64_t bin_rows, const uint64_t *ids, size_t count,
-                                  uint64_t *out_start, uint64_t *out_len, tl_io_error *err,
-                                  size_t *failed_item)
+TL_INLINE void tl_megatron_plan(tl_fent *idx, uint64_t len_off, uint64_t ptr_off,
+                                const uint64_t *ids, size_t count, int32_t *lens,
+                                int64_t *ptrs, tl_ioreq *reqs)
 {
     for (size_t i = 0; i < count; i++) {
-        int32_t len;
-        int64_t ptr;
-        int rc = tl_io_read(idx_fd, 0, &len, 4, len_off + 4 * ids[i], err);
-        if (!rc) rc = tl_io_read(idx_fd, 0, &ptr, 8, ptr_off + 8 * ids[i], err);
-        if (rc) {
-            *failed_item = i;
-            return rc;
-        }
+        reqs[2 * i].file = idx;
+        reqs[2 * i].offset = len_off + 4 * ids[i];
+        reqs[2 * i].length = 4;
+        reqs[2 * i].dst = (uint8_t *)&lens[i];
+        reqs[2 * i].item = i;
+        reqs[2 * i + 1].file = idx;
+        reqs[2 * i + 1].offset = ptr_off + 8 * ids[i];
+        reqs[2 * i + 1].length = 8;
+        reqs[2 * i + 1].dst = (uint8_t *)&ptrs[i];
+        reqs[2 * i + 1].item = i;
+    }
+}
+
+TL_INLINE int tl_megatron_finish(uint64_t ptr_off, uint64_t itemsize, uint64_t bin_rows,
+                                 const uint64_t *ids, size_t count, const int32_t *lens,
+                                 const int64_t *ptrs, uint64_t *out_start, uint64_t *out_len,
+                                 tl_io_error *err, size_t *failed_item)
+{
+    for (size_t i = 0; i < count; i++) {
+        int32_t len = lens[i];
+        int64_t ptr = ptrs[i];
         if (TL_UNLIKELY(len < 0 || ptr < 0 || (uint64_t)ptr % itemsize ||
                         (uint64_t)ptr / itemsize > bin_rows ||
                         (uint64_t)len > bin_rows - (uint64_t)ptr / itemsize)) {
@@ -267,8 +272,8 @@ TL_INLINE int tl_megatron_extents(int idx_fd, uint64_t len_off, uint64_t ptr_off
 
 /* Per-shard metadata: an index of nrec + 1 uint64 byte offsets and a data file. */
 typedef struct tl_meta_shard {
-    tl_file index;
-    tl_file data;
+    tl_fent *index;
+    tl_fent *data;
     uint64_t nrec;       /* records in the shard */
     uint64_t data_bytes; /* size of the data file's record area */
 } tl_meta_shard;
@@ -316,9 +321,12 @@ TL_INLINE uint64_t tl_meta_hash(uint64_t key)
  * whose id range does not fit in ecap entries reads each record's two index
  * entries separately instead.  items and spans need nwin * window entries.
  *
+ * Index reads run on `eng`, one at a time (each depends on the ids of its
+ * segment only, but the de-duplication is sequential).
+ *
  * Returns 0 and sets *nitems, *nspans and *blob_bytes, or an error code.
  */
-TL_INLINE int tl_meta_gather(const tl_meta_shard *shards, const uint64_t *row_cum, size_t nfiles,
+TL_INLINE int tl_meta_gather(const tl_engine *eng, const tl_meta_shard *shards, const uint64_t *row_cum, size_t nfiles,
                              const uint64_t *starts, size_t nwin, uint64_t window,
                              const uint32_t *ids, int32_t *positions, uint64_t *hkeys,
                              int64_t *hvals, uint64_t hcap, uint64_t *entries, uint64_t ecap,
@@ -376,8 +384,10 @@ TL_INLINE int tl_meta_gather(const tl_meta_shard *shards, const uint64_t *row_cu
                 /* Extents of the records first seen in this segment (ids in
                  * [lo, hi]); records seen earlier in the batch have theirs. */
                 if (hi - lo + 2 <= ecap) {
-                    int rc = tl_io_read(ms->index.fd, (int32_t)k, entries, 8 * (hi - lo + 2),
-                                        ms->index.base + 8 * lo, err);
+                    tl_ioreq q = {ms->index, ms->index->base + 8 * lo, 8 * (hi - lo + 2),
+                                  (uint8_t *)entries, w};
+                    size_t f;
+                    int rc = tl_engine_run(eng, &q, 1, err, &f);
                     if (rc) {
                         *failed_item = w;
                         return rc;
@@ -387,7 +397,7 @@ TL_INLINE int tl_meta_gather(const tl_meta_shard *shards, const uint64_t *row_cu
                                         entries[e + 1] > ms->data_bytes)) {
                             err->code = TL_ERR_CORRUPT;
                             err->file = (int32_t)k;
-                            err->offset = ms->index.base + 8 * (lo + e + 1);
+                            err->offset = ms->index->base + 8 * (lo + e + 1);
                             err->length = ms->data_bytes;
                             err->done = entries[e + 1];
                             *failed_item = w;
@@ -410,8 +420,10 @@ TL_INLINE int tl_meta_gather(const tl_meta_shard *shards, const uint64_t *row_cu
                     /* Sparse ids: two entries per new record, and one span each. */
                     for (size_t it = first_item; it < ni; it++) {
                         uint64_t e2[2];
-                        uint64_t at = ms->index.base + 8 * (uint64_t)items[it].id;
-                        int rc = tl_io_read(ms->index.fd, (int32_t)k, e2, 16, at, err);
+                        uint64_t at = ms->index->base + 8 * (uint64_t)items[it].id;
+                        tl_ioreq q = {ms->index, at, 16, (uint8_t *)e2, w};
+                        size_t f;
+                        int rc = tl_engine_run(eng, &q, 1, err, &f);
                         if (rc) {
                             *failed_item = w;
                             return rc;
@@ -447,17 +459,19 @@ TL_INLINE int tl_meta_gather(const tl_meta_shard *shards, const uint64_t *row_cu
     return 0;
 }
 
-/* Read the spans planned by tl_meta_gather into blob. */
-TL_INLINE int tl_meta_read(const tl_meta_shard *shards, const tl_meta_span *spans, size_t nspans,
-                           uint8_t *blob, tl_io_error *err)
+/* The reads of the spans planned by tl_meta_gather into blob: one request
+ * per span (item = the span). */
+TL_INLINE void tl_meta_plan_read(const tl_meta_shard *shards, const tl_meta_span *spans,
+                                 size_t nspans, uint8_t *blob, tl_ioreq *reqs)
 {
     for (size_t s = 0; s < nspans; s++) {
-        const tl_meta_shard *ms = &shards[spans[s].shard];
-        int rc = tl_io_read(ms->data.fd, (int32_t)spans[s].shard, blob + spans[s].blob,
-                            spans[s].length, ms->data.base + spans[s].offset, err);
-        if (rc) return rc;
+        tl_fent *data = shards[spans[s].shard].data;
+        reqs[s].file = data;
+        reqs[s].offset = data->base + spans[s].offset;
+        reqs[s].length = spans[s].length;
+        reqs[s].dst = blob + spans[s].blob;
+        reqs[s].item = s;
     }
-    return 0;
 }
 
 #endif /* TOKLOAD_PLAN_H */

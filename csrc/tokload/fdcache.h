@@ -1,0 +1,261 @@
+/*
+ * fdcache.h -- lazily opened files behind a bounded, least-recently-used set of
+ * descriptors shared by every thread.
+ *
+ * Cython mirror: tokload/_lib.pxd (must match).
+ *
+ * A dataset of thousands of shards must not hold a descriptor per file: a
+ * file is opened when a read first needs it, and at most `max` descriptors
+ * stay open process-wide.  Every read *pins* its file for as long as the read
+ * may touch the descriptor (submission to completion); only unpinned files are
+ * closed, so a descriptor number is never closed and reused under a read in
+ * flight (which would read another file's bytes).  The bound is strict: a
+ * descriptor is reserved before open(2), and when every open file is pinned
+ * a new open waits for a release (or, for a caller with reads of its own in
+ * flight, is refused so that it completes one first).
+ *
+ * Open, unpinned files form a doubly linked list, least recent first; pinned
+ * and closed files are not on it.  One mutex guards the list, the counts and
+ * every entry's fd/pins; the open(2) itself runs outside it (a network
+ * filesystem may take milliseconds), so two threads may open the same file at
+ * once and the loser closes its copy.
+ */
+#ifndef TOKLOAD_FDCACHE_H
+#define TOKLOAD_FDCACHE_H
+
+#include "common.h"
+#include "io.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <unistd.h>
+
+/* One file: an entry of a caller-owned array (a FileSet). */
+typedef struct tl_fent {
+    const char *path;  /* NUL-terminated, owned by the caller */
+    uint64_t base;     /* byte offset of the first row (a header before it) */
+    int32_t index;     /* the caller's file number, for error messages */
+    int fd;            /* -1 while closed */
+    int pins;          /* reads that may use fd now */
+    int retired;       /* the set was closed: close fd when unpinned, never reopen */
+    struct tl_fent *prev, *next; /* LRU links while open and unpinned */
+} tl_fent;
+
+typedef struct tl_fdcache {
+    pthread_mutex_t mu;
+    pthread_cond_t freed; /* a file became unpinned, or a reservation was given back */
+    tl_fent lru;     /* sentinel: lru.next is the least recently used */
+    size_t open;     /* descriptors open */
+    size_t max;      /* bound on open descriptors (>= 1) */
+    uint64_t opens;  /* open(2) calls that succeeded, for tests and stats */
+} tl_fdcache;
+
+TL_INLINE void tl_fdcache_init(tl_fdcache *c, size_t max)
+{
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->freed, NULL);
+    c->lru.prev = c->lru.next = &c->lru;
+    c->open = 0;
+    c->max = max ? max : 1;
+    c->opens = 0;
+}
+
+TL_INLINE void tl_fent_init(tl_fent *e, const char *path, uint64_t base, int32_t index)
+{
+    e->path = path;
+    e->base = base;
+    e->index = index;
+    e->fd = -1;
+    e->pins = 0;
+    e->retired = 0;
+    e->prev = e->next = NULL;
+}
+
+TL_INLINE void tl_fdcache_unlink_(tl_fent *e)
+{
+    e->prev->next = e->next;
+    e->next->prev = e->prev;
+    e->prev = e->next = NULL;
+}
+
+/* Close least recently used unpinned files until at most `keep` are open.
+ * Called with mu held. */
+TL_INLINE void tl_fdcache_shrink_(tl_fdcache *c, size_t keep)
+{
+    while (c->open > keep && c->lru.next != &c->lru) {
+        tl_fent *victim = c->lru.next;
+        tl_fdcache_unlink_(victim);
+        close(victim->fd);
+        victim->fd = -1;
+        c->open--;
+    }
+}
+
+/* tl_fdcache_acquire without waiting: every open file is pinned and the
+ * bound is reached (distinct from every errno). */
+#define TL_FD_BUSY (-100010)
+
+/*
+ * Pin e and return its descriptor (>= 0), opening the file if needed
+ * (O_RDONLY | O_CLOEXEC, then posix_fadvise RANDOM).  Returns a negative
+ * errno if it cannot be opened (nothing is pinned then).  Every successful
+ * acquire must be matched by one tl_fdcache_release.
+ *
+ * If the bound is reached and every open file is pinned: with `may_wait`,
+ * wait until a read releases one (a caller that holds no pin itself cannot
+ * deadlock: pins are held only across reads that finish on their own);
+ * without it, return TL_FD_BUSY (a caller with reads in flight completes one
+ * of its own and asks again).
+ */
+TL_INLINE int tl_fdcache_acquire(tl_fdcache *c, tl_fent *e, int may_wait)
+{
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        if (TL_UNLIKELY(e->retired)) {
+            pthread_mutex_unlock(&c->mu);
+            return -EBADF;
+        }
+        if (TL_LIKELY(e->fd >= 0)) {
+            if (e->pins++ == 0) tl_fdcache_unlink_(e);
+            int fd = e->fd;
+            pthread_mutex_unlock(&c->mu);
+            return fd;
+        }
+        if (c->open < c->max) break;
+        if (c->lru.next != &c->lru) {
+            tl_fdcache_shrink_(c, c->max - 1);
+            break;
+        }
+        if (!may_wait) {
+            pthread_mutex_unlock(&c->mu);
+            return TL_FD_BUSY;
+        }
+        pthread_cond_wait(&c->freed, &c->mu);
+    }
+    /* Reserve the descriptor and pin the entry (a concurrent close of the set
+     * then leaves it to us to close), then open outside the lock. */
+    c->open++;
+    e->pins++;
+    pthread_mutex_unlock(&c->mu);
+
+    int fd, err = 0;
+    for (int attempt = 0;; attempt++) {
+        fd = open(e->path, O_RDONLY | O_CLOEXEC);
+        if (fd >= 0) break;
+        err = errno;
+        if (err == EINTR) continue;
+        if ((err == EMFILE || err == ENFILE) && attempt < 8) {
+            /* Another part of the process holds descriptors: give back ours. */
+            pthread_mutex_lock(&c->mu);
+            size_t before = c->open;
+            tl_fdcache_shrink_(c, c->open > 1 ? c->open - 1 : 1);
+            int freed = c->open < before;
+            pthread_mutex_unlock(&c->mu);
+            if (freed) continue;
+        }
+        break;
+    }
+    int adv = fd >= 0 ? tl_io_advise_random(fd) : 0;
+    if (adv == -EINVAL || adv == -ESPIPE) adv = 0; /* not a regular file: harmless */
+    if (fd >= 0 && adv) {
+        close(fd);
+        fd = -1;
+        err = -adv;
+    }
+
+    pthread_mutex_lock(&c->mu);
+    if (fd < 0 || e->fd >= 0) {
+        /* Failed, or another thread opened it meanwhile: give back the
+         * reservation (and our copy). */
+        if (fd >= 0) close(fd);
+        c->open--;
+        pthread_cond_signal(&c->freed);
+        if (fd < 0) {
+            e->pins--;
+            if (e->pins == 0 && e->fd >= 0 && !e->retired) {
+                /* the other thread's descriptor is idle again */
+                e->next = &c->lru;
+                e->prev = c->lru.prev;
+                c->lru.prev->next = e;
+                c->lru.prev = e;
+                pthread_cond_signal(&c->freed);
+            }
+            pthread_mutex_unlock(&c->mu);
+            return -err;
+        }
+    } else {
+        e->fd = fd;
+        c->opens++;
+    }
+    fd = e->fd;
+    pthread_mutex_unlock(&c->mu);
+    return fd;
+}
+
+/* Unpin e: it becomes the most recently used; closed if over the bound. */
+TL_INLINE void tl_fdcache_release(tl_fdcache *c, tl_fent *e)
+{
+    pthread_mutex_lock(&c->mu);
+    TL_ASSERT(e->pins > 0 && e->fd >= 0);
+    if (--e->pins == 0) {
+        if (e->retired) {
+            close(e->fd);
+            e->fd = -1;
+            c->open--;
+        } else {
+            e->next = &c->lru;
+            e->prev = c->lru.prev;
+            c->lru.prev->next = e;
+            c->lru.prev = e;
+            tl_fdcache_shrink_(c, c->max);
+        }
+        pthread_cond_signal(&c->freed);
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* Close every file of a set (idempotent); pinned ones close when released. */
+TL_INLINE void tl_fdcache_retire(tl_fdcache *c, tl_fent *ents, size_t n)
+{
+    pthread_mutex_lock(&c->mu);
+    for (size_t i = 0; i < n; i++) {
+        tl_fent *e = &ents[i];
+        e->retired = 1;
+        if (e->fd >= 0 && e->pins == 0) {
+            tl_fdcache_unlink_(e);
+            close(e->fd);
+            e->fd = -1;
+            c->open--;
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* Change the bound; closes idle files beyond it at once. */
+TL_INLINE void tl_fdcache_set_max(tl_fdcache *c, size_t max)
+{
+    pthread_mutex_lock(&c->mu);
+    c->max = max ? max : 1;
+    tl_fdcache_shrink_(c, c->max);
+    pthread_mutex_unlock(&c->mu);
+}
+
+TL_INLINE size_t tl_fdcache_open_count(tl_fdcache *c)
+{
+    pthread_mutex_lock(&c->mu);
+    size_t n = c->open;
+    pthread_mutex_unlock(&c->mu);
+    return n;
+}
+
+/* After fork(2) in the child: the mutex may have been held by a thread that
+ * does not exist there.  Descriptors stay valid (O_CLOEXEC closes them only
+ * at exec). */
+TL_INLINE void tl_fdcache_after_fork(tl_fdcache *c)
+{
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->freed, NULL);
+}
+
+#endif /* TOKLOAD_FDCACHE_H */
