@@ -1,0 +1,227 @@
+"""Cold-storage throughput: every read misses the page cache.
+
+    sudo python -m pytest bench/bench_cold.py -o python_files='bench_*.py' -s
+
+Needs root (it writes ``/proc/sys/vm/drop_caches``; it says so and skips
+otherwise).  A 2 GiB corpus of uint32 tokens in 8 flat files (kept in
+``$TOKLOAD_COLD_DIR``, default ``/tmp/tokload-cold``, and reused) is at least
+4x larger than what any one measurement reads (``BATCHES`` batches of 8
+random windows of 4097 tokens, 128 MiB).  Before each measurement the page
+cache is dropped (``sync; echo 1 > /proc/sys/vm/drop_caches``); each figure
+is the time of the ``BATCHES`` batches after the first, median of ``REPEATS``,
+all measured in one run:
+
+- the device's own limit: a C probe (``bench/probe.c``) reading random
+  window-sized extents with 1, 4, 16 and 64 requests in flight (threads), and
+  with io_uring at depth 64;
+- tokload's DataLoader with each I/O path at ``num_threads`` 0, 1 and 2, and
+  with the defaults;
+- a plain ``torch.utils.data.DataLoader`` over ``np.memmap`` windows, 0 and 2
+  workers, on the same bytes.
+
+It prints M tokens/s and the ratios of tokload against the device's best and
+against each peer.  Every run is serialized with ``flock
+/tmp/tokload-bench.lock`` when launched as documented in the README.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import tokload
+from tokload import _io
+
+WINDOW, STRIDE, BATCH = 4097, 4096, 8
+BATCHES = int(os.environ.get("TOKLOAD_COLD_BATCHES", "500"))
+REPEATS = int(os.environ.get("TOKLOAD_COLD_REPEATS", "3"))
+FILES, FILE_TOKENS = 8, 64 << 20  # 2 GiB of uint32
+ROOT = Path(__file__).resolve().parents[1]
+DROP = Path("/proc/sys/vm/drop_caches")
+
+
+def _can_drop_caches() -> bool:
+    return os.geteuid() == 0 and os.access(DROP, os.W_OK)
+
+
+pytestmark = pytest.mark.skipif(
+    not _can_drop_caches(),
+    reason="bench_cold needs root to write /proc/sys/vm/drop_caches (run it with sudo)",
+)
+
+
+def drop_caches() -> None:
+    os.sync()
+    DROP.write_text("1\n")
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[Path]:
+    root = Path(os.environ.get("TOKLOAD_COLD_DIR", "/tmp/tokload-cold"))
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    paths = []
+    for k in range(FILES):
+        p = root / f"part{k}.bin"
+        if not p.exists() or p.stat().st_size != FILE_TOKENS * 4:
+            rng.integers(0, 128_000, FILE_TOKENS, dtype=np.uint32).tofile(p)
+        paths.append(p)
+    read = BATCHES * BATCH * WINDOW * 4
+    assert 4 * read <= FILES * FILE_TOKENS * 4, "the corpus must be 4x what a measurement reads"
+    return paths
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    exe = tmp_path_factory.mktemp("probe") / "probe"
+    subprocess.run(
+        [
+            "cc",
+            "-O2",
+            "-std=c11",
+            "-pthread",
+            "-I",
+            str(ROOT / "csrc"),
+            str(ROOT / "bench" / "probe.c"),
+            "-o",
+            str(exe),
+        ],
+        check=True,
+    )
+    return exe
+
+
+def _median(measure: Callable[[int], float]) -> float:
+    """Median tokens/s of REPEATS cold runs (measure(rep) returns seconds)."""
+    rates = []
+    for rep in range(REPEATS):
+        drop_caches()
+        rates.append(BATCHES * BATCH * WINDOW / measure(rep))
+    return statistics.median(rates) / 1e6
+
+
+def _probe_rate(probe: Path, corpus: list[Path], mode: str, depth: int) -> float:
+    def run(rep: int) -> float:
+        out = subprocess.run(
+            [
+                str(probe),
+                mode,
+                str(WINDOW * 4),
+                str(BATCHES * BATCH),
+                str(depth),
+                str(rep + 1),
+                *map(str, corpus),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        return float(out[0])
+
+    return _median(run)
+
+
+def _time_batches(it: Iterator[Any]) -> float:
+    next(it)  # start-up (threads, first reads) is not what is measured
+    t0 = time.perf_counter()
+    for _ in range(BATCHES):
+        next(it)
+    return time.perf_counter() - t0
+
+
+def _tokload_rate(corpus: list[Path], io: str | None, threads: int | None) -> float:
+    def run(rep: int) -> float:
+        view = tokload.TokenStream(
+            tokload.open_flat(corpus, np.uint32), window=WINDOW, stride=STRIDE
+        )
+        if io is not None:
+            view.source.rows.files.configure(io=io)
+        kw = {} if threads is None else {"num_threads": threads}
+        loader = tokload.DataLoader(view, batch_size=BATCH, seed=100 + rep, **kw)
+        it = iter(loader)
+        try:
+            return _time_batches(it)
+        finally:
+            loader.close()
+
+    return _median(run)
+
+
+class _MemmapWindows(torch.utils.data.Dataset[torch.Tensor]):
+    """Windows of the flat files (none crosses a file), as a plain loader reads them."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = paths
+        self.per_file = (FILE_TOKENS - WINDOW) // STRIDE + 1
+        self.maps: list[np.memmap[Any, Any]] | None = None
+
+    def __len__(self) -> int:
+        return self.per_file * len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.maps is None:  # opened in the worker process
+            self.maps = [np.memmap(p, dtype=np.uint32, mode="r") for p in self.paths]
+        f, w = divmod(i, self.per_file)
+        return torch.from_numpy(np.array(self.maps[f][w * STRIDE : w * STRIDE + WINDOW]))
+
+
+def _torch_rate(corpus: list[Path], workers: int) -> float:
+    def run(rep: int) -> float:
+        gen = torch.Generator().manual_seed(rep)
+        loader = torch.utils.data.DataLoader(
+            _MemmapWindows(corpus),
+            batch_size=BATCH,
+            shuffle=True,
+            num_workers=workers,
+            generator=gen,
+        )
+        return _time_batches(iter(loader))
+
+    return _median(run)
+
+
+def test_cold_throughput(corpus: list[Path], probe: Path) -> None:
+    rows: dict[str, float] = {}
+    for depth in (1, 4, 16, 64):
+        rows[f"C probe, random {WINDOW * 4} B preads, {depth} in flight (threads)"] = _probe_rate(
+            probe, corpus, "threads", depth
+        )
+    rows["C probe, io_uring, 64 in flight"] = _probe_rate(probe, corpus, "uring", 64)
+    device_best = max(rows.values())
+    backends = ["sync", "threads"] + (["uring"] if _io.uring_available() else [])
+    tok: dict[str, float] = {}
+    for io in backends:
+        for threads in (0, 1, 2):
+            tok[f"tokload io={io}, num_threads={threads}"] = _tokload_rate(corpus, io, threads)
+    default = f"tokload defaults (io={_io.resolve_io()}, depth {_io.default_queue_depth()})"
+    tok[default] = _tokload_rate(corpus, None, None)
+    peers = {f"torch DataLoader + np.memmap, {w} workers": _torch_rate(corpus, w) for w in (0, 2)}
+    rows.update(tok)
+    rows.update(peers)
+
+    best_tok = max(tok.values())
+    print(
+        f"\ncold reads: {BATCHES} batches of {BATCH} x {WINDOW} uint32 tokens after the first, "
+        f"page cache dropped before each, median of {REPEATS}"
+    )
+    print(f"{'reader':<62} {'M tokens/s':>10}")
+    for name, rate in rows.items():
+        print(f"{name:<62} {rate:>10.1f}")
+    print(
+        f"tokload best / device best: {best_tok / device_best:.2f} "
+        f"(defaults: {tok[default] / device_best:.2f})"
+    )
+    for name, rate in peers.items():
+        print(
+            f"tokload best / {name}: {best_tok / rate:.1f}x (defaults: {tok[default] / rate:.1f}x)"
+        )
+    assert all(r > 0 for r in rows.values())
