@@ -606,3 +606,42 @@ def test_len_does_not_walk_the_steps(corpus: Path) -> None:
     ld.cursor = 12_345
     n = len(ld.view)
     assert len(ld) == (n - 12_345 % n) // 8 + (10**9 - 12_345 // n - 1) * (n // 8)
+
+
+@pytest.mark.parametrize("io", ["sync", "threads", "uring", "auto"])
+def test_every_io_path_gives_the_same_batches(io: str, corpus: Path) -> None:
+    from tokload import _io
+
+    if io == "uring" and not _io.uring_available():
+        pytest.skip(f"io_uring is not available here: {_io.uring_error()}")
+
+    def run(io: str | None, depth: int | None) -> list[Any]:
+        view = TokenStream(corpus, window=9, stride=4)
+        ld = DataLoader(view, 5, seed=2, epochs=1, num_threads=2, io=io, io_depth=depth)
+        files = [f for f in view.source._closers if isinstance(f, _io.FileSet)]
+        if io is not None:
+            assert {f.io for f in files} == {_io.resolve_io(io)}
+        return [b["tokens"].numpy().copy() for b in ld]
+
+    ref = run("sync", None)
+    for depth in (1, 3, None):
+        got = run(io, depth)
+        assert len(got) == len(ref)
+        for a, b in zip(ref, got, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_io_needs_a_view_that_can_configure_it(corpus: Path) -> None:
+    class Bare:
+        fingerprint = "bare"
+
+        def __len__(self) -> int:
+            return 10
+
+        def read_batch(self, indices: np.ndarray, alloc: Any) -> dict[str, Any]:
+            return {"x": indices.copy()}
+
+    with pytest.raises(TypeError, match="io= and io_depth= need a view with configure_io"):
+        DataLoader(Bare(), 2, io="threads")
+    with pytest.raises(ValueError, match="io"):
+        DataLoader(TokenStream(corpus, window=9), 2, io="fast")

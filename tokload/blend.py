@@ -410,6 +410,11 @@ class Blend(View):
         for v in self.views:
             v.close()
 
+    def configure_io(self, io: str | None = None, queue_depth: int | None = None) -> None:
+        """:meth:`View.configure_io` for every component."""
+        for v in self.views:
+            v.configure_io(io, queue_depth)
+
     def __repr__(self) -> str:
         return (
             f"Blend({len(self.views)} components, stages={len(self.stages)}, "

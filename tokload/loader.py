@@ -102,6 +102,12 @@ class DataLoader:
             so a thread takes the GIL about once per task instead of per batch,
             which is what keeps the training thread at full speed. The batches
             are the same whatever this is.
+        io, io_depth: how the view's files are read: ``"auto"`` (io_uring where
+            the kernel allows it, else a pool of C threads), ``"uring"``,
+            ``"threads"`` or ``"sync"``, and the reads kept in flight per read
+            call. None (default) leaves the view's setting (``TOKLOAD_IO`` /
+            ``TOKLOAD_IO_DEPTH``, else ``"auto"`` and the default depth). Applied
+            with ``view.configure_io``, so it holds for every user of the dataset.
         transfer: a :class:`~tokload.transfer.TransferBackend` to use instead of
             the one ``pin_memory`` and ``device`` describe (tests use a fake
             device).
@@ -135,6 +141,8 @@ class DataLoader:
         drop_last: bool = False,
         rounds: int = 6,
         steps_per_task: int = 8,
+        io: str | None = None,
+        io_depth: int | None = None,
         transfer: TransferBackend | None = None,
     ) -> None:
         check_view(view)
@@ -153,6 +161,14 @@ class DataLoader:
             raise ValueError(f"epochs must be >= 1 or None, got {epochs}")
         if steps_per_task < 1:
             raise ValueError(f"steps_per_task must be >= 1, got {steps_per_task}")
+        if io is not None or io_depth is not None:
+            configure = getattr(view, "configure_io", None)
+            if configure is None:
+                raise TypeError(
+                    f"io= and io_depth= need a view with configure_io (tokload's views "
+                    f"have it); {type(view).__name__} does not"
+                )
+            configure(io, io_depth)
         self.view = view
         self.n = n
         self.rank, self.world_size = _resolve_rank(rank, world_size, mesh, mesh_dim)

@@ -24,7 +24,7 @@ from typing import Any, Self, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from tokload._io import split_fields
+from tokload._io import FileSet, split_fields
 from tokload.assembly import Alloc
 from tokload.errors import FormatError
 from tokload.format import MANIFEST, METADATA_FIELD, Source, open_dataset
@@ -127,6 +127,18 @@ class View:
     def close(self) -> None:
         """Close the dataset's files (shared by every subset of this view)."""
         self.source.close()
+
+    def configure_io(self, io: str | None = None, queue_depth: int | None = None) -> None:
+        """Choose how the dataset's files are read (shared by every view of the source).
+
+        ``io``: ``"auto"`` (io_uring where the kernel allows it, else a pool of C
+        threads), ``"uring"``, ``"threads"`` or ``"sync"``; ``queue_depth``: reads
+        kept in flight per read call. None leaves a setting as it is (initially
+        ``TOKLOAD_IO`` / ``TOKLOAD_IO_DEPTH``, else the defaults).
+        """
+        for f in self.source._closers:
+            if isinstance(f, FileSet):
+                f.configure(io=io, queue_depth=queue_depth)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.source.description!r}, {self._config()} n={len(self)})"
