@@ -143,10 +143,9 @@ def _tokload_rate(corpus: list[Path], io: str | None, threads: int | None) -> fl
         view = tokload.TokenStream(
             tokload.open_flat(corpus, np.uint32), window=WINDOW, stride=STRIDE
         )
-        if io is not None:
-            view.source.rows.files.configure(io=io)
-        kw = {} if threads is None else {"num_threads": threads}
-        loader = tokload.DataLoader(view, batch_size=BATCH, seed=100 + rep, **kw)
+        loader = tokload.DataLoader(
+            view, batch_size=BATCH, seed=100 + rep, num_threads=threads, io=io
+        )
         it = iter(loader)
         try:
             return _time_batches(it)
