@@ -6,7 +6,7 @@ Needs root (it writes ``/proc/sys/vm/drop_caches``; it says so and skips
 otherwise).  A 2 GiB corpus of uint32 tokens in 8 flat files (kept in
 ``$TOKLOAD_COLD_DIR``, default ``/tmp/tokload-cold``, and reused) is at least
 4x larger than what any one measurement reads (``BATCHES`` batches of 8
-random windows of 4097 tokens, 128 MiB).  Before each measurement the page
+random windows of 4097 tokens, 62.5 MiB).  Before each measurement the page
 cache is dropped (``sync; echo 1 > /proc/sys/vm/drop_caches``); each figure
 is the time of the ``BATCHES`` batches after the first, median of ``REPEATS``,
 all measured in one run:
