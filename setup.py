@@ -19,7 +19,7 @@ from glob import glob
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-MODULES = ["_permute", "_io"]
+MODULES = ["_permute", "_io", "_meta"]
 
 DEBUG = os.environ.get("TOKLOAD_DEBUG") == "1"
 SANITIZE = os.environ.get("TOKLOAD_SANITIZE", "")

@@ -221,3 +221,63 @@ cdef extern from "tokload/plan.h" nogil:
                        size_t *failed_item) noexcept
     void tl_meta_plan_read(const tl_meta_shard *shards, const tl_meta_span *spans,
                            size_t nspans, uint8_t *blob, tl_ioreq *reqs) noexcept
+
+
+cdef extern from "tokload/spans.h" nogil:
+    uint32_t TL_SPAN_NONE
+    int TL_SPAN_ENTRY
+    int TL_SPAN_BAD_BLOCK
+    int TL_SPAN_BAD_START
+    int TL_SPAN_BAD_RECORD
+    int TL_SPAN_BAD_OFFSET
+    int TL_SPAN_BAD_COVER
+
+    ctypedef struct tl_span_error:
+        int code
+        uint32_t shard
+        uint64_t entry
+        uint64_t value
+        uint64_t limit
+
+    ctypedef struct tl_span_set:
+        const uint64_t *row_cum
+        const uint64_t *msx_cum
+        const uint64_t *mds_cum
+        const uint64_t *mdx_cum
+        const uint64_t *mdb_cum
+        size_t nfiles
+        uint64_t block
+
+    ctypedef struct tl_span_piece:
+        uint32_t shard
+        uint64_t start
+        uint64_t len
+        uint64_t dst
+        uint64_t run0
+        uint64_t nruns
+        uint64_t at
+        uint64_t blk
+
+    ctypedef struct tl_span_reqs:
+        uint64_t *start
+        uint64_t *len
+        uint64_t *dst
+
+    size_t tl_spans_count_pieces(const tl_span_set *s, const uint64_t *starts, size_t nwin,
+                                 uint64_t window) noexcept
+    uint64_t tl_spans_pieces(const tl_span_set *s, const uint64_t *starts, size_t nwin,
+                             uint64_t window, tl_span_piece *pieces, tl_span_reqs q) noexcept
+    int tl_spans_runs(const tl_span_set *s, tl_span_piece *pieces, size_t n,
+                      const uint64_t *blocks, tl_span_reqs q, uint64_t *nruns,
+                      tl_span_error *err) noexcept
+    int tl_spans_resolve(const tl_span_set *s, const tl_span_piece *pieces, size_t n,
+                         const uint8_t *runbuf, int32_t *positions, uint64_t *hkeys,
+                         int64_t *hvals, uint64_t hcap, uint32_t *item_shard,
+                         uint32_t *item_id, size_t *nitems, tl_span_error *err) noexcept
+    size_t tl_spans_plan_index(const tl_span_set *s, const uint32_t *item_shard,
+                               const uint32_t *item_id, size_t nitems, uint64_t *item_ent,
+                               tl_span_reqs q) noexcept
+    int tl_spans_plan_data(const tl_span_set *s, const uint32_t *item_shard,
+                           const uint32_t *item_id, size_t nitems, const uint64_t *item_ent,
+                           const uint64_t *entries, int64_t *offsets, tl_span_reqs q,
+                           size_t *nreq, tl_span_error *err) noexcept

@@ -13,7 +13,7 @@ import os
 import xxhash
 
 from tokload.errors import TokloadError
-from tokload.format import CHECKSUM_KEY, MANIFEST, SHARD_FILES, open_regular, read_manifest
+from tokload.format import CHECKSUM_KEY, MANIFEST, open_regular, read_manifest
 
 CHUNK = 8 << 20
 """Bytes read per call while hashing."""
@@ -54,8 +54,7 @@ def verify_checksums(path: str | os.PathLike[str]) -> list[str]:
         MissingShardError, FormatError: the manifest itself is missing or bad.
     """
     m = read_manifest(path)
-    has = {"rows": True, "docs": m.documents, "mdx": m.metadata, "mdb": m.metadata}
-    exts = [e for e in SHARD_FILES if has[e]]
+    exts = m.files()
     problems: list[str] = []
     unchecked = 0
     for s in m.shards:

@@ -21,16 +21,24 @@ from typing import Any
 import numpy as np
 
 from tokload._io import DocIndex, FileSet, MegatronIndex, MetaSet, RowSet
+from tokload._meta import SPAN_ENTRY, SpanSet
 from tokload.errors import FormatError, MissingShardError
 
 FORMAT_NAME = "tokload"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest version this tokload reads and writes (it reads every version up to it)."""
+VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 METADATA_FIELD = "metadata_id"
 NO_METADATA = 0xFFFFFFFF
 CHECKSUM_KEY = "xxh3_64"
 """The per-shard manifest key of the files' checksums (FORMAT.md)."""
-SHARD_FILES = ("rows", "docs", "mdx", "mdb")
+LAYOUTS = ("spans", "per_token")
+"""How a dataset attaches metadata to rows (FORMAT.md): a span table per shard, or a
+``metadata_id`` field in every row (version 1's only layout)."""
+DEFAULT_SPAN_BLOCK = 1024
+"""Rows per entry of a span table's block index, unless the writer says otherwise."""
+SHARD_FILES = ("rows", "docs", "mdx", "mdb", "mds", "msx")
 """The extensions of a shard's files, in the order the writer opens them."""
 MAX_COUNT = (1 << 63) - 1
 """The largest count or size a manifest may hold (a file offset is an int64)."""
@@ -49,8 +57,10 @@ class ShardInfo:
     metadata_bytes: int = 0
     checksums: Mapping[str, str] | None = field(default=None, hash=False)
     """xxh3_64 of each of the shard's files, keyed by extension (``"rows"``,
-    ``"docs"``, ``"mdx"``, ``"mdb"``) as 16 lowercase hex digits; None when the
-    writer recorded none."""
+    ``"docs"``, ``"mdx"``, ``"mdb"``, ``"mds"``, ``"msx"``) as 16 lowercase hex
+    digits; None when the writer recorded none."""
+    metadata_runs: int = 0
+    """Entries of the shard's span table (layout ``"spans"``; 0 otherwise)."""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -60,6 +70,8 @@ class ShardInfo:
             "metadata_records": self.metadata_records,
             "metadata_bytes": self.metadata_bytes,
         }
+        if self.metadata_runs:
+            out["metadata_runs"] = self.metadata_runs
         if self.checksums is not None:
             out[CHECKSUM_KEY] = dict(self.checksums)
         return out
@@ -81,6 +93,33 @@ class Manifest:
     metadata: bool = False
     shards: list[ShardInfo] = field(default_factory=list)
     user: dict[str, Any] = field(default_factory=dict)
+    metadata_layout: str = "per_token"
+    """``"spans"`` (version 2) or ``"per_token"``; meaningful only with ``metadata``."""
+    span_block: int = DEFAULT_SPAN_BLOCK
+    """Rows per block index entry of the span tables (layout ``"spans"``)."""
+
+    @property
+    def spans(self) -> bool:
+        """Whether the metadata is a per-shard span table (FORMAT.md, version 2)."""
+        return self.metadata and self.metadata_layout == "spans"
+
+    @property
+    def version(self) -> int:
+        """The format version the manifest is written as: 2 for a span table, else 1
+        (so that readers of version 1 keep reading what they can)."""
+        return 2 if self.spans else 1
+
+    def files(self) -> tuple[str, ...]:
+        """The extensions of each shard's files, in :data:`SHARD_FILES` order."""
+        has = {
+            "rows": True,
+            "docs": self.documents,
+            "mdx": self.metadata,
+            "mdb": self.metadata,
+            "mds": self.spans,
+            "msx": self.spans,
+        }
+        return tuple(e for e in SHARD_FILES if has[e])
 
     @property
     def rows(self) -> int:
@@ -96,15 +135,19 @@ class Manifest:
         return fingerprint(self.dtype, [s.fingerprint_entry() for s in self.shards])
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": self.version,
             "dtype": dtype_to_json(self.dtype),
             "documents": self.documents,
             "metadata": self.metadata,
-            "shards": [s.to_json() for s in self.shards],
-            "user": self.user,
         }
+        if self.spans:
+            out["metadata_layout"] = "spans"
+            out["span_block"] = self.span_block
+        out["shards"] = [s.to_json() for s in self.shards]
+        out["user"] = self.user
+        return out
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> Manifest:
@@ -117,10 +160,10 @@ class Manifest:
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise FormatError(f'{where}: not a tokload manifest (no "format": "tokload")')
         version = data.get("version")
-        if type(version) is not int or version != FORMAT_VERSION:
+        if type(version) is not int or version not in VERSIONS:
             raise FormatError(
                 f"{where}: unknown format version {_show(version)}; this tokload reads version "
-                f"{FORMAT_VERSION}"
+                f"{' or '.join(map(str, VERSIONS))}"
             )
         for key in ("dtype", "documents", "metadata", "shards"):
             if key not in data:
@@ -136,6 +179,19 @@ class Manifest:
         shards = [
             _shard_from_json(s, f"{where}: shards[{k}]") for k, s in enumerate(data["shards"])
         ]
+        layout, block = "per_token", DEFAULT_SPAN_BLOCK
+        if version >= 2 and flags["metadata"]:
+            given = data.get("metadata_layout")
+            if given not in LAYOUTS:
+                raise FormatError(
+                    f"{where}: 'metadata_layout' must be one of {', '.join(map(repr, LAYOUTS))}, "
+                    f"got {_show(given)}"
+                )
+            layout = str(given)
+            if layout == "spans":
+                block = _count(data, "span_block", where, required=True)
+                if block < 1:
+                    raise FormatError(f"{where}.span_block must be positive, got 0")
         user = data.get("user")
         m = cls(
             dtype=dtype,
@@ -144,6 +200,8 @@ class Manifest:
             shards=shards,
             # Readers ignore ``user`` (FORMAT.md): a value that is not an object is dropped.
             user=user if isinstance(user, dict) else {},
+            metadata_layout=layout,
+            span_block=block,
         )
         m.check(where)
         return m
@@ -151,13 +209,27 @@ class Manifest:
     def check(self, where: str) -> None:
         """Consistency of the manifest with itself."""
         check_dtype(self.dtype, where)
-        if self.metadata:
-            fields: Mapping[str, Any] = self.dtype.fields or {}
-            if METADATA_FIELD not in fields or fields[METADATA_FIELD][0] != np.dtype("<u4"):
+        if self.metadata_layout not in LAYOUTS:
+            raise FormatError(
+                f"{where}: metadata_layout must be one of {', '.join(map(repr, LAYOUTS))}, "
+                f"got {self.metadata_layout!r}"
+            )
+        fields: Mapping[str, Any] = self.dtype.fields or {}
+        if self.spans:
+            if METADATA_FIELD in fields:
                 raise FormatError(
-                    f"{where}: a dataset with metadata needs a '<u4' field {METADATA_FIELD!r} "
-                    f"in its dtype, got {self.dtype}"
+                    f"{where}: a dataset whose metadata is a span table has no "
+                    f"{METADATA_FIELD!r} field in its rows, got dtype {self.dtype}"
                 )
+            if self.span_block < 1:
+                raise FormatError(f"{where}: span_block must be positive, got {self.span_block}")
+        elif self.metadata and (
+            METADATA_FIELD not in fields or fields[METADATA_FIELD][0] != np.dtype("<u4")
+        ):
+            raise FormatError(
+                f"{where}: a dataset with metadata needs a '<u4' field {METADATA_FIELD!r} "
+                f"in its dtype, got {self.dtype}"
+            )
         names = set()
         for s in self.shards:
             if s.name in names:
@@ -169,6 +241,17 @@ class Manifest:
                 )
             if self.documents and s.documents == 0 and s.rows:
                 raise FormatError(f"{where}: shard {s.name!r} has rows but no documents")
+            if self.spans and not (
+                (s.rows == 0 and s.metadata_runs == 0) or 1 <= s.metadata_runs <= s.rows
+            ):
+                raise FormatError(
+                    f"{where}: shard {s.name!r} has {s.metadata_runs} metadata runs for "
+                    f"{s.rows} rows (at least one run for any rows, at most one per row)"
+                )
+            if not self.spans and s.metadata_runs:
+                raise FormatError(
+                    f"{where}: shard {s.name!r} has metadata runs but the dataset has no span table"
+                )
             if s.metadata_records >= NO_METADATA:
                 raise FormatError(
                     f"{where}: shard {s.name!r} has {s.metadata_records} metadata records; "
@@ -251,6 +334,7 @@ def _shard_from_json(s: Any, where: str) -> ShardInfo:
         metadata_records=_count(s, "metadata_records", where),
         metadata_bytes=_count(s, "metadata_bytes", where),
         checksums=checksums,
+        metadata_runs=_count(s, "metadata_runs", where),
     )
 
 
@@ -489,7 +573,9 @@ class Source:
         rows: the token stream (all shards' rows in order).
         dtype: the row dtype.
         docs: document extents, or None when the source has no documents.
-        meta: the metadata of a stream with metadata, or None.
+        meta: the metadata of a stream with metadata whose rows carry a
+            ``metadata_id`` (layout ``"per_token"``), or None.
+        spans: the metadata of one whose shards have span tables, or None.
         fingerprint: identifies the contents, for resume checks.
         description: where it came from, for messages.
     """
@@ -502,6 +588,9 @@ class Source:
     description: str
     manifest: Manifest | None = None
     user: dict[str, Any] = field(default_factory=dict)
+    spans: SpanSet | None = None
+    """The span tables of a stream with metadata of layout ``"spans"`` (then
+    ``meta`` is None), or None."""
     _closers: list[Any] = field(default_factory=list, repr=False)
 
     @property
@@ -538,7 +627,8 @@ def open_dataset(path: str | os.PathLike[str]) -> Source:
     root = Path(path)
     m = read_manifest(root)
     item = m.dtype.itemsize
-    rows_paths, docs_paths, mdx_paths, mdb_paths = [], [], [], []
+    rows_paths, docs_paths, mdx_paths, mdb_paths, mds_paths, msx_paths = [], [], [], [], [], []
+    block = m.span_block
     for s in m.shards:
         rp = root / (s.name + ".rows")
         _expect_size(rp, "shard rows", s.rows * item)
@@ -554,6 +644,13 @@ def open_dataset(path: str | os.PathLike[str]) -> Source:
             _expect_size(bp, "metadata records", s.metadata_bytes)
             mdx_paths.append(xp)
             mdb_paths.append(bp)
+        if m.spans:
+            sp = root / (s.name + ".mds")
+            kp = root / (s.name + ".msx")
+            _expect_size(sp, "span table", s.metadata_runs * SPAN_ENTRY)
+            _expect_size(kp, "span block index", (-(-s.rows // block) + 1) * 8)
+            mds_paths.append(sp)
+            msx_paths.append(kp)
     closers: list[Any] = []
     try:
         files = FileSet(rows_paths)
@@ -565,7 +662,23 @@ def open_dataset(path: str | os.PathLike[str]) -> Source:
             closers.append(dfiles)
             docs = DocIndex(dfiles, [s.documents for s in m.shards], rows)
         meta = None
-        if m.metadata:
+        spans = None
+        if m.spans:
+            xfiles, bfiles = FileSet(mdx_paths), FileSet(mdb_paths)
+            sfiles, kfiles = FileSet(mds_paths), FileSet(msx_paths)
+            closers += [xfiles, bfiles, sfiles, kfiles]
+            spans = SpanSet(
+                rows,
+                kfiles,
+                sfiles,
+                xfiles,
+                bfiles,
+                [s.metadata_runs for s in m.shards],
+                [s.metadata_records for s in m.shards],
+                [s.metadata_bytes for s in m.shards],
+                block,
+            )
+        elif m.metadata:
             xfiles, bfiles = FileSet(mdx_paths), FileSet(mdb_paths)
             closers += [xfiles, bfiles]
             meta = MetaSet(
@@ -591,5 +704,6 @@ def open_dataset(path: str | os.PathLike[str]) -> Source:
         fingerprint=m.fingerprint(),
         description=str(root),
         manifest=m,
+        spans=spans,
         _closers=closers,
     )

@@ -16,7 +16,9 @@ the GIL. Any view can be cut to a contiguous range of its observations with
 from __future__ import annotations
 
 import itertools
+import operator
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self, TypeVar
@@ -25,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tokload._io import FileSet, split_fields
+from tokload._meta import Scratch, compact_records
 from tokload.assembly import Alloc
 from tokload.errors import FormatError
 from tokload.format import MANIFEST, METADATA_FIELD, Source, open_dataset
@@ -461,29 +464,36 @@ class Documents(View):
 class MetadataBatch:
     """Token windows with their metadata.
 
-    ``fields``: the rows' fields other than ``metadata_id``, each ``[B, T]``;
-    ``positions``: ``[B, T]`` int32, the index into ``metadata`` of each row's
-    record, or -1; ``metadata``: the distinct records of the batch in order of
-    first appearance, each passed through the view's ``deserialize``.
+    ``fields``: the rows' fields other than ``metadata_id``, each ``[B, T]``
+    (``"tokens"`` for a plain dtype); ``positions``: ``[B, T]`` int32, the
+    index into ``metadata`` of each row's record, or -1; ``metadata``: the
+    distinct records of the batch in order of first appearance, a
+    :class:`RecordList` that passes record ``k`` through the view's
+    ``deserialize`` when ``metadata[k]`` is read.
     """
 
     fields: dict[str, np.ndarray]
     positions: np.ndarray
-    metadata: list[Any]
+    metadata: RecordList
 
 
 class StreamWithMetadata(_Windows):
-    """Token windows whose rows carry a shard-local ``metadata_id``.
+    """Token windows whose rows carry metadata records.
 
     Args:
-        data: a tokload dataset written with ``metadata=True``.
+        data: a tokload dataset written with ``metadata=True``, in either
+            layout (FORMAT.md): a span table per shard (version 2) or a
+            ``metadata_id`` field in every row (version 1).
         window, stride: as for :class:`TokenStream`.
-        deserialize: turns a record's bytes into what the batch carries
-            (default: the ``bytes`` themselves). Called once per distinct
-            record of a batch, never per token.
+        deserialize: turns a record's bytes into what ``metadata[k]`` gives
+            (default: the ``bytes`` themselves). Called only when a record is
+            accessed, never per token, never per batch.
 
-    A window's metadata costs at most two extra reads per shard it spans: one
-    coalesced read of the index entries, one of the record bytes.
+    A batch costs a fixed number of Python calls whatever its number of records:
+    the per-row positions, the records' bytes and their offsets are assembled
+    in one compiled call, without the GIL. With a span table that is four
+    batched reads (block index, span table slice, record index, record
+    bytes), each coalesced per window; with per-row ids, two.
     """
 
     def __init__(
@@ -494,28 +504,41 @@ class StreamWithMetadata(_Windows):
         deserialize: Callable[[bytes], Any] | None = None,
     ) -> None:
         super().__init__(data, window, stride)
-        if self.source.meta is None:
+        if self.source.meta is None and self.source.spans is None:
             raise FormatError(f"{self.source.description} has no metadata")
         self.deserialize = deserialize or bytes
+        self._local = threading.local()  # per reader thread: the span reader's scratch
 
     def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
         """The view protocol (:mod:`tokload.assembly`): the fields (all but
         ``metadata_id``) ``[B, window]``, ``"metadata_positions"`` ``[B, window]``
-        int32 (index into ``"metadata"`` or -1) and ``"metadata"``, the batch's
-        distinct records (a list, deserialized)."""
+        int32 (index into the batch's records, or -1), the records' bytes back to
+        back (``"metadata_bytes"``, uint8) and their ``"metadata_offsets"``
+        (int64, one more than the records), and ``"metadata"``, a
+        :class:`RecordList` over those two that deserializes a record when read."""
         b = len(indices)
         res = self.read(
-            indices, out=self.empty(b, alloc=alloc), positions=alloc((b, self.window), np.int32)
+            indices,
+            out=self.empty(b, alloc=alloc),
+            positions=alloc((b, self.window), np.int32),
+            alloc=alloc,
         )
         raw: dict[str, Any] = dict(res.fields)
         raw["metadata_positions"] = res.positions
+        raw["metadata_bytes"] = res.metadata.data
+        raw["metadata_offsets"] = res.metadata.offsets
         raw["metadata"] = res.metadata
         return raw
 
+    def _layout(self) -> list[tuple[str, np.dtype[Any], int]]:
+        dt = self.source.dtype
+        if dt.fields is None:
+            return [("tokens", dt, 0)]
+        return _field_layout(dt, skip=METADATA_FIELD)
+
     def empty(self, batch: int, alloc: Alloc = np.empty) -> dict[str, np.ndarray]:
         """Per-field arrays (all fields but ``metadata_id``) ``read`` can fill."""
-        layout = _field_layout(self.source.dtype, skip=METADATA_FIELD)
-        return {name: alloc((batch, self.window), ft) for name, ft, _ in layout}
+        return {name: alloc((batch, self.window), ft) for name, ft, _ in self._layout()}
 
     def __getitem__(self, i: int) -> MetadataBatch:
         b = self.read(self._index(i))
@@ -526,19 +549,57 @@ class StreamWithMetadata(_Windows):
         indices: npt.ArrayLike,
         out: dict[str, np.ndarray] | None = None,
         positions: np.ndarray | None = None,
+        alloc: Alloc = np.empty,
     ) -> MetadataBatch:
-        """Observations ``indices``; ``out`` and ``positions`` may be preallocated."""
-        assert self.source.meta is not None
+        """Observations ``indices``; ``out`` and ``positions`` may be preallocated,
+        the records' buffer and offsets are made with ``alloc``."""
         idx = self._indices(indices)
         b, t = len(idx), self.window
         dt = self.source.dtype
-        layout = _field_layout(dt, skip=METADATA_FIELD)
+        layout = self._layout()
         if out is None:
             out = {name: np.empty((b, t), ft) for name, ft, _ in layout}
         outs = [_check_out(out.get(name), (b, t), ft, f"out[{name!r}]") for name, ft, _ in layout]
         if positions is None:
             positions = np.empty((b, t), dtype=np.int32)
         _check_out(positions, (b, t), np.dtype(np.int32), "positions")
+        spans = self.source.spans
+        if spans is not None:
+            if dt.fields is None:
+                self._read_windows(idx, outs[0])
+            else:
+                scratch = np.empty((b, t), dtype=dt)
+                self._read_windows(idx, scratch)
+                split_fields(
+                    scratch,
+                    b * t,
+                    dt.itemsize,
+                    [o for _, _, o in layout],
+                    [ft.itemsize for _, ft, _ in layout],
+                    outs,
+                )
+            sc = getattr(self._local, "scratch", None)
+            if sc is None:
+                sc = self._local.scratch = Scratch()
+            starts = (idx.astype(np.uint64) + np.uint64(self._lo)) * np.uint64(self.stride)
+            data, offsets = spans.read(starts, t, positions, alloc, sc)
+            return MetadataBatch(out, positions, RecordList(data, offsets, self.deserialize))
+        return self._read_per_token(idx, out, outs, positions, alloc)
+
+    def _read_per_token(
+        self,
+        idx: np.ndarray,
+        out: dict[str, np.ndarray],
+        outs: list[np.ndarray],
+        positions: np.ndarray,
+        alloc: Alloc,
+    ) -> MetadataBatch:
+        """Version 1's layout: a ``metadata_id`` in every row."""
+        meta = self.source.meta
+        assert meta is not None
+        b, t = len(idx), self.window
+        dt = self.source.dtype
+        layout = self._layout()
         ids = np.empty((b, t), dtype=np.uint32)
         assert dt.fields is not None
         scratch = np.empty((b, t), dtype=dt)
@@ -553,13 +614,63 @@ class StreamWithMetadata(_Windows):
             [ft.itemsize for _, ft, _ in layout] + [4],
             [*outs, ids],
         )
-        items, spans, blob_bytes = self.source.meta.gather(starts, t, ids, positions)
+        items, spans, blob_bytes = meta.gather(starts, t, ids, positions)
         blob = np.empty(int(blob_bytes), dtype=np.uint8)
-        self.source.meta.read(spans, blob)
-        raw = blob.tobytes()
-        de = self.deserialize
-        metadata = [
-            de(raw[o : o + n])
-            for o, n in zip(items["blob"].tolist(), items["length"].tolist(), strict=True)
-        ]
-        return MetadataBatch(out, positions, metadata)
+        meta.read(spans, blob)
+        data, offsets = compact_records(blob, items["blob"], items["length"], alloc)
+        return MetadataBatch(out, positions, RecordList(data, offsets, self.deserialize))
+
+
+class RecordList(Sequence[Any]):
+    """The records of a batch: one byte buffer and offsets, deserialized on access.
+
+    ``data`` (uint8) holds the records back to back; record ``k`` is
+    ``data[offsets[k]:offsets[k + 1]]`` (``offsets``: int64, ``len + 1``
+    values). ``records[k]`` passes those bytes through ``deserialize`` each
+    time it is read (O(size of the record)); ``len(records)`` and building the
+    list cost nothing per record. In the DataLoader's batches, ``data`` and
+    ``offsets`` are the batch's ``"metadata_bytes"``/``"metadata_offsets"``
+    tensors' memory.
+    """
+
+    __slots__ = ("data", "deserialize", "offsets")
+
+    def __init__(
+        self,
+        data: np.ndarray,
+        offsets: np.ndarray,
+        deserialize: Callable[[bytes], Any] = bytes,
+    ) -> None:
+        self.data = data
+        self.offsets = offsets
+        self.deserialize = deserialize
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def raw(self, k: int) -> bytes:
+        """Record ``k``'s bytes, not deserialized."""
+        n = len(self)
+        try:
+            i = operator.index(k)  # ints, NumPy integers, 0-d integer tensors
+        except TypeError:
+            raise TypeError(f"record indices must be integers, not {type(k).__name__}") from None
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError(f"record {k} is out of range for a batch of {n} records")
+        return self.data[int(self.offsets[j]) : int(self.offsets[j + 1])].tobytes()
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, slice):
+            return [self.deserialize(self.raw(j)) for j in range(*k.indices(len(self)))]
+        return self.deserialize(self.raw(k))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (RecordList, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"RecordList({len(self)} records, {len(self.data)} bytes)"

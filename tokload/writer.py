@@ -19,12 +19,14 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from tokload._meta import SPAN_DTYPE
 from tokload.errors import FormatError
 from tokload.format import (
+    DEFAULT_SPAN_BLOCK,
+    LAYOUTS,
     MANIFEST,
     METADATA_FIELD,
     NO_METADATA,
-    SHARD_FILES,
     Manifest,
     ShardInfo,
     check_dtype,
@@ -46,9 +48,15 @@ class Writer:
         path: the dataset directory (created if needed).
         dtype: the row dtype: a plain integer dtype (``"<u4"``) or a structured
             one with integer fields (``[("token", "<u4"), ("concept", "<u2")]``).
-            With ``metadata=True`` it must have a ``"<u4"`` field ``metadata_id``,
-            which the writer fills from the spans given to :meth:`write`.
-        metadata: write a stream with metadata (``.mdx``/``.mdb`` per shard).
+        metadata: write a stream with metadata: records in ``.mdx``/``.mdb``
+            per shard, attached to rows as ``metadata_layout`` says.
+        metadata_layout: ``"spans"`` (FORMAT.md version 2: a span table per
+            shard, 12 bytes per run of rows with one record, nothing per row)
+            or ``"per_token"`` (version 1: a ``"<u4"`` field ``metadata_id`` in
+            every row, which the writer fills). None (the default) decides
+            from the dtype: ``"per_token"`` when it has a ``metadata_id``
+            field, else ``"spans"``.
+        span_block: rows per entry of the span tables' block index (``"spans"``).
         shard_bytes: start a new shard before a document that would take the
             current one past this many bytes of rows (a single larger document
             still gets a shard of its own). Default 1 GiB.
@@ -70,6 +78,8 @@ class Writer:
         dtype: npt.DTypeLike = "<u4",
         *,
         metadata: bool = False,
+        metadata_layout: str | None = None,
+        span_block: int = DEFAULT_SPAN_BLOCK,
         shard_bytes: int = 1 << 30,
         mode: str = "w",
         name_prefix: str | None = None,
@@ -83,6 +93,27 @@ class Writer:
             raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
         self.dtype: np.dtype[Any] = np.dtype(dtype).newbyteorder("<")
         check_dtype(self.dtype, "Writer dtype")
+        has_field = METADATA_FIELD in (self.dtype.fields or {})
+        if metadata_layout is None:
+            metadata_layout = "per_token" if has_field else "spans"
+        if metadata_layout not in LAYOUTS:
+            raise ValueError(
+                f"metadata_layout must be one of {', '.join(map(repr, LAYOUTS))}, "
+                f"got {metadata_layout!r}"
+            )
+        if metadata and metadata_layout == "spans" and has_field:
+            raise ValueError(
+                f"metadata_layout='spans' keeps no {METADATA_FIELD!r} in the rows; "
+                f"drop the field from the dtype {self.dtype}"
+            )
+        if metadata and metadata_layout == "per_token" and not has_field:
+            raise FormatError(
+                f"Writer dtype: metadata_layout='per_token' needs a '<u4' field "
+                f"{METADATA_FIELD!r} in the dtype, got {self.dtype}"
+            )
+        if isinstance(span_block, bool) or not isinstance(span_block, int) or span_block < 1:
+            raise ValueError(f"span_block must be a positive integer, got {span_block!r}")
+        self.layout = metadata_layout if metadata else "per_token"
         self.shard_bytes = shard_bytes
         self.durable = durable
         self.path.mkdir(parents=True, exist_ok=True)
@@ -93,18 +124,30 @@ class Writer:
             )
         if exists:
             self.manifest = read_manifest(self.path)
-            if self.manifest.dtype != self.dtype or self.manifest.metadata != metadata:
+            m = self.manifest
+            if (
+                m.dtype != self.dtype
+                or m.metadata != metadata
+                or (metadata and m.metadata_layout != self.layout)
+            ):
                 raise FormatError(
-                    f"{self.path}: cannot append dtype={self.dtype}, metadata={metadata} to a "
-                    f"dataset of dtype={self.manifest.dtype}, metadata={self.manifest.metadata}"
+                    f"{self.path}: cannot append dtype={self.dtype}, metadata={metadata} "
+                    f"({self.layout}) to a dataset of dtype={m.dtype}, metadata={m.metadata} "
+                    f"({m.metadata_layout})"
                 )
+            span_block = m.span_block
             if not self.manifest.documents:
                 raise FormatError(f"{self.path}: the dataset has no document index to append to")
             if user:
                 self.manifest.user.update(user)
         else:
             self.manifest = Manifest(
-                dtype=self.dtype, documents=True, metadata=metadata, user=dict(user or {})
+                dtype=self.dtype,
+                documents=True,
+                metadata=metadata,
+                user=dict(user or {}),
+                metadata_layout=self.layout,
+                span_block=span_block,
             )
             self.manifest.check(str(self.path))
         self.metadata = metadata
@@ -143,7 +186,31 @@ class Writer:
         arr = self._convert(rows)
         n = len(arr)
         payloads: list[bytes] = []
-        if self.metadata:
+        runs: tuple[np.ndarray, np.ndarray] | None = None
+        if self.metadata and self.layout == "spans":
+            starts: list[int] = []
+            records: list[int] = []
+            end = 0
+            for k, (start, stop, payload) in enumerate(sorted(spans or (), key=lambda s: s[0])):
+                if not (0 <= start < stop <= n):
+                    raise ValueError(
+                        f"span [{start}, {stop}) is not a non-empty range within the document's "
+                        f"{n} rows"
+                    )
+                if start < end:
+                    raise ValueError(f"span [{start}, {stop}) overlaps another span")
+                if start > end:
+                    starts.append(end)
+                    records.append(NO_METADATA)
+                starts.append(start)
+                records.append(k)  # renumbered to shard ids below
+                end = stop
+                payloads.append(bytes(payload))
+            if end < n:
+                starts.append(end)
+                records.append(NO_METADATA)
+            runs = (np.array(starts, np.uint64), np.array(records, np.uint32))
+        elif self.metadata:
             ids = np.full(n, NO_METADATA, dtype=np.uint32)
             for k, (start, stop, payload) in enumerate(sorted(spans or (), key=lambda s: s[0])):
                 if not (0 <= start < stop <= n):
@@ -170,9 +237,13 @@ class Writer:
             self._close_shard()
             shard = None
         if shard is None:
-            shard = self._shard = _OpenShard(self.path, self._name(self._seq), self.metadata)
+            shard = self._shard = _OpenShard(
+                self.path, self._name(self._seq), self.manifest, self.durable
+            )
             self._seq += 1
-        if self.metadata:
+        if runs is not None:
+            shard.add_runs(runs[0], runs[1], n)
+        elif self.metadata:
             local = np.where(ids == NO_METADATA, ids, ids + np.uint32(shard.records))
             arr[METADATA_FIELD] = local
         shard.add(arr, payloads)
@@ -269,9 +340,10 @@ def _checked_cast(values: np.ndarray, dtype: np.dtype[Any], what: str) -> np.nda
 class _OpenShard:
     """The files of the shard being written, each with its running xxh3_64."""
 
-    def __init__(self, root: Path, name: str, metadata: bool) -> None:
+    def __init__(self, root: Path, name: str, manifest: Manifest, durable: bool = True) -> None:
         self.name = name
-        self.exts = SHARD_FILES if metadata else SHARD_FILES[:2]
+        self.exts = manifest.files()
+        self.block = manifest.span_block
         self.paths = [root / f"{name}.{ext}" for ext in self.exts]
         self.files: list[IO[bytes]] = [open(p, "xb", buffering=1 << 20) for p in self.paths]  # noqa: SIM115
         # The checksums are computed from the bytes as they are written: no second pass.
@@ -280,14 +352,49 @@ class _OpenShard:
         self.documents = 0
         self.records = 0
         self.meta_bytes = 0
+        self.runs = 0
+        self.blocks = 0  # block index entries written
+        self.last_start = 0  # the last run's start and record
+        self.last_record = 0
         first = np.zeros(1, _U64).tobytes()
         self._put(1, first)  # first document starts at row 0
-        if metadata:
+        if manifest.metadata:
             self._put(2, first)
 
     def _put(self, k: int, data: bytes | memoryview) -> None:
         self.files[k].write(data)
         self.hashes[k].update(data)
+
+    def add_runs(self, starts: np.ndarray, records: np.ndarray, n: int) -> None:
+        """The span table entries of the next document (``n`` rows), before :meth:`add`.
+
+        ``starts`` are local to the document, ``records`` to its spans (or none).
+        """
+        base = self.rows
+        starts = starts + np.uint64(base)
+        records = np.where(records == NO_METADATA, records, records + np.uint32(self.records))
+        if self.runs and len(records) and records[0] == NO_METADATA == self.last_record:
+            starts, records = starts[1:], records[1:]  # rows without metadata continue a run
+        first = self.runs - 1 if self.runs else 0
+        if self.runs:
+            # The run before the document is a candidate for its first blocks.
+            c_starts = np.concatenate([np.array([self.last_start], np.uint64), starts])
+        else:
+            c_starts = starts
+        if len(starts):
+            entries = np.empty(len(starts), SPAN_DTYPE)
+            entries["start"] = starts
+            entries["record"] = records
+            self._put(4, entries.tobytes())
+            self.runs += len(starts)
+            self.last_start, self.last_record = int(starts[-1]), int(records[-1])
+        # Block index entries for the blocks that begin inside the document.
+        top = -(-(base + n) // self.block)
+        if top > self.blocks:
+            at = np.arange(self.blocks, top, dtype=np.uint64) * np.uint64(self.block)
+            idx = np.searchsorted(c_starts, at, side="right").astype(np.int64) - 1
+            self._put(5, (idx + first).astype(_U64).tobytes())
+            self.blocks = top
 
     def add(self, rows: np.ndarray, payloads: list[bytes]) -> None:
         self._put(0, np.ascontiguousarray(rows).view(np.uint8).data)
@@ -303,6 +410,8 @@ class _OpenShard:
             self.meta_bytes = int(ends[-1])
 
     def finish(self, durable: bool) -> ShardInfo:
+        if "msx" in self.exts:
+            self._put(5, np.array([self.runs], _U64).tobytes())
         for f in self.files:
             f.flush()
             if durable:
@@ -310,7 +419,13 @@ class _OpenShard:
             f.close()
         checksums = {ext: h.hexdigest() for ext, h in zip(self.exts, self.hashes, strict=True)}
         return ShardInfo(
-            self.name, self.rows, self.documents, self.records, self.meta_bytes, checksums
+            self.name,
+            self.rows,
+            self.documents,
+            self.records,
+            self.meta_bytes,
+            checksums,
+            metadata_runs=self.runs,
         )
 
     def remove(self) -> None:
@@ -336,13 +451,25 @@ def merge(output: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str
         raise ValueError("merge needs at least one input dataset")
     manifests = [(Path(p), read_manifest(p)) for p in inputs]
     first = manifests[0][1]
-    merged = Manifest(dtype=first.dtype, documents=first.documents, metadata=first.metadata)
+    merged = Manifest(
+        dtype=first.dtype,
+        documents=first.documents,
+        metadata=first.metadata,
+        metadata_layout=first.metadata_layout,
+        span_block=first.span_block,
+    )
+
+    def shape(m: Manifest) -> tuple[Any, ...]:
+        layout = (m.metadata_layout, m.span_block if m.spans else None) if m.metadata else None
+        return (m.dtype, m.documents, m.metadata, layout)
+
     for path, m in manifests:
-        if (m.dtype, m.documents, m.metadata) != (first.dtype, first.documents, first.metadata):
+        if shape(m) != shape(first):
             raise FormatError(
                 f"{path}: dtype={m.dtype}, documents={m.documents}, metadata={m.metadata} "
-                f"differs from {manifests[0][0]}: dtype={first.dtype}, "
-                f"documents={first.documents}, metadata={first.metadata}"
+                f"(layout {shape(m)[3]}) differs from {manifests[0][0]}: dtype={first.dtype}, "
+                f"documents={first.documents}, metadata={first.metadata} "
+                f"(layout {shape(first)[3]})"
             )
         rel = os.path.relpath(path.resolve(), out.resolve())
         for s in m.shards:

@@ -1,0 +1,50 @@
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from tokload._io import FileSet, RowSet
+
+SPAN_NONE: int
+SPAN_ENTRY: int
+SPAN_DTYPE: np.dtype[Any]
+
+_Alloc: TypeAlias = Callable[[tuple[int, ...], Any], np.ndarray[Any, Any]]
+
+# Working memory of SpanSet.read, reused across batches (one per thread).
+class Scratch:
+    def __init__(self) -> None: ...
+    def nbytes(self) -> int: ...
+
+# The span tables (.msx block index, .mds runs) and records (.mdx, .mdb) of
+# a dataset's shards (FORMAT.md, version 2).
+class SpanSet:
+    rows: RowSet
+    block: int
+    def __init__(
+        self,
+        rows: RowSet,
+        block_files: FileSet,
+        run_files: FileSet,
+        index_files: FileSet,
+        data_files: FileSet,
+        runs: Sequence[int],
+        records: Sequence[int],
+        data_bytes: Sequence[int],
+        block: int,
+    ) -> None: ...
+    # Fills positions ([B, window] int32); returns (data uint8, offsets int64 [M + 1]),
+    # both made with alloc.
+    def read(
+        self,
+        starts: npt.ArrayLike,
+        window: int,
+        positions: npt.NDArray[np.int32],
+        alloc: _Alloc,
+        scratch: Scratch,
+    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]: ...
+
+def compact_records(
+    blob: npt.ArrayLike, item_blob: npt.ArrayLike, item_len: npt.ArrayLike, alloc: _Alloc
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]: ...
