@@ -32,6 +32,7 @@ from tokload.format import (
     check_dtype,
     fsync_dir,
     read_manifest,
+    read_regular,
     write_manifest,
 )
 
@@ -478,3 +479,151 @@ def merge(output: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str
         merged.user.setdefault("merged_from", []).append(rel)
     write_manifest(out, merged)
     return merged
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    layout: str = "spans",
+    *,
+    span_block: int = DEFAULT_SPAN_BLOCK,
+    durable: bool = True,
+) -> Manifest:
+    """Write a copy of a dataset with metadata in the other layout (FORMAT.md).
+
+    ``layout="spans"``: the rows lose their ``metadata_id`` field (the other
+    fields stay, as a structured dtype) and each shard gets a span table;
+    ``"per_token"``: the rows gain a ``metadata_id`` field (a plain dtype
+    becomes the field ``"tokens"``). Shards, documents and records stay as
+    they are, so a :class:`~tokload.StreamWithMetadata` of the copy gives the
+    same batches, bit for bit. Memory stays bounded (shards are streamed in
+    chunks). ``dst`` may not hold a dataset.
+
+    Returns the new manifest.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    root, out = Path(src), Path(dst)
+    m = read_manifest(root)
+    if not m.metadata or not m.documents:
+        raise FormatError(f"{root}: the dataset has no metadata (or no documents) to convert")
+    if m.metadata_layout == layout:
+        raise ValueError(f"{root}: the metadata already has layout {layout!r}")
+    old = m.dtype
+    if layout == "spans":
+        assert old.fields is not None
+        keep = [(n, old.fields[n][0].str) for n in old.names or () if n != METADATA_FIELD]
+        new: np.dtype[Any] = np.dtype(keep)
+    else:
+        fields = (
+            [("tokens", old.str)]
+            if old.fields is None
+            else [(n, old.fields[n][0].str) for n in old.names or ()]
+        )
+        new = np.dtype([*fields, (METADATA_FIELD, "<u4")])
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST).exists():
+        raise FileExistsError(17, "a dataset already exists here", str(out))
+    target = Manifest(
+        dtype=new,
+        documents=m.documents,
+        metadata=True,
+        user=dict(m.user),
+        metadata_layout=layout,
+        span_block=span_block,
+    )
+    names: set[str] = set()
+    for k, s in enumerate(m.shards):
+        name = os.path.basename(s.name)
+        if name in names:
+            name = f"c{k:05d}-{name}"
+        names.add(name)
+        target.shards.append(_convert_shard(root, s, m, out, name, target, durable))
+    if durable:
+        fsync_dir(out)
+    write_manifest(out, target)
+    return target
+
+
+_CHUNK_ROWS = 1 << 22
+
+
+def _convert_shard(
+    root: Path, s: ShardInfo, m: Manifest, out: Path, name: str, target: Manifest, durable: bool
+) -> ShardInfo:
+    shard = _OpenShard(out, name, target, durable)
+    try:
+        base = root / s.name
+        rows = (
+            np.memmap(f"{base}.rows", dtype=m.dtype, mode="r", shape=(s.rows,)) if s.rows else None
+        )
+        if target.spans:
+            assert m.dtype.fields is not None
+            names = [n for n in m.dtype.names or () if n != METADATA_FIELD]
+            last = None
+            starts: list[np.ndarray] = []
+            for a in range(0, s.rows, _CHUNK_ROWS):
+                assert rows is not None
+                chunk = rows[a : a + _CHUNK_ROWS]
+                packed = np.empty(len(chunk), target.dtype)
+                for n in names:
+                    packed[n] = chunk[n]
+                shard._put(0, packed.view(np.uint8).data)
+                ids = np.asarray(chunk[METADATA_FIELD])
+                change = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+                if last is None or ids[0] != last:
+                    change = np.concatenate([[0], change])
+                e = np.empty(len(change), SPAN_DTYPE)
+                e["start"] = change + a
+                e["record"] = ids[change]
+                shard._put(4, e.tobytes())
+                starts.append(e["start"].copy())
+                shard.runs += len(e)
+                last = ids[-1]
+            all_starts = np.concatenate(starts) if starts else np.zeros(0, np.uint64)
+            nblocks = -(-s.rows // target.span_block)
+            at = np.arange(nblocks, dtype=np.uint64) * np.uint64(target.span_block)
+            idx = np.searchsorted(all_starts, at, side="right") - 1
+            shard._put(5, idx.astype(_U64).tobytes())
+        else:
+            runs = (
+                np.fromfile(f"{base}.mds", dtype=SPAN_DTYPE)
+                if s.metadata_runs
+                else np.zeros(0, SPAN_DTYPE)
+            )
+            ends = np.append(runs["start"][1:], np.uint64(s.rows))
+            for a in range(0, s.rows, _CHUNK_ROWS):
+                assert rows is not None
+                chunk = np.asarray(rows[a : a + _CHUNK_ROWS])
+                packed = np.empty(len(chunk), target.dtype)
+                if m.dtype.fields is None:
+                    packed["tokens"] = chunk
+                else:
+                    for n in m.dtype.names or ():
+                        packed[n] = chunk[n]
+                b = a + len(chunk)
+                r0 = int(np.searchsorted(runs["start"], a, side="right")) - 1
+                r1 = int(np.searchsorted(runs["start"], b, side="left"))
+                lo = np.maximum(runs["start"][r0:r1], a)
+                hi = np.minimum(ends[r0:r1], b)
+                packed[METADATA_FIELD] = np.repeat(
+                    runs["record"][r0:r1], (hi - lo).astype(np.int64)
+                )
+                shard._put(0, packed.view(np.uint8).data)
+        # documents and records are copied as they are
+        for k, ext in ((1, "docs"), (2, "mdx")):
+            if ext == "docs" and not m.documents:
+                continue
+            data = read_regular(f"{base}.{ext}", f"shard .{ext} file")
+            shard._put(k, data[8:])  # _OpenShard wrote the first 0 already
+        with open(f"{base}.mdb", "rb") as mdb:
+            while chunk_b := mdb.read(8 << 20):
+                shard._put(3, chunk_b)
+        shard.rows, shard.documents = s.rows, s.documents
+        shard.records, shard.meta_bytes = s.metadata_records, s.metadata_bytes
+        return shard.finish(durable)
+    except BaseException:
+        for f in shard.files:
+            f.close()
+        shard.remove()
+        raise

@@ -1,0 +1,339 @@
+"""Streams with metadata in both layouts (FORMAT.md): a span table per shard
+(version 2) and a ``metadata_id`` in every row (version 1).
+
+Every window is checked against a pure-Python reference built from the
+documents and spans as written; the two layouts of the same data, and the
+conversions between them, give the same batches bit for bit through the
+DataLoader; damaged span tables raise CorruptDataError naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from harness import Segment, assert_exactly_once, run_segments
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokload import DataLoader, StreamWithMetadata, Writer
+from tokload.errors import CorruptDataError, FormatError
+from tokload.format import read_manifest
+from tokload.views import RecordList
+from tokload.writer import convert, merge
+
+Doc = tuple[np.ndarray, list[tuple[int, int, bytes]]]
+
+
+def make_docs(seed: int, ndocs: int = 120, maxlen: int = 300) -> list[Doc]:
+    rng = np.random.default_rng(seed)
+    docs: list[Doc] = []
+    for k in range(ndocs):
+        n = int(rng.integers(0, maxlen))
+        spans: list[tuple[int, int, bytes]] = []
+        pos = 0
+        while pos < n:
+            a = pos + int(rng.integers(0, 6))
+            b = min(n, a + int(rng.integers(1, 40)))
+            if a >= n:
+                break
+            spans.append((a, b, b"%d:%d" % (k, a) * int(rng.integers(0, 3))))  # some empty
+            pos = b
+        docs.append((rng.integers(0, 65535, n).astype(np.uint16), spans))
+    return docs
+
+
+def write(path: Path, docs: list[Doc], layout: str, **kw: Any) -> Path:
+    dtype: Any = "<u2" if layout == "spans" else [("tokens", "<u2"), ("metadata_id", "<u4")]
+    with Writer(path, dtype, metadata=True, **kw) as w:
+        for toks, spans in docs:
+            w.write(toks if layout == "spans" else {"tokens": toks}, spans=spans)
+    return path
+
+
+def reference(docs: list[Doc]) -> tuple[np.ndarray, list[bytes | None]]:
+    toks = np.concatenate([t for t, _ in docs])
+    recs: list[bytes | None] = []
+    for t, spans in docs:
+        r: list[bytes | None] = [None] * len(t)
+        for a, b, p in spans:
+            r[a:b] = [p] * (b - a)
+        recs += r
+    return toks, recs
+
+
+def check_against_reference(view: StreamWithMetadata, docs: list[Doc], idx: np.ndarray) -> None:
+    toks, recs = reference(docs)
+    b = view.read(idx)
+    assert isinstance(b.metadata, RecordList)
+    assert b.metadata.offsets[0] == 0 and len(b.metadata.data) == b.metadata.offsets[-1]
+    seen: list[bytes] = []
+    for k, i in enumerate(idx.tolist()):
+        s = i * view.stride
+        np.testing.assert_array_equal(b.fields["tokens"][k], toks[s : s + view.window])
+        got = [None if p < 0 else b.metadata[p] for p in b.positions[k].tolist()]
+        assert got == recs[s : s + view.window]
+        seen += [b.metadata.raw(p) for p in b.positions[k].tolist() if p >= 0]
+    # the records of the batch: distinct, in order of first appearance
+    assert len(b.metadata) == len(dict.fromkeys(p for p in b.positions.ravel().tolist() if p >= 0))
+    first = list(dict.fromkeys(p for p in b.positions.ravel().tolist() if p >= 0))
+    assert first == list(range(len(b.metadata)))
+
+
+@pytest.mark.parametrize("layout", ["spans", "per_token"])
+@pytest.mark.parametrize("block", [1, 7, 1024])
+def test_every_window_matches_the_reference(tmp_path: Path, layout: str, block: int) -> None:
+    docs = make_docs(1)
+    ds = write(tmp_path / "ds", docs, layout, shard_bytes=3000, span_block=block)
+    assert read_manifest(ds).version == (2 if layout == "spans" else 1)
+    for window, stride in ((97, 13), (1, 1), (700, 350)):
+        view = StreamWithMetadata(ds, window=window, stride=stride)
+        check_against_reference(view, docs, np.arange(len(view)))
+        rng = np.random.default_rng(window)
+        check_against_reference(view, docs, rng.integers(0, len(view), 40))  # repeats too
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    block=st.integers(1, 64),
+    shard_bytes=st.integers(40, 2000),
+    window=st.integers(1, 200),
+)
+def test_spans_property(
+    tmp_path_factory: pytest.TempPathFactory, seed: int, block: int, shard_bytes: int, window: int
+) -> None:
+    docs = make_docs(seed, ndocs=20, maxlen=120)
+    if sum(len(t) for t, _ in docs) < window:
+        return
+    ds = write(
+        tmp_path_factory.mktemp("p") / "ds",
+        docs,
+        "spans",
+        shard_bytes=shard_bytes,
+        span_block=block,
+    )
+    view = StreamWithMetadata(ds, window=window, stride=max(1, window // 3))
+    check_against_reference(view, docs, np.arange(len(view)))
+
+
+def loader_batches(ds: Path, **kw: Any) -> list[dict[str, Any]]:
+    view = StreamWithMetadata(ds, window=61, stride=17)
+    return list(DataLoader(view, 5, seed=3, epochs=2, **kw))
+
+
+def assert_same_batches(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert sorted(x) == sorted(y)
+        for key in x:
+            if key == "metadata":
+                assert list(x[key]) == list(y[key])
+            else:
+                assert x[key].dtype == y[key].dtype
+                assert np.array_equal(x[key].numpy(), y[key].numpy()), key
+
+
+def test_both_layouts_and_conversions_give_the_same_batches(tmp_path: Path) -> None:
+    docs = make_docs(2)
+    spans = write(tmp_path / "spans", docs, "spans", shard_bytes=4000, span_block=16)
+    old = write(tmp_path / "old", docs, "per_token", shard_bytes=4000)
+    to_old = tmp_path / "to_old"
+    to_new = tmp_path / "to_new"
+    convert(spans, to_old, "per_token")
+    convert(old, to_new, "spans", span_block=5)
+    assert read_manifest(to_new).version == 2 and read_manifest(to_old).version == 1
+    ref = loader_batches(spans)
+    for ds in (old, to_old, to_new):
+        assert_same_batches(ref, loader_batches(ds))
+    assert_same_batches(ref, loader_batches(spans, num_threads=2))
+    b = ref[0]
+    # the records travel as tensors too, and the lazy list reads them
+    offs = b["metadata_offsets"].numpy()
+    data = b["metadata_bytes"].numpy()
+    assert [data[offs[k] : offs[k + 1]].tobytes() for k in range(len(offs) - 1)] == list(
+        b["metadata"]
+    )
+
+    # the span table is what makes the new layout small
+    def size(p: Path, *exts: str) -> int:
+        return sum(f.stat().st_size for f in p.iterdir() if f.suffix in exts)
+
+    id_bytes = size(old, ".rows") - size(spans, ".rows")
+    assert id_bytes == 4 * sum(len(t) for t, _ in docs)
+    assert size(spans, ".mds", ".msx") < id_bytes / 2  # runs here average ~20 rows
+
+
+@pytest.mark.parametrize("layout", ["spans", "per_token"])
+def test_exactly_once_across_resumes(tmp_path: Path, layout: str) -> None:
+    ds = write(tmp_path / "ds", make_docs(3, ndocs=60), layout, shard_bytes=2000)
+    view = StreamWithMetadata(ds, window=31, stride=31)
+    n = len(view)
+
+    def make(**kw: Any) -> DataLoader:
+        return DataLoader(view, seed=5, epochs=2, prefetch=3, **kw)
+
+    segs = [Segment(2, 3, 4), Segment(3, 2, 5, num_threads=2), Segment(1, 4, None)]
+    got = run_segments(make, segs)
+    assert_exactly_once(got, n, 2 * n)
+    _, recs = reference(make_docs(3, ndocs=60))
+    for batch in got.batches.values():
+        for k, i in enumerate(batch["index"].tolist()):
+            pos = batch["metadata_positions"][k].tolist()
+            assert [None if p < 0 else batch["metadata"][p] for p in pos] == recs[
+                i * 31 : i * 31 + 31
+            ]
+
+
+def test_deserialize_runs_only_on_access(tmp_path: Path) -> None:
+    ds = write(tmp_path / "ds", make_docs(4), "spans")
+    calls: list[bytes] = []
+
+    def de(b: bytes) -> Any:
+        calls.append(b)
+        return json.dumps(b.decode())
+
+    view = StreamWithMetadata(ds, window=200, deserialize=de)
+    b = view.read(np.arange(len(view)))
+    assert len(b.metadata) > 10 and calls == []
+    assert b.metadata[3] == json.dumps(b.metadata.raw(3).decode()) and len(calls) == 1
+    assert b.metadata[-1] == de(b.metadata.raw(len(b.metadata) - 1))
+    with pytest.raises(IndexError, match=rf"record {len(b.metadata)} is out of range"):
+        b.metadata[len(b.metadata)]
+    with pytest.raises(TypeError, match="record indices must be integers, not str"):
+        b.metadata["x"]
+
+
+def test_writer_layout_rules(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="metadata_layout='spans' keeps no 'metadata_id'"):
+        Writer(
+            tmp_path / "a",
+            [("t", "<u2"), ("metadata_id", "<u4")],
+            metadata=True,
+            metadata_layout="spans",
+        )
+    with pytest.raises(FormatError, match="metadata_layout='per_token' needs a '<u4' field"):
+        Writer(tmp_path / "b", "<u2", metadata=True, metadata_layout="per_token")
+    with pytest.raises(ValueError, match="metadata_layout must be one of 'spans', 'per_token'"):
+        Writer(tmp_path / "c", "<u2", metadata=True, metadata_layout="dense")
+    with pytest.raises(ValueError, match="span_block must be a positive integer, got 0"):
+        Writer(tmp_path / "d", "<u2", metadata=True, span_block=0)
+    write(tmp_path / "e", make_docs(5, 3), "spans")
+    with pytest.raises(
+        FormatError, match=r"cannot append .*\(per_token\) to a dataset .*\(spans\)"
+    ):
+        Writer(tmp_path / "e", [("tokens", "<u2"), ("metadata_id", "<u4")], metadata=True, mode="a")
+    with (
+        pytest.raises(ValueError, match="span \\[4, 6\\) overlaps another span"),
+        Writer(tmp_path / "f", "<u2", metadata=True) as w,
+    ):
+        w.write(np.arange(10), spans=[(0, 5, b"x"), (4, 6, b"y")])
+
+
+def test_append_and_merge_keep_the_span_table(tmp_path: Path) -> None:
+    docs = make_docs(6, ndocs=40)
+    a = write(tmp_path / "a", docs[:20], "spans", span_block=8)
+    with Writer(a, "<u2", metadata=True, mode="a") as w:  # the block comes from the manifest
+        for t, s in docs[20:30]:
+            w.write(t, spans=s)
+    b = write(tmp_path / "b", docs[30:], "spans", span_block=8)
+    merge(tmp_path / "m", [a, b])
+    view = StreamWithMetadata(tmp_path / "m", window=50, stride=7)
+    check_against_reference(view, docs, np.arange(len(view)))
+    c = write(tmp_path / "c", docs[:2], "spans", span_block=9)
+    with pytest.raises(FormatError, match=r"\(layout \('spans', 9\)\) differs from"):
+        merge(tmp_path / "m2", [a, c])
+
+
+def _spans_dataset(tmp_path: Path) -> tuple[Path, Path, Path]:
+    ds = write(tmp_path / "ds", make_docs(7, ndocs=30), "spans", span_block=4)
+    shard = read_manifest(ds).shards[0].name
+    return ds, ds / f"{shard}.mds", ds / f"{shard}.msx"
+
+
+def _poke(path: Path, offset: int, value: int, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(value.to_bytes(size, "little"))
+
+
+def read_all(ds: Path) -> None:
+    view = StreamWithMetadata(ds, window=64, stride=64)
+    view.read(np.arange(len(view)))
+
+
+@pytest.mark.parametrize(
+    ("what", "poke", "message"),
+    [
+        (
+            "unsorted",
+            lambda mds, msx: _poke(mds, 12 * 3, 0, 8),
+            r"span table entry 3 starts at row 0",
+        ),
+        (
+            "out of range",
+            lambda mds, msx: _poke(mds, 12 * 2, 1 << 40, 8),
+            r"span table entry 2 starts at row 1099511627776: .* below the shard's \d+ rows",
+        ),
+        (
+            "record past the index",
+            lambda mds, msx: _poke(mds, 12 * 1 + 8, 100_000, 4),
+            r"span table entry 1 refers to record 100000, but the shard has \d+ metadata records",
+        ),
+        (
+            "block index",
+            lambda mds, msx: _poke(msx, 8 * 2, 1 << 50, 8),
+            r"block index entry 2 = 1125899906842624 is out of order or out of range",
+        ),
+    ],
+)
+def test_damaged_span_tables_name_the_file(
+    tmp_path: Path, what: str, poke: Any, message: str
+) -> None:
+    ds, mds, msx = _spans_dataset(tmp_path)
+    poke(mds, msx)
+    with pytest.raises(CorruptDataError, match=message) as e:
+        read_all(ds)
+    assert str(e.value).startswith(str(msx if what == "block index" else mds))
+
+
+def test_damaged_record_index_names_the_file(tmp_path: Path) -> None:
+    ds, mds, _ = _spans_dataset(tmp_path)
+    mdx = mds.with_suffix(".mdx")
+    _poke(mdx, 8 * 2, 1 << 45, 8)
+    with pytest.raises(CorruptDataError, match=rf"^{mdx}: metadata index entry 2 = 35184372088832"):
+        read_all(ds)
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"metadata_layout": "dense"}, r"'metadata_layout' must be one of 'spans', 'per_token'"),
+        ({"span_block": 0}, r"span_block must be positive"),
+        ({"span_block": "4"}, r"span_block must be a non-negative integer"),
+        ({"dtype": [["tokens", "<u2"], ["metadata_id", "<u4"]]}, r"has no 'metadata_id' field"),
+    ],
+)
+def test_bad_version_2_manifests(tmp_path: Path, patch: dict[str, Any], message: str) -> None:
+    ds, _, _ = _spans_dataset(tmp_path)
+    man = json.loads((ds / "manifest.json").read_text())
+    (ds / "manifest.json").write_text(json.dumps({**man, **patch}))
+    with pytest.raises(FormatError, match=message):
+        StreamWithMetadata(ds, window=8)
+
+
+def test_bad_run_counts_and_sizes(tmp_path: Path) -> None:
+    ds, _, _ = _spans_dataset(tmp_path)
+    man = json.loads((ds / "manifest.json").read_text())
+    man["shards"][0]["metadata_runs"] = man["shards"][0]["rows"] + 1
+    (ds / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(FormatError, match=r"metadata runs for \d+ rows"):
+        StreamWithMetadata(ds, window=8)
+    ds2, mds2, _ = _spans_dataset(tmp_path / "two")
+    os.truncate(mds2, mds2.stat().st_size - 1)
+    with pytest.raises(FormatError, match=rf"{mds2}: span table is \d+ bytes but the manifest"):
+        StreamWithMetadata(ds2, window=8)
