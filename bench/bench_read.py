@@ -142,3 +142,81 @@ for _ in range(1000):
         f"other syscalls in the read loop: {len(lines) - len(half)}"
     )
     assert tokens_reads
+
+
+# ---- issue 13: one run, the same tokens, every read kind and every layout ------------
+
+
+def measure_layouts(
+    root: Path, tokens: int = 8 << 20, doc: int = 2048, seconds: float = 1.0
+) -> dict[str, Any]:
+    """Tokens/s of random windows of 4097 in batches of 8 (warm cache) for
+    TokenStream, StreamWithMetadata (span table at 1 record per 10, 100 and
+    1,000 tokens; per-token ids at 1 per 100), Documents padded and packed,
+    and the on-disk size of each build of the same uint16 tokens."""
+    import time
+
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 65535, tokens).astype(np.uint16)
+    ndocs = tokens // doc
+    builds: dict[str, Path] = {}
+    with tokload.Writer(root / "tokens", "<u2") as w:
+        for d in range(ndocs):
+            w.write(toks[d * doc : (d + 1) * doc])
+    builds["tokens only"] = root / "tokens"
+    for every, layout in ((10, "spans"), (100, "spans"), (1000, "spans"), (100, "per_token")):
+        name = f"{layout} 1/{every}"
+        dt: Any = "<u2" if layout == "spans" else [("tokens", "<u2"), ("metadata_id", "<u4")]
+        with tokload.Writer(
+            root / name.replace("/", "-").replace(" ", "_"), dt, metadata=True
+        ) as w:
+            for d in range(ndocs):
+                t = toks[d * doc : (d + 1) * doc]
+                spans = [
+                    (a, min(doc, a + every), b"%08d" % (d * doc + a)) for a in range(0, doc, every)
+                ]
+                w.write(t if layout == "spans" else {"tokens": t}, spans=spans)
+        builds[name] = root / name.replace("/", "-").replace(" ", "_")
+
+    def rate(view: Any, read: Any) -> float:
+        n = len(view)
+        batches = [rng.integers(0, n, 8) for _ in range(64)]
+        for b in batches[:8]:
+            read(b)  # warm
+        done = 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for b in batches:
+                done += read(b)
+        return done / (time.perf_counter() - t0)
+
+    res: dict[str, Any] = {"rates": {}, "sizes": {}}
+    ts = tokload.TokenStream(builds["tokens only"], window=WINDOW)
+    res["rates"]["TokenStream"] = rate(ts, lambda b: ts.read(b).size)
+    for name in ("spans 1/10", "spans 1/100", "spans 1/1000", "per_token 1/100"):
+        v = tokload.StreamWithMetadata(builds[name], window=WINDOW)
+        res["rates"][f"StreamWithMetadata {name}"] = rate(
+            v, lambda b, v=v: v.read(b).positions.size
+        )
+    dp = tokload.Documents(builds["tokens only"])
+    res["rates"]["Documents padded"] = rate(dp, lambda b: int(dp.read_padded(b)[1].sum()))
+    res["rates"]["Documents packed"] = rate(dp, lambda b: int(dp.read(b).offsets[-1]))
+    for name, p in builds.items():
+        res["sizes"][name] = sum(f.stat().st_size for f in p.iterdir() if f.name != "manifest.json")
+    return res
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        out = measure_layouts(Path(d))
+    base = out["rates"]["TokenStream"]
+    for k, v in out["rates"].items():
+        print(f"{k:40s} {v / 1e6:9.1f} M tokens/s  {100 * v / base:6.1f}%")
+    tok = out["sizes"]["tokens only"]
+    for k, v in out["sizes"].items():
+        print(f"{k:40s} {v / 1e6:9.2f} MB  +{100 * (v - tok) / tok:6.1f}%")
+    json.dump(out, sys.stderr)
