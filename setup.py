@@ -7,7 +7,9 @@ Environment switches:
     TOKLOAD_DEBUG=1       -O0 -g, asserts on, Cython bounds and wraparound checks, and
                           the I/O engine's fault injection (tokload._io._set_fault_injection).
     TOKLOAD_SANITIZE=...  with TOKLOAD_DEBUG: -fsanitize=... (e.g. "address,undefined");
-                          run Python with LD_PRELOAD=$(gcc -print-file-name=libasan.so).
+                          run Python with LD_PRELOAD="$(gcc -print-file-name=libasan.so)
+                          $(gcc -print-file-name=libstdc++.so)" (without libstdc++, ASan
+                          aborts at torch's first C++ exception) and ASAN_OPTIONS=detect_leaks=0.
     TOKLOAD_ANNOTATE=1    write Cython's HTML annotation next to each .pyx.
     TOKLOAD_NATIVE=1      -march=native (a local build only: never for a wheel).
 """
