@@ -90,10 +90,10 @@ def test_an_interrupted_build_resumes_to_the_same_result(tmp_path: Path) -> None
     out = tmp_path / "resumed"
     meta_build(inputs, out)
     # As if the build was killed: one part gone, another half-written.
-    shutil.rmtree(out / "parts" / "00002")
-    (out / "parts" / "00003.tmp").mkdir()
-    (out / "parts" / "00003.tmp" / "garbage.rows").write_bytes(b"x" * 10)
-    shutil.rmtree(out / "parts" / "00003")
+    shutil.rmtree(out / "parts" / "00002-00000")
+    (out / "parts" / "00003-00000.tmp").mkdir()
+    (out / "parts" / "00003-00000.tmp" / "garbage.rows").write_bytes(b"x" * 10)
+    shutil.rmtree(out / "parts" / "00003-00000")
     (out / "manifest.json").unlink()
     summary = meta_build(inputs, out, workers=2)
     assert summary.built == 2 and summary.inputs == 5

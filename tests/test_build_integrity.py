@@ -98,8 +98,8 @@ def test_input_list_changed(tmp_path: Path) -> None:
     # b dropped: part 1 now comes from c (rebuilt), part 2 is gone
     s = run([a, c], out)
     assert (s.built, s.removed) == (1, 1)
-    assert "1 stale parts removed" in str(s)
-    assert sorted(p.name for p in (out / "parts").iterdir()) == ["00000", "00001"]
+    assert "1 stale chunks removed" in str(s)
+    assert sorted(p.name for p in (out / "parts").iterdir()) == ["00000-00000", "00001-00000"]
     fresh_equals([a, c], out, tmp_path)
     assert read_manifest(out).user["inputs"] == [str(a), str(c)]
     # an input sorting after the others: only its part is built
@@ -144,18 +144,33 @@ def test_the_part_records_what_it_was_built_from(tmp_path: Path) -> None:
     out = tmp_path / "ds"
     run([src], out, keep_fields=["text"])
     for i, name in enumerate(["a.jsonl.gz", "b.jsonl", "c.parquet", "d.txt"]):
-        rec = read_manifest(out / "parts" / f"{i:05d}").user["build"]
+        rec = read_manifest(out / "parts" / f"{i:05d}-00000").user["build"]
         p = src / name
         st = p.stat()
+        data = p.read_bytes()
         assert rec["input"] == {
             "path": str(p.resolve()),
             "size": st.st_size,
             "mtime_ns": st.st_mtime_ns,
-            "sha256": hashlib.sha256(p.read_bytes()).hexdigest(),  # of the bytes on disk
+        }
+        if name.endswith(".parquet"):
+            # one row group: everything between the magic "PAR1" and the footer
+            footer = int.from_bytes(data[-8:-4], "little")
+            covered, unit, end = data[4 : len(data) - 8 - footer], "row_groups", 1
+        else:
+            covered, unit, end = data, ("bytes" if name == "b.jsonl" else "file"), len(data)
+        assert rec["chunk"] == {
+            "index": 0,
+            "count": 1,
+            "unit": unit,
+            "start": 0,
+            "end": end,
+            "sha256": hashlib.sha256(covered).hexdigest(),  # of the bytes on disk
         }
         assert rec["options"]["keep_fields"] == ["text"]
         assert rec["tokenizer"]["kind"] == "bytes"
-        assert rec["format_version"] == 1 and rec["dtype"] == "<u2"
+        assert rec["format_version"] == tokload.format.FORMAT_VERSION
+        assert rec["dtype"] == "<u2" and rec["builder"] == 2
 
 
 def test_part_token_counts_with_metadata(tmp_path: Path) -> None:
@@ -164,7 +179,7 @@ def test_part_token_counts_with_metadata(tmp_path: Path) -> None:
     s = run(inputs, out, keep_fields=["id"], annotations_field="spans")
     total = 0
     for i in range(2):
-        part = out / "parts" / f"{i:05d}"
+        part = out / "parts" / f"{i:05d}-00000"
         stats = read_manifest(part).user["stats"]
         rows = tokload.open_dataset(part).num_rows
         assert stats == {"documents": 30, "tokens": rows, "skipped": {}}
@@ -183,7 +198,7 @@ def test_a_failed_rebuild_leaves_no_manifest_over_stale_parts(tmp_path: Path) ->
         run(inputs, out)
     # the old part 1 is gone, its temporary directory too, and no manifest lists anything
     assert not (out / "manifest.json").exists()
-    assert sorted(p.name for p in (out / "parts").iterdir()) == ["00000", "00002"]
+    assert sorted(p.name for p in (out / "parts").iterdir()) == ["00000-00000", "00002-00000"]
     with pytest.raises(tokload.MissingShardError, match="no tokload manifest here"):
         tokload.open_dataset(out)
     # skip: built now, and a switch back to "stop" rebuilds (and fails) that part only
@@ -203,15 +218,15 @@ def test_leftovers_of_a_crash_are_removed_and_unrecorded_parts_rebuilt(tmp_path:
     out = tmp_path / "ds"
     run(inputs, out)
     # a crash while removing a stale part, a part from before build records, a stray temp
-    (out / "parts" / "00001.1234abcd.old").mkdir()
-    (out / "parts" / "00001.1234abcd.old" / "junk.rows").write_bytes(b"x")
-    m = read_manifest(out / "parts" / "00000")
+    (out / "parts" / "00001-00000.1234abcd.old").mkdir()
+    (out / "parts" / "00001-00000.1234abcd.old" / "junk.rows").write_bytes(b"x")
+    m = read_manifest(out / "parts" / "00000-00000")
     del m.user["build"]
-    tokload.format.write_manifest(out / "parts" / "00000", m)
-    (out / "parts" / "00007.tmp").mkdir()
+    tokload.format.write_manifest(out / "parts" / "00000-00000", m)
+    (out / "parts" / "00007-00000.tmp").mkdir()
     s = run(inputs, out)
     assert (s.built, s.removed) == (1, 2)
-    assert sorted(p.name for p in (out / "parts").iterdir()) == ["00000", "00001"]
+    assert sorted(p.name for p in (out / "parts").iterdir()) == ["00000-00000", "00001-00000"]
     fresh_equals(inputs, out, tmp_path)
 
 

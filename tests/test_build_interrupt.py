@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -109,7 +110,7 @@ def _interrupt(corpus: Path, out: Path, workers: int, group: bool) -> None:
     # Nothing half-written: no manifest, no temporary part, every part complete.
     assert not (out / "manifest.json").exists()
     for part in (out / "parts").iterdir():
-        assert part.name.isdigit(), f"left behind: {part}"
+        assert re.fullmatch(r"\d{5}-\d{5}", part.name), f"left behind: {part}"
         tokload.open_dataset(part).close()
         assert read_manifest(part).user["build"]["input"]["sha256"]
 
@@ -131,7 +132,7 @@ def test_an_interrupted_build_resumes(corpus: Path, tmp_path: Path) -> None:
     p = _start(corpus, out, 2)
     stdout, err = p.communicate(timeout=120)
     assert p.returncode == 0, err
-    assert f"from {FILES} inputs ({FILES - done} built now)" in stdout
+    assert f"from {FILES} inputs in {FILES} chunks ({FILES - done} built now)" in stdout
     src = tokload.open_dataset(out)
     assert src.num_documents == FILES * DOCS
     assert tokload.tools.verify(out) == []

@@ -141,14 +141,25 @@ def _parser() -> argparse.ArgumentParser:
         "build",
         "tokenize JSONL / Parquet / text files into a dataset",
         "Tokenize JSONL (.jsonl/.json/.ndjson, optionally .gz/.bz2/.xz/.zst), Parquet, or\n"
-        "plain-text files into a tokload dataset, one part per input under OUTPUT/parts.\n\n"
-        "Re-running on the same OUTPUT rebuilds exactly the parts whose input (path, size,\n"
+        "plain-text files into a tokload dataset. Every input is split into chunks built\n"
+        "independently (OUTPUT/parts/IIIII-CCCCC): uncompressed JSONL into byte ranges of\n"
+        "about --chunk-size that start at line starts, Parquet into runs of whole row\n"
+        "groups; a compressed file (.gz, .bz2, .xz, .zst cannot be entered in the middle)\n"
+        "and a plain-text file are one chunk each. The output is the same bytes whatever\n"
+        "-j, --part or --ray.\n\n"
+        "Re-running on the same OUTPUT rebuilds exactly the chunks whose input (path, size,\n"
         "modification time), tokenizer or options changed, reuses the others, and removes\n"
-        "the parts of inputs past the end of the input list. A tokenizer.json is copied\n"
-        "into OUTPUT. Ctrl+C stops the build (exit 130) leaving no half-written part or\n"
-        "manifest; the same command resumes it.",
+        "the chunks of inputs past the end of the input list. A tokenizer.json is copied\n"
+        "into OUTPUT. Ctrl+C stops the build (exit 130) leaving no half-written chunk or\n"
+        "manifest; the same command resumes from the finished chunks, also within one\n"
+        "large file.",
         "tokload build data/*.jsonl.gz -o corpus --tokenizer tokenizer.json -j 8 \\\n"
-        "    --keep-field id --annotations concepts --on-error skip",
+        "    --keep-field id --annotations concepts --on-error skip\n"
+        "# on a Ray cluster (inputs and OUTPUT on a shared filesystem):\n"
+        "tokload build /shared/data -o /shared/corpus --tokenizer tokenizer.json --ray auto\n"
+        "# in a Slurm array of 16 jobs, then joined by manifest:\n"
+        "tokload build data -o part-$SLURM_ARRAY_TASK_ID --part $SLURM_ARRAY_TASK_ID/16\n"
+        "tokload merge corpus part-{0..15}",
     )
     b.add_argument("inputs", nargs="+", help="files, globs or directories")
     b.add_argument("-o", "--output", required=True, help="the dataset directory")
@@ -171,10 +182,36 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--bos", action="store_true", help="add BOS before each document")
     b.add_argument("--no-eos", dest="eos", action="store_false", help="no EOS after each document")
     b.add_argument(
-        "-j", "--workers", type=_count(1), default=1, help="processes building in parallel"
+        "-j",
+        "--workers",
+        type=_count(1),
+        default=1,
+        help="processes building chunks in parallel (each tokenizer gets cores/j threads)",
     )
     b.add_argument(
-        "--part", type=_part, help="k/N: build only the k-th of N slices of the inputs (k from 0)"
+        "--part",
+        type=_part,
+        help="k/N: build only the k-th of N slices of all inputs' chunks (k from 0); "
+        "'tokload merge' joins the parts",
+    )
+    b.add_argument(
+        "--ray",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="ADDRESS",
+        help="run the chunks as Ray tasks (pip install 'tokload[ray]'): on the cluster at "
+        "ADDRESS ('auto': the one this machine belongs to), or, without ADDRESS, on "
+        "RAY_ADDRESS's or a new local instance; inputs and OUTPUT on a shared filesystem",
+    )
+    b.add_argument(
+        "--chunk-size",
+        type=_size,
+        default=64 << 20,
+        dest="chunk_bytes",
+        metavar="SIZE",
+        help="split uncompressed JSONL and Parquet inputs into chunks of about this size "
+        "(default: 64M)",
     )
     b.add_argument(
         "--on-error",
@@ -315,6 +352,8 @@ def _run(args: argparse.Namespace, started: float) -> int:
             part=args.part,
             on_error=args.on_error,
             shard_bytes=args.shard_bytes,
+            chunk_bytes=args.chunk_bytes,
+            ray=args.ray,
             progress=args.progress,
         )
         print(f"tokload build: {summary}")

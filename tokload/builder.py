@@ -1,29 +1,42 @@
 """From raw text to a dataset: ``tokload build`` as a function.
 
 Inputs (JSONL, optionally gzip/bz2/xz/zstd-compressed; Parquet; or any other
-file as one plain-text document) are expanded and sorted, and input ``i`` is
-built, by whichever worker process takes it, into its own part dataset
-``OUT/parts/iiiii`` (shards named ``in{i:05d}-*``). A part is written in a
-temporary directory and renamed when complete. Nothing depends on the number
-of workers or on ``--part k/N`` slicing: the same inputs always give the same
-files.
+file as one plain-text document) are expanded, sorted, and split into
+**chunks** that can be built independently: an uncompressed JSONL file into
+byte ranges of about ``chunk_bytes`` whose starts are moved forward to the
+next line start, a Parquet file into runs of whole row groups of about
+``chunk_bytes``, and a compressed file (which cannot be entered in the
+middle) or a plain-text document into one chunk. Where the chunks fall
+depends only on the input's bytes and ``chunk_bytes``. Chunk ``c`` of input
+``i`` is built, by whichever worker process, ``--part`` job or Ray task
+takes it, into its own dataset ``OUT/parts/iiiii-ccccc`` (shards named
+``in{i:05d}-{c:05d}-*``), written in a temporary directory and renamed when
+complete. So the same inputs always give the same files, whatever the number
+of workers or machines.
 
-Build integrity: each part's manifest records, under ``user["build"]``, what
+Build integrity: each chunk's manifest records, under ``user["build"]``, what
 it was built from: the input's identity (absolute path, size, modification
-time, and the SHA-256 of the bytes read, computed while reading), the
-tokenizer's SHA-256 and every option that changes the output. A re-run
-reuses a part only when that record equals what this run would build,
-rebuilds the others, and removes parts whose input index is past the end of
-the input list. The top-level manifest is removed before any part changes and
-written last, so it never lists a part that is missing or stale. A
-``tokenizer.json`` is copied into the dataset (``OUT/tokenizer.json``), so the
-dataset can be decoded wherever it travels.
+time), the chunk's range and the SHA-256 of the input bytes it covers
+(computed while reading), the tokenizer's SHA-256 and every option that
+changes the output. A re-run reuses a chunk only when that record equals what
+this run would build, rebuilds the others, and removes chunks that are no
+longer in the plan. The top-level manifest is removed before any chunk
+changes and written last, so it never lists a chunk that is missing or stale.
+A ``tokenizer.json`` is copied into the dataset (``OUT/tokenizer.json``), so
+the dataset can be decoded wherever it travels.
 
 Per-document metadata (fields kept from each record) and character-span
 annotations become metadata records (FORMAT.md, stream with metadata): each
 maximal run of tokens covered by the same annotations gets one record, the
 JSON ``{"document": {kept fields}, "annotations": [annotation without start
 and end, ...]}`` (empty parts omitted, keys sorted).
+
+Speed: each worker hands the tokenizer batches of texts (Rust, GIL free;
+with several workers each tokenizer gets ``cores // workers`` threads, so
+they do not oversubscribe the machine), JSON is parsed with ``orjson`` where
+installed, token ids and character offsets cross from the tokenizer as one
+flat array per batch, and BOS/EOS insertion and annotation mapping are NumPy
+operations over the batch.
 """
 
 from __future__ import annotations
@@ -66,7 +79,7 @@ from tokload.format import (
 )
 from tokload.tokenizer import (
     TOKENIZER_FILE,
-    Encoded,
+    EncodedBatch,
     Tokenizer,
     copy_tokenizer,
     dataset_copy_is_current,
@@ -76,12 +89,27 @@ from tokload.tokenizer import (
 )
 from tokload.writer import Writer
 
+
+def _json_loads() -> Callable[[bytes], Any]:
+    """orjson's ``loads`` where installed (about 4x faster than json's), else json's."""
+    try:
+        import orjson
+    except ImportError:  # pragma: no cover - depends on the environment
+        return json.loads
+    return orjson.loads
+
+
+_fast_loads = _json_loads()
+
 PARTS = "parts"
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 """Bumped whenever the builder would write different bytes for the same input and options."""
 
+DEFAULT_CHUNK_BYTES = 64 << 20
 _BATCH_DOCS = 256
+_BATCH_CHARS = 4 << 20
 _READ_CHUNK = 1 << 20
+_REPORT_BYTES = 4 << 20
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _COMPRESSED: dict[str, Callable[..., Any]] = {
     ".gz": gzip.open,
@@ -110,6 +138,7 @@ class BuildOptions:
     eos: bool = True
     on_error: str = "stop"
     shard_bytes: int = 1 << 30
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     @property
     def metadata(self) -> bool:
@@ -125,6 +154,41 @@ class BuildOptions:
             "eos": self.eos,
             "on_error": self.on_error,
             "shard_bytes": self.shard_bytes,
+            "chunk_bytes": self.chunk_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One independently built piece of one input.
+
+    ``unit`` says what ``[start, end)`` counts: ``"bytes"`` (a JSONL byte
+    range, both ends at line starts), ``"row_groups"`` (Parquet) or
+    ``"file"`` (the whole file: compressed JSONL, a plain-text document).
+    ``size`` is the number of input bytes it covers (for progress).
+    """
+
+    input: int
+    path: str
+    index: int
+    count: int
+    unit: str
+    start: int
+    end: int
+    size: int
+    identity: tuple[int, int]  # the input's (size, mtime_ns) when planned
+
+    @property
+    def name(self) -> str:
+        return f"{self.input:05d}-{self.index:05d}"
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "count": self.count,
+            "unit": self.unit,
+            "start": self.start,
+            "end": self.end,
         }
 
 
@@ -133,8 +197,9 @@ class BuildSummary:
     """What a build (or a part of one) produced."""
 
     inputs: int = 0
-    built: int = 0  # inputs built by this call (the others were reused, unchanged)
-    removed: int = 0  # parts of inputs no longer in the input list, removed
+    chunks: int = 0
+    built: int = 0  # chunks built by this call (the others were reused, unchanged)
+    removed: int = 0  # chunk directories no longer in the plan, removed
     documents: int = 0
     tokens: int = 0
     shards: int = 0
@@ -146,11 +211,11 @@ class BuildSummary:
         skipped = sum(self.skipped.values())
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items()))
         extra = f", skipped {skipped} ({reasons})" if skipped else ""
-        removed = f", {self.removed} stale parts removed" if self.removed else ""
+        removed = f", {self.removed} stale chunks removed" if self.removed else ""
         return (
             f"{self.documents:,} documents, {self.tokens:,} tokens in {self.shards} shards "
-            f"({self.bytes / 1e6:.1f} MB) from {self.inputs} inputs ({self.built} built now"
-            f"{removed}) in {self.seconds:.1f} s{extra}"
+            f"({self.bytes / 1e6:.1f} MB) from {self.inputs} inputs in {self.chunks} chunks "
+            f"({self.built} built now{removed}) in {self.seconds:.1f} s{extra}"
         )
 
 
@@ -206,6 +271,8 @@ def build(
     part: str | tuple[int, int] | None = None,
     on_error: str = "stop",
     shard_bytes: int = 1 << 30,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ray: bool | str | None = None,
     progress: bool | None = None,
 ) -> BuildSummary:
     """Tokenize a corpus into a tokload dataset at ``output``.
@@ -222,21 +289,28 @@ def build(
         tokenizer: ``"bytes"`` (built in) or the path of a ``tokenizer.json``,
             which is copied to ``output/tokenizer.json``.
         bos, eos: add the tokenizer's BOS / EOS token around each document.
-        workers: processes building inputs in parallel.
+        workers: processes building chunks in parallel (ignored with ``ray``).
         part: ``"k/N"``: build only the k-th of N contiguous slices of the
-            inputs (``tokload merge`` joins the parts).
+            chunks of all inputs (``tokload merge`` joins the parts).
         on_error: ``"stop"`` raises :class:`BuildError` at the first bad
             record; ``"skip"`` skips it and counts it, per reason, in the summary.
         shard_bytes: shard size limit.
+        chunk_bytes: the size of the chunks uncompressed JSONL and Parquet
+            inputs are split into (compressed inputs are one chunk each).
+        ray: run the chunks as Ray tasks: ``True`` for ``ray.init()`` (an
+            existing instance, ``RAY_ADDRESS``, or a new local one), or a
+            cluster address. Inputs and ``output`` must be on a filesystem
+            every node sees.
         progress: show a progress bar (default: when stderr is a terminal).
 
-    Re-running on the same ``output`` rebuilds exactly the parts whose input
-    (path, size, modification time), tokenizer or options differ from what
-    they record, and removes the parts of inputs past the end of the input
-    list. On any exception, ``KeyboardInterrupt`` included, the worker
-    processes are stopped and the unfinished parts' temporary directories
-    removed; the top-level manifest is then absent (it is written last), and
-    the same call resumes.
+    The output files depend only on the inputs and the options, never on
+    ``workers``, ``part`` or ``ray``. Re-running on the same ``output``
+    rebuilds exactly the chunks whose input (path, size, modification time),
+    tokenizer or options differ from what they record, and removes chunks
+    no longer in the plan. On any exception, ``KeyboardInterrupt``
+    included, the workers are stopped and the unfinished chunks' temporary
+    directories removed; the top-level manifest is then absent (it is written
+    last), and the same call resumes from the finished chunks.
 
     Raises:
         UsageError: an argument is wrong (``workers < 1``, a bad ``part``, an
@@ -252,6 +326,8 @@ def build(
         raise UsageError(f"workers must be at least 1, got {workers}")
     if shard_bytes < 1:
         raise UsageError(f"shard_bytes must be positive, got {shard_bytes}")
+    if chunk_bytes < 1:
+        raise UsageError(f"chunk_bytes must be positive, got {chunk_bytes}")
     k, n = parse_part(part)
     out = Path(output)
     if out.exists() and not out.is_dir():
@@ -267,7 +343,9 @@ def build(
     files = expand_inputs(inputs)
     if not files:
         raise UsageError("no input files (the directories given are empty)")
-    lo, hi = k * len(files) // n, (k + 1) * len(files) // n
+    plan = plan_chunks(files, chunk_bytes)
+    lo, hi = k * len(plan) // n, (k + 1) * len(plan) // n
+    mine = plan[lo:hi]
     (out / PARTS).mkdir(parents=True, exist_ok=True)
     tok_record = dataset_record(tok)
     opts = BuildOptions(
@@ -279,6 +357,7 @@ def build(
         eos,
         on_error,
         shard_bytes,
+        chunk_bytes,
     )
     base = {
         "builder": BUILDER_VERSION,
@@ -287,38 +366,42 @@ def build(
         "dtype": token_dtype(tok.vocab_size).str,
         "options": opts.record(),
     }
-    todo = [i for i in range(lo, hi) if not _up_to_date(out / PARTS / f"{i:05d}", base, files[i])]
-    stale = _stale_parts(out / PARTS, len(files))
+    todo = [c for c in mine if not _up_to_date(out / PARTS / c.name, base, c)]
+    stale = _stale_parts(out / PARTS, plan, mine)
     if todo or stale or not dataset_copy_is_current(tok, out):
         # From here on the dataset changes: no manifest may list it until the end.
         (out / MANIFEST).unlink(missing_ok=True)
     copy_tokenizer(tok, out)
     for d in stale:
         _remove_dir(d)
-    for i in todo:
-        _remove_dir(out / PARTS / f"{i:05d}.tmp")
-        _remove_dir(out / PARTS / f"{i:05d}")
-    total_bytes = sum(files[i].stat().st_size for i in todo)
-    bar = _progress(progress, total_bytes)
-    summary = BuildSummary(inputs=hi - lo, built=len(todo), removed=len(stale))
-    tasks = [(i, str(files[i]), opts, str(out), base) for i in todo]
+    for c in todo:
+        _remove_dir(out / PARTS / f"{c.name}.tmp")
+        _remove_dir(out / PARTS / c.name)
+    bar = _progress(progress, sum(c.size for c in todo))
+    touched = sorted({c.input for c in mine})
+    summary = BuildSummary(inputs=len(touched), chunks=len(mine), built=len(todo))
+    summary.removed = len(stale)
+    # Biggest first, so that no big chunk starts last and leaves the other workers idle.
+    tasks = [(c, opts, str(out), base) for c in sorted(todo, key=lambda c: -c.size)]
     try:
-        if workers == 1 or len(todo) <= 1:
-            for task in tasks:
-                bar.update(_build_input(*task))
+        if ray is not None and ray is not False and todo:
+            _run_ray(tasks, None if ray is True else str(ray), bar.update)
+        elif workers == 1 or len(todo) <= 1:
+            for c, o, out_s, b in tasks:
+                bar.update(_build_chunk(c, o, out_s, b, report=bar.update))
         else:
             _run_pool(tasks, min(workers, len(todo)), bar.update)
     except BaseException:
-        for i in todo:  # a worker stopped mid-part leaves its temporary directory
-            _remove_dir(out / PARTS / f"{i:05d}.tmp")
+        for c in todo:  # a worker stopped mid-chunk leaves its temporary directory
+            _remove_dir(out / PARTS / f"{c.name}.tmp")
         raise
     finally:
         bar.close()
-    manifest = _assemble(out, opts, tok, tok_record, files, lo, hi)
+    manifest = _assemble(out, opts, tok_record, tok.vocab_size, files, mine)
     open_dataset(out).close()  # the manifest agrees with the files (sizes only: cheap)
     skipped: Counter[str] = Counter()
-    for i in range(lo, hi):
-        stats = read_manifest(out / PARTS / f"{i:05d}").user.get("stats", {})
+    for c in mine:
+        stats = read_manifest(out / PARTS / c.name).user.get("stats", {})
         skipped.update(stats.get("skipped", {}))
     summary.documents = manifest.num_documents
     summary.tokens = manifest.rows
@@ -329,13 +412,122 @@ def build(
     return summary
 
 
-def _identity(path: Path) -> dict[str, Any]:
-    st = os.stat(path)
-    return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+# ---- planning: inputs into chunks -------------------------------------------------------
 
 
-def _up_to_date(part: Path, base: dict[str, Any], path: Path) -> bool:
-    """Whether ``part`` is complete and was built from ``path`` as it is now, with ``base``."""
+def _kind(path: Path) -> str:
+    suffixes = path.suffixes
+    base = (
+        suffixes[-2]
+        if len(suffixes) >= 2 and suffixes[-1] in (*_COMPRESSED, ".zst")
+        else path.suffix
+    )
+    if base in _JSONL_SUFFIXES:
+        return "jsonl"
+    if path.suffix == ".parquet":
+        return "parquet"
+    return "text"
+
+
+def _compressed(path: Path) -> bool:
+    return path.suffix in _COMPRESSED or path.suffix == ".zst"
+
+
+def plan_chunks(files: Sequence[Path], chunk_bytes: int) -> list[Chunk]:
+    """Every input's chunks, in input order; a pure function of the inputs' bytes.
+
+    Reads a few bytes at each nominal boundary of an uncompressed JSONL input
+    (to find the next line start) and a Parquet input's footer; nothing else.
+    """
+    plan: list[Chunk] = []
+    for i, path in enumerate(files):
+        try:
+            st = os.stat(path)
+            ident = (st.st_size, st.st_mtime_ns)
+            kind = _kind(path)
+            if kind == "jsonl" and not _compressed(path):
+                bounds = _line_bounds(path, st.st_size, chunk_bytes)
+                spans = [("bytes", a, b, b - a) for a, b in itertools.pairwise(bounds)]
+            elif kind == "parquet":
+                spans = _row_group_spans(path, chunk_bytes)
+            else:
+                spans = [("file", 0, st.st_size, st.st_size)]
+        except OSError as e:
+            raise BuildError(f"{path}: cannot read the input: {e.strerror or e}") from None
+        for c, (unit, a, b, size) in enumerate(spans):
+            plan.append(Chunk(i, str(path), c, len(spans), unit, a, b, size, ident))
+    return plan
+
+
+def _line_bounds(path: Path, size: int, chunk_bytes: int) -> list[int]:
+    """``[0, b1, ..., size]``: each nominal boundary ``k * chunk_bytes`` moved
+    forward to the next line start (a line longer than a chunk merges chunks)."""
+    bounds = [0]
+    with open(path, "rb") as f:
+        for nominal in range(chunk_bytes, size, chunk_bytes):
+            if nominal <= bounds[-1]:
+                continue
+            pos = nominal - 1  # a line starts at `nominal` if the byte before it ends one
+            f.seek(pos)
+            while True:
+                block = f.read(1 << 16)
+                if not block:
+                    pos = size
+                    break
+                j = block.find(b"\n")
+                if j >= 0:
+                    pos += j + 1
+                    break
+                pos += len(block)
+            if pos >= size:
+                break
+            bounds.append(pos)
+    if size > 0 or len(bounds) == 1:
+        bounds.append(size)
+    return bounds
+
+
+def _row_group_spans(path: Path, chunk_bytes: int) -> list[tuple[str, int, int, int]]:
+    """Runs of consecutive row groups of about ``chunk_bytes`` (compressed) each."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise BuildError(f"{path}: reading Parquet needs the 'pyarrow' package") from None
+    try:
+        meta = pq.ParquetFile(str(path)).metadata
+    except pa.ArrowException as e:
+        raise BuildError(f"{path}: unreadable Parquet: {e}") from None
+    sizes = [_row_group_range(meta, g) for g in range(meta.num_row_groups)]
+    spans: list[tuple[str, int, int, int]] = []
+    g0, acc = 0, 0
+    for g, (a, b) in enumerate(sizes):
+        acc += b - a
+        if acc >= chunk_bytes or g == len(sizes) - 1:
+            spans.append(("row_groups", g0, g + 1, acc))
+            g0, acc = g + 1, 0
+    return spans or [("row_groups", 0, 0, 0)]
+
+
+def _row_group_range(meta: Any, g: int) -> tuple[int, int]:
+    """The byte range ``[a, b)`` of the file holding row group ``g``'s column chunks."""
+    rg = meta.row_group(g)
+    lo, hi = None, 0
+    for j in range(rg.num_columns):
+        col = rg.column(j)
+        start = col.data_page_offset
+        if col.has_dictionary_page and col.dictionary_page_offset is not None:
+            start = min(start, col.dictionary_page_offset)
+        lo = start if lo is None else min(lo, start)
+        hi = max(hi, start + col.total_compressed_size)
+    return (lo or 0, hi)
+
+
+# ---- integrity: what is up to date, what is stale ---------------------------------------
+
+
+def _up_to_date(part: Path, base: dict[str, Any], chunk: Chunk) -> bool:
+    """Whether ``part`` is complete and was built from ``chunk`` as it is now, with ``base``."""
     try:
         m = read_manifest(part)
     except (TokloadError, OSError, ValueError):
@@ -348,30 +540,50 @@ def _up_to_date(part: Path, base: dict[str, Any], path: Path) -> bool:
     stats = m.user.get("stats")
     skipped_none = isinstance(stats, dict) and not stats.get("skipped")
     if skipped_none and isinstance(got.get("options"), dict):
-        # A part that skipped nothing is the same whether bad records stop or are skipped.
+        # A chunk that skipped nothing is the same whether bad records stop or are skipped.
         got["options"] = {**got["options"], "on_error": want["options"]["on_error"]}
-    recorded_input = rec.get("input")
-    if not isinstance(recorded_input, dict):
+    recorded_input, recorded_chunk = rec.get("input"), rec.get("chunk")
+    if not isinstance(recorded_input, dict) or not isinstance(recorded_chunk, dict):
         return False
-    same_input = {key: recorded_input.get(key) for key in ("path", "size", "mtime_ns")}
-    return bool(got == want and same_input == _identity(path))
+    same_input = [recorded_input.get(key) for key in ("path", "size", "mtime_ns")]
+    same_chunk = {key: recorded_chunk.get(key) for key in chunk.record()}
+    return bool(
+        got == want
+        and same_input == [os.path.abspath(chunk.path), *chunk.identity]
+        and same_chunk == chunk.record()
+    )
 
 
-def _stale_parts(parts: Path, n_inputs: int) -> list[Path]:
-    """Part directories (finished, temporary or half-removed) of inputs past ``n_inputs``."""
+def _stale_parts(parts: Path, plan: list[Chunk], mine: list[Chunk]) -> list[Path]:
+    """Directories under ``parts`` that no longer belong: chunks (finished, temporary
+    or half-removed) of inputs past the end of the input list, chunks of the inputs
+    this build touches that are not in their plan, and parts of the old one-per-input
+    layout. Chunks of inputs this build does not touch (other ``--part`` slices) stay."""
+    planned = {c.name for c in plan}
+    touched = {c.input for c in mine}
+    n_inputs = plan[-1].input + 1 if plan else 0
     stale = []
     for d in parts.iterdir():
         stem = d.name.split(".")[0]
-        if stem.isdigit() and (int(stem) >= n_inputs or d.name.endswith(".old")):
+        fields = stem.split("-")
+        if not all(f.isdigit() for f in fields) or len(fields) > 2:
+            continue
+        i = int(fields[0])
+        if (
+            d.name.endswith(".old")
+            or i >= n_inputs
+            or (i in touched and (len(fields) == 1 or stem not in planned))
+            or (d.name.endswith(".tmp") and i in touched)
+        ):
             stale.append(d)
     return sorted(stale)
 
 
 def _remove_dir(d: Path) -> None:
-    """Remove a part directory so that no crash leaves it looking complete.
+    """Remove a chunk directory so that no crash leaves it looking complete.
 
     The directory is first renamed (atomically) to ``*.old``, which no reader
-    or re-run takes for a part, then deleted.
+    or re-run takes for a chunk, then deleted.
     """
     if not d.exists():
         return
@@ -385,36 +597,39 @@ def _remove_dir(d: Path) -> None:
 def _assemble(
     out: Path,
     opts: BuildOptions,
-    tok: Tokenizer,
     tok_record: dict[str, Any],
+    vocab_size: int,
     files: list[Path],
-    lo: int,
-    hi: int,
+    mine: list[Chunk],
 ) -> Manifest:
-    """The top-level manifest: the parts' shards in input order."""
-    tdt = token_dtype(tok.vocab_size)
+    """The top-level manifest: the chunks' shards in input and chunk order."""
+    tdt = token_dtype(vocab_size)
     dtype: Any = [("token", tdt.str), (METADATA_FIELD, "<u4")] if opts.metadata else tdt
     m = Manifest(dtype=np.dtype(dtype), documents=True, metadata=opts.metadata)
-    for i in range(lo, hi):
-        p = read_manifest(out / PARTS / f"{i:05d}")
-        # the part's shards, checksums and all, under their path from the top
-        m.shards.extend(dataclasses.replace(s, name=f"{PARTS}/{i:05d}/{s.name}") for s in p.shards)
+    for c in mine:
+        p = read_manifest(out / PARTS / c.name)
+        # the chunk's shards, checksums and all, under their path from the top
+        m.shards.extend(dataclasses.replace(s, name=f"{PARTS}/{c.name}/{s.name}") for s in p.shards)
+    touched = sorted({c.input for c in mine})
     m.user = {
         "built_by": "tokload build",
         "options": {**opts.record(), "tokenizer": tok_record.get("file", tok_record["kind"])},
         "tokenizer": tok_record,
-        "inputs": [str(files[i]) for i in range(lo, hi)],
-        "input_range": [lo, hi],
+        "inputs": [str(files[i]) for i in touched],
+        "input_range": [touched[0], touched[-1] + 1] if touched else [0, 0],
+        "chunk_range": [mine[0].input, mine[0].index, mine[-1].input, mine[-1].index + 1]
+        if mine
+        else [],
     }
     write_manifest(out, m)
     return m
 
 
-# ---- worker processes ------------------------------------------------------------------
+# ---- local worker processes -------------------------------------------------------------
 
 
 def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[[int], None]) -> None:
-    """Run ``_build_input`` over ``tasks`` in ``workers`` processes; stop them all on any error.
+    """Run ``_build_chunk`` over ``tasks`` in ``workers`` processes; stop them all on any error.
 
     The workers are started with SIGINT ignored (an ignored signal stays ignored
     across ``exec``, and Python then installs no handler of its own), so a
@@ -422,9 +637,12 @@ def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[[int]
     terminates them: no worker prints a traceback, none outlives the build.
     SIGINT is blocked meanwhile, so one that arrives while they start stays
     pending here (Linux keeps a blocked signal pending even while ignored)
-    and is raised as soon as they have started.
+    and is raised as soon as they have started. Workers report the bytes
+    they have read through a queue, so the progress bar moves within chunks.
     """
     ctx = mp.get_context("spawn")
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    progress = ctx.SimpleQueue()
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread:
         # Start multiprocessing's resource tracker first: starting it unblocks SIGINT.
@@ -434,20 +652,27 @@ def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[[int]
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         old_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        pool = ctx.Pool(workers, initializer=_init_worker)
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(progress, threads))
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, old_handler)
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+    def drain() -> None:
+        while not progress.empty():
+            update(progress.get())
+
     try:
         results = pool.imap_unordered(_build_task, tasks)
         while True:
+            drain()
             try:
                 update(results.next(timeout=0.2))
             except mp.TimeoutError:
                 continue
             except StopIteration:
                 break
+        drain()
     except BaseException:
         pool.terminate()
         pool.join()
@@ -456,12 +681,72 @@ def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[[int]
     pool.join()
 
 
-def _init_worker() -> None:
+_REPORT: Callable[[int], None] | None = None
+
+
+def _set_threads(threads: int) -> None:
+    """Size the tokenizer's thread pool (read once, at its first parallel batch)."""
+    os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if threads > 1 else "false")
+
+
+def _init_worker(progress: Any, threads: int) -> None:
+    global _REPORT
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _set_threads(threads)
+    _REPORT = progress.put
 
 
-def _build_task(task: tuple[Any, ...]) -> int:
-    return _build_input(*task)
+def _build_task(task: tuple[Chunk, BuildOptions, str, dict[str, Any]]) -> int:
+    chunk, opts, out_s, base = task
+    return _build_chunk(chunk, opts, out_s, base, report=_REPORT)
+
+
+# ---- Ray --------------------------------------------------------------------------------
+
+
+def _run_ray(
+    tasks: list[tuple[Any, ...]], address: str | None, update: Callable[[int], None]
+) -> None:
+    """Run the chunks as Ray tasks (one CPU each), on the cluster at ``address``.
+
+    An instance this process already started (``ray.init`` before the build)
+    is used as it is. Progress moves as chunks finish. On any error the
+    remaining tasks are cancelled and the error of the chunk re-raised as it
+    was (a :class:`BuildError` naming the file and line, not Ray's wrapper).
+    """
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("--ray needs the 'ray' package: pip install 'tokload[ray]'") from None
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    remote = ray.remote(num_cpus=1)(_ray_task)
+    pending = {remote.remote(*task): task[0].size for task in tasks}
+    try:
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayTaskError as e:
+                    cause = getattr(e, "cause", None)
+                    if isinstance(cause, BaseException):
+                        raise cause from None
+                    raise
+                update(pending.pop(ref))
+    except BaseException:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        with contextlib.suppress(Exception):
+            ray.wait(list(pending), num_returns=len(pending), timeout=5)
+        raise
+
+
+def _ray_task(chunk: Chunk, opts: BuildOptions, out_s: str, base: dict[str, Any]) -> int:
+    _set_threads(1)  # Ray gives this task one CPU
+    _build_chunk(chunk, opts, out_s, base)
+    return chunk.size
 
 
 # ---- progress -------------------------------------------------------------------------
@@ -485,82 +770,95 @@ def _progress(enabled: bool | None, total: int) -> Any:
     return tqdm(total=total, unit="B", unit_scale=True, desc="tokload build", smoothing=0.1)
 
 
-# ---- reading inputs ---------------------------------------------------------------------
+# ---- reading a chunk ---------------------------------------------------------------------
 
 
-class _HashingReader(io.RawIOBase):
-    """A raw reader that feeds every byte it returns to a hash: the input's
-    content hash costs no second pass over the file."""
+class _RangeReader(io.RawIOBase):
+    """A raw reader of ``limit`` bytes of ``f`` that feeds every byte it returns
+    to a hash and counts them: the chunk's content hash costs no second pass."""
 
-    def __init__(self, f: IO[bytes], h: Any) -> None:
+    def __init__(self, f: IO[bytes], limit: int | None, h: Any) -> None:
         self._f = f
+        self._left = limit
         self.hash = h
+        self.count = 0
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b: Any) -> int:
-        n = self._f.readinto(b)  # type: ignore[attr-defined]
+        view = memoryview(b)
+        if self._left is not None:
+            view = view[: self._left]
+        n = int(self._f.readinto(view) or 0)  # type: ignore[attr-defined]
         if n:
-            self.hash.update(memoryview(b)[:n])
-        return int(n or 0)
-
-    def close(self) -> None:
-        self._f.close()
-        super().close()
+            self.hash.update(view[:n])
+            self.count += n
+            if self._left is not None:
+                self._left -= n
+        return n
 
 
 class _Input:
-    """One input file opened once: its identity and the hash of the bytes read from it."""
+    """One chunk's input opened once: checked against the plan, hashed as it is read."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, chunk: Chunk) -> None:
+        self.chunk = chunk
+        self.path = Path(chunk.path)
         self.hash = hashlib.sha256()
-        self._raw = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        self._raw = open(self.path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
         st = os.fstat(self._raw.fileno())
-        self.identity: dict[str, Any] = {
-            "path": os.path.abspath(path),
-            "size": st.st_size,
-            "mtime_ns": st.st_mtime_ns,
-        }
+        if (st.st_size, st.st_mtime_ns) != chunk.identity:
+            self._raw.close()
+            raise BuildError(
+                f"{self.path}: changed while the build was running (size or modification "
+                "time); run the build again"
+            )
+        self.reader: _RangeReader | None = None
 
-    def binary(self) -> IO[bytes]:
-        return io.BufferedReader(_HashingReader(self._raw, self.hash), _READ_CHUNK)
+    def binary(self, start: int = 0, end: int | None = None) -> IO[bytes]:
+        self._raw.seek(start)
+        self.reader = _RangeReader(self._raw, None if end is None else end - start, self.hash)
+        return io.BufferedReader(self.reader, _READ_CHUNK)
+
+    def consumed(self) -> int:
+        return self.reader.count if self.reader is not None else 0
 
     def record(self) -> dict[str, Any]:
-        return {**self.identity, "sha256": self.hash.hexdigest()}
+        size, mtime = self.chunk.identity
+        return {"path": os.path.abspath(self.path), "size": size, "mtime_ns": mtime}
 
     def close(self) -> None:
         self._raw.close()
 
 
-def _open_text(inp: _Input) -> IO[str]:
-    path = inp.path
-    suffix = path.suffix
+def _open_lines(inp: _Input) -> IO[bytes]:
+    path, chunk = inp.path, inp.chunk
+    if chunk.unit == "bytes":
+        return inp.binary(chunk.start, chunk.end)
     raw = inp.binary()
-    if suffix in _COMPRESSED:
-        return io.TextIOWrapper(_COMPRESSED[suffix](raw, "rb"), encoding="utf-8")
-    if suffix == ".zst":
+    if path.suffix in _COMPRESSED:
+        return io.BufferedReader(_COMPRESSED[path.suffix](raw, "rb"), _READ_CHUNK)
+    if path.suffix == ".zst":
         try:
             import zstandard
         except ImportError:
             raise BuildError(f"{path}: reading .zst needs the 'zstandard' package") from None
-        return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw), encoding="utf-8")
-    return io.TextIOWrapper(raw, encoding="utf-8")
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw), _READ_CHUNK)
+    return raw
 
 
-def _kind(path: Path) -> str:
-    suffixes = path.suffixes
-    base = (
-        suffixes[-2]
-        if len(suffixes) >= 2 and suffixes[-1] in (*_COMPRESSED, ".zst")
-        else path.suffix
-    )
-    if base in _JSONL_SUFFIXES:
-        return "jsonl"
-    if path.suffix == ".parquet":
-        return "parquet"
-    return "text"
+def _lines_before(path: Path, offset: int) -> int:
+    """Newlines in the first ``offset`` bytes (only to name a bad line: never on the hot path)."""
+    n = 0
+    with open(path, "rb") as f:
+        while offset > 0:
+            block = f.read(min(offset, _READ_CHUNK))
+            if not block:
+                break
+            n += block.count(b"\n")
+            offset -= len(block)
+    return n
 
 
 # Why a record is skipped: one key per reason, whatever the details of the message.
@@ -574,19 +872,29 @@ ANNOTATION_OUTSIDE = "annotation outside the text"
 UNREADABLE = "unreadable input"
 
 Record = tuple[int, dict[str, Any] | None, tuple[str, str] | None]
-"""(line, record, (reason key, message)) of one input record."""
+"""(line, record, (reason key, message)) of one input record; lines count from the chunk's
+first (1) and rows from the file's first."""
+
+
+def _parse_line(line: bytes) -> Any:
+    try:
+        return _fast_loads(line)
+    except ValueError:
+        # orjson is stricter (NaN, lone surrogates) and words errors its own way:
+        # json decides, and words the error.
+        return json.loads(line)
 
 
 def _records(inp: _Input, text_field: str) -> Iterator[Record]:
-    path = inp.path
+    path, chunk = inp.path, inp.chunk
     kind = _kind(path)
     if kind == "jsonl":
-        with _open_text(inp) as f:
+        with _open_lines(inp) as f:
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
-                    rec = json.loads(line)
+                    rec = _parse_line(line)
                 except (ValueError, RecursionError) as e:
                     detail = (
                         f"{e.msg} at column {e.colno}"
@@ -609,15 +917,24 @@ def _records(inp: _Input, text_field: str) -> Iterator[Record]:
             import pyarrow.parquet as pq
         except ImportError:
             raise BuildError(f"{path}: reading Parquet needs the 'pyarrow' package") from None
-        # One pass over the disk: hash the mapped file, then Parquet reads the cached pages.
+        # One pass over the disk: hash the chunk's row groups, then Parquet reads cached pages.
         with pa.memory_map(str(path)) as mf:
-            while chunk := mf.read_buffer(_READ_CHUNK * 16):
-                if not chunk.size:
-                    break
-                inp.hash.update(memoryview(chunk))
-            mf.seek(0)
-            row = 0
-            for batch in pq.ParquetFile(mf).iter_batches(batch_size=1024):
+            pf = pq.ParquetFile(mf)
+            meta = pf.metadata
+            groups = range(chunk.start, chunk.end)
+            for g in groups:
+                a, b = _row_group_range(meta, g)
+                mf.seek(a)
+                while a < b:
+                    buf = mf.read_buffer(min(b - a, _READ_CHUNK * 16))
+                    if not buf.size:
+                        break
+                    inp.hash.update(memoryview(buf))
+                    a += buf.size
+            row = sum(meta.row_group(g).num_rows for g in range(chunk.start))
+            if not groups:
+                return
+            for batch in pf.iter_batches(batch_size=1024, row_groups=list(groups)):
                 for rec in batch.to_pylist():
                     row += 1
                     yield row, rec, None
@@ -641,32 +958,53 @@ def _read_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-# ---- building one input ------------------------------------------------------------------
+# ---- building one chunk ------------------------------------------------------------------
 
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
 
 
-def _build_input(i: int, path_s: str, opts: BuildOptions, out_s: str, base: dict[str, Any]) -> int:
-    """Build input i into OUT/parts/iiiii (via a temporary directory); returns its size."""
-    path, out = Path(path_s), Path(out_s)
+def _build_chunk(
+    chunk: Chunk,
+    opts: BuildOptions,
+    out_s: str,
+    base: dict[str, Any],
+    report: Callable[[int], None] | None = None,
+) -> int:
+    """Build ``chunk`` into OUT/parts/iiiii-ccccc (via a temporary directory).
+
+    Calls ``report`` with the input bytes read, every few MB; returns the rest
+    of the chunk's size, so the reports and the return value add up to it.
+    """
+    path, out = Path(chunk.path), Path(out_s)
     tok = _TOKENIZERS.get(opts.tokenizer)
     if tok is None:
         tok = _TOKENIZERS[opts.tokenizer] = load_tokenizer(opts.tokenizer)
     tdt = token_dtype(tok.vocab_size)
     dtype: Any = [("token", tdt.str), (METADATA_FIELD, "<u4")] if opts.metadata else tdt
-    tmp = out / PARTS / f"{i:05d}.tmp"
-    final = out / PARTS / f"{i:05d}"
+    tmp = out / PARTS / f"{chunk.name}.tmp"
+    final = out / PARTS / chunk.name
+    _remove_dir(tmp)  # left by a task that died (a Ray retry)
     skipped: Counter[str] = Counter()
-    docs = tokens = 0
+    docs = tokens = reported = 0
+    first_line = 0
 
-    def fail(where: str, reason: str, message: str) -> None:
+    def where(line: int) -> str:
+        nonlocal first_line
+        if chunk.unit != "bytes":
+            return f"{path}:{line}"
+        if chunk.start and not first_line:
+            first_line = _lines_before(path, chunk.start)
+        return f"{path}:{first_line + line}"
+
+    def fail(line: int | None, reason: str, message: str) -> None:
         if opts.on_error == "stop":
-            raise BuildError(f"{where}: {message} (on_error='skip' skips such records)")
+            at = str(path) if line is None else where(line)
+            raise BuildError(f"{at}: {message} (on_error='skip' skips such records)")
         skipped[reason] += 1
 
     try:
-        inp = _Input(path)
+        inp = _Input(chunk)
     except OSError as e:
         raise BuildError(f"{path}: cannot open the input: {e.strerror or e}") from None
     with (
@@ -676,115 +1014,154 @@ def _build_input(i: int, path_s: str, opts: BuildOptions, out_s: str, base: dict
             dtype,
             metadata=opts.metadata,
             shard_bytes=opts.shard_bytes,
-            name_prefix=f"in{i:05d}",
-            user={"input": str(path)},
+            name_prefix=f"in{chunk.name}",
+            user={"input": str(path), "chunk": chunk.index},
         ) as w,
     ):
         pending: list[tuple[int, str, dict[str, Any]]] = []
+        pending_chars = 0
 
         def flush() -> None:
-            nonlocal docs, tokens
+            nonlocal docs, tokens, pending_chars, reported
             if not pending:
                 return
-            encs = tok.encode_batch([t for _, t, _ in pending])
-            for (line, text, rec), enc in zip(pending, encs, strict=True):
-                ids, spans, err = _document(enc, text, rec, opts, tok)
-                if err is not None:
-                    fail(f"{path}:{line}", *err)
-                    continue
-                w.write({"token": ids} if opts.metadata else ids, spans=spans)
+            texts = [t for _, t, _ in pending]
+            batch = tok.encode_many(texts, offsets=opts.annotations_field is not None)
+            ids, bounds = _with_bos_eos(batch, opts, tok, tdt)
+            offsets = batch.offsets
+            for d, (line, text, rec) in enumerate(pending):
+                doc = ids[bounds[d] : bounds[d + 1]]
+                spans = None
+                if opts.metadata:
+                    span_offsets = (
+                        None if offsets is None else offsets[batch.bounds[d] : batch.bounds[d + 1]]
+                    )
+                    spans, err = _spans(len(doc), span_offsets, text, rec, opts)
+                    if err is not None:
+                        fail(line, *err)
+                        continue
+                w.write({"token": doc} if opts.metadata else doc, spans=spans)
                 docs += 1
-                tokens += len(ids)
+                tokens += len(doc)
             pending.clear()
+            pending_chars = 0
+            if report is not None and inp.consumed() - reported >= _REPORT_BYTES:
+                n = min(inp.consumed(), chunk.size) - reported
+                report(n)
+                reported += n
 
         try:
             for line, rec, err in _records(inp, opts.text_field):
                 if err is not None:
-                    fail(f"{path}:{line}", *err)
+                    fail(line, *err)
                     continue
                 assert rec is not None
                 text = rec.get(opts.text_field)
                 if not isinstance(text, str):
                     if text is None:
-                        fail(f"{path}:{line}", NO_TEXT, f"no text field {opts.text_field!r}")
+                        fail(line, NO_TEXT, f"no text field {opts.text_field!r}")
                     else:
                         fail(
-                            f"{path}:{line}",
+                            line,
                             TEXT_NOT_STRING,
                             f"field {opts.text_field!r} is a {type(text).__name__}, not a string",
                         )
                     continue
                 pending.append((line, text, rec))
-                if len(pending) >= _BATCH_DOCS:
+                pending_chars += len(text)
+                if len(pending) >= _BATCH_DOCS or pending_chars >= _BATCH_CHARS:
                     flush()
             flush()
         except _read_errors() as e:
             if isinstance(e, BuildError):
                 raise
-            fail(str(path), UNREADABLE, f"unreadable: {e}")
+            fail(None, UNREADABLE, f"unreadable: {e}")
         w.manifest.user["stats"] = {
             "documents": docs,
             "tokens": tokens,
             "skipped": dict(sorted(skipped.items())),
         }
-        w.manifest.user["build"] = {**base, "input": inp.record()}
-    os.replace(tmp, final)  # the part is complete: publish it
-    return int(inp.identity["size"])  # progress counts whole inputs
+        w.manifest.user["build"] = {
+            **base,
+            "input": inp.record(),
+            "chunk": {**chunk.record(), "sha256": inp.hash.hexdigest()},
+        }
+    os.replace(tmp, final)  # the chunk is complete: publish it
+    return chunk.size - reported
 
 
-def _document(
-    enc: Encoded, text: str, rec: dict[str, Any], opts: BuildOptions, tok: Tokenizer
-) -> tuple[Any, list[tuple[int, int, bytes]] | None, tuple[str, str] | None]:
-    """The token ids and metadata spans of one document, or (reason, message)."""
-    ids, offsets = enc.ids, enc.offsets
-    n_text = len(text)
+def _with_bos_eos(
+    batch: EncodedBatch, opts: BuildOptions, tok: Tokenizer, dtype: np.dtype[Any]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's ids with BOS/EOS around each text, as ``dtype``, and the new bounds."""
+    extra = int(opts.bos) + int(opts.eos)
+    lengths = np.diff(batch.bounds)
+    bounds = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths + extra, out=bounds[1:])
+    if not extra:
+        return batch.ids.astype(dtype), bounds
+    out = np.empty(int(bounds[-1]), dtype=dtype)
+    body = np.ones(len(out), dtype=bool)
     if opts.bos:
-        ids = np.concatenate([[tok.bos_id], ids])
-        offsets = np.concatenate([[[0, 0]], offsets])
+        out[bounds[:-1]] = tok.bos_id
+        body[bounds[:-1]] = False
     if opts.eos:
-        ids = np.concatenate([ids, [tok.eos_id]])
-        offsets = np.concatenate([offsets, [[n_text, n_text]]])
-    if not opts.metadata:
-        return ids, None, None
-    doc_meta = {f: rec.get(f) for f in opts.keep_fields}
+        out[bounds[1:] - 1] = tok.eos_id
+        body[bounds[1:] - 1] = False
+    out[body] = batch.ids  # ids < vocab_size: the cast cannot overflow
+    return out, bounds
+
+
+def _spans(
+    n_tokens: int,
+    offsets: np.ndarray | None,
+    text: str,
+    rec: dict[str, Any],
+    opts: BuildOptions,
+) -> tuple[list[tuple[int, int, bytes]] | None, tuple[str, str] | None]:
+    """The metadata spans of one document (``n_tokens`` with BOS/EOS), or (reason, message).
+
+    ``offsets`` are the character spans of the text's own tokens (without
+    BOS/EOS); an annotation ``[s, e)`` covers the tokens that end after ``s``
+    and start before ``e``, found for all annotations of the document in
+    two ``searchsorted`` calls.
+    """
+    n_text = len(text)
     anns: list[tuple[int, int, dict[str, Any]]] = []
     raw = rec.get(opts.annotations_field) if opts.annotations_field else None
     if raw is not None and not isinstance(raw, list):
-        return (
-            None,
-            None,
-            (
-                ANNOTATIONS_NOT_LIST,
-                f"field {opts.annotations_field!r} is not a list of annotations",
-            ),
+        return None, (
+            ANNOTATIONS_NOT_LIST,
+            f"field {opts.annotations_field!r} is not a list of annotations",
         )
-    for a in raw or []:
-        if (
-            not isinstance(a, dict)
-            or not isinstance(a.get("start"), int)
-            or not isinstance(a.get("end"), int)
-        ):
-            return (
-                None,
-                None,
-                (ANNOTATION_NO_SPAN, f"an annotation without integer start/end: {a!r}"),
-            )
-        s, e = a["start"], a["end"]
-        if not 0 <= s < e <= n_text:
-            return (
-                None,
-                None,
-                (
+    if raw:
+        for a in raw:
+            if (
+                not isinstance(a, dict)
+                or not isinstance(a.get("start"), int)
+                or not isinstance(a.get("end"), int)
+            ):
+                return None, (
+                    ANNOTATION_NO_SPAN,
+                    f"an annotation without integer start/end: {a!r}",
+                )
+            s, e = a["start"], a["end"]
+            if not 0 <= s < e <= n_text:
+                return None, (
                     ANNOTATION_OUTSIDE,
                     f"annotation [{s}, {e}) is outside the text ({n_text} characters)",
-                ),
-            )
-        lo = int(np.searchsorted(offsets[:, 1], s, side="right"))
-        hi = int(np.searchsorted(offsets[:, 0], e, side="left"))
-        if lo < hi:
-            anns.append((lo, hi, {k: v for k, v in a.items() if k not in ("start", "end")}))
-    t = len(ids)
-    bounds = sorted({0, t, *(b for lo, hi, _ in anns for b in (lo, hi))})
+                )
+        assert offsets is not None
+        starts = np.fromiter((a["start"] for a in raw), np.int64, len(raw))
+        ends = np.fromiter((a["end"] for a in raw), np.int64, len(raw))
+        shift = int(opts.bos)  # a BOS token spans [0, 0): it precedes every annotation
+        los = np.searchsorted(offsets[:, 1], starts, side="right") + shift
+        his = np.searchsorted(offsets[:, 0], ends, side="left") + shift
+        for a, lo, hi in zip(raw, los.tolist(), his.tolist(), strict=True):
+            if lo < hi:
+                anns.append((lo, hi, {k: v for k, v in a.items() if k not in ("start", "end")}))
+    doc_meta = {f: rec.get(f) for f in opts.keep_fields}
+    bounds = sorted({0, n_tokens, *(b for lo, hi, _ in anns for b in (lo, hi))})
     spans = []
     for a, b in itertools.pairwise(bounds):
         covering = [payload for lo, hi, payload in anns if lo <= a and hi >= b]
@@ -795,4 +1172,4 @@ def _document(
             record["annotations"] = covering
         if record and b > a:
             spans.append((a, b, json.dumps(record, sort_keys=True, separators=(",", ":")).encode()))
-    return ids, spans, None
+    return spans, None

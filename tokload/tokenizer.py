@@ -10,6 +10,7 @@ Hugging Face tokenizers, NumPy for bytes) with the GIL released.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -32,6 +33,20 @@ class Encoded:
     offsets: np.ndarray
 
 
+@dataclass
+class EncodedBatch:
+    """Many texts at once, flat: text ``d`` is ``ids[bounds[d]:bounds[d + 1]]`` (int64).
+
+    ``offsets`` (``[T, 2]`` int64 character spans, in each text's own
+    characters) is ``None`` when it was not asked for: computing it costs the
+    tokenizer time, and only annotations need it.
+    """
+
+    ids: np.ndarray
+    bounds: np.ndarray
+    offsets: np.ndarray | None
+
+
 class Tokenizer(Protocol):
     name: str
     vocab_size: int
@@ -39,6 +54,8 @@ class Tokenizer(Protocol):
     eos_id: int | None
 
     def encode_batch(self, texts: list[str]) -> list[Encoded]: ...
+
+    def encode_many(self, texts: list[str], offsets: bool = True) -> EncodedBatch: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -67,6 +84,20 @@ class ByteTokenizer:
             offsets = np.stack([char_of_byte, char_of_byte + 1], axis=1)
             out.append(Encoded(ids, offsets))
         return out
+
+    def encode_many(self, texts: list[str], offsets: bool = True) -> EncodedBatch:
+        data = [t.encode("utf-8", "surrogatepass") for t in texts]
+        bounds = np.zeros(len(data) + 1, dtype=np.int64)
+        np.cumsum([len(b) for b in data], out=bounds[1:])
+        ids = np.frombuffer(b"".join(data), dtype=np.uint8).astype(np.int64)
+        if not offsets:
+            return EncodedBatch(ids, bounds, None)
+        # Characters counted over the whole batch, then made relative to each text.
+        char_of_byte = np.cumsum((ids & 0xC0) != 0x80) - 1
+        chars_before = np.zeros(len(texts), dtype=np.int64)
+        np.cumsum([len(t) for t in texts[:-1]], out=chars_before[1:])
+        char_of_byte -= np.repeat(chars_before, np.diff(bounds))
+        return EncodedBatch(ids, bounds, np.stack([char_of_byte, char_of_byte + 1], axis=1))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", "replace")
@@ -132,6 +163,27 @@ class HFTokenizer:
             )
             for e in encs
         ]
+
+    def encode_many(self, texts: list[str], offsets: bool = True) -> EncodedBatch:
+        # Without offsets, encode_batch_fast skips tracking them (tokenizers >= 0.20).
+        fast = getattr(self._tok, "encode_batch_fast", None)
+        if offsets or fast is None:
+            encs = self._tok.encode_batch(texts, add_special_tokens=False)
+        else:
+            encs = fast(texts, add_special_tokens=False)
+        id_lists = [e.ids for e in encs]
+        bounds = np.zeros(len(id_lists) + 1, dtype=np.int64)
+        np.cumsum([len(x) for x in id_lists], out=bounds[1:])
+        total = int(bounds[-1])
+        ids = np.fromiter(itertools.chain.from_iterable(id_lists), np.int64, total)
+        if not offsets:
+            return EncodedBatch(ids, bounds, None)
+        spans = np.fromiter(
+            itertools.chain.from_iterable(itertools.chain.from_iterable(e.offsets for e in encs)),
+            np.int64,
+            2 * total,
+        )
+        return EncodedBatch(ids, bounds, spans.reshape(-1, 2))
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=False))
