@@ -381,6 +381,19 @@ def test_a_file_deleted_before_its_first_read_names_the_file(tmp_path: Path, bac
     assert "while reading rows [10, 15) (20 bytes at offset 0)" in str(e.value)
 
 
+def test_a_fifo_put_in_place_after_opening_is_refused_not_waited_on(
+    tmp_path: Path, backend: str
+) -> None:
+    paths, _ = _shards(tmp_path, [10, 10])
+    rows = _rowset(paths, [10, 10], 4, backend)
+    paths[1].unlink()
+    os.mkfifo(paths[1])  # no writer: a blocking open would wait forever
+    with pytest.raises(OSError) as e:
+        rows.read_windows([2], 0, 4, 5, 5, np.zeros((1, 5), np.uint32))
+    assert e.value.errno == errno.EINVAL
+    assert e.value.filename == str(paths[1])
+
+
 def test_a_failing_descriptor_reports_the_first_failing_read(tmp_path: Path, backend: str) -> None:
     # A directory opens read-only but every read of it fails with EISDIR.
     # Windows 3.. live in the two "shards" that are directories; the lowest

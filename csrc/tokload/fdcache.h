@@ -29,6 +29,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 /* One file: an entry of a caller-owned array (a FileSet). */
@@ -141,8 +142,18 @@ TL_INLINE int tl_fdcache_acquire(tl_fdcache *c, tl_fent *e, int may_wait)
 
     int fd, err = 0;
     for (int attempt = 0;; attempt++) {
-        fd = open(e->path, O_RDONLY | O_CLOEXEC);
-        if (fd >= 0) break;
+        /* O_NONBLOCK: a FIFO put in a shard's place after the dataset was
+         * checked must not block here; it is refused just below. */
+        fd = open(e->path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+        if (fd >= 0) {
+            struct stat st;
+            if (fstat(fd, &st) == 0 && !S_ISREG(st.st_mode)) {
+                close(fd);
+                fd = -1;
+                err = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
+            }
+            break;
+        }
         err = errno;
         if (err == EINTR) continue;
         if ((err == EMFILE || err == ENFILE) && attempt < 8) {
