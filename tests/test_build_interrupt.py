@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import tokload
+from tokload.builder import plan_chunks
 from tokload.format import read_manifest
 
 FILES, DOCS = 8, 3000
@@ -136,3 +137,44 @@ def test_an_interrupted_build_resumes(corpus: Path, tmp_path: Path) -> None:
     src = tokload.open_dataset(out)
     assert src.num_documents == FILES * DOCS
     assert tokload.tools.verify(out) == []
+
+
+@pytest.mark.slow
+def test_an_interrupted_build_of_one_file_resumes_from_its_chunks(
+    corpus: Path, tmp_path: Path
+) -> None:
+    big = tmp_path / "one.jsonl"  # ~32 MB: 32 chunks of 1 MB
+    big.write_bytes(b"".join((corpus / f"in{f}.jsonl").read_bytes() for f in range(4)))
+    total = len(plan_chunks([big], 1 << 20))
+    out = tmp_path / "ds"
+    cmd = [sys.executable, "-m", "tokload", "build", str(big), "-o", str(out), "-j", "2"]
+    cmd += ["--keep-field", "id", "--chunk-size", "1M", "--no-progress"]
+
+    def finished() -> list[str]:
+        parts = out / "parts"
+        names = [d.name for d in parts.iterdir()] if parts.exists() else []
+        return [n for n in names if re.fullmatch(r"\d{5}-\d{5}", n)]
+
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    deadline = time.monotonic() + 60
+    while len(finished()) < 2:
+        assert p.poll() is None, p.communicate()
+        assert time.monotonic() < deadline, "no chunk finished"
+        time.sleep(0.01)
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 130, err
+    done = len(finished())
+    assert 2 <= done < total, "the build ended before the signal: make the input bigger"
+    assert not (out / "manifest.json").exists()
+    # the same command: only the unfinished chunks of the one file are built
+    stdout = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    assert f"from 1 inputs in {total} chunks ({total - done} built now)" in stdout
+    fresh = tmp_path / "fresh"
+    tokload.build([big], fresh, keep_fields=["id"], chunk_bytes=1 << 20, progress=False)
+    for d in sorted((out / "parts").iterdir()):
+        for f in sorted(d.iterdir()):
+            assert f.read_bytes() == (fresh / "parts" / d.name / f.name).read_bytes(), f
+    assert tokload.open_dataset(out).fingerprint == tokload.open_dataset(fresh).fingerprint

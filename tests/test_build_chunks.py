@@ -1,0 +1,254 @@
+"""tokload build splits every input into chunks: where they fall, that any split gives
+the same tokens and the same files, per-chunk integrity, line numbers past the first
+chunk, progress within a chunk, --part across one file."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_build import dataset_files, write_corpus
+
+import tokload
+from tokload import BuildError, Documents, build
+from tokload.__main__ import main
+from tokload.builder import BuildOptions, Chunk, _build_chunk, _line_bounds, plan_chunks
+from tokload.format import read_manifest
+
+
+def one_file(tmp_path: Path, docs: int = 400) -> Path:
+    """One JSONL file (~40 KB) made of the test corpus's records."""
+    parts = write_corpus(tmp_path / "src", files=4, docs=docs // 4)
+    big = tmp_path / "big.jsonl"
+    big.write_bytes(b"".join(p.read_bytes() for p in parts))
+    return big
+
+
+def tokens_of(path: Path) -> list[list[int]]:
+    docs = Documents(path)
+    return [np.asarray(docs[i]["token"]).tolist() for i in range(len(docs))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lines=st.lists(st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")), max_size=30),
+    trailing_newline=st.booleans(),
+    chunk=st.integers(1, 120),
+)
+def test_chunk_bounds_are_line_starts_covering_the_file(
+    tmp_path_factory: pytest.TempPathFactory, lines: list[bytes], trailing_newline: bool, chunk: int
+) -> None:
+    data = b"\n".join(lines) + (b"\n" if trailing_newline and lines else b"")
+    p = tmp_path_factory.mktemp("b") / "x.jsonl"
+    p.write_bytes(data)
+    bounds = _line_bounds(p, len(data), chunk)
+    assert bounds[0] == 0 and bounds[-1] == len(data)
+    assert all(a < b for a, b in itertools.pairwise(bounds)) or data == b""
+    # exactly the first line start at or after each nominal boundary k * chunk
+    starts = [i + 1 for i, c in enumerate(data) if c == 0x0A and i + 1 < len(data)]
+    moved = {
+        min(s for s in starts if s >= nom)
+        for nom in range(chunk, len(data), chunk)
+        if any(s >= nom for s in starts)
+    }
+    assert bounds == [0, *sorted(moved), len(data)]
+    # the chunks' lines, in order, are the file's lines
+    pieces = [data[a:b] for a, b in itertools.pairwise(bounds)]
+    assert b"".join(pieces) == data
+
+
+def test_any_chunk_size_gives_the_same_tokens_and_workers_the_same_files(tmp_path: Path) -> None:
+    big = one_file(tmp_path)
+    size = big.stat().st_size
+    ref = tmp_path / "whole"
+    s = build([big], ref, keep_fields=["id"], annotations_field="spans", progress=False)
+    assert s.chunks == 1
+    want = tokens_of(ref)
+    for chunk_bytes, workers in ((size // 7, 1), (size // 7, 2), (997, 2)):
+        out = tmp_path / f"c{chunk_bytes}-{workers}"
+        s = build(
+            [big],
+            out,
+            keep_fields=["id"],
+            annotations_field="spans",
+            chunk_bytes=chunk_bytes,
+            workers=workers,
+            progress=False,
+        )
+        assert s.chunks == len(list((out / "parts").iterdir())) > 1
+        assert s.documents == 400
+        assert tokens_of(out) == want
+        view = tokload.StreamWithMetadata(out, window=64, deserialize=json.loads)
+        ref_view = tokload.StreamWithMetadata(ref, window=64, deserialize=json.loads)
+        for i in range(0, len(view), 37):
+            assert repr(view[i]) == repr(ref_view[i])
+    assert dataset_files(tmp_path / f"c{size // 7}-1") == dataset_files(
+        tmp_path / f"c{size // 7}-2"
+    )
+
+
+def test_each_chunk_records_its_range_and_the_hash_of_its_bytes(tmp_path: Path) -> None:
+    big = one_file(tmp_path)
+    out = tmp_path / "ds"
+    s = build([big], out, chunk_bytes=10_000, progress=False)
+    data = big.read_bytes()
+    ends = []
+    for c in range(s.chunks):
+        rec = read_manifest(out / "parts" / f"00000-{c:05d}").user["build"]
+        ch = rec["chunk"]
+        assert (ch["index"], ch["count"], ch["unit"]) == (c, s.chunks, "bytes")
+        assert ch["sha256"] == hashlib.sha256(data[ch["start"] : ch["end"]]).hexdigest()
+        assert ch["start"] == 0 or data[ch["start"] - 1] == ord("\n")
+        assert rec["options"]["chunk_bytes"] == 10_000
+        ends.append((ch["start"], ch["end"]))
+    assert ends[0][0] == 0 and ends[-1][1] == len(data)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ends))
+    # another chunk size is another layout: every chunk rebuilt, the old ones removed
+    s2 = build([big], out, chunk_bytes=20_000, progress=False)
+    assert s2.built == s2.chunks < s.chunks and s2.removed == s.chunks - s2.chunks
+    assert sorted(p.name for p in (out / "parts").iterdir()) == [
+        f"00000-{c:05d}" for c in range(s2.chunks)
+    ]
+
+
+def test_an_edit_in_one_chunk_rebuilds_that_input_only(tmp_path: Path) -> None:
+    big = one_file(tmp_path)
+    other = write_corpus(tmp_path / "o", files=1)[0]
+    out = tmp_path / "ds"
+    s = build([big, other], out, chunk_bytes=10_000, progress=False)
+    with open(big, "a") as f:
+        f.write(json.dumps({"text": "appended"}) + "\n")
+    s2 = build([big, other], out, chunk_bytes=10_000, progress=False)
+    # the input's identity changed: all its chunks, and only its, are rebuilt
+    assert s2.built == len(plan_chunks([big], 10_000)) < s2.chunks
+    assert s2.documents == s.documents + 1
+    fresh = tmp_path / "fresh"
+    build([big, other], fresh, chunk_bytes=10_000, progress=False)
+    assert dataset_files(out) == dataset_files(fresh)
+
+
+def test_a_bad_line_in_a_later_chunk_is_named_by_its_line_in_the_file(tmp_path: Path) -> None:
+    big = one_file(tmp_path)
+    lines = big.read_text().splitlines(keepends=True)
+    lines.insert(350, "{broken\n")
+    big.write_text("".join(lines))
+    with pytest.raises(BuildError, match=r"big\.jsonl:351: malformed JSON"):
+        build([big], tmp_path / "ds", chunk_bytes=5_000, progress=False)
+    s = build([big], tmp_path / "ds", chunk_bytes=5_000, on_error="skip", progress=False)
+    assert s.skipped == {"malformed JSON": 1} and s.documents == 400
+
+
+def test_parquet_row_groups_are_chunks(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    recs = [{"text": f"row {i} " * (i % 13 + 1), "id": i} for i in range(1000)]
+    p = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist(recs), p, row_group_size=100)
+    whole = build([p], tmp_path / "whole", keep_fields=["id"], progress=False)
+    assert whole.chunks == 1
+    s = build([p], tmp_path / "rg", keep_fields=["id"], chunk_bytes=1, workers=2, progress=False)
+    assert s.chunks == 10 and s.documents == 1000
+    assert tokens_of(tmp_path / "rg") == tokens_of(tmp_path / "whole")
+    rec = read_manifest(tmp_path / "rg" / "parts" / "00000-00003").user["build"]["chunk"]
+    assert (rec["unit"], rec["start"], rec["end"]) == ("row_groups", 3, 4)
+    meta = pq.ParquetFile(p).metadata.row_group(3)
+    cols = [meta.column(j) for j in range(meta.num_columns)]
+    a = min(c.dictionary_page_offset or c.data_page_offset for c in cols)
+    b = max(
+        (c.dictionary_page_offset or c.data_page_offset) + c.total_compressed_size for c in cols
+    )
+    assert rec["sha256"] == hashlib.sha256(p.read_bytes()[a:b]).hexdigest()
+    # a bad row is named by its row in the file, not in the chunk
+    recs[642]["text"] = None
+    pq.write_table(pa.Table.from_pylist(recs), p, row_group_size=100)
+    with pytest.raises(BuildError, match=r"t\.parquet:643: no text field 'text'"):
+        build([p], tmp_path / "bad", chunk_bytes=1, progress=False)
+
+
+def test_compressed_and_text_inputs_are_one_chunk(tmp_path: Path) -> None:
+    import gzip
+
+    lines = "".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(2000))
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
+        f.write(lines)
+    (tmp_path / "b.txt").write_text("x\n" * 5000)
+    plan = plan_chunks([tmp_path / "a.jsonl.gz", tmp_path / "b.txt"], 100)
+    assert [(c.input, c.unit, c.count) for c in plan] == [(0, "file", 1), (1, "file", 1)]
+
+
+def test_progress_moves_within_a_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = tmp_path / "one.jsonl"
+    text = "the quick brown fox " * 500
+    with open(p, "w") as f:
+        for i in range(1500):  # ~15 MB: more than 3 reports of 4 MB
+            f.write(json.dumps({"text": text, "id": i}) + "\n")
+    (chunk,) = plan_chunks([p], 1 << 30)
+    (tmp_path / "ds" / "parts").mkdir(parents=True)
+    reports: list[int] = []
+    rest = _build_chunk(chunk, BuildOptions(), str(tmp_path / "ds"), {}, report=reports.append)
+    assert len(reports) >= 3
+    assert sum(reports) + rest == chunk.size == p.stat().st_size
+
+    # through the worker pool too: the parent's bar gets more updates than chunks
+    updates: list[int] = []
+
+    class Bar:
+        def update(self, n: int) -> None:
+            updates.append(n)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(tokload.builder, "_progress", lambda enabled, total: Bar())
+    q = tmp_path / "two.jsonl"
+    q.write_bytes(p.read_bytes())
+    s = build([p, q], tmp_path / "pool", workers=2, progress=True)
+    assert s.chunks == 2 and len(updates) > 2
+    assert sum(updates) == 2 * p.stat().st_size
+
+
+def test_an_input_changed_after_planning_is_refused(tmp_path: Path) -> None:
+    big = one_file(tmp_path)
+    (chunk,) = plan_chunks([big], 1 << 20)
+    with open(big, "a") as f:
+        f.write("\n")
+    (tmp_path / "ds" / "parts").mkdir(parents=True)
+    with pytest.raises(BuildError, match=r"big\.jsonl: changed while the build was running"):
+        _build_chunk(chunk, BuildOptions(), str(tmp_path / "ds"), {})
+    assert not list((tmp_path / "ds" / "parts").iterdir())
+
+
+def test_part_slices_the_chunks_of_one_file(tmp_path: Path) -> None:
+    big = one_file(tmp_path)
+    single = tmp_path / "single"
+    s = build([big], single, keep_fields=["id"], chunk_bytes=4_000, progress=False)
+    assert s.chunks >= 6
+    for k in range(3):
+        args = ["build", str(big), "-o", str(tmp_path / f"p{k}"), "--part", f"{k}/3"]
+        assert main([*args, "--keep-field", "id", "--chunk-size", "4000", "--no-progress"]) == 0
+        names = sorted(p.name for p in (tmp_path / f"p{k}" / "parts").iterdir())
+        lo, hi = k * s.chunks // 3, (k + 1) * s.chunks // 3
+        assert names == [f"00000-{c:05d}" for c in range(lo, hi)]
+    parts = [str(tmp_path / f"p{k}") for k in range(3)]
+    assert main(["merge", str(tmp_path / "merged"), *parts]) == 0
+    a, b = tokload.open_dataset(single), tokload.open_dataset(tmp_path / "merged")
+    assert a.fingerprint == b.fingerprint
+    # the chunks' files are the very same bytes as the single build's
+    for k in range(3):
+        for name, data in dataset_files(tmp_path / f"p{k}" / "parts").items():
+            assert (single / "parts" / name).read_bytes() == data, name
+
+
+def test_chunk_names_and_records(tmp_path: Path) -> None:
+    c = Chunk(3, "x", 12, 40, "bytes", 5, 9, 4, (9, 1))
+    assert c.name == "00003-00012"
+    assert c.record() == {"index": 12, "count": 40, "unit": "bytes", "start": 5, "end": 9}
+    with pytest.raises(Exception, match="chunk_bytes must be positive, got 0"):
+        build([write_corpus(tmp_path, files=1)[0]], tmp_path / "o", chunk_bytes=0)
