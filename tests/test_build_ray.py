@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_build import dataset_files, write_corpus
@@ -14,7 +15,12 @@ from tokload import BuildError, build
 
 ray = pytest.importorskip("ray")
 
-KW = {"keep_fields": ["id"], "annotations_field": "spans", "chunk_bytes": 3000, "progress": False}
+KW: dict[str, Any] = {
+    "keep_fields": ["id"],
+    "annotations_field": "spans",
+    "chunk_bytes": 3000,
+    "progress": False,
+}
 
 
 @pytest.fixture(scope="module")
