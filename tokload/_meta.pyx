@@ -34,6 +34,12 @@ cdef object _fit(object arr, size_t n, object dtype):
     return np.empty(cap, dtype=dtype)
 
 
+cdef object _bytes(object alloc, uint64_t n):
+    """``n`` bytes from ``alloc``; an empty buffer is a plain array (a tensor of no
+    bytes may have no data pointer, so the loader copies it instead)."""
+    return alloc((n,), np.uint8) if n else np.empty(0, dtype=np.uint8)
+
+
 cdef class Scratch:
     """Working memory of :meth:`SpanSet.read`, reused across batches.
 
@@ -150,7 +156,7 @@ cdef class SpanSet:
         if nwin == 0 or window == 0:
             offsets = alloc((1,), np.int64)
             offsets[0] = 0
-            return alloc((0,), np.uint8), offsets
+            return _bytes(alloc, 0), offsets
         total = self._row_cum[self.s.nfiles]
         top = np.asarray(st).max()
         if top + window > total:
@@ -204,7 +210,7 @@ cdef class SpanSet:
         cdef int64_t[::1] off = offsets
         if nitems == 0:
             off[0] = 0
-            return alloc((0,), np.uint8), offsets
+            return _bytes(alloc, 0), offsets
         # 4: the records' index entries
         sc.item_ent = _fit(sc.item_ent, nitems, np.uint64)
         sc.entries = _fit(sc.entries, 2 * nitems, np.uint64)
@@ -222,7 +228,7 @@ cdef class SpanSet:
                                         &off[0], q, &nreq, &err)
         if rc:
             raise self._corrupt(&err)
-        data = alloc((off[nitems],), np.uint8)
+        data = _bytes(alloc, off[nitems])
         if nreq:
             self.data_rs.read(sc.q_start[:nreq], sc.q_len[:nreq], sc.q_dst[:nreq], data)
         return data, offsets
@@ -249,7 +255,7 @@ def compact_records(blob, item_blob, item_len, alloc):
             raise ValueError(f"record {k} runs past the {src.shape[0]} bytes given")
         at += n[k]
         off[k + 1] = at
-    data = alloc((at,), np.uint8)
+    data = _bytes(alloc, at)
     cdef uint8_t[::1] dst = data
     if at:
         with nogil:
