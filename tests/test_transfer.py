@@ -200,10 +200,16 @@ def test_tensors_are_views_of_the_allocation_not_copies() -> None:
     tr = Transfer(HostBackend())
     a = tr.alloc((4, 6), np.uint16)
     a[...] = np.arange(24).reshape(4, 6)
-    for part in (a, a[1:3], a.reshape(-1)[5:17], a[:, 2]):
+    for part in (a, a[1:3], a.reshape(-1)[5:17], a[3:3]):
         t = tr.tensor(part)
-        assert t.data_ptr() == part.__array_interface__["data"][0]
+        assert t.data_ptr() == part.__array_interface__["data"][0] or part.size == 0
+        assert t.untyped_storage().data_ptr() == a.__array_interface__["data"][0]
         np.testing.assert_array_equal(t.numpy(), part)
+    column = tr.tensor(a[:, 2])  # strided: copied into an allocation of its own
+    assert column.untyped_storage().data_ptr() != a.__array_interface__["data"][0]
+    np.testing.assert_array_equal(column.numpy(), a[:, 2])
+    empty = np.empty(0, dtype=np.uint8)[:0]  # not from alloc, no bytes
+    assert tr.tensor(empty).shape == (0,)
     foreign = np.arange(5, dtype=np.int64)
     t = tr.tensor(foreign)  # not from alloc: copied into a buffer the backend tracks
     assert t.data_ptr() != foreign.__array_interface__["data"][0]

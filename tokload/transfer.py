@@ -223,18 +223,13 @@ class Transfer:
         while type(base) is np.ndarray:
             base = base.base
         td = self._dtypes.get(a.dtype) or self._torch_dtype(a.dtype)
-        if isinstance(base, torch.Tensor):
+        if isinstance(base, torch.Tensor) and a.flags.c_contiguous:
             storage = base.untyped_storage()
-            offset, misaligned = divmod(
-                a.__array_interface__["data"][0] - storage.data_ptr(), a.itemsize
-            )
-            if not misaligned:
-                if a.flags.c_contiguous:
-                    # (size without stride: contiguous; the stubs lack this overload)
-                    return torch.empty(0, dtype=td).set_(storage, offset, a.shape)  # type: ignore[call-overload,no-any-return]
-                strides = [s // a.itemsize for s in a.strides]
-                if [s * a.itemsize for s in strides] == list(a.strides):
-                    return torch.empty(0, dtype=td).set_(storage, offset, a.shape, strides)
+            at = a.__array_interface__["data"][0] - storage.data_ptr()
+            if at % a.itemsize == 0 and 0 <= at <= storage.nbytes() - a.nbytes:
+                # (size without stride: contiguous; the stubs lack this overload)
+                return torch.empty(0, dtype=td).set_(storage, at // a.itemsize, a.shape)  # type: ignore[call-overload,no-any-return]
+        # Not inside an allocation (or strided): copy into one the backend tracks.
         t = self.backend.host_empty(a.shape, td)
         t.numpy()[...] = a
         return t
