@@ -204,7 +204,7 @@ def test_writer_rejects_bad_spans_and_modes(tmp_path: Path) -> None:
     with pytest.raises(FormatError, match=r"rows must be integers, got dtype float32"):
         Writer(tmp_path / "f", "<f4")
     with pytest.raises(FormatError, match=r"needs a '<u4' field 'metadata_id'"):
-        Writer(tmp_path / "n", "<u4", metadata=True)
+        Writer(tmp_path / "n", "<u4", metadata=True, metadata_layout="per_token")
     padded = np.dtype(
         {"names": ["a", "b"], "formats": ["<u4", "<u2"], "offsets": [0, 4], "itemsize": 8}
     )

@@ -28,11 +28,12 @@ from tokload.views import (
     DocumentBatch,
     Documents,
     MetadataBatch,
+    RecordList,
     StreamWithMetadata,
     TokenStream,
     split,
 )
-from tokload.writer import Writer, merge
+from tokload.writer import Writer, convert, merge
 
 __all__ = [
     "Blend",
@@ -45,6 +46,7 @@ __all__ = [
     "MetadataBatch",
     "MissingShardError",
     "Permutation",
+    "RecordList",
     "Source",
     "StateError",
     "StreamWithMetadata",
@@ -54,6 +56,7 @@ __all__ = [
     "Writer",
     "__version__",
     "build",
+    "convert",
     "epoch_seed",
     "errors",
     "merge",
