@@ -220,6 +220,8 @@ class Transfer:
         import torch
 
         base: Any = a.base
+        if isinstance(base, torch.Tensor) and base.shape == a.shape:
+            return base  # ``a`` is exactly an allocation's ``.numpy()``: its own tensor
         while type(base) is np.ndarray:
             base = base.base
         td = self._dtypes.get(a.dtype) or self._torch_dtype(a.dtype)
