@@ -207,11 +207,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--chunk-size",
         type=_size,
-        default=64 << 20,
+        default=32 << 20,
         dest="chunk_bytes",
         metavar="SIZE",
         help="split uncompressed JSONL and Parquet inputs into chunks of about this size "
-        "(default: 64M)",
+        "(default: 32M)",
     )
     b.add_argument(
         "--on-error",

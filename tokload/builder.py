@@ -105,7 +105,7 @@ PARTS = "parts"
 BUILDER_VERSION = 2
 """Bumped whenever the builder would write different bytes for the same input and options."""
 
-DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_CHUNK_BYTES = 32 << 20
 _BATCH_DOCS = 256
 _BATCH_CHARS = 4 << 20
 _READ_CHUNK = 1 << 20
