@@ -96,12 +96,14 @@ class DataLoader:
             last ``n % G`` positions are skipped), and drop a final partial
             batch. Default False: nothing is ever skipped.
         rounds: Feistel rounds of the permutation.
-        steps_per_task: consecutive steps a reader thread builds per task. For
-            rowwise views (token streams, blends, fixed-length padded documents)
-            the samples of all of them are permuted and read in one call each,
-            so a thread takes the GIL about once per task instead of per batch,
-            which is what keeps the training thread at full speed. The batches
-            are the same whatever this is.
+        steps_per_task: consecutive steps a reader thread builds per task
+            (default 16). For rowwise views (token streams, blends, fixed-length
+            padded documents) the samples of all of them are permuted and read
+            in one call each: the thread takes the GIL about once per task
+            instead of per batch (which is what keeps the training thread at
+            full speed), and the I/O engine has a whole task's reads to keep in
+            flight (16 steps of 8 windows: 128 reads, what cold storage needs).
+            The batches are the same whatever this is.
         io, io_depth: how the view's files are read: ``"auto"`` (io_uring where
             the kernel allows it, else a pool of C threads), ``"uring"``,
             ``"threads"`` or ``"sync"``, and the reads kept in flight per read
@@ -132,7 +134,7 @@ class DataLoader:
         world_size: int | None = None,
         mesh: Any = None,
         mesh_dim: str | int | None = None,
-        prefetch: int = 16,
+        prefetch: int = 32,
         num_threads: int | None = None,
         pin_memory: bool | str = "auto",
         device: Any = "auto",
@@ -140,7 +142,7 @@ class DataLoader:
         epochs: int | None = None,
         drop_last: bool = False,
         rounds: int = 6,
-        steps_per_task: int = 8,
+        steps_per_task: int = 16,
         io: str | None = None,
         io_depth: int | None = None,
         transfer: TransferBackend | None = None,
