@@ -19,10 +19,12 @@ import numpy as np
 # stop fitting in the CPU caches, and past that point a lookup costs more than
 # computing Speck (measured in bench/bench_permute.py).
 AUTO_TABLE_MAX_BYTES = 4 << 20
-# Arrays shorter than this are permuted without releasing the GIL: dropping and
-# retaking it costs more than the work.
+# Arrays shorter than this are permuted without releasing the GIL (at most some
+# 30 us of work): retaking it costs more than the work, and when another thread
+# runs Python flat out (a training loop), it costs up to a whole switch interval
+# (5 ms) each time. A loader's task of a few hundred samples stays under it.
 cdef enum:
-    _NOGIL_MIN = 256
+    _NOGIL_MIN = 4096
 # Rounds beyond this are surely a mistake (and cost 108 bytes each).
 MAX_ROUNDS = 1 << 16
 

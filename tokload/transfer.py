@@ -78,11 +78,21 @@ class HostBackend:
     def __init__(self, pinned: bool = False) -> None:
         self.pinned = pinned
         self.device: Any = None
+        self._np: dict[torch.dtype, np.dtype[Any]] = {}
 
     def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         import torch
 
-        return torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
+        if self.pinned:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        # Ordinary memory from NumPy: torch.from_numpy does not release the GIL,
+        # torch.empty does, and retaking it costs a reader thread up to a switch
+        # interval (5 ms) when the training thread runs Python flat out. No device
+        # copy tracks this memory, so the allocator's events are not needed.
+        nd = self._np.get(dtype)
+        if nd is None:
+            nd = self._np[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
+        return torch.from_numpy(np.empty(shape, dtype=nd))
 
     def copy(self, batch: Batch) -> Batch:
         return batch
@@ -222,6 +232,19 @@ class Transfer:
         base: Any = a.base
         if isinstance(base, torch.Tensor) and base.shape == a.shape:
             return base  # ``a`` is exactly an allocation's ``.numpy()``: its own tensor
+        if type(base) is np.ndarray and a.flags.c_contiguous:
+            # Rows of an allocation (a task's rows, the index/position pair): the
+            # same rows of its tensor, by indexing (no call that drops the GIL).
+            whole = base.base
+            if isinstance(whole, torch.Tensor) and whole.shape == base.shape and base.ndim:
+                row = base.strides[0]
+                at = a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+                k = at // row if row > 0 else -1
+                if 0 <= k < len(base) and at == k * row:
+                    if a.shape == base.shape[1:]:
+                        return whole[k]
+                    if a.ndim == base.ndim and a.shape[1:] == base.shape[1:]:
+                        return whole[k : k + len(a)]
         while type(base) is np.ndarray:
             base = base.base
         td = self._dtypes.get(a.dtype) or self._torch_dtype(a.dtype)
