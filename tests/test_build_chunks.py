@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -252,3 +253,28 @@ def test_chunk_names_and_records(tmp_path: Path) -> None:
     assert c.record() == {"index": 12, "count": 40, "unit": "bytes", "start": 5, "end": 9}
     with pytest.raises(Exception, match="chunk_bytes must be positive, got 0"):
         build([write_corpus(tmp_path, files=1)[0]], tmp_path / "o", chunk_bytes=0)
+
+
+def test_offsets_are_asked_for_annotated_texts_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inputs = write_corpus(tmp_path / "in", files=2)
+    annotated = sum(
+        bool(json.loads(line)["spans"]) for p in inputs for line in p.read_text().splitlines()
+    )
+    assert 0 < annotated < 60
+    calls: list[tuple[int, bool]] = []
+    real = tokload.tokenizer.ByteTokenizer.encode_many
+
+    def spy(self: Any, texts: list[str], offsets: bool = True) -> Any:
+        calls.append((len(texts), offsets))
+        return real(self, texts, offsets)
+
+    ref = tmp_path / "ref"
+    build(inputs, ref, annotations_field="spans", keep_fields=["id"], progress=False)
+    monkeypatch.setattr(tokload.tokenizer.ByteTokenizer, "encode_many", spy)
+    out = tmp_path / "ds"
+    build(inputs, out, annotations_field="spans", keep_fields=["id"], progress=False)
+    assert sum(n for n, o in calls if o) == annotated
+    assert sum(n for n, o in calls if not o) == 60 - annotated
+    assert dataset_files(out) == dataset_files(ref)

@@ -1026,7 +1026,7 @@ def _build_chunk(
             if not pending:
                 return
             texts = [t for _, t, _ in pending]
-            batch = tok.encode_many(texts, offsets=opts.annotations_field is not None)
+            batch = _encode(tok, texts, pending, opts.annotations_field)
             ids, bounds = _with_bos_eos(batch, opts, tok, tdt)
             offsets = batch.offsets
             for d, (line, text, rec) in enumerate(pending):
@@ -1088,6 +1088,39 @@ def _build_chunk(
         }
     os.replace(tmp, final)  # the chunk is complete: publish it
     return chunk.size - reported
+
+
+def _encode(
+    tok: Tokenizer,
+    texts: list[str],
+    pending: list[tuple[int, str, dict[str, Any]]],
+    annotations_field: str | None,
+) -> EncodedBatch:
+    """Encode a batch, asking for character offsets (which cost the tokenizer time and
+    cross into Python as a tuple per token) only for the texts that have annotations;
+    the others get zero offsets, which nothing reads."""
+    need = [bool(rec.get(annotations_field)) for _, _, rec in pending] if annotations_field else []
+    if not any(need) or all(need):
+        return tok.encode_many(texts, offsets=any(need))
+    picks = [[d for d, x in enumerate(need) if x is want] for want in (True, False)]
+    parts = [
+        tok.encode_many([texts[d] for d in pick], offsets=o)
+        for pick, o in zip(picks, (True, False), strict=True)
+    ]
+    lengths = np.zeros(len(texts), dtype=np.int64)
+    for pick, part in zip(picks, parts, strict=True):
+        lengths[pick] = np.diff(part.bounds)
+    bounds = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=bounds[1:])
+    ids = np.empty(int(bounds[-1]), dtype=np.int64)
+    offsets = np.zeros((len(ids), 2), dtype=np.int64)
+    for pick, part in zip(picks, parts, strict=True):
+        for k, d in enumerate(pick):
+            a, b = part.bounds[k], part.bounds[k + 1]
+            ids[bounds[d] : bounds[d + 1]] = part.ids[a:b]
+            if part.offsets is not None:
+                offsets[bounds[d] : bounds[d + 1]] = part.offsets[a:b]
+    return EncodedBatch(ids, bounds, offsets)
 
 
 def _with_bos_eos(
