@@ -337,3 +337,26 @@ def test_bad_run_counts_and_sizes(tmp_path: Path) -> None:
     os.truncate(mds2, mds2.stat().st_size - 1)
     with pytest.raises(FormatError, match=rf"{mds2}: span table is \d+ bytes but the manifest"):
         StreamWithMetadata(ds2, window=8)
+
+
+def test_verify_checks_span_tables(tmp_path: Path) -> None:
+    from tokload.tools import verify
+
+    ds, mds, _msx = _spans_dataset(tmp_path)
+    assert verify(ds) == []
+    runs = mds.stat().st_size // 12
+    _poke(mds, 12 * 3, 0, 8)  # run 3 starts at row 0: not after run 2
+    assert verify(ds) == [
+        f"{mds}: run 3 starts at row 0, which breaks 0 = first < ... < "
+        f"{read_manifest(ds).shards[0].rows} (the shard's rows)"
+    ]
+    ds2, mds2, _msx2 = _spans_dataset(tmp_path / "b")
+    records = read_manifest(ds2).shards[0].metadata_records
+    _poke(mds2, 12 * 2 + 8, records, 4)  # a record past the shard's
+    assert verify(ds2) == [
+        f"{mds2}: run 2 has record {records}, but the shard has {records} records"
+    ]
+    ds3, _, msx3 = _spans_dataset(tmp_path / "c")
+    _poke(msx3, 8 * 1, runs - 1, 8)  # block 1 points at the wrong run
+    (problem,) = verify(ds3)
+    assert problem.startswith(f"{msx3}: value 1 is {runs - 1}, but row 4 is in run ")

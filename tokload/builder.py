@@ -71,7 +71,6 @@ from tokload.errors import TokloadError
 from tokload.format import (
     FORMAT_VERSION,
     MANIFEST,
-    METADATA_FIELD,
     Manifest,
     open_dataset,
     read_manifest,
@@ -102,7 +101,7 @@ def _json_loads() -> Callable[[bytes], Any]:
 _fast_loads = _json_loads()
 
 PARTS = "parts"
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 """Bumped whenever the builder would write different bytes for the same input and options."""
 
 DEFAULT_CHUNK_BYTES = 32 << 20
@@ -604,10 +603,11 @@ def _assemble(
 ) -> Manifest:
     """The top-level manifest: the chunks' shards in input and chunk order."""
     tdt = token_dtype(vocab_size)
-    dtype: Any = [("token", tdt.str), (METADATA_FIELD, "<u4")] if opts.metadata else tdt
+    dtype: Any = [("token", tdt.str)] if opts.metadata else tdt
     m = Manifest(dtype=np.dtype(dtype), documents=True, metadata=opts.metadata)
     for c in mine:
         p = read_manifest(out / PARTS / c.name)
+        m.metadata_layout, m.span_block = p.metadata_layout, p.span_block  # the writer's
         # the chunk's shards, checksums and all, under their path from the top
         m.shards.extend(dataclasses.replace(s, name=f"{PARTS}/{c.name}/{s.name}") for s in p.shards)
     touched = sorted({c.input for c in mine})
@@ -981,7 +981,8 @@ def _build_chunk(
     if tok is None:
         tok = _TOKENIZERS[opts.tokenizer] = load_tokenizer(opts.tokenizer)
     tdt = token_dtype(tok.vocab_size)
-    dtype: Any = [("token", tdt.str), (METADATA_FIELD, "<u4")] if opts.metadata else tdt
+    # With metadata, the Writer attaches it as a span table (FORMAT.md, version 2).
+    dtype: Any = [("token", tdt.str)] if opts.metadata else tdt
     tmp = out / PARTS / f"{chunk.name}.tmp"
     final = out / PARTS / chunk.name
     _remove_dir(tmp)  # left by a task that died (a Ray retry)

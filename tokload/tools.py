@@ -27,7 +27,12 @@ def inspect(path: str | os.PathLike[str], sample: int | None = 0, tokens: int = 
         f"documents   {m.num_documents:,}",
         f"rows        {m.rows:,}  ({m.rows * m.dtype.itemsize / 1e6:.1f} MB of rows)",
         f"metadata    {'yes' if m.metadata else 'no'}"
-        + (f" ({sum(s.metadata_records for s in m.shards):,} records)" if m.metadata else ""),
+        + (
+            f" ({sum(s.metadata_records for s in m.shards):,} records, "
+            f"{'span table' if m.spans else 'an id per row'})"
+            if m.metadata
+            else ""
+        ),
         f"fingerprint {m.fingerprint()[:16]}",
     ]
     tok_desc = m.user.get("tokenizer")
@@ -51,7 +56,7 @@ def inspect(path: str | os.PathLike[str], sample: int | None = 0, tokens: int = 
                 f"  text    (not decoded: the tokenizer file {tok_desc.get('file')!r} is "
                 "missing from the dataset or not the one it was built with)"
             )
-        if m.metadata and src.meta is not None:
+        if m.metadata:
             from tokload.views import StreamWithMetadata
 
             starts, _ = docs.extents([sample % len(docs)])
@@ -111,6 +116,12 @@ def verify(
                     f"{p}: metadata index entry {bad[0]} = {bad[1]} breaks 0 = "
                     f"first <= ... <= last = {s.metadata_bytes} (the data size)"
                 )
+            if m.spans:
+                problem = _check_spans(base, s.rows, s.metadata_records, m.span_block, chunk_rows)
+                if problem is not None:
+                    problems.append(problem)
+                    break
+                continue
             rows_path = base.with_name(base.name + ".rows")
             mm = np.memmap(rows_path, dtype=m.dtype, mode="r") if s.rows else None
             for start in range(0, s.rows, chunk_rows):
@@ -128,6 +139,58 @@ def verify(
             break  # the first problem is what a user needs; verify again after fixing it
     src.close()
     return problems
+
+
+_RUN = np.dtype([("start", "<u8"), ("record", "<u4")])  # one .mds entry, 12 bytes packed
+
+
+def _check_spans(base: Path, rows: int, records: int, block: int, chunk_rows: int) -> str | None:
+    """The first problem of a shard's span table (FORMAT.md, version 2), or None.
+
+    ``.mds``: starts begin at 0, strictly increase, stay below ``rows``; records
+    are below ``records`` or none. ``.msx``: value ``b`` is the run holding row
+    ``b * block``, the last value is the number of runs. Read in chunks.
+    """
+    mds = base.with_name(base.name + ".mds")
+    runs = np.memmap(mds, dtype=_RUN, mode="r") if mds.stat().st_size else np.zeros(0, _RUN)
+    n = len(runs)
+    if rows and (n == 0 or int(runs[0]["start"]) != 0):
+        return f"{mds}: the first run must start at row 0 (the shard has {rows} rows)"
+    prev = -1
+    for at in range(0, n, chunk_rows):
+        part = runs[at : at + chunk_rows]
+        starts = np.asarray(part["start"]).astype(np.int64)
+        recs = np.asarray(part["record"])
+        steps = np.diff(starts, prepend=prev)
+        bad = np.flatnonzero((steps <= 0) | (starts >= rows))
+        if len(bad):
+            k = int(bad[0])
+            return (
+                f"{mds}: run {at + k} starts at row {int(starts[k])}, which breaks "
+                f"0 = first < ... < {rows} (the shard's rows)"
+            )
+        bad = np.flatnonzero((recs != 0xFFFFFFFF) & (recs >= records))
+        if len(bad):
+            k = int(bad[0])
+            return (
+                f"{mds}: run {at + k} has record {int(recs[k])}, but the shard has "
+                f"{records} records"
+            )
+        prev = int(starts[-1])
+    msx = base.with_name(base.name + ".msx")
+    index = np.fromfile(msx, "<u8")
+    want = -(-rows // block)
+    if len(index) != want + 1 or (len(index) and int(index[-1]) != n):
+        return f"{msx}: {len(index)} values, need {want + 1} ending with the {n} runs"
+    if n:
+        all_starts = np.asarray(runs["start"]).astype(np.int64)
+        holds = np.searchsorted(all_starts, np.arange(want, dtype=np.int64) * block, "right") - 1
+        bad = np.flatnonzero(index[:-1].astype(np.int64) != holds)
+        if len(bad):
+            b = int(bad[0])
+            got, run = int(index[b]), int(holds[b])
+            return f"{msx}: value {b} is {got}, but row {b * block} is in run {run}"
+    return None
 
 
 def error_message(e: BaseException) -> str:
