@@ -244,6 +244,28 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("output", help="the merged dataset's directory (must not hold a dataset)")
     m.add_argument("inputs", nargs="+", help="the datasets to join")
 
+    c = command(
+        "convert",
+        "copy a stream with metadata into the other metadata layout",
+        "Write DST, a copy of the dataset SRC whose metadata is a span table per shard\n"
+        "(--layout spans, format version 2: a few bytes per run of tokens) or a\n"
+        "metadata_id next to every token (--layout per_token, version 1). Tokens,\n"
+        "documents and records are unchanged: both give the same batches, bit for bit.",
+        "tokload convert old-corpus corpus --layout spans",
+    )
+    c.add_argument("src", help="the dataset to convert (it has metadata)")
+    c.add_argument("dst", help="the new dataset's directory (must not hold a dataset)")
+    c.add_argument(
+        "--layout", choices=("spans", "per_token"), default="spans", help="the metadata layout"
+    )
+    c.add_argument(
+        "--span-block",
+        type=_count(1),
+        default=1024,
+        metavar="ROWS",
+        help="rows per span-table index entry (with --layout spans)",
+    )
+
     i = command(
         "inspect",
         "summarize a dataset and decode a sample",
@@ -365,6 +387,15 @@ def _run(args: argparse.Namespace, started: float) -> int:
         print(
             f"tokload merge: {len(m.shards)} shards, {m.num_documents:,} documents, "
             f"{m.rows:,} rows -> {args.output}"
+        )
+        return 0
+    if args.command == "convert":
+        from tokload.writer import convert
+
+        m = convert(args.src, args.dst, args.layout, span_block=args.span_block)
+        print(
+            f"tokload convert: {len(m.shards)} shards, {m.num_documents:,} documents, "
+            f"{m.rows:,} rows, metadata as {args.layout} -> {args.dst}"
         )
         return 0
     if args.command == "inspect":

@@ -508,7 +508,7 @@ def convert(
     if not m.metadata or not m.documents:
         raise FormatError(f"{root}: the dataset has no metadata (or no documents) to convert")
     if m.metadata_layout == layout:
-        raise ValueError(f"{root}: the metadata already has layout {layout!r}")
+        raise FormatError(f"{root}: the metadata already has layout {layout!r}; nothing to convert")
     old = m.dtype
     if layout == "spans":
         assert old.fields is not None
