@@ -35,9 +35,19 @@ tmp = Path(sys.argv[1])
 """
 
 
-def run_driver(body: str, tmp_path: Path) -> str:
-    """Run PRELUDE + body as a Ray driver in a new session; its stdout."""
-    code = PRELUDE + textwrap.dedent(body) + "\nray.shutdown()\nprint('DONE', flush=True)\n"
+def run_driver(body: str, tmp_path: Path, *, clean_shutdown: bool = True) -> str:
+    """Run PRELUDE + body as a Ray driver in a new session; its stdout.
+
+    ``CHECKED`` is printed once every assertion of ``body`` has passed. With
+    ``clean_shutdown=False`` the driver may still fail in ``ray.shutdown()``
+    after that: Ray's core has been seen to abort there (a C++ stack trace,
+    exit status 1) after tasks were force-cancelled, once in three CI runs.
+    """
+    code = (
+        PRELUDE
+        + textwrap.dedent(body)
+        + "\nprint('CHECKED', flush=True)\nray.shutdown()\nprint('DONE', flush=True)\n"
+    )
     p = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)],
         capture_output=True,
@@ -45,7 +55,10 @@ def run_driver(body: str, tmp_path: Path) -> str:
         timeout=300,
         start_new_session=True,
     )
-    assert p.returncode == 0 and "DONE" in p.stdout, (p.returncode, p.stdout, p.stderr[-3000:])
+    report = (p.returncode, p.stdout, p.stderr[-3000:])
+    assert "CHECKED" in p.stdout, report
+    if clean_shutdown:
+        assert p.returncode == 0 and "DONE" in p.stdout, report
     return p.stdout
 
 
@@ -93,6 +106,7 @@ def test_a_bad_record_in_a_ray_task_is_the_same_error(tmp_path: Path) -> None:
         assert not list((tmp / "ds" / "parts").glob("*.tmp"))
         """,
         tmp_path,
+        clean_shutdown=False,  # the failed build force-cancels its other tasks
     )
     (line,) = [ln for ln in out.splitlines() if ln.startswith("ERROR ")]
     assert "part-01.jsonl:61: malformed JSON" in line
