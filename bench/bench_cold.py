@@ -17,7 +17,15 @@ all measured in one run:
 - tokload's DataLoader with each I/O path at ``num_threads`` 0, 1 and 2, and
   with the defaults;
 - a plain ``torch.utils.data.DataLoader`` over ``np.memmap`` windows, 0 and 2
-  workers, on the same bytes.
+  workers, on the same bytes;
+- litdata (``StreamingDataset`` + ``TokensLoader``, chunk-local shuffle) and
+  Megatron-core's ``GPTDataset``, 0 and 2 workers, each in a child process of
+  the peers' environment (``bench/peers/.venv``, made by ``python
+  bench/peers/run.py``; skipped with the reason when it is missing), on the
+  same tokens: ``bench/peers/corpus.py --from-flat`` builds their formats from
+  the 8 files (``$TOKLOAD_COLD_DIR/peers``, reused).  The child imports its
+  libraries, drops the page cache, builds the loader, takes one batch and
+  times the next ``BATCHES``.
 
 It prints M tokens/s and the ratios of tokload against the device's best and
 against each peer.  Every run is serialized with ``flock
@@ -26,9 +34,11 @@ against each peer.  Every run is serialized with ``flock
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,6 +57,9 @@ REPEATS = int(os.environ.get("TOKLOAD_COLD_REPEATS", "3"))
 FILES, FILE_TOKENS = 8, 64 << 20  # 2 GiB of uint32
 ROOT = Path(__file__).resolve().parents[1]
 DROP = Path("/proc/sys/vm/drop_caches")
+PEERS = ROOT / "bench" / "peers"
+PEERS_PY = PEERS / ".venv" / "bin" / "python"
+PEER_FORMATS = "flat,megatron,litdata"
 
 
 def _can_drop_caches() -> bool:
@@ -64,25 +77,65 @@ def drop_caches() -> None:
     DROP.write_text("1\n")
 
 
-@pytest.fixture(scope="module")
-def corpus() -> list[Path]:
+def make_corpus() -> list[Path]:
+    """The 8 flat files of uint32 tokens (made once, then reused)."""
     root = Path(os.environ.get("TOKLOAD_COLD_DIR", "/tmp/tokload-cold"))
     root.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    paths = []
-    for k in range(FILES):
-        p = root / f"part{k}.bin"
-        if not p.exists() or p.stat().st_size != FILE_TOKENS * 4:
+    paths = [root / f"part{k}.bin" for k in range(FILES)]
+    if not all(p.exists() and p.stat().st_size == FILE_TOKENS * 4 for p in paths):
+        rng = np.random.default_rng(0)  # one stream: the files are written in order
+        for p in paths:
             rng.integers(0, 128_000, FILE_TOKENS, dtype=np.uint32).tofile(p)
-        paths.append(p)
-    read = BATCHES * BATCH * WINDOW * 4
-    assert 4 * read <= FILES * FILE_TOKENS * 4, "the corpus must be 4x what a measurement reads"
     return paths
 
 
-@pytest.fixture(scope="module")
-def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    exe = tmp_path_factory.mktemp("probe") / "probe"
+def peer_corpus(parts: list[Path], formats: str = PEER_FORMATS) -> Path:
+    """``$TOKLOAD_COLD_DIR/peers``: the same tokens as ``flat.bin`` and in the peers'
+    formats, built by ``bench/peers/corpus.py --from-flat`` (once, then reused).
+
+    With the peers' environment the formats are built with it; without it only
+    ``flat.bin`` (which needs nothing but NumPy) is made.
+    """
+    out = parts[0].parent / "peers"
+    python = str(PEERS_PY) if PEERS_PY.exists() else sys.executable
+    if not PEERS_PY.exists():
+        formats = "flat"
+    info = out / "corpus.json"
+    if info.exists():
+        have = json.loads(info.read_text())
+        if set(formats.split(",")) <= set(have.get("formats", [])) and have.get("from_flat") == [
+            str(p) for p in parts
+        ]:
+            return out
+    subprocess.run(
+        [python, str(PEERS / "corpus.py"), str(out), "--formats", formats, "--from-flat"]
+        + [str(p) for p in parts],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+def run_child(python: str, loader: str, workers: int, corpus: Path, *args: str) -> dict[str, Any]:
+    """Run ``bench/peers/child.py`` in a fresh process; its JSON line as a dict."""
+    res = subprocess.run(
+        [python, str(PEERS / "child.py"), loader, str(workers), str(corpus), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+    )
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode or not lines:
+        raise RuntimeError(
+            f"child {loader} ({workers} workers) failed with {res.returncode}:\n"
+            f"{res.stderr[-3000:]}"
+        )
+    out: dict[str, Any] = json.loads(lines[-1])
+    return out
+
+
+def compile_probe(exe: Path) -> Path:
     subprocess.run(
         [
             "cc",
@@ -98,6 +151,19 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
         check=True,
     )
     return exe
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[Path]:
+    paths = make_corpus()
+    read = BATCHES * BATCH * WINDOW * 4
+    assert 4 * read <= FILES * FILE_TOKENS * 4, "the corpus must be 4x what a measurement reads"
+    return paths
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_probe(tmp_path_factory.mktemp("probe") / "probe")
 
 
 def _median(measure: Callable[[int], float]) -> float:

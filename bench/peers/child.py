@@ -1,12 +1,19 @@
 """Measure one loader configuration in a fresh process (run in the peers venv).
 
-    python bench/peers/child.py LOADER WORKERS CORPUS_DIR MODE [SECONDS]
+    python bench/peers/child.py LOADER WORKERS CORPUS_DIR MODE [SECONDS] [options]
 
-LOADER: tokload, tokload-megatron, memmap, torchdata, megatron, mosaic, litdata.
+LOADER: tokload, tokload-flat (tokload over ``flat.bin``), tokload-megatron,
+memmap, torchdata, megatron, mosaic, litdata.
 WORKERS: worker processes for the peers (torch DataLoader / StreamingDataLoader),
-threads for tokload and torchdata.nodes. MODE: ``rate`` (time to first batch,
-tokens/s, peak RSS) or ``slowdown`` (a pure-Python loop on the main thread while
-another thread drains the loader). Prints one JSON line.
+threads for tokload and torchdata.nodes; -1 leaves tokload's default.
+MODE: ``rate`` (time to first batch, tokens/s, peak RSS), ``slowdown`` (a
+pure-Python loop on the main thread while another thread drains the loader),
+``cold`` (seconds for ``--batches`` batches after the first; with
+``--drop-caches`` the page cache is dropped once the libraries are imported,
+before the loader is built) or ``stall`` (a simulated trainer: ``--warmup``
+batches, then ``--batches`` batches each followed by ``--step`` seconds of
+sleep; reports how long each ``next()`` blocked). ``--prefetch`` sets tokload's.
+Prints one JSON line.
 
 Every loader delivers shuffled batches of 8 windows of 4097 tokens as torch
 tensors, configured as its own docs recommend for LLM pretraining (PEERS.md).
@@ -46,20 +53,27 @@ def endless(make: Any) -> Iterator[Any]:
         yield from make()
 
 
-def build(loader: str, workers: int, corpus: Path) -> tuple[Iterator[Any], float]:
+def build(
+    loader: str, workers: int, corpus: Path, prefetch: int | None = None
+) -> tuple[Iterator[Any], float]:
     """(an iterator of [8, 4097] token batches, seconds spent importing)."""
     t0 = time.perf_counter()
     import numpy as np
     import torch
 
-    if loader in ("tokload", "tokload-megatron"):
+    if loader in ("tokload", "tokload-megatron", "tokload-flat"):
         import tokload
 
         t_imp = time.perf_counter() - t0
-        data = corpus / "tokload" if loader == "tokload" else corpus / "megatron"
         t1 = time.perf_counter()
+        if loader == "tokload-flat":
+            data: Any = tokload.open_flat([corpus / "flat.bin"], np.uint32)
+        else:
+            data = corpus / "tokload" if loader == "tokload" else corpus / "megatron"
         view = tokload.TokenStream(data, window=WINDOW, stride=WINDOW - 1)
-        tl = tokload.DataLoader(view, BATCH, seed=SEED, num_threads=max(1, workers), device=None)
+        extra: dict[str, Any] = {} if prefetch is None else {"prefetch": prefetch}
+        threads = None if workers < 0 else max(1, workers)
+        tl = tokload.DataLoader(view, BATCH, seed=SEED, num_threads=threads, device=None, **extra)
         INFO.update(index_s=time.perf_counter() - t1, index_bytes=0)
         return (b["tokens"] for b in tl), t_imp
 
@@ -190,12 +204,48 @@ def python_loop(seconds: float) -> float:
     return n / seconds
 
 
+def preimport(loader: str) -> None:
+    """Import what the loader needs now, so a cache drop after it spares the libraries."""
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+
+    if loader.startswith("tokload"):
+        import tokload  # noqa: F401
+    elif loader == "megatron":
+        import megatron.core.datasets.gpt_dataset  # noqa: F401
+    elif loader == "litdata":
+        import litdata  # noqa: F401
+
+
 def main() -> None:
-    loader, workers, corpus, mode = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
-    seconds = float(sys.argv[5]) if len(sys.argv) > 5 else 8.0
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("loader")
+    ap.add_argument("workers", type=int)
+    ap.add_argument("corpus", type=Path)
+    ap.add_argument("mode", choices=["rate", "slowdown", "cold", "stall"])
+    ap.add_argument("seconds", type=float, nargs="?", default=8.0)
+    ap.add_argument("--prefetch", type=int)
+    ap.add_argument("--drop-caches", action="store_true")
+    ap.add_argument("--batches", type=int, default=500)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--step", type=float, default=0.0)
+    args = ap.parse_args()
+    loader, workers, corpus, mode, seconds = (
+        args.loader,
+        args.workers,
+        args.corpus,
+        args.mode,
+        args.seconds,
+    )
     os.environ.setdefault("TMPDIR", tempfile.mkdtemp(prefix="peer-tmp-"))
     t_before = time.perf_counter()
-    it, t_imp = build(loader, workers, corpus)
+    if args.drop_caches:
+        preimport(loader)
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    it, t_imp = build(loader, workers, corpus, args.prefetch)
     first = next(it)
     ttfb = time.perf_counter() - T_START
     assert tuple(first.shape) == (BATCH, WINDOW), first.shape
@@ -206,7 +256,23 @@ def main() -> None:
         "import_s": (t_before - T_START) + t_imp,
         **INFO,
     }
-    if mode == "rate":
+    if mode == "cold":
+        t0 = time.perf_counter()
+        for _ in range(args.batches):
+            next(it)
+        out["seconds"] = time.perf_counter() - t0
+    elif mode == "stall":
+        for _ in range(args.warmup):
+            next(it)
+            time.sleep(args.step)
+        waits = []
+        for _ in range(args.batches):
+            t0 = time.perf_counter()
+            next(it)
+            waits.append(time.perf_counter() - t0)
+            time.sleep(args.step)  # the training step
+        out["waits_ms"] = [round(w * 1e3, 4) for w in waits]
+    elif mode == "rate":
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             next(it)

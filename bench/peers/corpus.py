@@ -1,9 +1,14 @@
 """Build one synthetic corpus into every system's own format (run in the peers venv).
 
-    python bench/peers/corpus.py OUT_DIR [--tokens 200000000]
+    python bench/peers/corpus.py OUT_DIR [--tokens 200000000] [--formats flat,tokload,...]
+    python bench/peers/corpus.py OUT_DIR --from-flat PART... [--formats megatron,litdata]
 
 Deterministic: documents with log-normal lengths (median 600 tokens, sigma
-1.0, so a long tail), tokens uniform in [0, 128000). Written as:
+1.0, so a long tail), tokens uniform in [0, 128000); or, with ``--from-flat``,
+the tokens of existing uint32 files (concatenated in the order given; the cold
+benchmarks use this to put every format on their own corpus) cut into documents
+of the same length distribution. Written as (``--formats``: a comma-separated
+subset, default all; ``flat`` is always written, the others are built from it):
 
 - ``flat.bin``: the concatenated stream, uint32 (the plain memmap recipe);
 - ``tokload/``: a tokload dataset (Writer, 256 MB shards);
@@ -33,6 +38,13 @@ WINDOW = 4097
 def documents(tokens: int, seed: int = 2026) -> tuple[np.ndarray, np.ndarray]:
     """(stream uint32, document boundaries int64 with 0 and len)."""
     rng = np.random.default_rng(seed)
+    bounds = boundaries(tokens, rng)
+    stream = rng.integers(0, 128_000, tokens, dtype=np.uint32)
+    return stream, bounds
+
+
+def boundaries(tokens: int, rng: np.random.Generator) -> np.ndarray:
+    """Document boundaries (int64, 0 first, ``tokens`` last) of log-normal lengths."""
     lengths = []
     total = 0
     while total < tokens:
@@ -44,20 +56,33 @@ def documents(tokens: int, seed: int = 2026) -> tuple[np.ndarray, np.ndarray]:
     bounds = bounds[bounds <= tokens]
     if bounds[-1] != tokens:
         bounds = np.append(bounds, tokens)
-    stream = rng.integers(0, 128_000, tokens, dtype=np.uint32)
-    return stream, bounds
+    return bounds
+
+
+FORMATS = ("flat", "tokload", "megatron", "mds", "litdata")
+
+
+def from_flat(paths: list[Path], seed: int = 2026) -> tuple[np.ndarray, np.ndarray]:
+    """(the files' uint32 tokens concatenated, document boundaries as documents() cuts)."""
+    stream = np.concatenate([np.fromfile(p, dtype=np.uint32) for p in paths])
+    return stream, boundaries(len(stream), np.random.default_rng(seed))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--tokens", type=int, default=200_000_000)
+    ap.add_argument("--from-flat", nargs="+", type=Path, help="uint32 files to take tokens from")
+    ap.add_argument("--formats", default=",".join(FORMATS))
     args = ap.parse_args()
+    formats = set(args.formats.split(","))
+    if formats - set(FORMATS):
+        raise SystemExit(f"unknown formats {sorted(formats - set(FORMATS))}; known: {FORMATS}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     t = time.perf_counter()
-    stream, bounds = documents(args.tokens)
+    stream, bounds = from_flat(args.from_flat) if args.from_flat else documents(args.tokens)
     timings["generate"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -65,14 +90,40 @@ def main() -> None:
     np.save(out / "bounds.npy", bounds)
     timings["flat"] = time.perf_counter() - t
 
-    import tokload
+    if "tokload" in formats:
+        import tokload
 
-    t = time.perf_counter()
-    with tokload.Writer(out / "tokload", "<u4", shard_bytes=256 << 20, name_prefix="corpus") as w:
-        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-            w.write(stream[a:b])
-    timings["tokload"] = time.perf_counter() - t
+        t = time.perf_counter()
+        with tokload.Writer(
+            out / "tokload", "<u4", shard_bytes=256 << 20, name_prefix="corpus"
+        ) as w:
+            for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+                w.write(stream[a:b])
+        timings["tokload"] = time.perf_counter() - t
 
+    if "megatron" in formats:
+        _megatron(stream, bounds, out, timings)
+    if "mds" in formats:
+        _mds(stream, out, timings)
+    if "litdata" in formats:
+        _litdata(bounds, out, timings)
+    (out / "corpus.json").write_text(
+        json.dumps(
+            {
+                "tokens": len(stream),
+                "documents": int(len(bounds) - 1),
+                "median_document": float(np.median(np.diff(bounds))),
+                "formats": sorted(formats | {"flat"}),
+                "from_flat": [str(p) for p in args.from_flat or []],
+                "seconds": timings,
+            },
+            indent=1,
+        )
+    )
+    print(json.dumps(timings))
+
+
+def _megatron(stream: np.ndarray, bounds: np.ndarray, out: Path, timings: dict[str, float]) -> None:
     t = time.perf_counter()
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
@@ -88,7 +139,10 @@ def main() -> None:
     builder.finalize(str(out / "megatron.idx"))
     timings["megatron"] = time.perf_counter() - t
 
+
+def _mds(stream: np.ndarray, out: Path, timings: dict[str, float]) -> None:
     t = time.perf_counter()
+    as_i32 = stream.view(np.int32)
     sys.path.insert(0, str(Path(__file__).parent))
     import torchvision_stub
 
@@ -100,6 +154,8 @@ def main() -> None:
             mds.write({"tokens": as_i32[s : s + WINDOW].tobytes()})
     timings["mds"] = time.perf_counter() - t
 
+
+def _litdata(bounds: np.ndarray, out: Path, timings: dict[str, float]) -> None:
     t = time.perf_counter()
     from litdata import TokensLoader, optimize
 
@@ -113,18 +169,6 @@ def main() -> None:
         mode="overwrite",
     )
     timings["litdata"] = time.perf_counter() - t
-    (out / "corpus.json").write_text(
-        json.dumps(
-            {
-                "tokens": len(stream),
-                "documents": int(len(bounds) - 1),
-                "median_document": float(np.median(np.diff(bounds))),
-                "seconds": timings,
-            },
-            indent=1,
-        )
-    )
-    print(json.dumps(timings))
 
 
 def _groups(bounds: np.ndarray, k: int) -> list[tuple[int, int]]:
