@@ -61,7 +61,7 @@ extensions = [
         f"tokload.{name}",
         [os.path.join("tokload", f"{name}.pyx")],
         include_dirs=["csrc"],
-        depends=[*HEADERS, os.path.join("tokload", "_lib.pxd")],
+        depends=[*HEADERS, *glob(os.path.join("tokload", "*.pxd"))],
         define_macros=macros,
         extra_compile_args=compile_args,
         extra_link_args=link_args,

@@ -309,6 +309,39 @@ def test_damaged_record_index_names_the_file(tmp_path: Path) -> None:
         read_all(ds)
 
 
+@pytest.mark.parametrize("io", ["sync", "threads", "uring"])
+@pytest.mark.parametrize(
+    ("suffix", "what"),
+    [
+        (".rows", r"rows \[\d+, \d+\)"),
+        (".msx", "the span table block index"),
+        (".mds", "the span table"),
+        (".mdx", "the metadata record index"),
+        (".mdb", "the metadata records"),
+    ],
+)
+def test_io_errors_in_every_round_name_the_file(
+    tmp_path: Path, io: str, suffix: str, what: str
+) -> None:
+    """The rows and the four metadata files are read in one call, in dependent
+    rounds: a file that shrank after opening fails with its own name and what
+    was being read, on every I/O backend."""
+    from tokload import _io
+    from tokload.errors import TruncatedFileError
+
+    if io == "uring" and not _io.uring_available():
+        pytest.skip(f"io_uring is not available here: {_io.uring_error()}")
+    ds, mds, _ = _spans_dataset(tmp_path)
+    view = StreamWithMetadata(ds, window=64, stride=64)
+    view.configure_io(io=io)
+    view.read(np.arange(len(view)))  # every file read once: opened and sized
+    path = mds.with_suffix(suffix)
+    os.truncate(path, 0)
+    message = rf"^{path}: file ended at byte 0 while reading {what}"
+    with pytest.raises(TruncatedFileError, match=message):
+        view.read(np.arange(len(view)))
+
+
 @pytest.mark.parametrize(
     ("patch", "message"),
     [

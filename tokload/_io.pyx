@@ -291,14 +291,6 @@ cdef class FileSet:
             (default: ``TOKLOAD_IO_DEPTH``, else DEFAULT_QUEUE_DEPTH).
     """
 
-    cdef lib.tl_fent *files
-    cdef readonly list paths
-    cdef list _cpaths
-    cdef readonly size_t nfiles
-    cdef bint closed
-    cdef int backend
-    cdef unsigned depth
-
     def __cinit__(self, paths, bases=None, *, io=None, queue_depth=None):
         global _max_explicit
         self.files = NULL
@@ -396,11 +388,6 @@ cdef class RowSet:
         rows: rows in each shard.
         row_bytes: bytes per row (the dtype's itemsize).
     """
-
-    cdef readonly FileSet files
-    cdef uint64_t[::1] _cum
-    cdef lib.tl_rowset rs
-    cdef readonly uint64_t total
 
     def __cinit__(self, FileSet files, rows, uint64_t row_bytes):
         counts = np.asarray(rows, dtype=np.uint64)

@@ -263,10 +263,9 @@ cdef extern from "tokload/spans.h" nogil:
         uint64_t *len
         uint64_t *dst
 
-    size_t tl_spans_count_pieces(const tl_span_set *s, const uint64_t *starts, size_t nwin,
-                                 uint64_t window) noexcept
     uint64_t tl_spans_pieces(const tl_span_set *s, const uint64_t *starts, size_t nwin,
-                             uint64_t window, tl_span_piece *pieces, tl_span_reqs q) noexcept
+                             uint64_t window, tl_span_piece *pieces, tl_span_reqs q,
+                             size_t *npieces) noexcept
     int tl_spans_runs(const tl_span_set *s, tl_span_piece *pieces, size_t n,
                       const uint64_t *blocks, tl_span_reqs q, uint64_t *nruns,
                       tl_span_error *err) noexcept

@@ -12,7 +12,7 @@ SPAN_DTYPE: np.dtype[Any]
 
 _Alloc: TypeAlias = Callable[[tuple[int, ...], Any], np.ndarray[Any, Any]]
 
-# Working memory of SpanSet.read, reused across batches (one per thread).
+# Working memory of SpanSet.read_windows, reused across batches (one per thread).
 class Scratch:
     def __init__(self) -> None: ...
     def nbytes(self) -> int: ...
@@ -34,12 +34,17 @@ class SpanSet:
         data_bytes: Sequence[int],
         block: int,
     ) -> None: ...
-    # Fills positions ([B, window] int32); returns (data uint8, offsets int64 [M + 1]),
-    # both made with alloc.
-    def read(
+    # Reads the rows of windows of observations `indices` into `out` (unless None),
+    # fills positions ([B, window] int32); returns (data uint8, offsets int64 [M + 1]),
+    # both made with alloc.  One call, without the GIL.
+    def read_windows(
         self,
-        starts: npt.ArrayLike,
+        indices: npt.ArrayLike,
+        first: int,
+        count: int,
+        stride: int,
         window: int,
+        out: np.ndarray[Any, Any] | None,
         positions: npt.NDArray[np.int32],
         alloc: _Alloc,
         scratch: Scratch,

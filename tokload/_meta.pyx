@@ -2,22 +2,24 @@
 
 The one job of this module is to bind ``csrc/tokload/spans.h``: for a batch of
 windows of a dataset whose metadata is a per-shard span table (FORMAT.md,
-version 2), it fills the per-row positions into the batch's list of distinct
-records and returns the records as one byte buffer plus offsets.  The reads
-go through the I/O engine of ``tokload._io`` (``RowSet.read``: batched,
-coalesced, without the GIL); the planning between them runs here in C without
-the GIL, in scratch memory reused from batch to batch.  Python work per batch
-does not depend on the number of windows, runs or records.
+version 2), it reads the windows' rows and fills the per-row positions into
+the batch's list of distinct records, and returns the records as one byte
+buffer plus offsets.  One call crosses into C per batch: the five planning
+steps of ``spans.h`` and their four dependent rounds of reads on the I/O
+engine (the rows go in flight with the first) run in one ``with nogil``
+block, in scratch memory reused from batch to batch.  The Python work of a
+batch does not depend on the number of windows, runs or records.
 """
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.stdlib cimport free, realloc
+from libc.string cimport memcpy, memset
 
 cimport tokload._lib as lib
+from tokload._io cimport RowSet, _raise_io
 
 import numpy as np
 
-from tokload._io import RowSet
 from tokload.errors import CorruptDataError
 
 SPAN_NONE = lib.TL_SPAN_NONE
@@ -26,12 +28,229 @@ SPAN_DTYPE = np.dtype([("start", "<u8"), ("record", "<u4")])
 """One span table entry as stored (12 packed bytes)."""
 
 
-cdef object _fit(object arr, size_t n, object dtype):
-    """``arr`` if it holds ``n`` values, else a new array of at least ``n`` (grown 1.5x)."""
-    if arr is not None and arr.shape[0] >= n:
-        return arr
-    cap = max(n, 64) if arr is None else max(n, arr.shape[0] * 3 // 2)
-    return np.empty(cap, dtype=dtype)
+# ---- scratch memory ---------------------------------------------------------
+
+cdef struct Buf:
+    char *p
+    size_t cap  # bytes
+
+
+cdef int _grow(Buf *b, size_t nbytes) noexcept nogil:
+    """Make ``b`` hold at least ``nbytes`` (growing by half at least); 0, or -1
+    when out of memory (``b`` unchanged)."""
+    cdef size_t cap
+    cdef char *p
+    if nbytes <= b.cap:
+        return 0
+    cap = b.cap + b.cap // 2
+    if cap < nbytes:
+        cap = nbytes
+    if cap < 256:
+        cap = 256
+    p = <char *>realloc(b.p, cap)
+    if p == NULL:
+        return -1
+    b.p = p
+    b.cap = cap
+    return 0
+
+
+# The buffers of a Scratch, by use.
+cdef enum:
+    B_STARTS      # uint64 per window: first global row
+    B_PIECES      # tl_span_piece per piece
+    B_QSTART      # uint64 per request: first unit (global)
+    B_QLEN        # uint64 per request: units
+    B_QDST        # uint64 per request: destination byte
+    B_REQS        # tl_ioreq per engine request
+    B_BLOCKS      # uint64 block index entries
+    B_RUNS        # TL_SPAN_ENTRY bytes per run
+    B_HKEYS       # uint64 per hash slot
+    B_HVALS       # int64 per hash slot
+    B_ISHARD      # uint32 per record: shard
+    B_IID         # uint32 per record: id in its shard
+    B_IENT        # uint64 per record: its first index entry in B_ENTRIES
+    B_ENTRIES     # uint64 record index entries
+    B_OFFSETS     # int64 per record + 1
+    B_DATA        # the records' bytes
+    NBUF
+
+
+cdef class Scratch:
+    """Working memory of :meth:`SpanSet.read_windows`, reused across batches.
+
+    One per thread: the loader's reader threads each keep their own.  It
+    grows to the largest batch seen and is freed with the object.
+    """
+
+    cdef Buf b[NBUF]
+
+    def __cinit__(self):
+        memset(self.b, 0, sizeof(self.b))
+
+    def __dealloc__(self):
+        cdef int i
+        for i in range(NBUF):
+            free(self.b[i].p)
+            self.b[i].p = NULL
+
+    def nbytes(self):
+        """Bytes held now."""
+        cdef int i
+        return sum(self.b[i].cap for i in range(NBUF))
+
+
+# ---- one batch, without the GIL ---------------------------------------------
+
+# What failed (Outcome.fail).
+cdef enum:
+    FAIL_NONE
+    FAIL_MEMORY
+    FAIL_SPAN
+    FAIL_IO
+
+# The rounds of reads, for errors: which files, what was read.
+cdef enum:
+    R_ROWS
+    R_BLOCKS
+    R_RUNS
+    R_INDEX
+    R_DATA
+
+_ROUND_WHAT = ("", "the span table block index", "the span table",
+               "the metadata record index", "the metadata records")
+
+
+cdef struct Outcome:
+    int fail
+    int round            # FAIL_IO: R_*
+    size_t item          # FAIL_IO: the failing request's item (a window for R_ROWS)
+    lib.tl_io_error io
+    lib.tl_span_error span
+    size_t nitems        # records of the batch
+    uint64_t nbytes      # their bytes
+
+
+cdef inline lib.tl_span_reqs _reqs(Buf *b) noexcept nogil:
+    cdef lib.tl_span_reqs q
+    q.start = <uint64_t *>b[B_QSTART].p
+    q.len = <uint64_t *>b[B_QLEN].p
+    q.dst = <uint64_t *>b[B_QDST].p
+    return q
+
+
+cdef int _grow_reqs(Buf *b, size_t n) noexcept nogil:
+    """Room for n unit requests (start, len, dst)."""
+    return (_grow(&b[B_QSTART], n * 8) or _grow(&b[B_QLEN], n * 8)
+            or _grow(&b[B_QDST], n * 8))
+
+
+cdef int _round(const lib.tl_engine *eng, const lib.tl_rowset *rs, size_t n, uint8_t *dst,
+                Buf *b, size_t before, int rnd, Outcome *o) noexcept nogil:
+    """Run the ``n`` unit requests of B_Q* on ``rs`` into ``dst``, after the
+    ``before`` engine requests already at the head of B_REQS (they go in
+    flight together).  0, or -1 with ``o`` filled."""
+    cdef lib.tl_span_reqs q = _reqs(b)
+    cdef size_t m = lib.tl_rows_count_reqs(rs, q.start, q.len, 0, n), failed = 0
+    cdef lib.tl_ioreq *reqs
+    cdef int rc
+    if _grow(&b[B_REQS], (before + m) * sizeof(lib.tl_ioreq)):
+        o.fail = FAIL_MEMORY
+        return -1
+    reqs = <lib.tl_ioreq *>b[B_REQS].p
+    m = lib.tl_rows_plan_many(rs, q.start, q.len, 0, q.dst, n, dst, reqs + before)
+    rc = lib.tl_engine_run(eng, reqs, before + m, &o.io, &failed)
+    if rc:
+        o.fail = FAIL_IO
+        o.round = R_ROWS if failed < before else rnd
+        o.item = reqs[failed].item
+        return -1
+    return 0
+
+
+cdef int _batch(const lib.tl_span_set *s, const lib.tl_rowset *sets, const lib.tl_engine *eng,
+                const lib.tl_rowset *rows, uint8_t *rows_dst, size_t nwin, uint64_t window,
+                int32_t *pos, Buf *b, Outcome *o) noexcept nogil:
+    """Rows (into ``rows_dst`` unless NULL) and metadata of the windows whose
+    first rows are B_STARTS[0..nwin).  ``sets``: the .msx, .mds, .mdx and .mdb
+    row sets.  Leaves the records' offsets and bytes in B_OFFSETS and B_DATA.
+    0, or -1 with ``o`` filled."""
+    cdef const uint64_t *starts = <uint64_t *>b[B_STARTS].p
+    cdef lib.tl_span_reqs q = _reqs(b)  # not touched while counting
+    cdef lib.tl_span_piece *pieces
+    cdef size_t npieces = 0, nrow = 0, nreq, nitems = 0
+    cdef uint64_t nblk, nruns = 0, hcap = 1
+    cdef lib.tl_ioreq *reqs
+    cdef int64_t *off
+    o.fail = FAIL_NONE
+    # 1: pieces, their block index entries, and the rows
+    nblk = lib.tl_spans_pieces(s, starts, nwin, window, NULL, q, &npieces)
+    if rows_dst != NULL:
+        nrow = lib.tl_rows_count_reqs(rows, starts, NULL, window, nwin)
+    if (_grow(&b[B_PIECES], npieces * sizeof(lib.tl_span_piece)) or _grow_reqs(b, npieces)
+            or _grow(&b[B_BLOCKS], nblk * 8)
+            or _grow(&b[B_REQS], nrow * sizeof(lib.tl_ioreq))):
+        o.fail = FAIL_MEMORY
+        return -1
+    pieces = <lib.tl_span_piece *>b[B_PIECES].p
+    lib.tl_spans_pieces(s, starts, nwin, window, pieces, _reqs(b), &npieces)
+    if rows_dst != NULL:
+        reqs = <lib.tl_ioreq *>b[B_REQS].p
+        nrow = lib.tl_rows_plan_many(rows, starts, NULL, window, NULL, nwin, rows_dst, reqs)
+    if _round(eng, &sets[0], npieces, <uint8_t *>b[B_BLOCKS].p, b, nrow, R_BLOCKS, o):
+        return -1
+    # 2: the span table slices
+    if lib.tl_spans_runs(s, pieces, npieces, <uint64_t *>b[B_BLOCKS].p, _reqs(b), &nruns,
+                         &o.span):
+        o.fail = FAIL_SPAN
+        return -1
+    if _grow(&b[B_RUNS], (nruns if nruns else 1) * lib.TL_SPAN_ENTRY):
+        o.fail = FAIL_MEMORY
+        return -1
+    if _round(eng, &sets[1], npieces, <uint8_t *>b[B_RUNS].p, b, 0, R_RUNS, o):
+        return -1
+    # 3: positions and the distinct records
+    while hcap < 2 * (nruns if nruns else 1):
+        hcap *= 2
+    if (_grow(&b[B_HKEYS], hcap * 8) or _grow(&b[B_HVALS], hcap * 8)
+            or _grow(&b[B_ISHARD], nruns * 4 + 4) or _grow(&b[B_IID], nruns * 4 + 4)):
+        o.fail = FAIL_MEMORY
+        return -1
+    if lib.tl_spans_resolve(s, pieces, npieces, <uint8_t *>b[B_RUNS].p, pos,
+                            <uint64_t *>b[B_HKEYS].p, <int64_t *>b[B_HVALS].p, hcap,
+                            <uint32_t *>b[B_ISHARD].p, <uint32_t *>b[B_IID].p, &nitems,
+                            &o.span):
+        o.fail = FAIL_SPAN
+        return -1
+    o.nitems = nitems
+    o.nbytes = 0
+    if _grow(&b[B_OFFSETS], (nitems + 1) * 8):
+        o.fail = FAIL_MEMORY
+        return -1
+    off = <int64_t *>b[B_OFFSETS].p
+    off[0] = 0
+    if nitems == 0:
+        return 0
+    # 4: the records' index entries
+    if (_grow(&b[B_IENT], nitems * 8) or _grow(&b[B_ENTRIES], 2 * nitems * 8)
+            or _grow_reqs(b, nitems)):
+        o.fail = FAIL_MEMORY
+        return -1
+    nreq = lib.tl_spans_plan_index(s, <uint32_t *>b[B_ISHARD].p, <uint32_t *>b[B_IID].p,
+                                   nitems, <uint64_t *>b[B_IENT].p, _reqs(b))
+    if _round(eng, &sets[2], nreq, <uint8_t *>b[B_ENTRIES].p, b, 0, R_INDEX, o):
+        return -1
+    # 5: the records' bytes
+    if lib.tl_spans_plan_data(s, <uint32_t *>b[B_ISHARD].p, <uint32_t *>b[B_IID].p, nitems,
+                              <uint64_t *>b[B_IENT].p, <uint64_t *>b[B_ENTRIES].p, off,
+                              _reqs(b), &nreq, &o.span):
+        o.fail = FAIL_SPAN
+        return -1
+    o.nbytes = <uint64_t>off[nitems]
+    if _grow(&b[B_DATA], o.nbytes + 1):
+        o.fail = FAIL_MEMORY
+        return -1
+    return _round(eng, &sets[3], nreq, <uint8_t *>b[B_DATA].p, b, 0, R_DATA, o)
 
 
 cdef object _bytes(object alloc, uint64_t n):
@@ -40,51 +259,26 @@ cdef object _bytes(object alloc, uint64_t n):
     return alloc((n,), np.uint8) if n else np.empty(0, dtype=np.uint8)
 
 
-cdef class Scratch:
-    """Working memory of :meth:`SpanSet.read`, reused across batches.
-
-    One per thread: the loader's reader threads each keep their own.
-    """
-
-    cdef object pieces, q_start, q_len, q_dst, blocks, runs, hkeys, hvals
-    cdef object item_shard, item_id, item_ent, entries
-
-    def nbytes(self):
-        """Bytes held now."""
-        return sum(a.nbytes for a in (self.pieces, self.q_start, self.q_len, self.q_dst,
-                                      self.blocks, self.runs, self.hkeys, self.hvals,
-                                      self.item_shard, self.item_id, self.item_ent,
-                                      self.entries) if a is not None)
-
-
-cdef inline lib.tl_span_reqs _reqs(Scratch sc):
-    cdef uint64_t[::1] a = sc.q_start, b = sc.q_len, c = sc.q_dst
-    cdef lib.tl_span_reqs q
-    q.start = &a[0]
-    q.len = &b[0]
-    q.dst = &c[0]
-    return q
-
-
 cdef class SpanSet:
     """The span tables and records of a dataset's shards (FORMAT.md, version 2).
 
     Args:
-        rows: the dataset's rows (for the shards' row counts).
+        rows: the dataset's rows (read together with the metadata).
         block_files, run_files, index_files, data_files: FileSets of the
             shards' ``.msx``, ``.mds``, ``.mdx`` and ``.mdb`` files.
         runs, records, data_bytes: per shard, from the manifest.
         block: rows per block index entry.
     """
 
-    cdef readonly object rows, blocks_rs, runs_rs, index_rs, data_rs
+    cdef readonly RowSet rows, blocks_rs, runs_rs, index_rs, data_rs
     cdef readonly uint64_t block
-    cdef uint64_t[::1] _row_cum, _msx_cum, _mds_cum, _mdx_cum, _mdb_cum
+    cdef uint64_t[::1] _row_cum
     cdef lib.tl_span_set s
+    cdef lib.tl_rowset sets[4]
     cdef list _paths
 
-    def __cinit__(self, rows, block_files, run_files, index_files, data_files, runs, records,
-                  data_bytes, uint64_t block):
+    def __cinit__(self, RowSet rows, block_files, run_files, index_files, data_files, runs,
+                  records, data_bytes, uint64_t block):
         if block == 0:
             raise ValueError("block must be positive")
         row_counts = np.diff(np.asarray(rows.cum))
@@ -100,17 +294,18 @@ cdef class SpanSet:
         self.index_rs = RowSet(index_files, np.asarray(records, dtype=np.uint64) + np.uint64(1), 8)
         self.data_rs = RowSet(data_files, np.asarray(data_bytes, dtype=np.uint64), 1)
         self._row_cum = np.array(rows.cum, dtype=np.uint64)
-        self._msx_cum = np.array(self.blocks_rs.cum, dtype=np.uint64)
-        self._mds_cum = np.array(self.runs_rs.cum, dtype=np.uint64)
-        self._mdx_cum = np.array(self.index_rs.cum, dtype=np.uint64)
-        self._mdb_cum = np.array(self.data_rs.cum, dtype=np.uint64)
         self.s.row_cum = &self._row_cum[0]
-        self.s.msx_cum = &self._msx_cum[0]
-        self.s.mds_cum = &self._mds_cum[0]
-        self.s.mdx_cum = &self._mdx_cum[0]
-        self.s.mdb_cum = &self._mdb_cum[0]
+        # Each RowSet keeps its cumulative counts alive as long as this object.
+        self.s.msx_cum = self.blocks_rs.rs.cum
+        self.s.mds_cum = self.runs_rs.rs.cum
+        self.s.mdx_cum = self.index_rs.rs.cum
+        self.s.mdb_cum = self.data_rs.rs.cum
         self.s.nfiles = n
         self.s.block = block
+        self.sets[0] = self.blocks_rs.rs
+        self.sets[1] = self.runs_rs.rs
+        self.sets[2] = self.index_rs.rs
+        self.sets[3] = self.data_rs.rs
         self._paths = [block_files.paths, run_files.paths, index_files.paths, data_files.paths]
 
     cdef object _corrupt(self, lib.tl_span_error *e):
@@ -135,102 +330,90 @@ cdef class SpanSet:
             f"{self._paths[0][k]}: the block index names span table entries that do not cover "
             f"row {e.limit} (entry {e.entry} starts at row {e.value})")
 
-    def read(self, starts, uint64_t window, positions, alloc, Scratch scratch):
-        """The metadata of windows ``[starts[b], starts[b] + window)`` (global rows).
+    def read_windows(self, indices, uint64_t first, uint64_t count, uint64_t stride,
+                     uint64_t window, out, positions, alloc, Scratch scratch):
+        """Rows and metadata of windows of observations ``indices``, in one call.
 
-        Fills ``positions`` (``[B, window]`` int32, C-contiguous): the index of
-        each row's record in the batch's list of distinct records (in order of
-        first appearance), or -1.  Returns ``(data, offsets)``, both allocated
-        with ``alloc``: ``data`` (uint8) holds the records back to back,
-        record ``k`` is ``data[offsets[k]:offsets[k + 1]]`` (``offsets``:
-        int64, one more than the records).
+        Observation ``i`` (``0 <= i < count``) is rows ``[(first + i) * stride,
+        (first + i) * stride + window)``, as for ``RowSet.read_windows``.  Its
+        rows land at byte ``b * window * row_bytes`` of ``out`` (skipped when
+        ``out`` is None).  Fills ``positions`` (``[B, window]`` int32,
+        C-contiguous): the index of each row's record in the batch's list of
+        distinct records (in order of first appearance), or -1.  Returns
+        ``(data, offsets)``, both allocated with ``alloc``: ``data`` (uint8)
+        holds the records back to back, record ``k`` is
+        ``data[offsets[k]:offsets[k + 1]]`` (``offsets``: int64, one more than
+        the records).
 
-        Four batched reads (block index, span table, record index, record
-        bytes), each coalesced; the planning runs in C without the GIL.
+        Everything runs in C without the GIL: the rows and the block index
+        entries are read together, then the span table slices, the records'
+        index entries and their bytes, each round one batched, coalesced read.
         """
-        cdef const uint64_t[::1] st = np.ascontiguousarray(starts, dtype=np.uint64)
-        cdef size_t nwin = st.shape[0]
+        self.rows.files.check_open()
+        self.data_rs.files.check_open()
+        idx = np.asarray(indices)
+        if idx.dtype != np.int64:
+            if idx.dtype.kind not in "iu" and idx.size:
+                raise TypeError(f"indices must be integers, got dtype {idx.dtype}")
+            idx = idx.astype(np.int64)
+        cdef const int64_t[::1] iv = np.ascontiguousarray(idx.reshape(-1))
+        cdef size_t nwin = iv.shape[0], w
         cdef int32_t[::1] pos = positions.reshape(-1)
+        cdef uint8_t[::1] dst
+        cdef uint8_t *dptr = NULL
+        cdef int64_t i
+        cdef Buf *b = scratch.b
         if <uint64_t>pos.shape[0] != nwin * window:
-            raise ValueError(f"positions must hold {nwin} x {window} values")
+            raise ValueError(f"positions must hold {nwin} x {window} values, "
+                             f"not {pos.shape[0]}")
+        if out is not None:
+            dst = out.reshape(-1).view(np.uint8)
+            if <uint64_t>dst.shape[0] < nwin * window * self.rows.rs.row_bytes:
+                raise ValueError(f"out holds {dst.shape[0]} bytes, need "
+                                 f"{nwin * window * self.rows.rs.row_bytes}")
+            if dst.shape[0]:
+                dptr = &dst[0]
         if nwin == 0 or window == 0:
             offsets = alloc((1,), np.int64)
             offsets[0] = 0
             return _bytes(alloc, 0), offsets
-        total = self._row_cum[self.s.nfiles]
-        top = np.asarray(st).max()
-        if top + window > total:
-            raise IndexError(f"a window of rows [{top}, {top + window}) runs past the "
-                             f"{total} rows")
-        cdef lib.tl_span_error err
-        cdef size_t npieces, nitems = 0, nreq = 0, k
-        cdef uint64_t nblk, nruns = 0, hcap = 1
+        if count and (first + count - 1) * stride + window > self._row_cum[self.s.nfiles]:
+            raise IndexError(f"windows up to {first + count} run past the "
+                             f"{self._row_cum[self.s.nfiles]} rows")
+        if _grow(&b[B_STARTS], nwin * 8):
+            raise MemoryError()
+        cdef uint64_t *starts = <uint64_t *>b[B_STARTS].p
+        for w in range(nwin):
+            i = iv[w]
+            if i < 0 or <uint64_t>i >= count:
+                raise IndexError(f"observation {i} is out of range for a view of {count} "
+                                 f"(valid: 0 <= i < {count})")
+            starts[w] = (first + <uint64_t>i) * stride
+        cdef lib.tl_engine eng
+        cdef Outcome o
         cdef int rc
-        cdef Scratch sc = scratch
-        # 1: pieces and the block index slices
+        self.rows.files.engine_begin(&eng)
         with nogil:
-            npieces = lib.tl_spans_count_pieces(&self.s, &st[0], nwin, window)
-        sc.pieces = _fit(sc.pieces, npieces * sizeof(lib.tl_span_piece), np.uint8)
-        sc.q_start = _fit(sc.q_start, npieces, np.uint64)
-        sc.q_len = _fit(sc.q_len, npieces, np.uint64)
-        sc.q_dst = _fit(sc.q_dst, npieces, np.uint64)
-        cdef uint8_t[::1] praw = sc.pieces
-        cdef lib.tl_span_piece *pieces = <lib.tl_span_piece *>&praw[0]
-        cdef lib.tl_span_reqs q = _reqs(sc)
-        with nogil:
-            nblk = lib.tl_spans_pieces(&self.s, &st[0], nwin, window, pieces, q)
-        sc.blocks = _fit(sc.blocks, nblk, np.uint64)
-        self.blocks_rs.read(sc.q_start[:npieces], sc.q_len[:npieces], sc.q_dst[:npieces],
-                            sc.blocks)
-        # 2: the span table slices
-        cdef uint64_t[::1] blocks = sc.blocks
-        with nogil:
-            rc = lib.tl_spans_runs(&self.s, pieces, npieces, &blocks[0], q, &nruns, &err)
+            rc = _batch(&self.s, self.sets, &eng, &self.rows.rs, dptr, nwin, window, &pos[0], b,
+                        &o)
+        self.rows.files.engine_end(&eng)
         if rc:
-            raise self._corrupt(&err)
-        sc.runs = _fit(sc.runs, max(nruns, 1) * lib.TL_SPAN_ENTRY, np.uint8)
-        self.runs_rs.read(sc.q_start[:npieces], sc.q_len[:npieces], sc.q_dst[:npieces], sc.runs)
-        # 3: positions and the distinct records
-        while hcap < 2 * max(nruns, 1):
-            hcap *= 2
-        sc.hkeys = _fit(sc.hkeys, hcap, np.uint64)
-        sc.hvals = _fit(sc.hvals, hcap, np.int64)
-        sc.item_shard = _fit(sc.item_shard, nruns, np.uint32)
-        sc.item_id = _fit(sc.item_id, nruns, np.uint32)
-        cdef uint8_t[::1] runs = sc.runs
-        cdef uint64_t[::1] hk = sc.hkeys
-        cdef int64_t[::1] hv = sc.hvals
-        cdef uint32_t[::1] ishard = sc.item_shard, iid = sc.item_id
-        with nogil:
-            rc = lib.tl_spans_resolve(&self.s, pieces, npieces, &runs[0], &pos[0], &hk[0],
-                                      &hv[0], hcap, &ishard[0], &iid[0], &nitems, &err)
-        if rc:
-            raise self._corrupt(&err)
-        offsets = alloc((nitems + 1,), np.int64)
+            if o.fail == FAIL_MEMORY:
+                raise MemoryError()
+            if o.fail == FAIL_SPAN:
+                raise self._corrupt(&o.span)
+            if o.round == R_ROWS:
+                s0 = starts[o.item]
+                _raise_io(&o.io, self.rows.files.paths, f"rows [{s0}, {s0 + window})")
+            _raise_io(&o.io, self._paths[o.round - 1], _ROUND_WHAT[o.round])
+        offsets = alloc((o.nitems + 1,), np.int64)
         cdef int64_t[::1] off = offsets
-        if nitems == 0:
-            off[0] = 0
-            return _bytes(alloc, 0), offsets
-        # 4: the records' index entries
-        sc.item_ent = _fit(sc.item_ent, nitems, np.uint64)
-        sc.entries = _fit(sc.entries, 2 * nitems, np.uint64)
-        sc.q_start = _fit(sc.q_start, nitems, np.uint64)
-        sc.q_len = _fit(sc.q_len, nitems, np.uint64)
-        sc.q_dst = _fit(sc.q_dst, nitems, np.uint64)
-        q = _reqs(sc)
-        cdef uint64_t[::1] ient = sc.item_ent, ent = sc.entries
-        with nogil:
-            nreq = lib.tl_spans_plan_index(&self.s, &ishard[0], &iid[0], nitems, &ient[0], q)
-        self.index_rs.read(sc.q_start[:nreq], sc.q_len[:nreq], sc.q_dst[:nreq], sc.entries)
-        # 5: the records' bytes, straight into the batch's buffer
-        with nogil:
-            rc = lib.tl_spans_plan_data(&self.s, &ishard[0], &iid[0], nitems, &ient[0], &ent[0],
-                                        &off[0], q, &nreq, &err)
-        if rc:
-            raise self._corrupt(&err)
-        data = _bytes(alloc, off[nitems])
-        if nreq:
-            self.data_rs.read(sc.q_start[:nreq], sc.q_len[:nreq], sc.q_dst[:nreq], data)
+        memcpy(&off[0], b[B_OFFSETS].p, (o.nitems + 1) * 8)
+        data = _bytes(alloc, o.nbytes)
+        cdef uint8_t[::1] d
+        if o.nbytes:
+            d = data
+            memcpy(&d[0], b[B_DATA].p, o.nbytes)
         return data, offsets
 
 

@@ -490,10 +490,11 @@ class StreamWithMetadata(_Windows):
             accessed, never per token, never per batch.
 
     A batch costs a fixed number of Python calls whatever its number of records:
-    the per-row positions, the records' bytes and their offsets are assembled
-    in one compiled call, without the GIL. With a span table that is four
-    batched reads (block index, span table slice, record index, record
-    bytes), each coalesced per window; with per-row ids, two.
+    with a span table, the rows, the per-row positions, the records' bytes and
+    their offsets come from one compiled call without the GIL, which reads in
+    four dependent rounds (the rows with the block index entries, then the span
+    table slices, the records' index entries, their bytes), each one batched
+    read coalesced per window; with per-row ids, the rows and then two rounds.
     """
 
     def __init__(
@@ -565,11 +566,18 @@ class StreamWithMetadata(_Windows):
         _check_out(positions, (b, t), np.dtype(np.int32), "positions")
         spans = self.source.spans
         if spans is not None:
+            sc = getattr(self._local, "scratch", None)
+            if sc is None:
+                sc = self._local.scratch = Scratch()
             if dt.fields is None:
-                self._read_windows(idx, outs[0])
+                data, offsets = spans.read_windows(
+                    idx, self._lo, len(self), self.stride, t, outs[0], positions, alloc, sc
+                )
             else:
                 scratch = np.empty((b, t), dtype=dt)
-                self._read_windows(idx, scratch)
+                data, offsets = spans.read_windows(
+                    idx, self._lo, len(self), self.stride, t, scratch, positions, alloc, sc
+                )
                 split_fields(
                     scratch,
                     b * t,
@@ -578,11 +586,6 @@ class StreamWithMetadata(_Windows):
                     [ft.itemsize for _, ft, _ in layout],
                     outs,
                 )
-            sc = getattr(self._local, "scratch", None)
-            if sc is None:
-                sc = self._local.scratch = Scratch()
-            starts = (idx.astype(np.uint64) + np.uint64(self._lo)) * np.uint64(self.stride)
-            data, offsets = spans.read(starts, t, positions, alloc, sc)
             return MetadataBatch(out, positions, RecordList(data, offsets, self.deserialize))
         return self._read_per_token(idx, out, outs, positions, alloc)
 

@@ -13,7 +13,8 @@
  *   .mdx/.mdb  the records, as in version 1.
  *
  * A batch of windows is resolved in five steps, the reads in between done by
- * the caller (one batched, coalesced read per step):
+ * the caller (one batched, coalesced read per step; tokload/_meta.pyx runs
+ * all five and the four reads in one call without the GIL):
  *   1. tl_spans_pieces: cut windows at shard ends; one read of the block
  *      index slice per piece.
  *   2. tl_spans_runs: from the block index entries, the slice of the span
@@ -97,28 +98,14 @@ TL_INLINE uint32_t tl_span_load_record(const uint8_t *e)
     return v;
 }
 
-/* How many pieces the windows make (windows inside the rows: callers check). */
-TL_INLINE size_t tl_spans_count_pieces(const tl_span_set *s, const uint64_t *starts, size_t nwin,
-                                       uint64_t window)
-{
-    size_t n = 0;
-    for (size_t w = 0; w < nwin; w++) {
-        uint64_t row = starts[w], end = starts[w] + window;
-        size_t k = tl_shards_locate(s->row_cum, s->nfiles, row);
-        while (row < end) {
-            while (s->row_cum[k + 1] <= row) k++;
-            uint64_t stop = s->row_cum[k + 1] < end ? s->row_cum[k + 1] : end;
-            n++;
-            row = stop;
-        }
-    }
-    return n;
-}
-
-/* Step 1: the pieces, and one block index read per piece into a buffer of
- * uint64 (request dst in bytes).  Returns the number of block entries read. */
+/* Step 1: cut the windows at shard ends into pieces, and plan one block index
+ * read per piece into a buffer of uint64 (request dst in bytes).  Sets
+ * *npieces; returns the number of block entries to read.  With pieces NULL it
+ * only counts (q is not touched), so the caller can size its buffers.
+ * Windows must lie inside the rows (callers check). */
 TL_INLINE uint64_t tl_spans_pieces(const tl_span_set *s, const uint64_t *starts, size_t nwin,
-                                   uint64_t window, tl_span_piece *pieces, tl_span_reqs q)
+                                   uint64_t window, tl_span_piece *pieces, tl_span_reqs q,
+                                   size_t *npieces)
 {
     size_t n = 0;
     uint64_t nblk = 0;
@@ -128,21 +115,26 @@ TL_INLINE uint64_t tl_spans_pieces(const tl_span_set *s, const uint64_t *starts,
         while (row < end) {
             while (s->row_cum[k + 1] <= row) k++;
             uint64_t stop = s->row_cum[k + 1] < end ? s->row_cum[k + 1] : end;
-            tl_span_piece *p = &pieces[n];
-            p->shard = (uint32_t)k;
-            p->start = row - s->row_cum[k];
-            p->len = stop - row;
-            p->dst = w * window + (row - starts[w]);
-            uint64_t b0 = p->start / s->block, b1 = (p->start + p->len - 1) / s->block;
-            p->blk = nblk;
-            q.start[n] = s->msx_cum[k] + b0;
-            q.len[n] = b1 + 2 - b0; /* entries b0 .. b1 + 1: the last exists (rows < end) */
-            q.dst[n] = 8 * nblk;
-            nblk += q.len[n];
+            uint64_t local = row - s->row_cum[k];
+            uint64_t b0 = local / s->block, b1 = (local + (stop - row) - 1) / s->block;
+            /* entries b0 .. b1 + 1: the last exists (rows < end) */
+            if (pieces) {
+                tl_span_piece *p = &pieces[n];
+                p->shard = (uint32_t)k;
+                p->start = local;
+                p->len = stop - row;
+                p->dst = w * window + (row - starts[w]);
+                p->blk = nblk;
+                q.start[n] = s->msx_cum[k] + b0;
+                q.len[n] = b1 + 2 - b0;
+                q.dst[n] = 8 * nblk;
+            }
+            nblk += b1 + 2 - b0;
             n++;
             row = stop;
         }
     }
+    *npieces = n;
     return nblk;
 }
 
