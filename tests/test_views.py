@@ -196,6 +196,17 @@ def test_documents_match_numpy(dtype: Any, lengths: list[int], shard_bytes: int,
             for name, arr in fields_of(c.docs[i], c.dtype).items():
                 np.testing.assert_array_equal(pf[name][b, :k], arr[:k])
                 assert (pf[name][b, k:] == 3).all()
+        longest = max(1, *(lengths[i] for i in idx))
+        tight, tlen = view.read_padded(idx)  # to the batch's longest document
+        assert next(iter(fields_of(tight, c.dtype).values())).shape == (len(idx), longest)
+        np.testing.assert_array_equal(tlen, [lengths[i] for i in idx])
+        if len(lengths) > 1:  # a subset numbers its documents from its own start
+            sub = view.subset(1, len(lengths))
+            j = data.draw(st.integers(0, len(lengths) - 2))
+            assert_same(sub.read([j]).values, c.docs[j + 1], c.dtype)
+            pv = fields_of(sub.read_padded([j], 300)[0], c.dtype)
+            for name, arr in fields_of(c.docs[j + 1], c.dtype).items():
+                np.testing.assert_array_equal(pv[name][0, : lengths[j + 1]], arr)
 
 
 def test_subset_and_split(tmp_path: Path) -> None:
@@ -422,6 +433,26 @@ def test_values_are_range_checked_and_structured_input_accepted(tmp_path: Path) 
             w.write([1.5])
         w.write(np.array([1, 2], dtype=np.int64))
     np.testing.assert_array_equal(Documents(tmp_path / "u2")[0], [1, 2])
+
+
+def test_document_batches_refuse_bad_arguments(tmp_path: Path) -> None:
+    with Writer(tmp_path / "d", "<u2") as w:
+        for n in (3, 5, 2):
+            w.write(np.arange(n, dtype=np.uint16))
+    docs = Documents(tmp_path / "d").subset(1, 3)
+    with pytest.raises(IndexError, match=r"observation 2 is out of range for a view of 2"):
+        docs.read([0, 2])
+    with pytest.raises(IndexError, match=r"observation -1 is out of range for a view of 2"):
+        docs.read_padded([-1])
+    with pytest.raises(TypeError, match=r"indices must be integers, got dtype float64"):
+        docs.read([0.5])
+    with pytest.raises(ValueError, match=r"length must be positive, got 0"):
+        docs.read_padded([0], 0)
+    with pytest.raises(OverflowError):
+        docs.read_padded([0], pad=70000)  # does not fit uint16
+    padded, plen = docs.read_padded([1, 0], pad=65535)
+    np.testing.assert_array_equal(padded, [[0, 1, 65535, 65535, 65535], [0, 1, 2, 3, 4]])
+    np.testing.assert_array_equal(plen, [2, 5])
 
 
 def test_empty_documents_and_all_empty_metadata_records(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -97,17 +97,19 @@ def split_fields(
     outs: Sequence[np.ndarray[Any, Any]],
 ) -> None: ...
 
-class DocIndex:
-    files: FileSet
+# Each document's first global row and length, read in one batch.
+class ExtentIndex:
     total: int
-    def __init__(self, files: FileSet, docs: npt.ArrayLike, rows: RowSet) -> None: ...
     def extents(
         self, ids: npt.ArrayLike
     ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]: ...
 
-class MegatronIndex:
+class DocIndex(ExtentIndex):
+    files: FileSet
+    def __init__(self, files: FileSet, docs: npt.ArrayLike, rows: RowSet) -> None: ...
+
+class MegatronIndex(ExtentIndex):
     file: FileSet
-    total: int
     def __init__(
         self,
         file: FileSet,
@@ -117,9 +119,21 @@ class MegatronIndex:
         itemsize: int,
         bin_rows: int,
     ) -> None: ...
-    def extents(
-        self, ids: npt.ArrayLike
-    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]: ...
+
+# Documents first + ids[b] as one batch, in one call: (values, lengths, offsets)
+# back to back when pack, else ([B, L] values, lengths) padded with the row `pad`.
+def read_documents(
+    index: ExtentIndex,
+    rows: RowSet,
+    ids: npt.ArrayLike,
+    first: int,
+    count: int,
+    dtype: Any,
+    pack: bool,
+    length: int | None,
+    pad: bytes,
+    alloc: Callable[[tuple[int, ...], Any], np.ndarray[Any, Any]],
+) -> tuple[np.ndarray[Any, Any], ...]: ...
 
 class MetaSet:
     index_files: FileSet

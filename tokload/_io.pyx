@@ -580,7 +580,38 @@ def split_fields(rows, uint64_t nrows, uint64_t row_bytes, offsets, sizes, outs)
         PyMem_Free(dst)
 
 
-cdef class DocIndex:
+cdef class ExtentIndex:
+    """What the document indexes share: each document's first global row and
+    length, read in one batch on the I/O engine (:func:`read_documents` uses
+    it without a Python call per document)."""
+
+    cdef readonly uint64_t total
+
+    cdef FileSet _files(self):
+        raise NotImplementedError
+
+    cdef int fill(self, const uint64_t *ids, size_t n, uint64_t *starts,
+                  uint64_t *lengths) except -1:
+        """Extents of ids (checked: < total) into starts/lengths; raises on error."""
+        raise NotImplementedError
+
+    def extents(self, ids):
+        """``(starts, lengths)``, uint64 arrays, for ids in ``[0, total)``."""
+        self._files().check_open()
+        cdef const uint64_t[::1] i = _checked_ids(ids, self.total, self._what())
+        cdef size_t n = i.shape[0]
+        starts = np.empty(n, dtype=np.uint64)
+        lengths = np.empty(n, dtype=np.uint64)
+        cdef uint64_t[::1] s = starts, l = lengths
+        if n:
+            self.fill(&i[0], n, &s[0], &l[0])
+        return starts, lengths
+
+    def _what(self):
+        return "document"
+
+
+cdef class DocIndex(ExtentIndex):
     """Per-shard document indexes: shard k's file holds ``docs_k + 1`` uint64
     row offsets.  ``extents(ids)`` gives each document's first global row and
     its length, reading 16 bytes per document."""
@@ -588,7 +619,6 @@ cdef class DocIndex:
     cdef readonly FileSet files
     cdef uint64_t[::1] _doc_cum
     cdef uint64_t[::1] _row_cum
-    cdef readonly uint64_t total
 
     def __cinit__(self, FileSet files, docs, RowSet rows):
         counts = np.asarray(docs, dtype=np.uint64)
@@ -601,41 +631,38 @@ cdef class DocIndex:
         self._row_cum = np.array(rows.cum)
         self.total = cum[len(counts)]
 
-    def extents(self, ids):
-        """``(starts, lengths)``, uint64 arrays, for document ids in ``[0, total)``."""
-        self.files.check_open()
-        cdef const uint64_t[::1] i = _checked_ids(ids, self.total, "document")
-        cdef size_t n = i.shape[0]
-        starts = np.empty(n, dtype=np.uint64)
-        lengths = np.empty(n, dtype=np.uint64)
-        cdef uint64_t[::1] s = starts, l = lengths
-        entries = np.empty(2 * n, dtype=np.uint64)
-        cdef uint64_t[::1] ent = entries
+    cdef FileSet _files(self):
+        return self.files
+
+    cdef int fill(self, const uint64_t *ids, size_t n, uint64_t *starts,
+                  uint64_t *lengths) except -1:
         cdef lib.tl_io_error err
         cdef lib.tl_engine eng
         cdef size_t failed = 0
         cdef int rc = 0
-        if n == 0:
-            return starts, lengths
-        cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>PyMem_Malloc(n * sizeof(lib.tl_ioreq))
-        if reqs is NULL:
+        # one allocation: the requests, then two index entries per document
+        cdef char *mem = <char *>PyMem_Malloc(n * (sizeof(lib.tl_ioreq) + 16))
+        if mem is NULL:
             raise MemoryError()
+        cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>mem
+        cdef uint64_t *ent = <uint64_t *>(mem + n * sizeof(lib.tl_ioreq))
         try:
             self.files.engine_begin(&eng)
             with nogil:
-                lib.tl_docs_plan(self.files.files, &self._doc_cum[0], self.files.nfiles, &i[0], n,
-                                 &ent[0], reqs)
+                lib.tl_docs_plan(self.files.files, &self._doc_cum[0], self.files.nfiles, ids, n,
+                                 ent, reqs)
                 rc = lib.tl_engine_run(&eng, reqs, n, &err, &failed)
                 if rc == 0:
                     rc = lib.tl_docs_finish(self.files.files, &self._doc_cum[0],
-                                            &self._row_cum[0], self.files.nfiles, &i[0], n,
-                                            &ent[0], &s[0], &l[0], &err, &failed)
+                                            &self._row_cum[0], self.files.nfiles, ids, n,
+                                            ent, starts, lengths, &err, &failed)
             self.files.engine_end(&eng)
+            if rc:
+                _raise_io(&err, self.files.paths,
+                          f"the document index entry of document {ids[failed]}")
         finally:
-            PyMem_Free(reqs)
-        if rc:
-            _raise_io(&err, self.files.paths, f"the document index entry of document {i[failed]}")
-        return starts, lengths
+            PyMem_Free(mem)
+        return 0
 
 
 cdef const uint64_t[::1] _checked_ids(ids, uint64_t total, str what) except *:
@@ -649,13 +676,12 @@ cdef const uint64_t[::1] _checked_ids(ids, uint64_t total, str what) except *:
     return a.astype(np.uint64, copy=False)
 
 
-cdef class MegatronIndex:
+cdef class MegatronIndex(ExtentIndex):
     """Sequence extents from a Megatron ``.idx``: int32 lengths at ``len_off``,
     int64 byte pointers at ``ptr_off``; 12 bytes read per sequence."""
 
     cdef readonly FileSet file
     cdef uint64_t len_off, ptr_off, itemsize, bin_rows
-    cdef readonly uint64_t total
 
     def __cinit__(self, FileSet file, uint64_t nseq, uint64_t len_off, uint64_t ptr_off,
                   uint64_t itemsize, uint64_t bin_rows):
@@ -666,44 +692,151 @@ cdef class MegatronIndex:
         self.itemsize = itemsize
         self.bin_rows = bin_rows
 
-    def extents(self, ids):
-        self.file.check_open()
-        cdef const uint64_t[::1] i = _checked_ids(ids, self.total, "sequence")
-        cdef size_t n = i.shape[0]
-        starts = np.empty(n, dtype=np.uint64)
-        lengths = np.empty(n, dtype=np.uint64)
-        cdef uint64_t[::1] s = starts, l = lengths
-        lens_a = np.empty(n, dtype=np.int32)
-        ptrs_a = np.empty(n, dtype=np.int64)
-        cdef int32_t[::1] lens = lens_a
-        cdef int64_t[::1] ptrs = ptrs_a
+    def _what(self):
+        return "sequence"
+
+    cdef FileSet _files(self):
+        return self.file
+
+    cdef int fill(self, const uint64_t *ids, size_t n, uint64_t *starts,
+                  uint64_t *lengths) except -1:
         cdef lib.tl_io_error err
         cdef lib.tl_engine eng
         cdef size_t failed = 0
         cdef int rc = 0
-        if n == 0:
-            return starts, lengths
-        cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>PyMem_Malloc(2 * n * sizeof(lib.tl_ioreq))
-        if reqs is NULL:
+        # one allocation: two requests, an int32 length and an int64 pointer per sequence
+        cdef char *mem = <char *>PyMem_Malloc(n * (2 * sizeof(lib.tl_ioreq) + 12))
+        if mem is NULL:
             raise MemoryError()
+        cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>mem
+        cdef int64_t *ptrs = <int64_t *>(mem + 2 * n * sizeof(lib.tl_ioreq))
+        cdef int32_t *lens = <int32_t *>(mem + 2 * n * sizeof(lib.tl_ioreq) + 8 * n)
         try:
             self.file.engine_begin(&eng)
             with nogil:
-                lib.tl_megatron_plan(&self.file.files[0], self.len_off, self.ptr_off, &i[0], n,
-                                     &lens[0], &ptrs[0], reqs)
+                lib.tl_megatron_plan(&self.file.files[0], self.len_off, self.ptr_off, ids, n,
+                                     lens, ptrs, reqs)
                 rc = lib.tl_engine_run(&eng, reqs, 2 * n, &err, &failed)
                 if rc:
                     failed = reqs[failed].item
                 else:
-                    rc = lib.tl_megatron_finish(self.ptr_off, self.itemsize, self.bin_rows, &i[0],
-                                                n, &lens[0], &ptrs[0], &s[0], &l[0], &err,
-                                                &failed)
+                    rc = lib.tl_megatron_finish(self.ptr_off, self.itemsize, self.bin_rows, ids,
+                                                n, lens, ptrs, starts, lengths, &err, &failed)
             self.file.engine_end(&eng)
+            if rc:
+                _raise_io(&err, self.file.paths, f"the pointer of sequence {ids[failed]}")
         finally:
-            PyMem_Free(reqs)
+            PyMem_Free(mem)
+        return 0
+
+
+def read_documents(ExtentIndex index, RowSet rows, ids, uint64_t first, uint64_t count, dtype,
+                   bint pack, length, bytes pad, alloc):
+    """Documents ``first + ids[b]`` of ``index`` as one batch, in one call.
+
+    Ids are checked (``0 <= ids[b] < count``) in a compiled loop; the index
+    entries are read in one batch, the outputs are made with ``alloc``, and
+    the padding and the rows' reads run without the GIL.
+
+    ``pack``: returns ``(values, lengths, offsets)``: the documents back to
+    back (``[sum of lengths]``), their lengths (int64, ``B``) and offsets
+    (int64, ``B + 1``).  Otherwise returns ``(values, lengths)``: ``[B, L]``
+    rows, ``L`` = ``length``, or the longest document (at least 1) when
+    ``length`` is None; longer documents are truncated, rows past a
+    document's length hold ``pad`` (one row's bytes, repeated).
+    """
+    index._files().check_open()
+    rows.files.check_open()
+    idx = np.asarray(ids)
+    if idx.dtype != np.int64:
+        if idx.dtype.kind not in "iu" and idx.size:
+            raise TypeError(f"indices must be integers, got dtype {idx.dtype}")
+        idx = idx.astype(np.int64)
+    cdef const int64_t[::1] iv = np.ascontiguousarray(idx.reshape(-1))
+    cdef size_t n = iv.shape[0], b
+    cdef uint64_t rb = rows.rs.row_bytes, L = 0, total = 0, longest = 0
+    cdef int64_t i
+    if not pack:
+        if length is not None and length < 1:
+            raise ValueError(f"length must be positive, got {length}")
+        if <uint64_t>len(pad) != rb:
+            raise ValueError(f"pad must be one row ({rb} bytes), got {len(pad)}")
+    if count and first + count > index.total:
+        raise IndexError(f"documents up to {first + count} are past the {index.total} documents")
+    # per document: global id, first row, length, destination byte
+    cdef uint64_t *mem = <uint64_t *>PyMem_Malloc(max(n, 1) * 4 * sizeof(uint64_t))
+    if mem is NULL:
+        raise MemoryError()
+    cdef uint64_t *gid = mem
+    cdef uint64_t *st = mem + n
+    cdef uint64_t *ln = mem + 2 * n
+    cdef uint64_t *dof = mem + 3 * n
+    cdef lib.tl_ioreq *reqs = NULL
+    cdef lib.tl_engine eng
+    cdef lib.tl_io_error err
+    cdef size_t failed = 0, nreq, m
+    cdef int rc
+    cdef int64_t[::1] lv, ov
+    cdef uint8_t[::1] dst
+    cdef uint8_t *dptr = NULL
+    cdef const uint8_t *pp = pad
+    try:
+        for b in range(n):
+            i = iv[b]
+            if i < 0 or <uint64_t>i >= count:
+                raise IndexError(f"observation {i} is out of range for a view of {count} "
+                                 f"(valid: 0 <= i < {count})")
+            gid[b] = first + <uint64_t>i
+        if n:
+            index.fill(gid, n, st, ln)
+        lengths = alloc((n,), np.int64)
+        lv = lengths
+        if pack:
+            offsets = alloc((n + 1,), np.int64)
+            ov = offsets
+            ov[0] = 0
+            for b in range(n):
+                dof[b] = total * rb
+                total += ln[b]
+                lv[b] = <int64_t>ln[b]
+                ov[b + 1] = <int64_t>total
+            values = alloc((total,), dtype)
+        else:
+            for b in range(n):
+                if ln[b] > longest:
+                    longest = ln[b]
+            L = <uint64_t>length if length is not None else (longest if longest else 1)
+            for b in range(n):
+                if ln[b] > L:
+                    ln[b] = L
+                lv[b] = <int64_t>ln[b]
+                dof[b] = b * L * rb
+            total = n * L
+            values = alloc((n, L), dtype)
+        if total:
+            dst = values.reshape(-1).view(np.uint8)
+            dptr = &dst[0]
+        nreq = lib.tl_rows_count_reqs(&rows.rs, st, ln, 0, n)
+        reqs = <lib.tl_ioreq *>PyMem_Malloc(max(nreq, 1) * sizeof(lib.tl_ioreq))
+        if reqs is NULL:
+            raise MemoryError()
+        rows.files.engine_begin(&eng)
+        with nogil:
+            if not pack:
+                for b in range(n):
+                    lib.tl_fill_rows(dptr + dof[b] + ln[b] * rb, L - ln[b], pp, rb)
+            m = lib.tl_rows_plan_many(&rows.rs, st, ln, 0, dof, n, dptr, reqs)
+            rc = lib.tl_engine_run(&eng, reqs, m, &err, &failed)
+        rows.files.engine_end(&eng)
         if rc:
-            _raise_io(&err, self.file.paths, f"the pointer of sequence {i[failed]}")
-        return starts, lengths
+            b = reqs[failed].item
+            _raise_io(&err, rows.files.paths, f"rows [{st[b]}, {st[b] + ln[b]})")
+    finally:
+        PyMem_Free(reqs)
+        PyMem_Free(mem)
+    if pack:
+        return values, lengths, offsets
+    return values, lengths
 
 
 cdef class MetaSet:

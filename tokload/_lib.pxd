@@ -177,6 +177,8 @@ cdef extern from "tokload/plan.h" nogil:
     void tl_split_fields(const uint8_t *rows, uint64_t nrows, uint64_t row_bytes,
                          size_t nfields, const uint64_t *off, const uint64_t *size,
                          uint8_t *const *dst) noexcept
+    void tl_fill_rows(uint8_t *dst, uint64_t nrows, const uint8_t *pattern,
+                      uint64_t row_bytes) noexcept
     void tl_docs_plan(tl_fent *idx_files, const uint64_t *doc_cum, size_t nfiles,
                       const uint64_t *ids, size_t count, uint64_t *entries,
                       tl_ioreq *reqs) noexcept

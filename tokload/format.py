@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from tokload._io import DocIndex, FileSet, MegatronIndex, MetaSet, RowSet
+from tokload._io import DocIndex, ExtentIndex, FileSet, MetaSet, RowSet
 from tokload._meta import SPAN_ENTRY, SpanSet
 from tokload.errors import FormatError, MissingShardError
 
@@ -582,7 +582,7 @@ class Source:
 
     rows: RowSet
     dtype: np.dtype[Any]
-    docs: DocIndex | MegatronIndex | None
+    docs: ExtentIndex | None
     meta: MetaSet | None
     fingerprint: str
     description: str

@@ -26,7 +26,7 @@ from typing import Any, Self, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from tokload._io import FileSet, split_fields
+from tokload._io import FileSet, read_documents, split_fields
 from tokload._meta import Scratch, compact_records
 from tokload.assembly import Alloc
 from tokload.errors import FormatError
@@ -384,13 +384,21 @@ class Documents(View):
 
     def read(self, indices: npt.ArrayLike, alloc: Alloc = np.empty) -> DocumentBatch:
         """The documents back to back (see :class:`DocumentBatch`)."""
+        docs = self.source.docs
+        assert docs is not None
+        if self.source.dtype.fields is None:
+            values, lengths, offsets = read_documents(
+                docs, self.source.rows, indices, self._lo, len(self), self.source.dtype,
+                pack=True, length=None, pad=b"", alloc=alloc,
+            )  # fmt: skip
+            return DocumentBatch(values, lengths, offsets)
         starts, lengths = self.extents(indices)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        values = self._read(
+        fields = self._read_fields(
             starts, lengths, offsets[:-1].astype(np.uint64), int(offsets[-1]), alloc=alloc
         )
-        return DocumentBatch(values, lengths.astype(np.int64), offsets)
+        return DocumentBatch(fields, lengths.astype(np.int64), offsets)
 
     def read_padded(
         self,
@@ -404,24 +412,35 @@ class Documents(View):
         ``length=None`` pads to the longest document of the batch (at least 1);
         longer documents are truncated to ``length``. Returns ``(values,
         lengths)`` where ``lengths`` (int64) are the numbers of real rows.
+        For a plain dtype this is one compiled call: the index entries, then
+        the padding and the rows' reads, without the GIL.
         """
         if length is not None and length < 1:
             raise ValueError(f"length must be positive, got {length}")
+        dt = self.source.dtype
+        docs = self.source.docs
+        assert docs is not None
+        if dt.fields is None:
+            values, lens = read_documents(
+                docs, self.source.rows, indices, self._lo, len(self), dt,
+                pack=False, length=length, pad=self._pad_row(pad), alloc=alloc,
+            )  # fmt: skip
+            return values, lens
         starts, lengths = self.extents(indices)
         if length is None:
             length = max(1, int(lengths.max())) if len(lengths) else 1
         lengths = np.minimum(lengths, np.uint64(length))
         b = len(lengths)
         dst_offsets = np.arange(b, dtype=np.uint64) * np.uint64(length)
-        values = self._read(starts, lengths, dst_offsets, b * length, pad=pad, alloc=alloc)
-        shaped: Fields
-        if isinstance(values, dict):
-            shaped = {k: v.reshape(b, length) for k, v in values.items()}
-        else:
-            shaped = values.reshape(b, length)
+        fields = self._read_fields(starts, lengths, dst_offsets, b * length, pad, alloc)
+        shaped = {k: v.reshape(b, length) for k, v in fields.items()}
         return shaped, lengths.astype(np.int64)
 
-    def _read(
+    def _pad_row(self, pad: int) -> bytes:
+        """One row of ``pad`` in the dataset's dtype (OverflowError if it does not fit)."""
+        return np.array(pad, dtype=self.source.dtype).tobytes()
+
+    def _read_fields(
         self,
         starts: np.ndarray,
         lengths: np.ndarray,
@@ -429,17 +448,11 @@ class Documents(View):
         total: int,
         pad: int | None = None,
         alloc: Alloc = np.empty,
-    ) -> Fields:
+    ) -> dict[str, np.ndarray]:
+        """A structured dtype's documents: rows into scratch, then one array per field."""
         dt = self.source.dtype
-        item = np.uint64(dt.itemsize)
-        if dt.fields is None:
-            out = alloc((total,), dt)
-            if pad is not None:
-                out.fill(pad)
-            self.source.rows.read(starts, lengths, dst_rows * item, out)
-            return out
         scratch = np.zeros(total, dtype=dt)
-        self.source.rows.read(starts, lengths, dst_rows * item, scratch)
+        self.source.rows.read(starts, lengths, dst_rows * np.uint64(dt.itemsize), scratch)
         layout = _field_layout(dt)
         outs = {name: alloc((total,), ft) for name, ft, _ in layout}
         split_fields(

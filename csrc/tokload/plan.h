@@ -163,6 +163,22 @@ TL_INLINE void tl_split_fields(const uint8_t *rows, uint64_t nrows, uint64_t row
     }
 }
 
+/*
+ * Fill nrows rows of row_bytes bytes at dst with the row `pattern` (padding);
+ * an all-zero pattern is one memset.
+ */
+TL_INLINE void tl_fill_rows(uint8_t *dst, uint64_t nrows, const uint8_t *pattern,
+                            uint64_t row_bytes)
+{
+    int zero = 1;
+    for (uint64_t j = 0; j < row_bytes; j++) zero &= pattern[j] == 0;
+    if (zero) {
+        memset(dst, 0, nrows * row_bytes);
+        return;
+    }
+    for (uint64_t r = 0; r < nrows; r++) memcpy(dst + r * row_bytes, pattern, row_bytes);
+}
+
 /* ---- documents ------------------------------------------------------------ */
 
 /*
