@@ -254,6 +254,25 @@ def _torch_rate(corpus: list[Path], workers: int) -> float:
     return _median(run)
 
 
+def _child_rate(formats: Path, loader: str, workers: int) -> float:
+    """A peer in the peers' environment: it drops the cache itself once imported."""
+
+    def run(rep: int) -> float:
+        out = run_child(
+            str(PEERS_PY),
+            loader,
+            workers,
+            formats,
+            "cold",
+            "--drop-caches",
+            "--batches",
+            str(BATCHES),
+        )
+        return float(out["seconds"])
+
+    return _median(run)
+
+
 def test_cold_throughput(corpus: list[Path], probe: Path) -> None:
     rows: dict[str, float] = {}
     for depth in (1, 4, 16, 64):
@@ -270,6 +289,16 @@ def test_cold_throughput(corpus: list[Path], probe: Path) -> None:
     default = f"tokload defaults (io={_io.resolve_io()}, depth {_io.default_queue_depth()})"
     tok[default] = _tokload_rate(corpus, None, None)
     peers = {f"torch DataLoader + np.memmap, {w} workers": _torch_rate(corpus, w) for w in (0, 2)}
+    skipped = []
+    if PEERS_PY.exists():
+        formats = peer_corpus(corpus)
+        for loader, label in (("litdata", "litdata"), ("megatron", "Megatron-core GPTDataset")):
+            for w in (0, 2):
+                peers[f"{label}, {w} workers"] = _child_rate(formats, loader, w)
+    else:
+        skipped.append(
+            f"litdata and Megatron-core skipped: no {PEERS_PY} (python bench/peers/run.py)"
+        )
     rows.update(tok)
     rows.update(peers)
 
@@ -289,4 +318,6 @@ def test_cold_throughput(corpus: list[Path], probe: Path) -> None:
         print(
             f"tokload best / {name}: {best_tok / rate:.1f}x (defaults: {tok[default] / rate:.1f}x)"
         )
+    for line in skipped:
+        print(line)
     assert all(r > 0 for r in rows.values())

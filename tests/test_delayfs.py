@@ -1,0 +1,174 @@
+"""bench/delayfs: the latency-injecting FUSE passthrough that bench_stall reads through.
+
+Skipped unless this is root with /dev/fuse, fusermount3, a C compiler and libfuse3's
+headers (``apt-get install libfuse3-dev fuse3 pkg-config``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "bench" / "delayfs" / "delayfs.c"
+
+
+def _missing() -> str | None:
+    if os.geteuid() != 0:
+        return "mounting FUSE needs root"
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
+    for tool in ("fusermount3", "cc", "pkg-config"):
+        if shutil.which(tool) is None:
+            return f"no {tool}"
+    if subprocess.run(["pkg-config", "--exists", "fuse3"], check=False).returncode:
+        return "no libfuse3 headers (apt-get install libfuse3-dev)"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_missing() is not None, reason=_missing() or "")
+
+
+@pytest.fixture(scope="module")
+def delayfs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    exe = tmp_path_factory.mktemp("delayfs") / "delayfs"
+    flags = subprocess.run(
+        ["pkg-config", "--cflags", "--libs", "fuse3"], check=True, capture_output=True, text=True
+    ).stdout.split()
+    subprocess.run(["cc", "-O2", "-Wall", "-Werror", str(SRC), "-o", str(exe), *flags], check=True)
+    return exe
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("source")
+    rng = np.random.default_rng(5)
+    (d / "a.bin").write_bytes(rng.integers(0, 256, 3 << 20, dtype=np.uint8).tobytes())
+    (d / "sub").mkdir()
+    (d / "sub" / "b.bin").write_bytes(rng.integers(0, 256, 100_003, dtype=np.uint8).tobytes())
+    return d
+
+
+@contextmanager
+def mount(
+    exe: Path, source: Path, mnt: Path, opts: str, stats: dict[str, int] | None = None
+) -> Iterator[Path]:
+    mnt.mkdir(exist_ok=True)
+    proc = subprocess.Popen(
+        [str(exe), str(source), str(mnt), "-f", "-o", opts + ",max_threads=64"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not os.path.ismount(mnt):
+            assert proc.poll() is None, "delayfs exited before mounting"
+            assert time.monotonic() < deadline, "delayfs did not mount within 10 s"
+            time.sleep(0.02)
+        yield mnt
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+        _, err = proc.communicate(timeout=10)
+        line = [ln for ln in err.splitlines() if ln.startswith("delayfs: reads")]
+        if stats is not None:
+            words = line[-1].split()
+            stats.update(reads=int(words[2]), delayed=int(words[4]), bytes=int(words[6]))
+
+
+def _pread_cold(path: Path, size: int, offset: int) -> tuple[bytes, float]:
+    """One read that reaches the daemon: a fresh open drops delayfs's page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        t0 = time.perf_counter()
+        data = os.pread(fd, size, offset)
+        return data, time.perf_counter() - t0
+    finally:
+        os.close(fd)
+
+
+def test_bytes_through_it_are_the_files_bytes(delayfs: Path, source: Path, tmp_path: Path) -> None:
+    stats: dict[str, int] = {}
+    with mount(delayfs, source, tmp_path / "m", "fraction=0", stats) as m:
+        assert sorted(p.name for p in m.iterdir()) == ["a.bin", "sub"]
+        for rel in ("a.bin", "sub/b.bin"):
+            assert (m / rel).read_bytes() == (source / rel).read_bytes()
+            assert (m / rel).stat().st_size == (source / rel).stat().st_size
+        mm = np.memmap(m / "a.bin", dtype=np.uint8, mode="r")  # a shared mapping works
+        ref = np.fromfile(source / "a.bin", dtype=np.uint8)
+        assert np.array_equal(mm[12345:2_000_000], ref[12345:2_000_000])
+        del mm
+        assert (
+            _pread_cold(m / "sub" / "b.bin", 10, 100_000)[0]
+            == (source / "sub" / "b.bin").read_bytes()[100_000:]
+        )
+        with pytest.raises(OSError, match="Read-only file system"):
+            open(m / "a.bin", "r+b")  # noqa: SIM115
+        with pytest.raises(FileNotFoundError):
+            (m / "missing.bin").read_bytes()
+    assert stats["reads"] > 0 and stats["delayed"] == 0
+
+
+def test_a_delayed_read_takes_at_least_the_delay(
+    delayfs: Path, source: Path, tmp_path: Path
+) -> None:
+    stats: dict[str, int] = {}
+    with mount(delayfs, source, tmp_path / "m", "fraction=1,delay_ms=150", stats) as m:
+        for off in (0, 1 << 20, (3 << 20) - 5000):
+            data, took = _pread_cold(m / "a.bin", 4096, off)
+            assert data == (source / "a.bin").read_bytes()[off : off + 4096]
+            assert took >= 0.150, (off, took)
+    assert stats["delayed"] == stats["reads"] >= 3
+
+
+def test_the_base_latency_applies_to_every_read(
+    delayfs: Path, source: Path, tmp_path: Path
+) -> None:
+    with mount(delayfs, source, tmp_path / "m", "fraction=0,base_us=20000") as m:
+        for off in (0, 777_777):
+            assert _pread_cold(m / "a.bin", 100, off)[1] >= 0.020
+
+
+def test_concurrent_delayed_reads_overlap(delayfs: Path, source: Path, tmp_path: Path) -> None:
+    n, delay = 16, 0.3
+    took: list[float] = []
+    with mount(delayfs, source, tmp_path / "m", f"fraction=1,delay_ms={int(delay * 1000)}") as m:
+
+        def read(k: int) -> None:
+            took.append(_pread_cold(m / "a.bin", 4096, k * 131072)[1])
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=read, args=(k,)) for k in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+    assert len(took) == n and min(took) >= delay
+    assert wall < n * delay / 2, f"{n} reads of {delay} s each took {wall:.2f} s: not overlapped"
+
+
+def test_which_reads_are_delayed_depends_only_on_the_seed(
+    delayfs: Path, source: Path, tmp_path: Path
+) -> None:
+    """The same reads under the same seed are delayed alike; another seed picks others."""
+    offsets = [k * 65536 for k in range(40)]
+
+    def delayed(seed: int) -> list[bool]:
+        with mount(
+            delayfs, source, tmp_path / f"m{seed}", f"fraction=0.5,delay_ms=60,seed={seed}"
+        ) as m:
+            return [_pread_cold(m / "a.bin", 4096, off)[1] >= 0.060 for off in offsets]
+
+    first, again, other = delayed(1), delayed(1), delayed(2)
+    assert first == again
+    assert 5 <= sum(first) <= 35  # about half
+    assert first != other
