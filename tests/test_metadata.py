@@ -309,6 +309,30 @@ def test_damaged_record_index_names_the_file(tmp_path: Path) -> None:
         read_all(ds)
 
 
+def test_per_token_ids_far_apart_read_each_record_alone(tmp_path: Path) -> None:
+    """Version 1: a window whose ids are far apart in the index reads two index
+    entries per record instead of the range between them; both kinds of segment
+    share one batched index read and give the records the ids name."""
+    ds = write(tmp_path / "v1", [(np.arange(10, dtype=np.uint16), [(0, 10, b"r%d" % k)])
+                                 for k in range(300)], "per_token")  # fmt: skip
+    shard = read_manifest(ds).shards[0].name
+    dt = np.dtype([("tokens", "<u2"), ("metadata_id", "<u4")])
+    rows = np.memmap(ds / f"{shard}.rows", dtype=dt, mode="r+")
+    assert len(rows) == 3000
+    ids = np.arange(3000, dtype=np.uint32) % 300
+    ids[::7] = 299 - ids[::7]  # scatter: each 64-row window names ids across the index
+    ids[5::11] = 0xFFFFFFFF  # and some rows without a record
+    rows["metadata_id"] = ids
+    rows.flush()
+    del rows
+    view = StreamWithMetadata(ds, window=64, stride=50)
+    b = view.read(np.arange(len(view)))
+    for w in range(len(view)):
+        want = ids[w * 50 : w * 50 + 64]
+        got = [b.metadata[p] if p >= 0 else None for p in b.positions[w].tolist()]
+        assert got == [None if i == 0xFFFFFFFF else b"r%d" % i for i in want.tolist()]
+
+
 @pytest.mark.parametrize("io", ["sync", "threads", "uring"])
 @pytest.mark.parametrize(
     ("suffix", "what"),

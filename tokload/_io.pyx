@@ -895,12 +895,14 @@ cdef class MetaSet:
             raise ValueError(f"ids and positions must hold {nwin} x {window} values")
         if nwin and (np.asarray(s).max() + window > self.rows.total):
             raise IndexError("a window runs past the end of the rows")
-        cdef uint64_t hcap = 1, ecap = max(4 * window + 2, 1024)
+        cdef size_t nseg_max = lib.tl_rows_count_reqs(&self.rows.rs, &s[0], NULL, window,
+                                                      nwin) if nwin else 0
+        cdef uint64_t hcap = 1
         while hcap < 2 * max(total, 1):
             hcap *= 2
         hkeys = np.empty(hcap, dtype=np.uint64)
         hvals = np.empty(hcap, dtype=np.int64)
-        entries = np.empty(ecap, dtype=np.uint64)
+        entries = np.empty(2 * total + 64 * nseg_max + 1, dtype=np.uint64)
         items = np.empty(max(total, 1), dtype=_ITEM_DTYPE)
         spans = np.empty(max(total, 1), dtype=_SPAN_DTYPE)
         cdef uint64_t[::1] hk = hkeys, ent = entries
@@ -909,19 +911,36 @@ cdef class MetaSet:
         cdef uint8_t[::1] sp_raw = spans.view(np.uint8)
         cdef lib.tl_meta_item *it = <lib.tl_meta_item *>&it_raw[0]
         cdef lib.tl_meta_span *sp = <lib.tl_meta_span *>&sp_raw[0]
-        cdef size_t nitems = 0, nspans = 0, failed = 0
+        cdef size_t nitems = 0, nspans = 0, nsegs = 0, nreqs = 0, failed = 0
         cdef uint64_t blob = 0
         cdef lib.tl_io_error err
         cdef lib.tl_engine eng
         cdef int rc = 0
-        if nwin and window:
+        cdef lib.tl_meta_seg *segs = NULL
+        cdef lib.tl_ioreq *reqs = NULL
+        if nwin == 0 or window == 0:
+            return items[:0], spans[:0], 0
+        segs = <lib.tl_meta_seg *>PyMem_Malloc(max(nseg_max, 1) * sizeof(lib.tl_meta_seg))
+        reqs = <lib.tl_ioreq *>PyMem_Malloc((nseg_max + total) * sizeof(lib.tl_ioreq))
+        try:
+            if segs is NULL or reqs is NULL:
+                raise MemoryError()
             self.index_files.engine_begin(&eng)
             with nogil:
-                rc = lib.tl_meta_gather(&eng, self.shards, &self._row_cum[0], self.rows.files.nfiles,
-                                        &s[0], nwin, window, &idv[0], &pos[0], &hk[0], &hv[0],
-                                        hcap, &ent[0], ecap, it, &nitems, sp, &nspans,
-                                        &blob, &err, &failed)
+                # every index read of the batch in one engine call
+                rc = lib.tl_meta_plan(self.shards, &self._row_cum[0], self.rows.files.nfiles,
+                                      &s[0], nwin, window, &idv[0], &pos[0], &hk[0], &hv[0],
+                                      hcap, it, &nitems, segs, &nsegs, &ent[0], reqs, &nreqs,
+                                      &err, &failed)
+                if rc == 0:
+                    rc = lib.tl_engine_run(&eng, reqs, nreqs, &err, &failed)
+                if rc == 0:
+                    rc = lib.tl_meta_finish(self.shards, segs, nsegs, &ent[0], it, sp, &nspans,
+                                            &blob, &err, &failed)
             self.index_files.engine_end(&eng)
+        finally:
+            PyMem_Free(segs)
+            PyMem_Free(reqs)
         if rc == lib.TL_ERR_BAD_ID:
             raise CorruptDataError(
                 f"{self.rows.files.paths[err.file]}: row {err.offset} has metadata id "

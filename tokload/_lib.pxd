@@ -213,12 +213,24 @@ cdef extern from "tokload/plan.h" nogil:
         uint64_t length
         uint64_t blob
 
-    int tl_meta_gather(const tl_engine *eng, const tl_meta_shard *shards,
-                       const uint64_t *row_cum, size_t nfiles,
-                       const uint64_t *starts, size_t nwin, uint64_t window,
-                       const uint32_t *ids, int32_t *positions, uint64_t *hkeys,
-                       int64_t *hvals, uint64_t hcap, uint64_t *entries, uint64_t ecap,
-                       tl_meta_item *items, size_t *nitems, tl_meta_span *spans,
+    ctypedef struct tl_meta_seg:
+        uint32_t shard
+        uint32_t dense
+        uint64_t lo
+        uint64_t hi
+        size_t first_item
+        size_t end_item
+        uint64_t ent
+        uint64_t window
+
+    int tl_meta_plan(const tl_meta_shard *shards, const uint64_t *row_cum, size_t nfiles,
+                     const uint64_t *starts, size_t nwin, uint64_t window,
+                     const uint32_t *ids, int32_t *positions, uint64_t *hkeys,
+                     int64_t *hvals, uint64_t hcap, tl_meta_item *items, size_t *nitems,
+                     tl_meta_seg *segs, size_t *nsegs, uint64_t *entries, tl_ioreq *reqs,
+                     size_t *nreqs, tl_io_error *err, size_t *failed_item) noexcept
+    int tl_meta_finish(const tl_meta_shard *shards, const tl_meta_seg *segs, size_t nsegs,
+                       const uint64_t *entries, tl_meta_item *items, tl_meta_span *spans,
                        size_t *nspans, uint64_t *blob_bytes, tl_io_error *err,
                        size_t *failed_item) noexcept
     void tl_meta_plan_read(const tl_meta_shard *shards, const tl_meta_span *spans,

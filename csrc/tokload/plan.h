@@ -319,39 +319,50 @@ TL_INLINE uint64_t tl_meta_hash(uint64_t key)
     return key;
 }
 
+/* A window's rows inside one shard, and the index read of its new records. */
+typedef struct tl_meta_seg {
+    uint32_t shard;
+    uint32_t dense;    /* 1: one read of entries lo .. hi + 1; 0: two per record */
+    uint64_t lo, hi;   /* the range of the ids first seen in this segment */
+    size_t first_item; /* its new records: items [first_item, end_item) */
+    size_t end_item;
+    uint64_t ent;      /* its first entry in the entries buffer */
+    uint64_t window;   /* for errors */
+} tl_meta_seg;
+
 /*
- * Gather the metadata of `nwin` windows of `window` rows each.  ids holds the
- * metadata_id field of the windows' rows ([nwin, window], row-major), starts
- * their first global rows, row_cum the cumulative rows of the shards.
+ * Gather the metadata of `nwin` windows of `window` rows each, step 1 of 2.
+ * ids holds the metadata_id field of the windows' rows ([nwin, window],
+ * row-major), starts their first global rows, row_cum the cumulative rows of
+ * the shards.
  *
- * For every window segment inside one shard, the ids not seen before in the
- * batch are found, their index entries [min, max + 1] are read in one request
- * and the record bytes [off[min], off[max + 1]) become one span (read later by
- * tl_meta_read): at most two reads per shard a window spans.
  * Records are de-duplicated across the batch by (shard, id), numbered in
  * order of first appearance: positions[r] is the number of row r's record, or
- * -1 for TL_META_NONE.
+ * -1 for TL_META_NONE.  For each window segment inside one shard, the index
+ * entries of the records first seen there are planned as one read of entries
+ * [lo, hi + 1] when that is at most 2 * (new records) + 64 entries, else as
+ * two entries per record; every index read of the batch then runs in one
+ * engine call (the caller's), and tl_meta_finish turns the entries into
+ * coalesced data spans.
  *
- * Scratch: hkeys/hvals, a hash table of hcap entries (a power of two >= 2 *
- * nwin * window); entries, an index buffer of ecap uint64 values.  A segment
- * whose id range does not fit in ecap entries reads each record's two index
- * entries separately instead.  items and spans need nwin * window entries.
+ * Scratch (callers size it): hkeys/hvals, a hash table of hcap entries (a
+ * power of two >= 2 * nwin * window); items, nwin * window entries; segs, one
+ * per shard a window touches (tl_rows_count_reqs of the windows); entries,
+ * 2 * nwin * window + 64 * (segments) uint64; reqs, segments + nwin * window.
  *
- * Index reads run on `eng`, one at a time (each depends on the ids of its
- * segment only, but the de-duplication is sequential).
- *
- * Returns 0 and sets *nitems, *nspans and *blob_bytes, or an error code.
+ * Returns 0 and sets *nitems, *nsegs, *nreqs, or TL_ERR_BAD_ID (err->file the
+ * shard, err->offset the row local to it, err->length its records, err->done
+ * the id; *failed_item the window).
  */
-TL_INLINE int tl_meta_gather(const tl_engine *eng, const tl_meta_shard *shards, const uint64_t *row_cum, size_t nfiles,
-                             const uint64_t *starts, size_t nwin, uint64_t window,
-                             const uint32_t *ids, int32_t *positions, uint64_t *hkeys,
-                             int64_t *hvals, uint64_t hcap, uint64_t *entries, uint64_t ecap,
-                             tl_meta_item *items, size_t *nitems, tl_meta_span *spans,
-                             size_t *nspans, uint64_t *blob_bytes, tl_io_error *err,
-                             size_t *failed_item)
+TL_INLINE int tl_meta_plan(const tl_meta_shard *shards, const uint64_t *row_cum, size_t nfiles,
+                           const uint64_t *starts, size_t nwin, uint64_t window,
+                           const uint32_t *ids, int32_t *positions, uint64_t *hkeys,
+                           int64_t *hvals, uint64_t hcap, tl_meta_item *items, size_t *nitems,
+                           tl_meta_seg *segs, size_t *nsegs, uint64_t *entries, tl_ioreq *reqs,
+                           size_t *nreqs, tl_io_error *err, size_t *failed_item)
 {
-    size_t ni = 0, ns = 0;
-    uint64_t blob = 0;
+    size_t ni = 0, nseg = 0, nq = 0;
+    uint64_t nent = 0;
     for (uint64_t h = 0; h < hcap; h++) hvals[h] = -1;
     for (size_t w = 0; w < nwin; w++) {
         uint64_t row = starts[w], done = 0;
@@ -389,7 +400,6 @@ TL_INLINE int tl_meta_gather(const tl_engine *eng, const tl_meta_shard *shards, 
                     hvals[hslot] = (int64_t)ni;
                     items[ni].shard = (uint32_t)k;
                     items[ni].id = id;
-                    items[ni].length = UINT64_MAX; /* extent not known yet */
                     ni++;
                     if (id < lo) lo = id;
                     if (id > hi) hi = id;
@@ -397,71 +407,27 @@ TL_INLINE int tl_meta_gather(const tl_engine *eng, const tl_meta_shard *shards, 
                 spos[r] = (int32_t)hvals[hslot];
             }
             if (first_item < ni) {
-                /* Extents of the records first seen in this segment (ids in
-                 * [lo, hi]); records seen earlier in the batch have theirs. */
-                if (hi - lo + 2 <= ecap) {
+                tl_meta_seg *sg = &segs[nseg++];
+                size_t fresh = ni - first_item;
+                sg->shard = (uint32_t)k;
+                sg->lo = lo;
+                sg->hi = hi;
+                sg->first_item = first_item;
+                sg->end_item = ni;
+                sg->ent = nent;
+                sg->window = w;
+                sg->dense = hi - lo + 2 <= 2 * (uint64_t)fresh + 64;
+                if (sg->dense) {
                     tl_ioreq q = {ms->index, ms->index->base + 8 * lo, 8 * (hi - lo + 2),
-                                  (uint8_t *)entries, w};
-                    size_t f;
-                    int rc = tl_engine_run(eng, &q, 1, err, &f);
-                    if (rc) {
-                        *failed_item = w;
-                        return rc;
-                    }
-                    for (uint64_t e = 0; e + 1 < hi - lo + 2; e++) {
-                        if (TL_UNLIKELY(entries[e] > entries[e + 1] ||
-                                        entries[e + 1] > ms->data_bytes)) {
-                            err->code = TL_ERR_CORRUPT;
-                            err->file = (int32_t)k;
-                            err->offset = ms->index->base + 8 * (lo + e + 1);
-                            err->length = ms->data_bytes;
-                            err->done = entries[e + 1];
-                            *failed_item = w;
-                            return TL_ERR_CORRUPT;
-                        }
-                    }
-                    /* one coalesced span: bytes of records lo..hi */
-                    spans[ns].shard = (uint32_t)k;
-                    spans[ns].offset = entries[0];
-                    spans[ns].length = entries[hi - lo + 1] - entries[0];
-                    spans[ns].blob = blob;
-                    for (size_t it = first_item; it < ni; it++) {
-                        items[it].offset = entries[items[it].id - lo];
-                        items[it].length = entries[items[it].id - lo + 1] - items[it].offset;
-                        items[it].blob = blob + (items[it].offset - entries[0]);
-                    }
-                    blob += spans[ns].length;
-                    ns++;
+                                  (uint8_t *)(entries + nent), w};
+                    reqs[nq++] = q;
+                    nent += hi - lo + 2;
                 } else {
-                    /* Sparse ids: two entries per new record, and one span each. */
                     for (size_t it = first_item; it < ni; it++) {
-                        uint64_t e2[2];
-                        uint64_t at = ms->index->base + 8 * (uint64_t)items[it].id;
-                        tl_ioreq q = {ms->index, at, 16, (uint8_t *)e2, w};
-                        size_t f;
-                        int rc = tl_engine_run(eng, &q, 1, err, &f);
-                        if (rc) {
-                            *failed_item = w;
-                            return rc;
-                        }
-                        if (TL_UNLIKELY(e2[0] > e2[1] || e2[1] > ms->data_bytes)) {
-                            err->code = TL_ERR_CORRUPT;
-                            err->file = (int32_t)k;
-                            err->offset = at;
-                            err->length = ms->data_bytes;
-                            err->done = e2[0] > e2[1] ? e2[0] : e2[1];
-                            *failed_item = w;
-                            return TL_ERR_CORRUPT;
-                        }
-                        items[it].offset = e2[0];
-                        items[it].length = e2[1] - e2[0];
-                        spans[ns].shard = (uint32_t)k;
-                        spans[ns].offset = e2[0];
-                        spans[ns].length = e2[1] - e2[0];
-                        spans[ns].blob = blob;
-                        items[it].blob = blob;
-                        blob += spans[ns].length;
-                        ns++;
+                        tl_ioreq q = {ms->index, ms->index->base + 8 * (uint64_t)items[it].id, 16,
+                                      (uint8_t *)(entries + nent), w};
+                        reqs[nq++] = q;
+                        nent += 2;
                     }
                 }
             }
@@ -470,12 +436,85 @@ TL_INLINE int tl_meta_gather(const tl_engine *eng, const tl_meta_shard *shards, 
         }
     }
     *nitems = ni;
+    *nsegs = nseg;
+    *nreqs = nq;
+    return 0;
+}
+
+/*
+ * Step 2: check the index entries read for tl_meta_plan's segments, give
+ * every record its extent and place in the batch blob, and plan the data
+ * reads: one span per dense segment (the bytes of records lo .. hi), one per
+ * record otherwise.  spans needs as many entries as items.  Returns 0 and
+ * sets *nspans and *blob_bytes, or TL_ERR_CORRUPT (err->offset the entry's
+ * byte offset in the index file, err->done its value; *failed_item the
+ * window).
+ */
+TL_INLINE int tl_meta_finish(const tl_meta_shard *shards, const tl_meta_seg *segs, size_t nsegs,
+                             const uint64_t *entries, tl_meta_item *items, tl_meta_span *spans,
+                             size_t *nspans, uint64_t *blob_bytes, tl_io_error *err,
+                             size_t *failed_item)
+{
+    size_t ns = 0;
+    uint64_t blob = 0;
+    for (size_t g = 0; g < nsegs; g++) {
+        const tl_meta_seg *sg = &segs[g];
+        const tl_meta_shard *ms = &shards[sg->shard];
+        const uint64_t *e = entries + sg->ent;
+        if (sg->dense) {
+            uint64_t n = sg->hi - sg->lo + 2;
+            for (uint64_t j = 0; j + 1 < n; j++) {
+                if (TL_UNLIKELY(e[j] > e[j + 1] || e[j + 1] > ms->data_bytes)) {
+                    err->code = TL_ERR_CORRUPT;
+                    err->file = (int32_t)sg->shard;
+                    err->offset = ms->index->base + 8 * (sg->lo + j + 1);
+                    err->length = ms->data_bytes;
+                    err->done = e[j + 1];
+                    *failed_item = sg->window;
+                    return TL_ERR_CORRUPT;
+                }
+            }
+            /* one coalesced span: bytes of records lo..hi */
+            spans[ns].shard = sg->shard;
+            spans[ns].offset = e[0];
+            spans[ns].length = e[n - 1] - e[0];
+            spans[ns].blob = blob;
+            for (size_t it = sg->first_item; it < sg->end_item; it++) {
+                items[it].offset = e[items[it].id - sg->lo];
+                items[it].length = e[items[it].id - sg->lo + 1] - items[it].offset;
+                items[it].blob = blob + (items[it].offset - e[0]);
+            }
+            blob += spans[ns].length;
+            ns++;
+            continue;
+        }
+        for (size_t it = sg->first_item; it < sg->end_item; it++, e += 2) {
+            if (TL_UNLIKELY(e[0] > e[1] || e[1] > ms->data_bytes)) {
+                err->code = TL_ERR_CORRUPT;
+                err->file = (int32_t)sg->shard;
+                err->offset = ms->index->base + 8 * (uint64_t)items[it].id;
+                err->length = ms->data_bytes;
+                err->done = e[0] > e[1] ? e[0] : e[1];
+                *failed_item = sg->window;
+                return TL_ERR_CORRUPT;
+            }
+            items[it].offset = e[0];
+            items[it].length = e[1] - e[0];
+            items[it].blob = blob;
+            spans[ns].shard = sg->shard;
+            spans[ns].offset = e[0];
+            spans[ns].length = e[1] - e[0];
+            spans[ns].blob = blob;
+            blob += e[1] - e[0];
+            ns++;
+        }
+    }
     *nspans = ns;
     *blob_bytes = blob;
     return 0;
 }
 
-/* The reads of the spans planned by tl_meta_gather into blob: one request
+/* The reads of the spans planned by tl_meta_finish into blob: one request
  * per span (item = the span). */
 TL_INLINE void tl_meta_plan_read(const tl_meta_shard *shards, const tl_meta_span *spans,
                                  size_t nspans, uint8_t *blob, tl_ioreq *reqs)
