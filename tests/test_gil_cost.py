@@ -96,5 +96,6 @@ def test_metadata_batches_cost_does_not_grow_with_their_records(
                 spans = [(a, a + every, b"r%d" % a) for a in range(0, 600, every)]
                 w.write(toks if layout == "spans" else {"token": toks}, spans=spans)
         per.append(calls_per_batch(StreamWithMetadata(tmp_path / f"m{every}", window=256)))
-    assert per[0] < 160, per  # 148 measured, either layout
+    # 98 measured with a span table (one compiled call), 125 with per-token ids
+    assert per[0] <= (105 if layout == "spans" else 135), per
     assert abs(per[1] - per[0]) <= 1, per
