@@ -27,7 +27,8 @@ The corpus is bench_cold's 2 GiB of uint32 tokens (``$TOKLOAD_COLD_DIR``) as one
    workers), and where the peers' environment exists, litdata and Megatron-core
    (0 and 2 workers).
 
-``TOKLOAD_STALL_LOADERS=tokload-flat,memmap,litdata,megatron`` picks loaders.
+``TOKLOAD_STALL_LOADERS=tokload-flat,memmap,litdata,megatron`` picks loaders;
+``TOKLOAD_STALL_SWEEP=2x512,8x512`` replaces the sweep of tokload's threads x prefetch.
 It prints p50/p99/p99.9/max of the wait in ms and the reads each loader made
 through the filesystem (and how many of them were delayed).
 """
@@ -167,8 +168,14 @@ def _configs() -> list[tuple[str, str, str, int, list[str]]]:
     ]
     for pf in (128, 256, 512):
         rows.append((f"tokload prefetch={pf}", me, "tokload-flat", -1, ["--prefetch", str(pf)]))
-    # 4 reader threads: the default on a host of 8 cores or more (a GPU node)
-    for th, pf in ((4, 32), (4, 64), (4, 128), (4, 256), (4, 512), (8, 256)):
+    # more reader threads than this 2-core machine's default of 1 (GPU nodes get up to 8)
+    sweep = os.environ.get("TOKLOAD_STALL_SWEEP")  # e.g. "2x512,8x512": threads x prefetch
+    pairs = (
+        [tuple(int(v) for v in p.split("x")) for p in sweep.split(",")]
+        if sweep
+        else [(4, 32), (4, 64), (4, 128), (4, 256), (4, 512), (8, 256)]
+    )
+    for th, pf in pairs:
         label = f"tokload num_threads={th}, prefetch={pf}"
         rows.append((label, me, "tokload-flat", th, ["--prefetch", str(pf)]))
     for w in (0, 2):

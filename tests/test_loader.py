@@ -475,7 +475,40 @@ def test_bad_arguments(corpus: Path) -> None:
         Documents(view.source, batch="ragged")
     with pytest.raises(ValueError, match="past the end"):
         DataLoader(view, 2, epochs=1).cursor = len(view) + 1
+    with pytest.raises(ValueError, match=r"prefetch must be >= 1 or None, got 0"):
+        DataLoader(view, 2, prefetch=0)
+    with pytest.raises(ValueError, match=r"prefetch_bytes must be a positive integer, got 0"):
+        DataLoader(view, 2, prefetch_bytes=0)
     assert os.cpu_count()
+
+
+def test_automatic_prefetch_follows_the_batch_size_in_bytes(corpus: Path) -> None:
+    """prefetch=None: two tasks ahead until the first batch is delivered, then as many
+    batches as prefetch_bytes hold (at most 512); an explicit prefetch stays as given."""
+    from tokload.loader import MAX_AUTO_PREFETCH, auto_prefetch, batch_nbytes
+
+    assert auto_prefetch(100, 1 << 20) == MAX_AUTO_PREFETCH
+    assert auto_prefetch(1 << 20, 64 << 20) == 64
+    assert auto_prefetch(1 << 30, 1 << 20) == 1
+    assert auto_prefetch(0, 1) == MAX_AUTO_PREFETCH  # unknown size
+    view = TokenStream(corpus, window=33)
+    for budget in (1 << 30, 40_000, 1):
+        ld = DataLoader(view, 4, num_threads=1, steps_per_task=4, prefetch_bytes=budget)
+        it: Any = iter(ld)
+        assert it._pf is not None and it._pf.depth == 2
+        first = next(it)
+        nbytes = batch_nbytes(first)
+        assert nbytes == 4 * 33 * 4 + 2 * 4 * 8  # tokens, index and position
+        want = max(2, -(-auto_prefetch(nbytes, budget) // 4))
+        assert it._pf.depth == want, (budget, nbytes)
+        it.close()
+    assert want == 2  # a budget below one task: still two tasks ahead
+    it = iter(DataLoader(view, 4, num_threads=1, steps_per_task=4, prefetch=24))
+    next(it)
+    assert it._pf is not None and it._pf.depth == 6
+    it.close()
+    with pytest.raises(ValueError, match="depth must be >= 1, got 0"):
+        tokload.prefetch.Prefetcher(lambda s: s, 0, None, 1, 1).set_depth(0)
 
 
 @pytest.mark.parametrize("kind", ["stream", "documents"])

@@ -77,14 +77,18 @@ class DataLoader:
             identical batches.
         prefetch: batches built ahead of the trainer (per rank); keep it at
             least twice ``steps_per_task`` so a task is always being built.
-            The default, 512, is sized by ``bench/bench_stall.py``: on storage
-            that delays 1 read in 1,000 by 200 ms, it is what lets 4 reader
-            threads hide the delay from a trainer consuming half the storage's
-            throughput (45-68 M tokens/s measured; 256 was enough at 45, not
-            at 68). It costs 512 batches of host memory: 67 MB for 8 windows
-            of 4097 uint32 tokens.
+            Default (None): as many as ``prefetch_bytes`` of batches hold, at
+            most ``MAX_AUTO_PREFETCH`` (512) and at least two tasks, measured
+            on the first batch delivered (until then, two tasks; a ``collate``
+            result that is not a dict of arrays counts as small). 512 is sized
+            by ``bench/bench_stall.py``: on storage that delays 1 read in 1,000
+            by 200 ms, it lets 8 reader threads hide most of the delay from a
+            trainer consuming half the storage's throughput (67 MB for batches
+            of 8 windows of 4097 uint32 tokens).
+        prefetch_bytes: the host memory the automatic prefetch may fill per
+            rank (default 256 MiB); ignored when ``prefetch`` is given.
         num_threads: reader threads; 0 builds each batch in ``next()`` (handy
-            for debugging). Default: half the CPU cores, between 1 and 4, so
+            for debugging). Default: half the CPU cores, between 1 and 8, so
             the training thread keeps a core of its own.
         pin_memory: ``"auto"`` pins when CUDA is available; ``True`` requires
             it (RuntimeError otherwise); ``False`` never pins.
@@ -140,7 +144,8 @@ class DataLoader:
         world_size: int | None = None,
         mesh: Any = None,
         mesh_dim: str | int | None = None,
-        prefetch: int = 512,
+        prefetch: int | None = None,
+        prefetch_bytes: int = 256 << 20,
         num_threads: int | None = None,
         pin_memory: bool | str = "auto",
         device: Any = "auto",
@@ -159,10 +164,12 @@ class DataLoader:
         n = len(view)
         if n == 0:
             raise ValueError(f"the view is empty: {view!r}")
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if prefetch is not None and (isinstance(prefetch, bool) or prefetch < 1):
+            raise ValueError(f"prefetch must be >= 1 or None, got {prefetch!r}")
+        if isinstance(prefetch_bytes, bool) or prefetch_bytes < 1:
+            raise ValueError(f"prefetch_bytes must be a positive integer, got {prefetch_bytes!r}")
         if num_threads is None:
-            num_threads = min(4, max(1, (os.cpu_count() or 2) // 2))
+            num_threads = min(8, max(1, (os.cpu_count() or 2) // 2))
         if num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {num_threads}")
         if epochs is not None and (isinstance(epochs, bool) or epochs < 1):
@@ -190,7 +197,8 @@ class DataLoader:
         self.seed, self.shuffle, self.rounds = int(seed), bool(shuffle), int(rounds)
         self.epochs, self.drop_last = epochs, bool(drop_last)
         self.total = None if epochs is None else epochs * n
-        self.prefetch, self.num_threads = int(prefetch), int(num_threads)
+        self.prefetch = None if prefetch is None else int(prefetch)
+        self.prefetch_bytes, self.num_threads = int(prefetch_bytes), int(num_threads)
         self.steps_per_task = int(steps_per_task)
         self.collate = collate
         self.schedule = Schedule(
@@ -397,6 +405,7 @@ class _LoaderIter:
         self._closed = False
         self._ready: list[tuple[tuple[int, int], Any]] = []
         self._pf: Prefetcher | None = None
+        self._sized = True  # False while the automatic prefetch waits for a first batch
         # Host batches need nothing at delivery: skip the call per batch.
         self._deliver = loader.transfer.deliver if loader.device is not None else None
         self._start()
@@ -407,7 +416,10 @@ class _LoaderIter:
         if loader.num_threads > 0:
             # The threads see only the build function, never this object, so
             # dropping the iterator (e.g. leaving a for loop) lets it be collected.
-            depth = max(1, -(-loader.prefetch // loader.steps_per_task))
+            per = loader.steps_per_task
+            # automatic: two tasks until the first batch says how big batches are
+            depth = 2 if loader.prefetch is None else max(1, -(-loader.prefetch // per))
+            self._sized = loader.prefetch is not None
             self._pf = Prefetcher(
                 _task_builder(loader, loader.cursor), 0, None, depth, loader.num_threads
             )
@@ -439,6 +451,8 @@ class _LoaderIter:
             if not self._ready:
                 self._ready = self._pf.get()
                 self._ready.reverse()
+                if not self._sized and self._ready:
+                    self._size_prefetch(self._ready[-1][1])
             if not self._ready:  # an empty task: the pass is over
                 self.close()
                 raise StopIteration
@@ -453,6 +467,16 @@ class _LoaderIter:
             self._deliver(item)
         return item
 
+    def _size_prefetch(self, batch: Any) -> None:
+        """The automatic prefetch depth, from the size of a delivered batch."""
+        self._sized = True
+        if isinstance(batch, _Failed) or self._pf is None:
+            self._sized = False  # measure the next one
+            return
+        depth = auto_prefetch(batch_nbytes(batch), self._loader.prefetch_bytes)
+        per = self._loader.steps_per_task
+        self._pf.set_depth(max(2, -(-depth // per)))
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
@@ -462,6 +486,25 @@ class _LoaderIter:
 
     def __del__(self) -> None:
         self.close()
+
+
+MAX_AUTO_PREFETCH = 512
+"""The most batches the automatic prefetch builds ahead (see ``DataLoader``)."""
+
+
+def batch_nbytes(batch: Any) -> int:
+    """Bytes of a batch's arrays (tensors and NumPy arrays of a dict; 0 if none)."""
+    if not isinstance(batch, dict):
+        return 0
+    return sum(int(getattr(v, "nbytes", 0) or 0) for v in batch.values())
+
+
+def auto_prefetch(nbytes: int, budget: int) -> int:
+    """Batches the automatic prefetch keeps for batches of ``nbytes`` within
+    ``budget`` bytes: at most MAX_AUTO_PREFETCH, at least 1 (unknown size: the most)."""
+    if nbytes <= 0:
+        return MAX_AUTO_PREFETCH
+    return max(1, min(MAX_AUTO_PREFETCH, budget // nbytes))
 
 
 def _rows(items: list[tuple[str, Any]], start: int, end: int) -> Batch:

@@ -88,6 +88,19 @@ class Prefetcher:
                 cond.notify_all()
 
     @property
+    def depth(self) -> int:
+        """How many steps may be built ahead of the consumer."""
+        return self._depth
+
+    def set_depth(self, depth: int) -> None:
+        """Change how far ahead the threads build (>= 1); steps already built stay."""
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        with self._cond:
+            self._depth = depth
+            self._cond.notify_all()
+
+    @property
     def next_step(self) -> int:
         """The step the next ``get`` returns."""
         return self._next
