@@ -895,16 +895,22 @@ cdef class MetaSet:
             raise ValueError(f"ids and positions must hold {nwin} x {window} values")
         if nwin and (np.asarray(s).max() + window > self.rows.total):
             raise IndexError("a window runs past the end of the rows")
-        cdef size_t nseg_max = lib.tl_rows_count_reqs(&self.rows.rs, &s[0], NULL, window,
-                                                      nwin) if nwin else 0
+        cdef size_t nseg_max = 0, bound = 0
+        if total:
+            with nogil:
+                nseg_max = lib.tl_rows_count_reqs(&self.rows.rs, &s[0], NULL, window, nwin)
+                # distinct records <= runs of equal ids + segments: scratch follows the
+                # records, not the rows (allocations of the rows' size fault in fresh
+                # pages every batch)
+                bound = lib.tl_meta_count_runs(&idv[0], nwin, window) + nseg_max
         cdef uint64_t hcap = 1
-        while hcap < 2 * max(total, 1):
+        while hcap < 2 * max(bound, 1):
             hcap *= 2
         hkeys = np.empty(hcap, dtype=np.uint64)
         hvals = np.empty(hcap, dtype=np.int64)
-        entries = np.empty(2 * total + 64 * nseg_max + 1, dtype=np.uint64)
-        items = np.empty(max(total, 1), dtype=_ITEM_DTYPE)
-        spans = np.empty(max(total, 1), dtype=_SPAN_DTYPE)
+        entries = np.empty(2 * bound + 64 * nseg_max + 1, dtype=np.uint64)
+        items = np.empty(max(bound, 1), dtype=_ITEM_DTYPE)
+        spans = np.empty(max(bound, 1), dtype=_SPAN_DTYPE)
         cdef uint64_t[::1] hk = hkeys, ent = entries
         cdef int64_t[::1] hv = hvals
         cdef uint8_t[::1] it_raw = items.view(np.uint8)
@@ -921,7 +927,7 @@ cdef class MetaSet:
         if nwin == 0 or window == 0:
             return items[:0], spans[:0], 0
         segs = <lib.tl_meta_seg *>PyMem_Malloc(max(nseg_max, 1) * sizeof(lib.tl_meta_seg))
-        reqs = <lib.tl_ioreq *>PyMem_Malloc((nseg_max + total) * sizeof(lib.tl_ioreq))
+        reqs = <lib.tl_ioreq *>PyMem_Malloc((nseg_max + bound + 1) * sizeof(lib.tl_ioreq))
         try:
             if segs is NULL or reqs is NULL:
                 raise MemoryError()

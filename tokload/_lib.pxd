@@ -223,6 +223,7 @@ cdef extern from "tokload/plan.h" nogil:
         uint64_t ent
         uint64_t window
 
+    size_t tl_meta_count_runs(const uint32_t *ids, size_t nwin, uint64_t window) noexcept
     int tl_meta_plan(const tl_meta_shard *shards, const uint64_t *row_cum, size_t nfiles,
                      const uint64_t *starts, size_t nwin, uint64_t window,
                      const uint32_t *ids, int32_t *positions, uint64_t *hkeys,

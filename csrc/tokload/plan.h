@@ -319,6 +319,26 @@ TL_INLINE uint64_t tl_meta_hash(uint64_t key)
     return key;
 }
 
+/*
+ * Runs of equal ids (TL_META_NONE excluded, breaking at each window's start)
+ * of `nwin` windows of `window` ids: with the number of window segments, an
+ * upper bound on the distinct records of the batch, so that tl_meta_plan's
+ * scratch is sized by the records rather than by the rows.
+ */
+TL_INLINE size_t tl_meta_count_runs(const uint32_t *ids, size_t nwin, uint64_t window)
+{
+    size_t n = 0;
+    for (size_t w = 0; w < nwin; w++) {
+        const uint32_t *p = ids + w * window;
+        uint32_t prev = TL_META_NONE;
+        for (uint64_t r = 0; r < window; r++) {
+            n += p[r] != TL_META_NONE && p[r] != prev;
+            prev = p[r];
+        }
+    }
+    return n;
+}
+
 /* A window's rows inside one shard, and the index read of its new records. */
 typedef struct tl_meta_seg {
     uint32_t shard;
@@ -345,10 +365,11 @@ typedef struct tl_meta_seg {
  * engine call (the caller's), and tl_meta_finish turns the entries into
  * coalesced data spans.
  *
- * Scratch (callers size it): hkeys/hvals, a hash table of hcap entries (a
- * power of two >= 2 * nwin * window); items, nwin * window entries; segs, one
- * per shard a window touches (tl_rows_count_reqs of the windows); entries,
- * 2 * nwin * window + 64 * (segments) uint64; reqs, segments + nwin * window.
+ * Scratch (callers size it), with S the segments (one per shard a window
+ * touches: tl_rows_count_reqs of the windows) and R = tl_meta_count_runs + S,
+ * a bound on the distinct records: hkeys/hvals, a hash table of hcap entries
+ * (a power of two >= 2 * R); items, R entries; segs, S; entries, 2 * R + 64 * S
+ * uint64; reqs, S + R.
  *
  * Returns 0 and sets *nitems, *nsegs, *nreqs, or TL_ERR_BAD_ID (err->file the
  * shard, err->offset the row local to it, err->length its records, err->done
@@ -377,10 +398,18 @@ TL_INLINE int tl_meta_plan(const tl_meta_shard *shards, const uint64_t *row_cum,
             /* distinct ids of the segment, and their range */
             uint64_t lo = UINT64_MAX, hi = 0;
             size_t first_item = ni;
+            uint32_t prev = TL_META_NONE; /* a run of one id costs one lookup */
+            int32_t prev_pos = -1;
             for (uint64_t r = 0; r < seg; r++) {
                 uint32_t id = sid[r];
+                if (id == prev) {
+                    spos[r] = prev_pos;
+                    continue;
+                }
                 if (id == TL_META_NONE) {
                     spos[r] = -1;
+                    prev = id;
+                    prev_pos = -1;
                     continue;
                 }
                 if (TL_UNLIKELY(id >= ms->nrec)) {
@@ -405,6 +434,8 @@ TL_INLINE int tl_meta_plan(const tl_meta_shard *shards, const uint64_t *row_cum,
                     if (id > hi) hi = id;
                 }
                 spos[r] = (int32_t)hvals[hslot];
+                prev = id;
+                prev_pos = spos[r];
             }
             if (first_item < ni) {
                 tl_meta_seg *sg = &segs[nseg++];
