@@ -485,12 +485,19 @@ def test_bad_arguments(corpus: Path) -> None:
 def test_automatic_prefetch_follows_the_batch_size_in_bytes(corpus: Path) -> None:
     """prefetch=None: two tasks ahead until the first batch is delivered, then as many
     batches as prefetch_bytes hold (at most 512); an explicit prefetch stays as given."""
-    from tokload.loader import MAX_AUTO_PREFETCH, auto_prefetch, batch_nbytes
+    from tokload.loader import (
+        MAX_AUTO_PREFETCH,
+        UNKNOWN_SIZE_PREFETCH,
+        auto_prefetch,
+        batch_nbytes,
+    )
 
     assert auto_prefetch(100, 1 << 20) == MAX_AUTO_PREFETCH
     assert auto_prefetch(1 << 20, 64 << 20) == 64
     assert auto_prefetch(1 << 30, 1 << 20) == 1
-    assert auto_prefetch(0, 1) == MAX_AUTO_PREFETCH  # unknown size
+    assert auto_prefetch(0, 1) == UNKNOWN_SIZE_PREFETCH  # unknown size
+    nested = (torch.zeros(10), [np.zeros(3, np.uint8), {"x": torch.zeros(2, dtype=torch.int64)}])
+    assert batch_nbytes(nested) == 40 + 3 + 16 and batch_nbytes("text") == 0
     view = TokenStream(corpus, window=33)
     for budget in (1 << 30, 40_000, 1):
         ld = DataLoader(view, 4, num_threads=1, steps_per_task=4, prefetch_bytes=budget)
@@ -509,6 +516,22 @@ def test_automatic_prefetch_follows_the_batch_size_in_bytes(corpus: Path) -> Non
     it.close()
     with pytest.raises(ValueError, match="depth must be >= 1, got 0"):
         tokload.prefetch.Prefetcher(lambda s: s, 0, None, 1, 1).set_depth(0)
+
+
+def test_automatic_prefetch_shrinks_for_larger_later_batches(corpus: Path) -> None:
+    """Documents padded to each batch's longest vary in size: the depth follows the
+    largest batch that began a task, and never grows back."""
+    from tokload.loader import auto_prefetch, batch_nbytes
+
+    ld = DataLoader(Documents(corpus), 2, num_threads=1, steps_per_task=1, prefetch_bytes=2000)
+    it: Any = iter(ld)
+    largest, depths = 0, []
+    for _ in range(40):
+        largest = max(largest, batch_nbytes(next(it)))
+        depths.append(it._pf.depth)
+        assert it._pf.depth == max(2, auto_prefetch(largest, 2000))
+    assert depths == sorted(depths, reverse=True) and depths[0] > depths[-1]
+    it.close()
 
 
 @pytest.mark.parametrize("kind", ["stream", "documents"])

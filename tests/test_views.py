@@ -197,9 +197,15 @@ def test_documents_match_numpy(dtype: Any, lengths: list[int], shard_bytes: int,
                 np.testing.assert_array_equal(pf[name][b, :k], arr[:k])
                 assert (pf[name][b, k:] == 3).all()
         longest = max(1, *(lengths[i] for i in idx))
-        tight, tlen = view.read_padded(idx)  # to the batch's longest document
-        assert next(iter(fields_of(tight, c.dtype).values())).shape == (len(idx), longest)
+        tight, tlen = view.read_padded(idx)  # to the batch's longest document, pad 0
         np.testing.assert_array_equal(tlen, [lengths[i] for i in idx])
+        for name, arr in fields_of(tight, c.dtype).items():
+            assert arr.shape == (len(idx), longest)
+            for b, i in enumerate(idx):
+                np.testing.assert_array_equal(
+                    arr[b, : lengths[i]], fields_of(c.docs[i], c.dtype)[name]
+                )
+                assert (arr[b, lengths[i] :] == 0).all()
         if len(lengths) > 1:  # a subset numbers its documents from its own start
             sub = view.subset(1, len(lengths))
             j = data.draw(st.integers(0, len(lengths) - 2))
@@ -446,6 +452,8 @@ def test_document_batches_refuse_bad_arguments(tmp_path: Path) -> None:
         docs.read_padded([-1])
     with pytest.raises(TypeError, match=r"indices must be integers, got dtype float64"):
         docs.read([0.5])
+    with pytest.raises(IndexError, match=r"observation 9223372036854775808 is out of range"):
+        docs.read(np.array([1 << 63], dtype=np.uint64))  # not wrapped to a negative index
     with pytest.raises(ValueError, match=r"length must be positive, got 0"):
         docs.read_padded([0], 0)
     with pytest.raises(OverflowError):

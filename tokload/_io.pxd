@@ -1,8 +1,10 @@
 # The compiled interface of tokload/_io.pyx, for the other modules that read
 # through the I/O engine (tokload/_meta.pyx): the file and row sets' C state,
-# engine set-up, and the error translation.
+# engine set-up, index conversion and the error translation.  A must-match
+# contract: the attributes are declared here only, and _meta.pyx compiles
+# against this layout (rebuild both when it changes).
 
-from libc.stdint cimport uint64_t
+from libc.stdint cimport int64_t, uint64_t
 
 cimport tokload._lib as lib
 
@@ -28,4 +30,5 @@ cdef class RowSet:
     cdef readonly uint64_t total
 
 
+cdef const int64_t[::1] _indices(indices) except *
 cdef object _raise_io(lib.tl_io_error *err, list paths, str what)

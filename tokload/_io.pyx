@@ -274,6 +274,22 @@ cdef object _raise_io(lib.tl_io_error *err, list paths, str what):
     raise OSError(code, msg, path)
 
 
+cdef const int64_t[::1] _indices(indices) except *:
+    """Observation indices as a contiguous int64 array (for the compiled range
+    checks of the batch readers): TypeError for non-integers, IndexError for
+    unsigned values past int64 (they would wrap to negative ones)."""
+    idx = np.asarray(indices)
+    if idx.dtype != np.int64:
+        if idx.dtype.kind not in "iu" and idx.size:
+            raise TypeError(f"indices must be integers, got dtype {idx.dtype}")
+        if idx.dtype.kind == "u" and idx.dtype.itemsize == 8 and idx.size:
+            top = idx.max()
+            if top > 0x7FFFFFFFFFFFFFFF:
+                raise IndexError(f"observation {top} is out of range")
+        idx = idx.astype(np.int64)
+    return np.ascontiguousarray(idx.reshape(-1))
+
+
 cdef class FileSet:
     """A list of files, each with a byte base, read through the I/O engine.
 
@@ -494,12 +510,7 @@ cdef class RowSet:
         compiled loop (no per-batch NumPy calls); the reads run without the GIL.
         """
         self.files.check_open()
-        idx = np.asarray(indices)
-        if idx.dtype != np.int64:
-            if idx.dtype.kind not in "iu" and idx.size:
-                raise TypeError(f"indices must be integers, got dtype {idx.dtype}")
-            idx = idx.astype(np.int64)
-        cdef const int64_t[::1] iv = np.ascontiguousarray(idx.reshape(-1))
+        cdef const int64_t[::1] iv = _indices(indices)
         cdef uint8_t[::1] dst = out.reshape(-1).view(np.uint8)
         cdef size_t n = iv.shape[0], b
         cdef int64_t i
@@ -730,7 +741,7 @@ cdef class MegatronIndex(ExtentIndex):
         return 0
 
 
-def read_documents(ExtentIndex index, RowSet rows, ids, uint64_t first, uint64_t count, dtype,
+def read_documents(ExtentIndex index not None, RowSet rows not None, ids, uint64_t first, uint64_t count, dtype,
                    bint pack, length, bytes pad, alloc):
     """Documents ``first + ids[b]`` of ``index`` as one batch, in one call.
 
@@ -747,12 +758,7 @@ def read_documents(ExtentIndex index, RowSet rows, ids, uint64_t first, uint64_t
     """
     index._files().check_open()
     rows.files.check_open()
-    idx = np.asarray(ids)
-    if idx.dtype != np.int64:
-        if idx.dtype.kind not in "iu" and idx.size:
-            raise TypeError(f"indices must be integers, got dtype {idx.dtype}")
-        idx = idx.astype(np.int64)
-    cdef const int64_t[::1] iv = np.ascontiguousarray(idx.reshape(-1))
+    cdef const int64_t[::1] iv = _indices(ids)
     cdef size_t n = iv.shape[0], b
     cdef uint64_t rb = rows.rs.row_bytes, L = 0, total = 0, longest = 0
     cdef int64_t i
@@ -789,6 +795,11 @@ def read_documents(ExtentIndex index, RowSet rows, ids, uint64_t first, uint64_t
             gid[b] = first + <uint64_t>i
         if n:
             index.fill(gid, n, st, ln)
+        for b in range(n):  # the index and the rows are checked against each other
+            if st[b] > rows.total or ln[b] > rows.total - st[b]:
+                raise CorruptDataError(
+                    f"{index._files().paths[0] if index._files().paths else '?'}: document "
+                    f"{gid[b]} spans rows [{st[b]}, {st[b] + ln[b]}), past the {rows.total} rows")
         lengths = alloc((n,), np.int64)
         lv = lengths
         if pack:

@@ -16,7 +16,7 @@ from libc.stdlib cimport free, realloc
 from libc.string cimport memcpy, memset
 
 cimport tokload._lib as lib
-from tokload._io cimport RowSet, _raise_io
+from tokload._io cimport RowSet, _indices, _raise_io
 
 import numpy as np
 
@@ -72,7 +72,6 @@ cdef enum:
     B_IENT        # uint64 per record: its first index entry in B_ENTRIES
     B_ENTRIES     # uint64 record index entries
     B_OFFSETS     # int64 per record + 1
-    B_DATA        # the records' bytes
     NBUF
 
 
@@ -129,6 +128,7 @@ cdef struct Outcome:
     lib.tl_span_error span
     size_t nitems        # records of the batch
     uint64_t nbytes      # their bytes
+    size_t nreq          # the unit requests of their read, left in B_Q*
 
 
 cdef inline lib.tl_span_reqs _reqs(Buf *b) noexcept nogil:
@@ -172,9 +172,10 @@ cdef int _batch(const lib.tl_span_set *s, const lib.tl_rowset *sets, const lib.t
                 const lib.tl_rowset *rows, uint8_t *rows_dst, size_t nwin, uint64_t window,
                 int32_t *pos, Buf *b, Outcome *o) noexcept nogil:
     """Rows (into ``rows_dst`` unless NULL) and metadata of the windows whose
-    first rows are B_STARTS[0..nwin).  ``sets``: the .msx, .mds, .mdx and .mdb
-    row sets.  Leaves the records' offsets and bytes in B_OFFSETS and B_DATA.
-    0, or -1 with ``o`` filled."""
+    first rows are B_STARTS[0..nwin), but the records' bytes.  ``sets``: the
+    .msx, .mds, .mdx and .mdb row sets.  Leaves the records' offsets in
+    B_OFFSETS and the read of their bytes (``o.nreq`` requests) in B_Q*, for
+    the caller to run into the batch's buffer.  0, or -1 with ``o`` filled."""
     cdef const uint64_t *starts = <uint64_t *>b[B_STARTS].p
     cdef lib.tl_span_reqs q = _reqs(b)  # not touched while counting
     cdef lib.tl_span_piece *pieces
@@ -247,10 +248,8 @@ cdef int _batch(const lib.tl_span_set *s, const lib.tl_rowset *sets, const lib.t
         o.fail = FAIL_SPAN
         return -1
     o.nbytes = <uint64_t>off[nitems]
-    if _grow(&b[B_DATA], o.nbytes + 1):
-        o.fail = FAIL_MEMORY
-        return -1
-    return _round(eng, &sets[3], nreq, <uint8_t *>b[B_DATA].p, b, 0, R_DATA, o)
+    o.nreq = nreq
+    return 0
 
 
 cdef object _bytes(object alloc, uint64_t n):
@@ -331,7 +330,7 @@ cdef class SpanSet:
             f"row {e.limit} (entry {e.entry} starts at row {e.value})")
 
     def read_windows(self, indices, uint64_t first, uint64_t count, uint64_t stride,
-                     uint64_t window, out, positions, alloc, Scratch scratch):
+                     uint64_t window, out, positions, alloc, Scratch scratch not None):
         """Rows and metadata of windows of observations ``indices``, in one call.
 
         Observation ``i`` (``0 <= i < count``) is rows ``[(first + i) * stride,
@@ -349,14 +348,10 @@ cdef class SpanSet:
         entries are read together, then the span table slices, the records'
         index entries and their bytes, each round one batched, coalesced read.
         """
-        self.rows.files.check_open()
-        self.data_rs.files.check_open()
-        idx = np.asarray(indices)
-        if idx.dtype != np.int64:
-            if idx.dtype.kind not in "iu" and idx.size:
-                raise TypeError(f"indices must be integers, got dtype {idx.dtype}")
-            idx = idx.astype(np.int64)
-        cdef const int64_t[::1] iv = np.ascontiguousarray(idx.reshape(-1))
+        cdef RowSet r
+        for r in (self.rows, self.blocks_rs, self.runs_rs, self.index_rs, self.data_rs):
+            r.files.check_open()
+        cdef const int64_t[::1] iv = _indices(indices)
         cdef size_t nwin = iv.shape[0], w
         cdef int32_t[::1] pos = positions.reshape(-1)
         cdef uint8_t[::1] dst
@@ -408,12 +403,20 @@ cdef class SpanSet:
             _raise_io(&o.io, self._paths[o.round - 1], _ROUND_WHAT[o.round])
         offsets = alloc((o.nitems + 1,), np.int64)
         cdef int64_t[::1] off = offsets
-        memcpy(&off[0], b[B_OFFSETS].p, (o.nitems + 1) * 8)
+        memcpy(&off[0], b[B_OFFSETS].p, (o.nitems + 1) * 8)  # 8 bytes a record
         data = _bytes(alloc, o.nbytes)
         cdef uint8_t[::1] d
         if o.nbytes:
+            # the records' bytes go from the files straight into the batch's buffer
             d = data
-            memcpy(&d[0], b[B_DATA].p, o.nbytes)
+            self.data_rs.files.engine_begin(&eng)
+            with nogil:
+                rc = _round(&eng, &self.sets[3], o.nreq, &d[0], b, 0, R_DATA, &o)
+            self.data_rs.files.engine_end(&eng)
+            if rc:
+                if o.fail == FAIL_MEMORY:
+                    raise MemoryError()
+                _raise_io(&o.io, self._paths[3], _ROUND_WHAT[R_DATA])
         return data, offsets
 
 

@@ -78,15 +78,18 @@ class DataLoader:
         prefetch: batches built ahead of the trainer (per rank); keep it at
             least twice ``steps_per_task`` so a task is always being built.
             Default (None): as many as ``prefetch_bytes`` of batches hold, at
-            most ``MAX_AUTO_PREFETCH`` (512) and at least two tasks, measured
-            on the first batch delivered (until then, two tasks; a ``collate``
-            result that is not a dict of arrays counts as small). 512 is sized
+            most ``MAX_AUTO_PREFETCH`` (512) and at least two tasks, sized by
+            the largest of the batches that begin a task (until the first is
+            delivered, two tasks; a ``collate`` result with no arrays in dicts,
+            lists or tuples counts as unknown: 32 batches). 512 is sized
             by ``bench/bench_stall.py``: on storage that delays 1 read in 1,000
             by 200 ms, it lets 8 reader threads hide most of the delay from a
             trainer consuming half the storage's throughput (67 MB for batches
             of 8 windows of 4097 uint32 tokens).
-        prefetch_bytes: the host memory the automatic prefetch may fill per
-            rank (default 256 MiB); ignored when ``prefetch`` is given.
+        prefetch_bytes: the memory the automatic prefetch may fill per rank
+            (default 256 MiB): host batches, or with a ``device`` that much
+            device memory and the pinned host copies besides; ignored when
+            ``prefetch`` is given.
         num_threads: reader threads; 0 builds each batch in ``next()`` (handy
             for debugging). Default: half the CPU cores, between 1 and 8, so
             the training thread keeps a core of its own.
@@ -405,7 +408,8 @@ class _LoaderIter:
         self._closed = False
         self._ready: list[tuple[tuple[int, int], Any]] = []
         self._pf: Prefetcher | None = None
-        self._sized = True  # False while the automatic prefetch waits for a first batch
+        self._auto = False  # the automatic prefetch: sized by the batches it sees
+        self._largest = 0  # bytes of the largest batch measured
         # Host batches need nothing at delivery: skip the call per batch.
         self._deliver = loader.transfer.deliver if loader.device is not None else None
         self._start()
@@ -419,7 +423,8 @@ class _LoaderIter:
             per = loader.steps_per_task
             # automatic: two tasks until the first batch says how big batches are
             depth = 2 if loader.prefetch is None else max(1, -(-loader.prefetch // per))
-            self._sized = loader.prefetch is not None
+            self._auto = loader.prefetch is None
+            self._largest = 0
             self._pf = Prefetcher(
                 _task_builder(loader, loader.cursor), 0, None, depth, loader.num_threads
             )
@@ -451,7 +456,7 @@ class _LoaderIter:
             if not self._ready:
                 self._ready = self._pf.get()
                 self._ready.reverse()
-                if not self._sized and self._ready:
+                if self._auto and self._ready:
                     self._size_prefetch(self._ready[-1][1])
             if not self._ready:  # an empty task: the pass is over
                 self.close()
@@ -468,14 +473,17 @@ class _LoaderIter:
         return item
 
     def _size_prefetch(self, batch: Any) -> None:
-        """The automatic prefetch depth, from the size of a delivered batch."""
-        self._sized = True
+        """The automatic prefetch depth, from the first batch of each task: sized
+        by the largest batch seen (batches of documents vary), so it only shrinks
+        after the first."""
         if isinstance(batch, _Failed) or self._pf is None:
-            self._sized = False  # measure the next one
             return
-        depth = auto_prefetch(batch_nbytes(batch), self._loader.prefetch_bytes)
-        per = self._loader.steps_per_task
-        self._pf.set_depth(max(2, -(-depth // per)))
+        nbytes = batch_nbytes(batch)
+        if self._largest and nbytes <= self._largest:
+            return
+        self._largest = max(self._largest, nbytes)
+        depth = auto_prefetch(self._largest, self._loader.prefetch_bytes)
+        self._pf.set_depth(max(2, -(-depth // self._loader.steps_per_task)))
 
     def close(self) -> None:
         if not self._closed:
@@ -492,18 +500,27 @@ MAX_AUTO_PREFETCH = 512
 """The most batches the automatic prefetch builds ahead (see ``DataLoader``)."""
 
 
+UNKNOWN_SIZE_PREFETCH = 32
+"""Batches the automatic prefetch keeps when it cannot measure a batch."""
+
+
 def batch_nbytes(batch: Any) -> int:
-    """Bytes of a batch's arrays (tensors and NumPy arrays of a dict; 0 if none)."""
-    if not isinstance(batch, dict):
-        return 0
-    return sum(int(getattr(v, "nbytes", 0) or 0) for v in batch.values())
+    """Bytes of a batch's arrays: tensors and NumPy arrays, in dicts, lists and
+    tuples at any depth (0 when there are none)."""
+    if isinstance(batch, dict):
+        return sum(batch_nbytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(batch_nbytes(v) for v in batch)
+    n = getattr(batch, "nbytes", 0)
+    return n if isinstance(n, int) else 0
 
 
 def auto_prefetch(nbytes: int, budget: int) -> int:
     """Batches the automatic prefetch keeps for batches of ``nbytes`` within
-    ``budget`` bytes: at most MAX_AUTO_PREFETCH, at least 1 (unknown size: the most)."""
+    ``budget`` bytes: at most MAX_AUTO_PREFETCH, at least 1; UNKNOWN_SIZE_PREFETCH
+    when the size is unknown (0)."""
     if nbytes <= 0:
-        return MAX_AUTO_PREFETCH
+        return UNKNOWN_SIZE_PREFETCH
     return max(1, min(MAX_AUTO_PREFETCH, budget // nbytes))
 
 
