@@ -172,3 +172,27 @@ def test_which_reads_are_delayed_depends_only_on_the_seed(
     assert first == again
     assert 5 <= sum(first) <= 35  # about half
     assert first != other
+
+
+def test_readahead_hints_hide_a_delay(delayfs: Path, source: Path, tmp_path: Path) -> None:
+    """tokload's read-ahead through a slow FUSE mount: the loader turns it on by
+    itself there, a hint returns at once, and the hinted window is then read
+    without the delay while another one still waits for it."""
+    import tokload
+
+    with mount(delayfs, source, tmp_path / "m", "delay_ms=300,fraction=1") as m:
+        view = tokload.TokenStream(tokload.open_flat(m / "a.bin", np.uint32), window=1024)
+        assert tokload.DataLoader(view, 2, num_threads=0).readahead is True  # a fuse mount
+        t0 = time.perf_counter()
+        view.hint([5])
+        assert time.perf_counter() - t0 < 0.1
+        time.sleep(0.6)
+        t0 = time.perf_counter()
+        hinted = view[5]
+        assert time.perf_counter() - t0 < 0.1
+        t0 = time.perf_counter()
+        view[300]
+        assert time.perf_counter() - t0 >= 0.3
+        view.close()  # the mount must not be busy when it is unmounted
+        flat = np.frombuffer((source / "a.bin").read_bytes(), dtype=np.uint32)
+        np.testing.assert_array_equal(hinted, flat[5 * 1024 : 6 * 1024])

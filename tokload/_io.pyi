@@ -87,6 +87,9 @@ class RowSet:
         window: int,
         out: np.ndarray[Any, Any],
     ) -> None: ...
+    def hint_windows(
+        self, indices: npt.ArrayLike, first: int, count: int, stride: int, window: int
+    ) -> int: ...
 
 def split_fields(
     rows: np.ndarray[Any, Any] | bytes | bytearray | memoryview,

@@ -553,6 +553,46 @@ cdef class RowSet:
             PyMem_Free(starts)
 
 
+    def hint_windows(self, indices, uint64_t first, uint64_t count, uint64_t stride,
+                     uint64_t window):
+        """Advise the kernel that the windows of observations ``indices`` (as for
+        :meth:`read_windows`) will be read soon: it reads them into the page cache
+        in the background (``POSIX_FADV_WILLNEED``) and this returns at once, so
+        a slow read is in flight long before it is needed.  Returns the number of
+        hints given (files that cannot be opened are skipped: a hint is advice).
+        """
+        self.files.check_open()
+        cdef const int64_t[::1] iv = _indices(indices)
+        cdef size_t n = iv.shape[0], b, nreq, m = 0
+        cdef int64_t i
+        if n == 0 or window == 0:
+            return 0
+        if count and ((first + count - 1) * stride + window > self.total):
+            raise IndexError(f"windows up to {first + count} run past the {self.total} rows")
+        cdef uint64_t *starts = <uint64_t *>PyMem_Malloc(n * sizeof(uint64_t))
+        if starts is NULL:
+            raise MemoryError()
+        cdef lib.tl_ioreq *reqs = NULL
+        try:
+            for b in range(n):
+                i = iv[b]
+                if i < 0 or <uint64_t>i >= count:
+                    raise IndexError(f"observation {i} is out of range for a view of {count} "
+                                     f"(valid: 0 <= i < {count})")
+                starts[b] = (first + <uint64_t>i) * stride
+            nreq = lib.tl_rows_count_reqs(&self.rs, starts, NULL, window, n)
+            reqs = <lib.tl_ioreq *>PyMem_Malloc(max(nreq, 1) * sizeof(lib.tl_ioreq))
+            if reqs is NULL:
+                raise MemoryError()
+            with nogil:
+                nreq = lib.tl_rows_plan_hints(&self.rs, starts, window, n, reqs)
+                m = lib.tl_ioreq_hint(reqs, nreq, &_cache)
+        finally:
+            PyMem_Free(reqs)
+            PyMem_Free(starts)
+        return m
+
+
 def split_fields(rows, uint64_t nrows, uint64_t row_bytes, offsets, sizes, outs):
     """De-interleave ``nrows`` rows of a structured dtype into one array per field.
 

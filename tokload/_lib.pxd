@@ -100,6 +100,7 @@ cdef extern from "tokload/ioreq.h" nogil:
 
     int tl_ioreq_run_sync(const tl_ioreq *reqs, size_t n, tl_fdcache *cache,
                           tl_io_faults *faults, tl_io_error *err, size_t *failed) noexcept
+    size_t tl_ioreq_hint(const tl_ioreq *reqs, size_t n, tl_fdcache *cache) noexcept
 
 
 cdef extern from "tokload/pool.h" nogil:
@@ -170,6 +171,8 @@ cdef extern from "tokload/plan.h" nogil:
                         tl_read_req *reqs, size_t max_reqs) noexcept
     size_t tl_rows_count_reqs(const tl_rowset *rs, const uint64_t *starts,
                               const uint64_t *lengths, uint64_t len1, size_t count) noexcept
+    size_t tl_rows_plan_hints(const tl_rowset *rs, const uint64_t *starts, uint64_t len1,
+                              size_t count, tl_ioreq *reqs) noexcept
     size_t tl_rows_plan_many(const tl_rowset *rs, const uint64_t *starts,
                              const uint64_t *lengths, uint64_t len1,
                              const uint64_t *dst_offsets, size_t count, uint8_t *dst,

@@ -28,6 +28,12 @@ and, optionally,
   index, in order, and reading a concatenation of index arrays gives the
   concatenation of the results. The loader then reads the samples of several
   steps with one call and gives each step its rows (a token stream's fast path);
+- ``view.hint(indices)``: start reading observations ``indices`` in the
+  background and return at once (tokload's windowed views advise the kernel with
+  ``POSIX_FADV_WILLNEED``); the loader's read-ahead (:mod:`tokload.readahead`)
+  calls it for the tasks ahead of those being built. With
+  ``view.storage_paths() -> list[str]`` too, the loader turns read-ahead on by
+  itself where those files are on a network or FUSE filesystem;
 - ``view.fingerprint_upto(stop) -> str``: what observations ``[0, stop)``
   depend on (a blend, whose later stages may be added during a run). The loader
   records and compares it instead of ``fingerprint``, for ``stop`` the first

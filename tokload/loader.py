@@ -28,6 +28,7 @@ import numpy as np
 from tokload.assembly import Assembly, check_view, fingerprint_upto
 from tokload.errors import StateError
 from tokload.prefetch import Prefetcher
+from tokload.readahead import ReadAhead, wanted
 from tokload.schedule import Schedule
 from tokload.transfer import Batch, Transfer, TransferBackend, make_backend
 
@@ -126,6 +127,15 @@ class DataLoader:
         transfer: a :class:`~tokload.transfer.TransferBackend` to use instead of
             the one ``pin_memory`` and ``device`` describe (tests use a fake
             device).
+        readahead: while the reader threads build a task, ask the view (when it
+            has ``hint``: token streams and streams with metadata) to start
+            reading the samples of the tasks the prefetch will reach, so a read
+            the storage delays is in flight long before it is needed
+            (:mod:`tokload.readahead`). None (default): on where the view's
+            files are on a network or FUSE filesystem (NFS, Lustre, s3fs, ...),
+            off on local disks, where the kernel's read-ahead competes with the
+            reader's own reads; True / False: always / never. ``self.readahead``
+            says what was chosen.
 
     Batches are :class:`~tokload.transfer.Batch` dicts of tensors: the view's
     arrays (``"tokens"``, or one entry per field of a structured dtype, plus
@@ -160,6 +170,7 @@ class DataLoader:
         io: str | None = None,
         io_depth: int | None = None,
         transfer: TransferBackend | None = None,
+        readahead: bool | None = None,
     ) -> None:
         check_view(view)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -172,7 +183,7 @@ class DataLoader:
         if isinstance(prefetch_bytes, bool) or prefetch_bytes < 1:
             raise ValueError(f"prefetch_bytes must be a positive integer, got {prefetch_bytes!r}")
         if num_threads is None:
-            num_threads = min(8, max(1, (os.cpu_count() or 2) // 2))
+            num_threads = min(4, max(1, (os.cpu_count() or 2) // 2))
         if num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {num_threads}")
         if epochs is not None and (isinstance(epochs, bool) or epochs < 1):
@@ -203,6 +214,9 @@ class DataLoader:
         self.prefetch = None if prefetch is None else int(prefetch)
         self.prefetch_bytes, self.num_threads = int(prefetch_bytes), int(num_threads)
         self.steps_per_task = int(steps_per_task)
+        if readahead not in (None, True, False):
+            raise ValueError(f"readahead must be None, True or False, got {readahead!r}")
+        self.readahead = wanted(view) if readahead is None else bool(readahead)
         self.collate = collate
         self.schedule = Schedule(
             n,
@@ -425,8 +439,14 @@ class _LoaderIter:
             depth = 2 if loader.prefetch is None else max(1, -(-loader.prefetch // per))
             self._auto = loader.prefetch is None
             self._largest = 0
+            # read ahead as far as the prefetch reaches: [tasks, the ReadAhead]
+            self._lead: list[Any] = [depth]
             self._pf = Prefetcher(
-                _task_builder(loader, loader.cursor), 0, None, depth, loader.num_threads
+                _task_builder(loader, loader.cursor, self._lead),
+                0,
+                None,
+                depth,
+                loader.num_threads,
             )
 
     def restart(self) -> None:
@@ -483,7 +503,9 @@ class _LoaderIter:
             return
         self._largest = max(self._largest, nbytes)
         depth = auto_prefetch(self._largest, self._loader.prefetch_bytes)
-        self._pf.set_depth(max(2, -(-depth // self._loader.steps_per_task)))
+        tasks = max(2, -(-depth // self._loader.steps_per_task))
+        self._lead[0] = tasks
+        self._pf.set_depth(tasks)
 
     def close(self) -> None:
         if not self._closed:
@@ -541,12 +563,16 @@ class _Failed:
         self.exc = exc
 
 
-def _task_builder(loader: DataLoader, base: int) -> Callable[[int], Any]:
+def _task_builder(
+    loader: DataLoader, base: int, lead: list[Any] | None = None
+) -> Callable[[int], Any]:
     """``build(task)``: the (span, batch) pairs of the task's steps, in order.
 
     Spans follow one another from ``base`` (with drop_last they skip epoch
     tails), so they are computed in task order under a lock, whichever thread
-    asks first; each task is asked for once.
+    asks first; each task is asked for once.  ``lead`` (when given) is
+    ``[tasks to read ahead]``, kept current by the caller; the builder appends
+    its :class:`~tokload.readahead.ReadAhead` (or None) to it.
     """
     per = loader.steps_per_task
     schedule = loader.schedule
@@ -554,7 +580,7 @@ def _task_builder(loader: DataLoader, base: int) -> Callable[[int], Any]:
     chain: dict[str, Any] = {"next": 0, "cursor": base}  # cursor None: the end
     computed: dict[int, list[tuple[int, int]]] = {}
 
-    def spans_of(task: int) -> list[tuple[int, int]]:
+    def spans_of(task: int, keep: bool = False) -> list[tuple[int, int]]:
         with lock:
             while chain["next"] <= task:
                 c = chain["cursor"]
@@ -562,11 +588,26 @@ def _task_builder(loader: DataLoader, base: int) -> Callable[[int], Any]:
                 computed[chain["next"]] = spans
                 chain["cursor"] = spans[-1][1] if len(spans) == per else None
                 chain["next"] += 1
+            if keep:  # a look ahead: the task is built later
+                return computed.get(task, [])
             return computed.pop(task)
+
+    def indices_of(task: int) -> np.ndarray | None:
+        spans = spans_of(task, keep=True)
+        if not spans:
+            return None
+        return schedule.indices(schedule.task_positions(spans)[0])
+
+    hint = getattr(loader.view, "hint", None)
+    ahead = ReadAhead(hint, indices_of) if hint is not None and loader.readahead else None
+    if lead is not None:
+        lead.append(ahead)
 
     def build(task: int) -> list[tuple[tuple[int, int], Any]]:
         spans = spans_of(task)
         try:
+            if ahead is not None and lead:
+                ahead.ahead(task, lead[0])
             return list(zip(spans, loader.build_steps(spans), strict=True))
         except Exception:
             pass  # rebuild one by one, so the failure lands on its own step

@@ -210,6 +210,17 @@ class _Windows(View):
         """Windows of observations ``indices`` (checked in C) back to back into dst."""
         self.source.rows.read_windows(indices, self._lo, len(self), self.stride, self.window, dst)
 
+    def storage_paths(self) -> list[str]:
+        """The files a read of this view touches (the loader's read-ahead looks
+        at the filesystem they are on)."""
+        return list(self.source.rows.files.paths)
+
+    def hint(self, indices: npt.ArrayLike) -> None:
+        """The view protocol's read-ahead (:mod:`tokload.assembly`): the kernel
+        starts reading the rows of observations ``indices`` into the page cache
+        in the background; this returns at once."""
+        self.source.rows.hint_windows(indices, self._lo, len(self), self.stride, self.window)
+
     @staticmethod
     def _indices(indices: npt.ArrayLike) -> np.ndarray:
         a = np.asarray(indices)

@@ -12,7 +12,8 @@ pure-Python loop on the main thread while another thread drains the loader),
 ``--drop-caches`` the page cache is dropped once the libraries are imported,
 before the loader is built) or ``stall`` (a simulated trainer: ``--warmup``
 batches, then ``--batches`` batches each followed by ``--step`` seconds of
-sleep; reports how long each ``next()`` blocked). ``--prefetch`` sets tokload's.
+sleep; reports how long each ``next()`` blocked). ``--prefetch`` and ``--readahead on|off``
+set tokload's.
 Prints one JSON line.
 
 Every loader delivers shuffled batches of 8 windows of 4097 tokens as torch
@@ -54,7 +55,11 @@ def endless(make: Any) -> Iterator[Any]:
 
 
 def build(
-    loader: str, workers: int, corpus: Path, prefetch: int | None = None
+    loader: str,
+    workers: int,
+    corpus: Path,
+    prefetch: int | None = None,
+    readahead: bool | None = None,
 ) -> tuple[Iterator[Any], float]:
     """(an iterator of [8, 4097] token batches, seconds spent importing)."""
     t0 = time.perf_counter()
@@ -72,6 +77,8 @@ def build(
             data = corpus / "tokload" if loader == "tokload" else corpus / "megatron"
         view = tokload.TokenStream(data, window=WINDOW, stride=WINDOW - 1)
         extra: dict[str, Any] = {} if prefetch is None else {"prefetch": prefetch}
+        if readahead is not None:
+            extra["readahead"] = readahead
         threads = None if workers < 0 else max(1, workers)
         tl = tokload.DataLoader(view, BATCH, seed=SEED, num_threads=threads, device=None, **extra)
         INFO.update(index_s=time.perf_counter() - t1, index_bytes=0)
@@ -227,6 +234,7 @@ def main() -> None:
     ap.add_argument("mode", choices=["rate", "slowdown", "cold", "stall"])
     ap.add_argument("seconds", type=float, nargs="?", default=8.0)
     ap.add_argument("--prefetch", type=int)
+    ap.add_argument("--readahead", choices=["on", "off"])
     ap.add_argument("--drop-caches", action="store_true")
     ap.add_argument("--batches", type=int, default=500)
     ap.add_argument("--warmup", type=int, default=200)
@@ -245,7 +253,8 @@ def main() -> None:
         preimport(loader)
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("1\n")
-    it, t_imp = build(loader, workers, corpus, args.prefetch)
+    ra = None if args.readahead is None else args.readahead == "on"
+    it, t_imp = build(loader, workers, corpus, args.prefetch, ra)
     first = next(it)
     ttfb = time.perf_counter() - T_START
     assert tuple(first.shape) == (BATCH, WINDOW), first.shape

@@ -19,6 +19,8 @@
 #include "fdcache.h"
 #include "io.h"
 
+#include <fcntl.h>
+
 typedef struct tl_ioreq {
     tl_fent *file;
     uint64_t offset; /* absolute byte offset in the file */
@@ -65,6 +67,33 @@ TL_INLINE int tl_ioreq_run_sync(const tl_ioreq *reqs, size_t n, tl_fdcache *cach
         }
     }
     return 0;
+}
+
+/*
+ * Tell the kernel that reqs[0..n) will be read soon (POSIX_FADV_WILLNEED):
+ * it starts reading them into the page cache in the background and returns
+ * without waiting, so a slow read (a network filesystem's spike) overlaps
+ * what the caller does meanwhile.  dst is not used.  A hint is advice: a file
+ * that cannot be opened or advised is skipped.  Returns the hints given.
+ */
+TL_INLINE size_t tl_ioreq_hint(const tl_ioreq *reqs, size_t n, tl_fdcache *cache)
+{
+    size_t given = 0;
+#ifdef POSIX_FADV_WILLNEED
+    for (size_t i = 0; i < n; i++) {
+        const tl_ioreq *q = &reqs[i];
+        if (q->length == 0) continue;
+        int fd = tl_fdcache_acquire(cache, q->file, 1);
+        if (fd < 0) continue;
+        given += posix_fadvise(fd, (off_t)q->offset, (off_t)q->length, POSIX_FADV_WILLNEED) == 0;
+        tl_fdcache_release(cache, q->file);
+    }
+#else
+    (void)reqs;
+    (void)n;
+    (void)cache;
+#endif
+    return given;
 }
 
 #endif /* TOKLOAD_IOREQ_H */

@@ -137,6 +137,35 @@ TL_INLINE size_t tl_rows_plan_many(const tl_rowset *rs, const uint64_t *starts,
 }
 
 /*
+ * The requests of windows [starts[i], starts[i] + len1) with no destination
+ * (for tl_ioreq_hint): one per shard a window touches; reqs needs
+ * tl_rows_count_reqs entries.  Returns the number written.
+ */
+TL_INLINE size_t tl_rows_plan_hints(const tl_rowset *rs, const uint64_t *starts, uint64_t len1,
+                                    size_t count, tl_ioreq *reqs)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < count && len1; i++) {
+        uint64_t start = starts[i], left = len1;
+        size_t k = tl_shards_locate(rs->cum, rs->nfiles, start);
+        while (left > 0) {
+            while (rs->cum[k + 1] <= start) k++; /* skip empty shards */
+            uint64_t avail = rs->cum[k + 1] - start;
+            uint64_t take = left < avail ? left : avail;
+            reqs[n].file = &rs->files[k];
+            reqs[n].offset = rs->files[k].base + (start - rs->cum[k]) * rs->row_bytes;
+            reqs[n].length = take * rs->row_bytes;
+            reqs[n].dst = NULL;
+            reqs[n].item = i;
+            n++;
+            start += take;
+            left -= take;
+        }
+    }
+    return n;
+}
+
+/*
  * De-interleave rows of a structured dtype: field f (offset off[f], size
  * size[f] bytes in each row) of row r goes to dst[f] + r * size[f].
  */
