@@ -113,7 +113,7 @@ def _interrupt(corpus: Path, out: Path, workers: int, group: bool) -> None:
     for part in (out / "parts").iterdir():
         assert re.fullmatch(r"\d{5}-\d{5}", part.name), f"left behind: {part}"
         tokload.open_dataset(part).close()
-        assert read_manifest(part).user["build"]["input"]["sha256"]
+        assert read_manifest(part).user["build"]["chunk"]["sha256"]  # the chunk's integrity
 
 
 @pytest.mark.slow

@@ -662,9 +662,19 @@ def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[[int]
         while not progress.empty():
             update(progress.get())
 
+    # Ctrl+C while this thread waits inside the queue's or the pool's locks can
+    # leave a lock half released ("release unlocked lock" instead of the
+    # KeyboardInterrupt), so the signal only sets a flag here, and the loop
+    # raises KeyboardInterrupt at a safe point (it wakes every 0.2 s).
+    interrupted = threading.Event()
+    old_sigint = None
+    if main_thread:
+        old_sigint = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.set())
     try:
         results = pool.imap_unordered(_build_task, tasks)
         while True:
+            if interrupted.is_set():
+                raise KeyboardInterrupt
             drain()
             try:
                 update(results.next(timeout=0.2))
@@ -673,10 +683,15 @@ def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[[int]
             except StopIteration:
                 break
         drain()
+        if interrupted.is_set():
+            raise KeyboardInterrupt
     except BaseException:
         pool.terminate()
         pool.join()
         raise
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, old_sigint)
     pool.close()
     pool.join()
 
