@@ -92,7 +92,7 @@ class DataLoader:
             device memory and the pinned host copies besides; ignored when
             ``prefetch`` is given.
         num_threads: reader threads; 0 builds each batch in ``next()`` (handy
-            for debugging). Default: half the CPU cores, between 1 and 8, so
+            for debugging). Default: half the CPU cores, between 1 and 4, so
             the training thread keeps a core of its own.
         pin_memory: ``"auto"`` pins when CUDA is available; ``True`` requires
             it (RuntimeError otherwise); ``False`` never pins.

@@ -93,7 +93,7 @@ def wanted(view: Any) -> bool:
     if getattr(view, "hint", None) is None or paths is None:
         return False
     mounts = _mounts()
-    dirs = {os.path.dirname(os.path.realpath(p)) for p in paths()}
+    dirs = {os.path.dirname(p) for p in paths()}  # thousands of shards, a few directories
     return any(is_remote(filesystem_of(d, mounts)) for d in dirs)
 
 
