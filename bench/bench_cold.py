@@ -39,7 +39,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -332,44 +331,18 @@ def test_cold_main_thread_slowdown(corpus: list[Path]) -> None:
     pure-Python loop; idle and busy phases alternate (5 of each, 1.5 s) and
     the page cache is dropped before each busy phase, so the reads miss it.
     """
-    from bench.bench_loader import _python_loop
+    from bench.bench_loader import measure_slowdown
 
     view = tokload.TokenStream(tokload.open_flat(corpus, np.uint32), window=WINDOW, stride=STRIDE)
     loader = tokload.DataLoader(view, batch_size=BATCH, seed=7)
-    it = iter(loader)
-    next(it)
-    draining, stop = threading.Event(), threading.Event()
-    delivered = [0]
-
-    def drain() -> None:
-        while not stop.is_set():
-            if not draining.wait(0.05):
-                continue
-            next(it)
-            delivered[0] += 1
-
-    t = threading.Thread(target=drain, daemon=True)
-    t.start()
-    idle, busy, rates = [], [], []
     try:
-        for _ in range(5):
-            idle.append(_python_loop(1.5))
-            drop_caches()
-            draining.set()
-            d0, t0 = delivered[0], time.perf_counter()
-            busy.append(_python_loop(1.5))
-            rates.append((delivered[0] - d0) * BATCH * WINDOW / (time.perf_counter() - t0))
-            draining.clear()
-            time.sleep(0.1)
+        keep, runs, rate = measure_slowdown(iter(loader), before_busy=drop_caches)
     finally:
-        stop.set()
-        t.join(5)
         loader.close()
-    keep = float(np.median(busy) / np.median(idle))
     print(
         f"\ncold, tokload defaults (num_threads={loader.num_threads}): the main-thread "
         f"Python loop keeps {keep:.0%} of its speed (runs: "
-        f"{', '.join(f'{b / i:.0%}' for b, i in zip(busy, idle, strict=True))}) while the "
-        f"loader delivers {np.median(rates) / 1e6:.1f} M tokens/s from cold storage"
+        f"{', '.join(f'{r:.0%}' for r in runs)}) while the loader delivers "
+        f"{rate / 1e6:.1f} M tokens/s from cold storage"
     )
     assert keep > 0

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,14 +114,17 @@ def _python_loop(seconds: float) -> float:
     return n / 3500 / seconds
 
 
-@pytest.mark.parametrize("name", LOADERS)
-def test_main_thread_slowdown(corpus: Path, name: str) -> None:
-    """Loop speed while the loader is drained flat out, over loop speed alone.
+def measure_slowdown(
+    it: Iterator[Any], before_busy: Callable[[], None] | None = None
+) -> tuple[float, list[float], float]:
+    """Loop speed while ``it`` is drained flat out by another thread, over loop speed alone.
 
     Idle and busy measurements alternate (5 of each, 1.5 s) and the medians
     are compared, so a noisy neighbour on a shared machine moves both alike.
+    ``before_busy`` runs before each busy phase (bench_cold drops the page
+    cache there). Returns the kept fraction, the per-run ratios, and the
+    median tokens/s the loader delivered meanwhile.
     """
-    it = LOADERS[name](corpus)
     next(it)
     draining = threading.Event()
     stop = threading.Event()
@@ -137,21 +140,32 @@ def test_main_thread_slowdown(corpus: Path, name: str) -> None:
     t = threading.Thread(target=drain, daemon=True)
     t.start()
     idle, busy, rates = [], [], []
-    for _ in range(5):
-        idle.append(_python_loop(1.5))
-        draining.set()
-        time.sleep(0.2)
-        d0, t0 = delivered[0], time.perf_counter()
-        busy.append(_python_loop(1.5))
-        rates.append((delivered[0] - d0) * BATCH * WINDOW / (time.perf_counter() - t0))
-        draining.clear()
-        time.sleep(0.1)
-    stop.set()
-    t.join(5)
+    try:
+        for _ in range(5):
+            idle.append(_python_loop(1.5))
+            if before_busy is not None:
+                before_busy()
+            draining.set()
+            time.sleep(0.2)
+            d0, t0 = delivered[0], time.perf_counter()
+            busy.append(_python_loop(1.5))
+            rates.append((delivered[0] - d0) * BATCH * WINDOW / (time.perf_counter() - t0))
+            draining.clear()
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        t.join(5)
     keep = float(np.median(busy) / np.median(idle))
+    return keep, [b / i for b, i in zip(busy, idle, strict=True)], float(np.median(rates))
+
+
+@pytest.mark.parametrize("name", LOADERS)
+def test_main_thread_slowdown(corpus: Path, name: str) -> None:
+    """Loop speed while the loader is drained flat out, over loop speed alone."""
+    keep, runs, rate = measure_slowdown(LOADERS[name](corpus))
     RESULTS[name] = keep
     print(
         f"\n{name}: main-thread Python loop keeps {keep:.0%} of its speed (runs: "
-        f"{', '.join(f'{b / i:.0%}' for b, i in zip(busy, idle, strict=True))}); the loader "
-        f"delivered {np.median(rates) / 1e6:.1f} Mtok/s meanwhile"
+        f"{', '.join(f'{r:.0%}' for r in runs)}); the loader delivered {rate / 1e6:.1f} "
+        "Mtok/s meanwhile"
     )

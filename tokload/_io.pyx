@@ -290,6 +290,21 @@ cdef const int64_t[::1] _indices(indices) except *:
     return np.ascontiguousarray(idx.reshape(-1))
 
 
+cdef int _window_starts(const int64_t[::1] iv, uint64_t first, uint64_t count,
+                        uint64_t stride, uint64_t *starts) except -1:
+    """``starts[b] = (first + iv[b]) * stride`` for observations ``iv`` of a view
+    of ``count`` (a compiled loop); IndexError names the first one outside."""
+    cdef size_t b
+    cdef int64_t i
+    for b in range(<size_t>iv.shape[0]):
+        i = iv[b]
+        if i < 0 or <uint64_t>i >= count:
+            raise IndexError(f"observation {i} is out of range for a view of {count} "
+                             f"(valid: 0 <= i < {count})")
+        starts[b] = (first + <uint64_t>i) * stride
+    return 0
+
+
 cdef class FileSet:
     """A list of files, each with a byte base, read through the I/O engine.
 
@@ -512,8 +527,7 @@ cdef class RowSet:
         self.files.check_open()
         cdef const int64_t[::1] iv = _indices(indices)
         cdef uint8_t[::1] dst = out.reshape(-1).view(np.uint8)
-        cdef size_t n = iv.shape[0], b
-        cdef int64_t i
+        cdef size_t n = iv.shape[0]
         if n == 0:
             return
         if <uint64_t>dst.shape[0] < n * window * self.rs.row_bytes:
@@ -530,12 +544,7 @@ cdef class RowSet:
         cdef uint8_t *dptr = &dst[0] if dst.shape[0] else NULL
         cdef int rc
         try:
-            for b in range(n):
-                i = iv[b]
-                if i < 0 or <uint64_t>i >= count:
-                    raise IndexError(f"observation {i} is out of range for a view of {count} "
-                                     f"(valid: 0 <= i < {count})")
-                starts[b] = (first + <uint64_t>i) * stride
+            _window_starts(iv, first, count, stride, starts)
             nreq = lib.tl_rows_count_reqs(&self.rs, starts, NULL, window, n)
             reqs = <lib.tl_ioreq *>PyMem_Malloc(max(nreq, 1) * sizeof(lib.tl_ioreq))
             if reqs is NULL:
@@ -563,8 +572,7 @@ cdef class RowSet:
         """
         self.files.check_open()
         cdef const int64_t[::1] iv = _indices(indices)
-        cdef size_t n = iv.shape[0], b, nreq, m = 0
-        cdef int64_t i
+        cdef size_t n = iv.shape[0], nreq, m = 0
         if n == 0 or window == 0:
             return 0
         if count and ((first + count - 1) * stride + window > self.total):
@@ -574,18 +582,13 @@ cdef class RowSet:
             raise MemoryError()
         cdef lib.tl_ioreq *reqs = NULL
         try:
-            for b in range(n):
-                i = iv[b]
-                if i < 0 or <uint64_t>i >= count:
-                    raise IndexError(f"observation {i} is out of range for a view of {count} "
-                                     f"(valid: 0 <= i < {count})")
-                starts[b] = (first + <uint64_t>i) * stride
+            _window_starts(iv, first, count, stride, starts)
             nreq = lib.tl_rows_count_reqs(&self.rs, starts, NULL, window, n)
             reqs = <lib.tl_ioreq *>PyMem_Malloc(max(nreq, 1) * sizeof(lib.tl_ioreq))
             if reqs is NULL:
                 raise MemoryError()
             with nogil:
-                nreq = lib.tl_rows_plan_hints(&self.rs, starts, window, n, reqs)
+                nreq = lib.tl_rows_plan_many(&self.rs, starts, NULL, window, NULL, n, NULL, reqs)
                 m = lib.tl_ioreq_hint(reqs, nreq, &_cache)
         finally:
             PyMem_Free(reqs)
@@ -801,7 +804,6 @@ def read_documents(ExtentIndex index not None, RowSet rows not None, ids, uint64
     cdef const int64_t[::1] iv = _indices(ids)
     cdef size_t n = iv.shape[0], b
     cdef uint64_t rb = rows.rs.row_bytes, L = 0, total = 0, longest = 0
-    cdef int64_t i
     if not pack:
         if length is not None and length < 1:
             raise ValueError(f"length must be positive, got {length}")
@@ -827,12 +829,7 @@ def read_documents(ExtentIndex index not None, RowSet rows not None, ids, uint64
     cdef uint8_t *dptr = NULL
     cdef const uint8_t *pp = pad
     try:
-        for b in range(n):
-            i = iv[b]
-            if i < 0 or <uint64_t>i >= count:
-                raise IndexError(f"observation {i} is out of range for a view of {count} "
-                                 f"(valid: 0 <= i < {count})")
-            gid[b] = first + <uint64_t>i
+        _window_starts(iv, first, count, 1, gid)
         if n:
             index.fill(gid, n, st, ln)
         for b in range(n):  # the index and the rows are checked against each other

@@ -171,8 +171,6 @@ cdef extern from "tokload/plan.h" nogil:
                         tl_read_req *reqs, size_t max_reqs) noexcept
     size_t tl_rows_count_reqs(const tl_rowset *rs, const uint64_t *starts,
                               const uint64_t *lengths, uint64_t len1, size_t count) noexcept
-    size_t tl_rows_plan_hints(const tl_rowset *rs, const uint64_t *starts, uint64_t len1,
-                              size_t count, tl_ioreq *reqs) noexcept
     size_t tl_rows_plan_many(const tl_rowset *rs, const uint64_t *starts,
                              const uint64_t *lengths, uint64_t len1,
                              const uint64_t *dst_offsets, size_t count, uint8_t *dst,

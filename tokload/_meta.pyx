@@ -16,7 +16,7 @@ from libc.stdlib cimport free, realloc
 from libc.string cimport memcpy, memset
 
 cimport tokload._lib as lib
-from tokload._io cimport RowSet, _indices, _raise_io
+from tokload._io cimport RowSet, _indices, _raise_io, _window_starts
 
 import numpy as np
 
@@ -352,11 +352,10 @@ cdef class SpanSet:
         for r in (self.rows, self.blocks_rs, self.runs_rs, self.index_rs, self.data_rs):
             r.files.check_open()
         cdef const int64_t[::1] iv = _indices(indices)
-        cdef size_t nwin = iv.shape[0], w
+        cdef size_t nwin = iv.shape[0]
         cdef int32_t[::1] pos = positions.reshape(-1)
         cdef uint8_t[::1] dst
         cdef uint8_t *dptr = NULL
-        cdef int64_t i
         cdef Buf *b = scratch.b
         if <uint64_t>pos.shape[0] != nwin * window:
             raise ValueError(f"positions must hold {nwin} x {window} values, "
@@ -378,12 +377,7 @@ cdef class SpanSet:
         if _grow(&b[B_STARTS], nwin * 8):
             raise MemoryError()
         cdef uint64_t *starts = <uint64_t *>b[B_STARTS].p
-        for w in range(nwin):
-            i = iv[w]
-            if i < 0 or <uint64_t>i >= count:
-                raise IndexError(f"observation {i} is out of range for a view of {count} "
-                                 f"(valid: 0 <= i < {count})")
-            starts[w] = (first + <uint64_t>i) * stride
+        _window_starts(iv, first, count, stride, starts)
         cdef lib.tl_engine eng
         cdef Outcome o
         cdef int rc

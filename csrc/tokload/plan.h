@@ -104,7 +104,8 @@ TL_INLINE size_t tl_rows_count_reqs(const tl_rowset *rs, const uint64_t *starts,
 /*
  * Plan those ranges as engine requests: range i lands at dst + dst_offsets[i]
  * (or dst + i * len1 * row_bytes if dst_offsets is NULL); each request's item
- * is its range.  reqs needs tl_rows_count_reqs entries.  Returns the number
+ * is its range.  With dst NULL the requests have no destination (for
+ * tl_ioreq_hint).  reqs needs tl_rows_count_reqs entries.  Returns the number
  * of requests written.
  */
 TL_INLINE size_t tl_rows_plan_many(const tl_rowset *rs, const uint64_t *starts,
@@ -115,8 +116,9 @@ TL_INLINE size_t tl_rows_plan_many(const tl_rowset *rs, const uint64_t *starts,
     size_t n = 0;
     for (size_t i = 0; i < count; i++) {
         uint64_t start = starts[i], left = lengths ? lengths[i] : len1;
-        if (left == 0) continue; /* dst may be NULL when every range is empty */
-        uint8_t *at = dst + (dst_offsets ? dst_offsets[i] : (uint64_t)i * len1 * rs->row_bytes);
+        if (left == 0) continue;
+        uint8_t *at = NULL;
+        if (dst) at = dst + (dst_offsets ? dst_offsets[i] : (uint64_t)i * len1 * rs->row_bytes);
         size_t k = tl_shards_locate(rs->cum, rs->nfiles, start);
         while (left > 0) {
             while (rs->cum[k + 1] <= start) k++; /* skip empty shards */
@@ -128,36 +130,7 @@ TL_INLINE size_t tl_rows_plan_many(const tl_rowset *rs, const uint64_t *starts,
             reqs[n].dst = at;
             reqs[n].item = i;
             n++;
-            at += take * rs->row_bytes;
-            start += take;
-            left -= take;
-        }
-    }
-    return n;
-}
-
-/*
- * The requests of windows [starts[i], starts[i] + len1) with no destination
- * (for tl_ioreq_hint): one per shard a window touches; reqs needs
- * tl_rows_count_reqs entries.  Returns the number written.
- */
-TL_INLINE size_t tl_rows_plan_hints(const tl_rowset *rs, const uint64_t *starts, uint64_t len1,
-                                    size_t count, tl_ioreq *reqs)
-{
-    size_t n = 0;
-    for (size_t i = 0; i < count && len1; i++) {
-        uint64_t start = starts[i], left = len1;
-        size_t k = tl_shards_locate(rs->cum, rs->nfiles, start);
-        while (left > 0) {
-            while (rs->cum[k + 1] <= start) k++; /* skip empty shards */
-            uint64_t avail = rs->cum[k + 1] - start;
-            uint64_t take = left < avail ? left : avail;
-            reqs[n].file = &rs->files[k];
-            reqs[n].offset = rs->files[k].base + (start - rs->cum[k]) * rs->row_bytes;
-            reqs[n].length = take * rs->row_bytes;
-            reqs[n].dst = NULL;
-            reqs[n].item = i;
-            n++;
+            if (at) at += take * rs->row_bytes;
             start += take;
             left -= take;
         }
