@@ -84,6 +84,18 @@ typedef struct {
     uint64_t *dst;
 } tl_span_reqs;
 
+/* Fill err and return its code (every check of this header fails through it). */
+TL_INLINE int tl_span_fail(tl_span_error *err, int code, size_t shard, uint64_t entry,
+                           uint64_t value, uint64_t limit)
+{
+    err->code = code;
+    err->shard = (uint32_t)shard;
+    err->entry = entry;
+    err->value = value;
+    err->limit = limit;
+    return code;
+}
+
 TL_INLINE uint64_t tl_span_load_start(const uint8_t *e)
 {
     uint64_t v;
@@ -158,12 +170,7 @@ TL_INLINE int tl_spans_runs(const tl_span_set *s, tl_span_piece *pieces, size_t 
             int bad = e[j] > bound || (j && e[j] < e[j - 1]) ||
                       (b0 + j == nblocks && e[j] != runs) || (b0 + j == 0 && e[j] != 0);
             if (TL_UNLIKELY(bad)) {
-                err->code = TL_SPAN_BAD_BLOCK;
-                err->shard = (uint32_t)k;
-                err->entry = b0 + j;
-                err->value = e[j];
-                err->limit = runs;
-                return TL_SPAN_BAD_BLOCK;
+                return tl_span_fail(err, TL_SPAN_BAD_BLOCK, k, b0 + j, e[j], runs);
             }
         }
         uint64_t r0 = e[0], last = e[b1 + 1 - b0];
@@ -215,42 +222,24 @@ TL_INLINE int tl_spans_resolve(const tl_span_set *s, const tl_span_piece *pieces
             uint32_t rec = tl_span_load_record(e + TL_SPAN_ENTRY * j);
             int bad = st >= rows || (j && st <= prev) || (p->run0 + j == 0 && st != 0);
             if (TL_UNLIKELY(bad)) {
-                err->code = TL_SPAN_BAD_START;
-                err->shard = (uint32_t)k;
-                err->entry = p->run0 + j;
-                err->value = st;
-                err->limit = rows;
-                return TL_SPAN_BAD_START;
+                return tl_span_fail(err, TL_SPAN_BAD_START, k, p->run0 + j, st, rows);
             }
             if (TL_UNLIKELY(rec != TL_SPAN_NONE && rec >= nrec)) {
-                err->code = TL_SPAN_BAD_RECORD;
-                err->shard = (uint32_t)k;
-                err->entry = p->run0 + j;
-                err->value = rec;
-                err->limit = nrec;
-                return TL_SPAN_BAD_RECORD;
+                return tl_span_fail(err, TL_SPAN_BAD_RECORD, k, p->run0 + j, rec, nrec);
             }
             prev = st;
         }
         if (TL_UNLIKELY(p->nruns == 0 || tl_span_load_start(e) > p->start)) {
-            err->code = TL_SPAN_BAD_COVER;
-            err->shard = (uint32_t)k;
-            err->entry = p->run0;
-            err->value = p->nruns ? tl_span_load_start(e) : 0;
-            err->limit = p->start;
-            return TL_SPAN_BAD_COVER;
+            return tl_span_fail(err, TL_SPAN_BAD_COVER, k, p->run0,
+                                p->nruns ? tl_span_load_start(e) : 0, p->start);
         }
         /* Unless the slice ends the shard, its last run holds the first row of
          * the block after the piece, so it covers the piece's end. */
         uint64_t after = ((p->start + p->len - 1) / s->block + 1) * s->block;
         if (TL_UNLIKELY(p->run0 + p->nruns < runs &&
                         tl_span_load_start(e + TL_SPAN_ENTRY * (p->nruns - 1)) > after)) {
-            err->code = TL_SPAN_BAD_COVER;
-            err->shard = (uint32_t)k;
-            err->entry = p->run0 + p->nruns - 1;
-            err->value = tl_span_load_start(e + TL_SPAN_ENTRY * (p->nruns - 1));
-            err->limit = after;
-            return TL_SPAN_BAD_COVER;
+            return tl_span_fail(err, TL_SPAN_BAD_COVER, k, p->run0 + p->nruns - 1,
+                                tl_span_load_start(e + TL_SPAN_ENTRY * (p->nruns - 1)), after);
         }
         /* last run with start <= p->start */
         uint64_t lo = 0, hi = p->nruns;
@@ -337,12 +326,9 @@ TL_INLINE int tl_spans_plan_data(const tl_span_set *s, const uint32_t *item_shar
         uint64_t bytes = s->mdb_cum[k + 1] - s->mdb_cum[k];
         uint64_t a = entries[item_ent[i]], b = entries[item_ent[i] + 1];
         if (TL_UNLIKELY(a > b || b > bytes || (item_id[i] == 0 && a != 0))) {
-            err->code = TL_SPAN_BAD_OFFSET;
-            err->shard = (uint32_t)k;
-            err->entry = (uint64_t)item_id[i] + (a > b || item_id[i] == 0 ? 0 : 1);
-            err->value = (a > b || item_id[i] == 0) ? a : b;
-            err->limit = bytes;
-            return TL_SPAN_BAD_OFFSET;
+            int first = a > b || item_id[i] == 0; /* the first entry is at fault */
+            return tl_span_fail(err, TL_SPAN_BAD_OFFSET, k, (uint64_t)item_id[i] + !first,
+                                first ? a : b, bytes);
         }
         offsets[i + 1] = (int64_t)(at + (b - a));
         if (b > a) {
