@@ -31,6 +31,7 @@ cdef class RowSet:
 
 
 cdef const int64_t[::1] _indices(indices) except *
-cdef int _window_starts(const int64_t[::1] iv, uint64_t first, uint64_t count,
-                        uint64_t stride, uint64_t *starts) except -1
+cdef int _checked_window_starts(const int64_t[::1] iv, uint64_t first, uint64_t count,
+                                uint64_t stride, uint64_t window, uint64_t total,
+                                uint64_t *starts) except -1
 cdef object _raise_io(lib.tl_io_error *err, list paths, str what)

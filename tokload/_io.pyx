@@ -305,6 +305,16 @@ cdef int _window_starts(const int64_t[::1] iv, uint64_t first, uint64_t count,
     return 0
 
 
+cdef int _checked_window_starts(const int64_t[::1] iv, uint64_t first, uint64_t count,
+                                uint64_t stride, uint64_t window, uint64_t total,
+                                uint64_t *starts) except -1:
+    """:func:`_window_starts` for a view of ``count`` windows over ``total`` rows,
+    once its last window is checked to end within them."""
+    if count and (first + count - 1) * stride + window > total:
+        raise IndexError(f"windows up to {first + count} run past the {total} rows")
+    return _window_starts(iv, first, count, stride, starts)
+
+
 cdef class FileSet:
     """A list of files, each with a byte base, read through the I/O engine.
 
@@ -532,8 +542,6 @@ cdef class RowSet:
             return
         if <uint64_t>dst.shape[0] < n * window * self.rs.row_bytes:
             raise ValueError(f"out holds {dst.shape[0]} bytes, need {n * window * self.rs.row_bytes}")
-        if count and ((first + count - 1) * stride + window > self.total):
-            raise IndexError(f"windows up to {first + count} run past the {self.total} rows")
         cdef uint64_t *starts = <uint64_t *>PyMem_Malloc(n * sizeof(uint64_t))
         if starts is NULL:
             raise MemoryError()
@@ -544,7 +552,7 @@ cdef class RowSet:
         cdef uint8_t *dptr = &dst[0] if dst.shape[0] else NULL
         cdef int rc
         try:
-            _window_starts(iv, first, count, stride, starts)
+            _checked_window_starts(iv, first, count, stride, window, self.total, starts)
             nreq = lib.tl_rows_count_reqs(&self.rs, starts, NULL, window, n)
             reqs = <lib.tl_ioreq *>PyMem_Malloc(max(nreq, 1) * sizeof(lib.tl_ioreq))
             if reqs is NULL:
@@ -575,14 +583,12 @@ cdef class RowSet:
         cdef size_t n = iv.shape[0], nreq, m = 0
         if n == 0 or window == 0:
             return 0
-        if count and ((first + count - 1) * stride + window > self.total):
-            raise IndexError(f"windows up to {first + count} run past the {self.total} rows")
         cdef uint64_t *starts = <uint64_t *>PyMem_Malloc(n * sizeof(uint64_t))
         if starts is NULL:
             raise MemoryError()
         cdef lib.tl_ioreq *reqs = NULL
         try:
-            _window_starts(iv, first, count, stride, starts)
+            _checked_window_starts(iv, first, count, stride, window, self.total, starts)
             nreq = lib.tl_rows_count_reqs(&self.rs, starts, NULL, window, n)
             reqs = <lib.tl_ioreq *>PyMem_Malloc(max(nreq, 1) * sizeof(lib.tl_ioreq))
             if reqs is NULL:

@@ -16,7 +16,7 @@ from libc.stdlib cimport free, realloc
 from libc.string cimport memcpy, memset
 
 cimport tokload._lib as lib
-from tokload._io cimport RowSet, _indices, _raise_io, _window_starts
+from tokload._io cimport RowSet, _checked_window_starts, _indices, _raise_io
 
 import numpy as np
 
@@ -371,13 +371,10 @@ cdef class SpanSet:
             offsets = alloc((1,), np.int64)
             offsets[0] = 0
             return _bytes(alloc, 0), offsets
-        if count and (first + count - 1) * stride + window > self._row_cum[self.s.nfiles]:
-            raise IndexError(f"windows up to {first + count} run past the "
-                             f"{self._row_cum[self.s.nfiles]} rows")
         if _grow(&b[B_STARTS], nwin * 8):
             raise MemoryError()
         cdef uint64_t *starts = <uint64_t *>b[B_STARTS].p
-        _window_starts(iv, first, count, stride, starts)
+        _checked_window_starts(iv, first, count, stride, window, self.rows.total, starts)
         cdef lib.tl_engine eng
         cdef Outcome o
         cdef int rc
