@@ -4,7 +4,7 @@
 # contract: the attributes are declared here only, and _meta.pyx compiles
 # against this layout (rebuild both when it changes).
 
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t, uint32_t, uint64_t
 
 cimport tokload._lib as lib
 
@@ -28,6 +28,16 @@ cdef class RowSet:
     cdef uint64_t[::1] _cum
     cdef lib.tl_rowset rs
     cdef readonly uint64_t total
+
+
+cdef class ShardTables:
+    cdef readonly RowSet rs
+    cdef void **tabs
+    cdef readonly bint enabled
+    cdef size_t n
+
+    cdef int need(self, const lib.tl_engine *eng, const uint32_t *shards, size_t count,
+                  lib.tl_io_error *err, size_t *failed) noexcept nogil
 
 
 cdef const int64_t[::1] _indices(indices) except *

@@ -107,6 +107,14 @@ class ExtentIndex:
         self, ids: npt.ArrayLike
     ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]: ...
 
+# Per shard, one whole file of uint64 values held in memory once a read needs it
+# (read without the GIL, shared by reader threads).
+class ShardTables:
+    rs: RowSet
+    enabled: bool
+    def __init__(self, rs: RowSet, enabled: bool) -> None: ...
+    def loaded(self) -> list[int]: ...
+
 class DocIndex(ExtentIndex):
     files: FileSet
     def __init__(self, files: FileSet, docs: npt.ArrayLike, rows: RowSet) -> None: ...

@@ -21,6 +21,7 @@ quarter of the soft ``RLIMIT_NOFILE``), least recently used closed first.
 from cpython.bytes cimport PyBytes_AS_STRING
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_RawFree, PyMem_RawMalloc
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport strerror
 
 cimport tokload._lib as lib
@@ -600,6 +601,90 @@ cdef class RowSet:
             PyMem_Free(reqs)
             PyMem_Free(starts)
         return m
+
+
+cdef class ShardTables:
+    """Per shard, one whole index file of uint64 values, held in memory once a
+    read first needs it.
+
+    The tables are read without the GIL by whichever reader thread first
+    needs them (one engine call for every table a batch lacks) and shared by
+    every thread (``csrc/tokload/tables.h``).  They are freed with the object.
+
+    Args:
+        rs: the files, a RowSet of 8-byte rows (one file per shard).
+        enabled: whether to hold them; when False, ``need`` loads nothing and
+            callers read the entries they need from the files instead.
+    """
+
+    def __cinit__(self, RowSet rs not None, bint enabled):
+        self.tabs = NULL
+        if rs.rs.row_bytes != 8:
+            raise ValueError("tables hold uint64 values: rows of 8 bytes")
+        self.rs = rs
+        self.enabled = enabled
+        self.n = rs.files.nfiles
+        self.tabs = <void **>calloc(max(self.n, 1), sizeof(void *))
+        if self.tabs is NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        cdef size_t k
+        if self.tabs is not NULL:
+            for k in range(self.n):
+                free(self.tabs[k])
+            free(self.tabs)
+            self.tabs = NULL
+
+    def loaded(self):
+        """The shards whose tables are in memory now."""
+        cdef size_t k
+        return [k for k in range(self.n) if lib.tl_table_get(&self.tabs[k]) != NULL]
+
+    cdef int need(self, const lib.tl_engine *eng, const uint32_t *shards, size_t count,
+                  lib.tl_io_error *err, size_t *failed) noexcept nogil:
+        """Make the tables of ``shards`` (repeats allowed) present, reading
+        those not in memory yet in one engine call.  0; -1 out of memory; or
+        an I/O error code with ``err`` filled and ``*failed`` its shard."""
+        cdef size_t i, j, m = 0, k
+        cdef int rc = 0
+        cdef uint64_t start, nrows
+        cdef lib.tl_ioreq *reqs
+        cdef void **bufs
+        cdef size_t nfailed = 0
+        if not self.enabled or count == 0:
+            return 0
+        reqs = <lib.tl_ioreq *>malloc(count * (sizeof(lib.tl_ioreq) + sizeof(void *)))
+        if reqs == NULL:
+            return -1
+        bufs = <void **>(<char *>reqs + count * sizeof(lib.tl_ioreq))
+        for i in range(count):
+            k = shards[i]
+            if lib.tl_table_get(&self.tabs[k]) != NULL:
+                continue
+            for j in range(m):
+                if reqs[j].item == k:
+                    break
+            else:
+                start = self.rs.rs.cum[k]
+                nrows = self.rs.rs.cum[k + 1] - start
+                bufs[m] = malloc(nrows * 8 if nrows else 8)
+                if bufs[m] == NULL:
+                    rc = -1
+                    break
+                lib.tl_rows_plan_many(&self.rs.rs, &start, &nrows, 0, NULL, 1,
+                                      <uint8_t *>bufs[m], &reqs[m])
+                reqs[m].item = k
+                m += 1
+        if rc == 0 and m:
+            rc = lib.tl_engine_run(eng, reqs, m, err, &nfailed)
+            if rc:
+                failed[0] = reqs[nfailed].item
+        for j in range(m):
+            if rc or not lib.tl_table_publish(&self.tabs[reqs[j].item], bufs[j]):
+                free(bufs[j])
+        free(reqs)
+        return rc
 
 
 def split_fields(rows, uint64_t nrows, uint64_t row_bytes, offsets, sizes, outs):

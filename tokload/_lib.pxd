@@ -5,7 +5,7 @@
 # Signatures state their exception behaviour: pure arithmetic is
 # `noexcept nogil`.
 
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 
 
 cdef extern from "tokload/speck.h" nogil:
@@ -296,3 +296,61 @@ cdef extern from "tokload/spans.h" nogil:
                            const uint32_t *item_id, size_t nitems, const uint64_t *item_ent,
                            const uint64_t *entries, int64_t *offsets, tl_span_reqs q,
                            size_t *nreq, tl_span_error *err) noexcept
+
+
+cdef extern from "tokload/blocks.h" nogil:
+    unsigned TL_BLOCK_MAX
+    int TL_BLOCK_BAD_INDEX
+    int TL_BLOCK_BAD_SIZE
+    int TL_BLOCK_BAD_START
+    int TL_BLOCK_BAD_RECORD
+    int TL_BLOCK_BAD_END
+    int TL_BLOCK_BAD_INPUT
+
+    ctypedef struct tl_block_set:
+        const uint64_t *row_cum
+        const uint64_t *msx_cum
+        const uint64_t *msb_cum
+        const uint64_t *nrec
+        size_t nfiles
+        uint64_t block
+
+    ctypedef struct tl_block_seen:
+        uint32_t *key
+        uint32_t *val
+        uint32_t *gen
+        uint64_t cap
+        uint32_t now
+
+    uint32_t tl_load_u32(const uint8_t *p) noexcept
+    uint16_t tl_load_u16(const uint8_t *p) noexcept
+    uint32_t tl_block_seen_slot(tl_block_seen *t, uint32_t rec, uint32_t *count,
+                                int *fresh) noexcept
+    int tl_block_check(const tl_block_set *s, size_t k, uint64_t b, const uint8_t *p,
+                       uint64_t len, tl_block_seen *t, uint32_t *nruns_out,
+                       const uint8_t **ends_out, uint32_t *nnew_out, tl_span_error *err) noexcept
+
+    int tl_blocks_slices(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
+                         const uint64_t *const *tables, const uint64_t *entries,
+                         tl_span_reqs q, uint64_t *at, uint64_t *nbytes,
+                         tl_span_error *err) noexcept
+    int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
+                          const uint64_t *at, const uint64_t *const *tables,
+                          const uint64_t *entries, const uint8_t *blockbuf,
+                          int32_t *positions, uint64_t *hkeys, int64_t *hvals,
+                          uint64_t hcap, tl_block_seen *t, uint32_t *item_shard,
+                          uint32_t *item_id, uint64_t *item_src, uint64_t *item_len,
+                          size_t *nitems, tl_span_error *err) noexcept
+    uint64_t tl_blocks_copy(const uint8_t *blockbuf, const uint64_t *item_src,
+                            const uint64_t *item_len, size_t nitems, int64_t *offsets,
+                            uint8_t *dst) noexcept
+    int tl_blocks_encode(uint64_t block, uint64_t rows, const uint64_t *starts,
+                         const uint32_t *records, uint64_t nruns, const uint64_t *mdx,
+                         uint64_t nrec, const uint8_t *mdb, uint64_t mdb_bytes, uint64_t b0,
+                         uint64_t b1, uint64_t *run, tl_block_seen *t, uint64_t *sizes,
+                         uint8_t *out, uint64_t cap, tl_span_error *err) noexcept
+
+
+cdef extern from "tokload/tables.h" nogil:
+    void *tl_table_get(void *const *slot) noexcept
+    int tl_table_publish(void **slot, void *p) noexcept

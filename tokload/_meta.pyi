@@ -4,7 +4,7 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from tokload._io import FileSet, RowSet
+from tokload._io import FileSet, RowSet, ShardTables
 
 SPAN_NONE: int
 SPAN_ENTRY: int
@@ -53,3 +53,61 @@ class SpanSet:
 def compact_records(
     blob: npt.ArrayLike, item_blob: npt.ArrayLike, item_len: npt.ArrayLike, alloc: _Alloc
 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]: ...
+
+BLOCK_MAX: int
+
+# The metadata blocks (.mbx block index, .msb blocks) of a dataset's shards
+# (FORMAT.md, version 3); read_windows as SpanSet's, in one round of reads when
+# the block index is in memory.
+class BlockSet:
+    rows: RowSet
+    block: int
+    tables: ShardTables
+    index_in_memory: bool
+    def __init__(
+        self,
+        rows: RowSet,
+        index_files: FileSet,
+        block_files: FileSet,
+        records: Sequence[int],
+        block_bytes: Sequence[int],
+        block: int,
+        index_in_memory: bool = True,
+    ) -> None: ...
+    def read_windows(
+        self,
+        indices: npt.ArrayLike,
+        first: int,
+        count: int,
+        stride: int,
+        window: int,
+        out: np.ndarray[Any, Any] | None,
+        positions: npt.NDArray[np.int32],
+        alloc: _Alloc,
+        scratch: Scratch,
+    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]: ...
+
+# A shard's runs and records as blocks; write() gets the .msb in pieces;
+# returns the block index.
+def encode_blocks(
+    block: int,
+    rows: int,
+    starts: npt.ArrayLike,
+    records: npt.ArrayLike,
+    mdx: npt.ArrayLike,
+    mdb: Any,
+    write: Callable[[np.ndarray[Any, Any]], Any],
+) -> np.ndarray[Any, Any]: ...
+
+# The inverse: (starts, records, mdx, mdb) of a shard's blocks.
+def decode_blocks(
+    block: int,
+    rows: int,
+    nrec: int,
+    index: npt.ArrayLike,
+    msb: Any,
+    index_path: str,
+    where: str,
+) -> tuple[
+    np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]
+]: ...

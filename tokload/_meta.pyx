@@ -16,7 +16,7 @@ from libc.stdlib cimport free, realloc
 from libc.string cimport memcpy, memset
 
 cimport tokload._lib as lib
-from tokload._io cimport RowSet, _checked_window_starts, _indices, _raise_io
+from tokload._io cimport RowSet, ShardTables, _checked_window_starts, _indices, _raise_io
 
 import numpy as np
 
@@ -72,6 +72,14 @@ cdef enum:
     B_IENT        # uint64 per record: its first index entry in B_ENTRIES
     B_ENTRIES     # uint64 record index entries
     B_OFFSETS     # int64 per record + 1
+    B_AT          # uint64 per piece: its blocks' place in B_BLOCKBUF (layout "blocks")
+    B_BLOCKBUF    # the pieces' metadata blocks (layout "blocks")
+    B_ISRC        # uint64 per record: its bytes' place in B_BLOCKBUF
+    B_ILEN        # uint64 per record: its bytes
+    B_PSHARD      # uint32 per piece: its shard
+    B_SEEN_KEY    # uint32 per slot of the block-local set
+    B_SEEN_VAL    # uint32 per slot
+    B_SEEN_GEN    # uint32 per slot
     NBUF
 
 
@@ -83,9 +91,11 @@ cdef class Scratch:
     """
 
     cdef Buf b[NBUF]
+    cdef lib.tl_block_seen seen  # over B_SEEN_*
 
     def __cinit__(self):
         memset(self.b, 0, sizeof(self.b))
+        memset(&self.seen, 0, sizeof(self.seen))
 
     def __dealloc__(self):
         cdef int i
@@ -440,3 +450,459 @@ def compact_records(blob, item_blob, item_len, alloc):
                 if n[k]:
                     memcpy(&dst[off[k]], &src[b[k]], n[k])
     return data, offsets
+
+
+# ---- layout "blocks" (FORMAT.md, version 3) ------------------------------------
+
+BLOCK_MAX = lib.TL_BLOCK_MAX
+
+# The rounds of reads of a blocks batch, for errors.
+cdef enum:
+    K_ROWS
+    K_INDEX   # the block index (.msx): entries, or whole tables
+    K_BLOCKS  # the blocks (.msb)
+
+
+cdef int _seen_ready(Scratch sc, uint64_t block) noexcept nogil:
+    """Size the block-local set for blocks of ``block`` rows (at most that many
+    runs).  0, or -1 when out of memory."""
+    cdef uint64_t cap = 16
+    cdef Buf *b = sc.b
+    while cap < 2 * block:
+        cap *= 2
+    if sc.seen.cap == cap:
+        return 0
+    if (_grow(&b[B_SEEN_KEY], cap * 4) or _grow(&b[B_SEEN_VAL], cap * 4)
+            or _grow(&b[B_SEEN_GEN], cap * 4)):
+        return -1
+    memset(b[B_SEEN_GEN].p, 0, cap * 4)
+    sc.seen.key = <uint32_t *>b[B_SEEN_KEY].p
+    sc.seen.val = <uint32_t *>b[B_SEEN_VAL].p
+    sc.seen.gen = <uint32_t *>b[B_SEEN_GEN].p
+    sc.seen.cap = cap
+    sc.seen.now = 0
+    return 0
+
+
+cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, ShardTables tables,
+                       const lib.tl_rowset *msx, const lib.tl_rowset *msb,
+                       const lib.tl_engine *eng, const lib.tl_rowset *rows, uint8_t *rows_dst,
+                       size_t nwin, uint64_t window, int32_t *pos, Scratch sc,
+                       Outcome *o) noexcept nogil:
+    """Rows (into ``rows_dst`` unless NULL) and metadata of the windows whose
+    first rows are B_STARTS[0..nwin): positions, and the records' places in
+    B_BLOCKBUF (B_ISRC, B_ILEN; ``o.nitems``).  With the block index in memory
+    (``tables``), the rows and the blocks are one round of reads; otherwise
+    the rows go with the block index entries, then the blocks.  0, or -1
+    with ``o`` filled (``o.round``: K_*)."""
+    cdef Buf *b = sc.b
+    cdef const uint64_t *starts = <uint64_t *>b[B_STARTS].p
+    cdef lib.tl_span_reqs q = _reqs(b)
+    cdef lib.tl_span_piece *pieces
+    cdef size_t npieces = 0, nrow = 0, nitems = 0, i, failed = 0
+    cdef uint64_t nent, nbytes = 0, hcap = 1, nruns
+    cdef lib.tl_ioreq *reqs
+    cdef const uint64_t *const *tabs = NULL
+    cdef uint32_t *pshard
+    cdef int rc
+    o.fail = FAIL_NONE
+    nent = lib.tl_spans_pieces(sp, starts, nwin, window, NULL, q, &npieces)
+    if rows_dst != NULL:
+        nrow = lib.tl_rows_count_reqs(rows, starts, NULL, window, nwin)
+    if (_grow(&b[B_PIECES], npieces * sizeof(lib.tl_span_piece)) or _grow_reqs(b, npieces)
+            or _grow(&b[B_BLOCKS], nent * 8) or _grow(&b[B_AT], npieces * 8)
+            or _grow(&b[B_PSHARD], npieces * 4)
+            or _grow(&b[B_REQS], nrow * sizeof(lib.tl_ioreq))
+            or _seen_ready(sc, s.block)):
+        o.fail = FAIL_MEMORY
+        return -1
+    pieces = <lib.tl_span_piece *>b[B_PIECES].p
+    lib.tl_spans_pieces(sp, starts, nwin, window, pieces, _reqs(b), &npieces)
+    if rows_dst != NULL:
+        reqs = <lib.tl_ioreq *>b[B_REQS].p
+        nrow = lib.tl_rows_plan_many(rows, starts, NULL, window, NULL, nwin, rows_dst, reqs)
+    if tables.enabled:
+        pshard = <uint32_t *>b[B_PSHARD].p
+        for i in range(npieces):
+            pshard[i] = pieces[i].shard
+        rc = tables.need(eng, pshard, npieces, &o.io, &failed)
+        if rc:
+            o.fail = FAIL_MEMORY if rc == -1 else FAIL_IO
+            o.round = K_INDEX
+            o.item = failed
+            return -1
+        tabs = <const uint64_t *const *>tables.tabs
+    elif _round(eng, msx, npieces, <uint8_t *>b[B_BLOCKS].p, b, nrow, K_INDEX, o):
+        if o.round == R_ROWS:
+            o.round = K_ROWS
+        return -1
+    else:
+        nrow = 0  # the rows went with the entries
+    if lib.tl_blocks_slices(s, pieces, npieces, tabs, <uint64_t *>b[B_BLOCKS].p, _reqs(b),
+                            <uint64_t *>b[B_AT].p, &nbytes, &o.span):
+        o.fail = FAIL_SPAN
+        return -1
+    if _grow(&b[B_BLOCKBUF], nbytes if nbytes else 1):
+        o.fail = FAIL_MEMORY
+        return -1
+    if _round(eng, msb, npieces, <uint8_t *>b[B_BLOCKBUF].p, b, nrow, K_BLOCKS, o):
+        if o.round == R_ROWS:
+            o.round = K_ROWS
+        return -1
+    # a block of n bytes holds at most (n - 4) / 6 runs
+    nruns = nbytes // 6 + 1
+    while hcap < 2 * nruns:
+        hcap *= 2
+    if (_grow(&b[B_HKEYS], hcap * 8) or _grow(&b[B_HVALS], hcap * 8)
+            or _grow(&b[B_ISHARD], nruns * 4) or _grow(&b[B_IID], nruns * 4)
+            or _grow(&b[B_ISRC], nruns * 8) or _grow(&b[B_ILEN], nruns * 8)):
+        o.fail = FAIL_MEMORY
+        return -1
+    if lib.tl_blocks_resolve(s, pieces, npieces, <uint64_t *>b[B_AT].p, tabs,
+                             <uint64_t *>b[B_BLOCKS].p, <uint8_t *>b[B_BLOCKBUF].p, pos,
+                             <uint64_t *>b[B_HKEYS].p, <int64_t *>b[B_HVALS].p, hcap, &sc.seen,
+                             <uint32_t *>b[B_ISHARD].p, <uint32_t *>b[B_IID].p,
+                             <uint64_t *>b[B_ISRC].p, <uint64_t *>b[B_ILEN].p, &nitems,
+                             &o.span):
+        o.fail = FAIL_SPAN
+        return -1
+    o.nitems = nitems
+    if _grow(&b[B_OFFSETS], (nitems + 1) * 8):
+        o.fail = FAIL_MEMORY
+        return -1
+    o.nbytes = lib.tl_blocks_copy(<uint8_t *>b[B_BLOCKBUF].p, <uint64_t *>b[B_ISRC].p,
+                                  <uint64_t *>b[B_ILEN].p, nitems, <int64_t *>b[B_OFFSETS].p,
+                                  NULL)
+    return 0
+
+
+cdef object _block_corrupt(lib.tl_span_error *e, str index_path, str msb_path):
+    """The CorruptDataError of a blocks.h error code, naming the file at fault."""
+    if e.code == lib.TL_BLOCK_BAD_INDEX:
+        return CorruptDataError(
+            f"{index_path}: block index entry {e.entry} = {e.value} breaks "
+            f"0 = first <= ... <= last = {e.limit} (the .msb size)")
+    where = f"{msb_path}: metadata block {e.entry}"
+    if e.code == lib.TL_BLOCK_BAD_START:
+        return CorruptDataError(
+            f"{where} has a run starting at row {e.value}: starts must be 0, then increase, "
+            f"and stay below the block's {e.limit} rows")
+    if e.code == lib.TL_BLOCK_BAD_RECORD:
+        return CorruptDataError(
+            f"{where} refers to record {e.value}, but the shard has {e.limit} metadata "
+            "records")
+    if e.code == lib.TL_BLOCK_BAD_END:
+        return CorruptDataError(
+            f"{where}: a record ends at byte {e.value}, before the previous one's end "
+            f"{e.limit}")
+    return CorruptDataError(
+        f"{where}: its counts and its size disagree ({e.value} against {e.limit})")
+
+
+cdef class BlockSet:
+    """The metadata blocks of a dataset's shards (FORMAT.md, version 3).
+
+    Args:
+        rows: the dataset's rows (read together with the metadata).
+        index_files, block_files: FileSets of the shards' ``.msx`` and ``.msb``.
+        records, block_bytes: per shard, from the manifest.
+        block: rows per block (at most BLOCK_MAX).
+        index_in_memory: hold each shard's block index in memory once a read
+            needs it (8 bytes per block), so that a window costs one read of
+            metadata; otherwise its entries are read first, in a round of
+            their own.
+    """
+
+    cdef readonly RowSet rows, index_rs, blocks_rs
+    cdef readonly ShardTables tables
+    cdef readonly uint64_t block
+    cdef uint64_t[::1] _row_cum, _nrec
+    cdef lib.tl_block_set s
+    cdef lib.tl_span_set sp
+    cdef list _paths
+
+    def __cinit__(self, RowSet rows, index_files, block_files, records, block_bytes,
+                  uint64_t block, bint index_in_memory=True):
+        if not 1 <= block <= lib.TL_BLOCK_MAX:
+            raise ValueError(f"block must be in [1, {lib.TL_BLOCK_MAX}], got {block}")
+        row_counts = np.diff(np.asarray(rows.cum))
+        n = len(row_counts)
+        if not (len(records) == len(block_bytes) == n):
+            raise ValueError(f"{n} shards but {len(records)} record and {len(block_bytes)} "
+                             "byte counts")
+        nblocks = (row_counts + np.uint64(block - 1)) // np.uint64(block)
+        self.rows = rows
+        self.block = block
+        self.index_rs = RowSet(index_files, nblocks + np.uint64(1), 8)
+        self.blocks_rs = RowSet(block_files, np.asarray(block_bytes, dtype=np.uint64), 1)
+        self.tables = ShardTables(self.index_rs, index_in_memory)
+        self._row_cum = np.array(rows.cum, dtype=np.uint64)
+        self._nrec = np.array(records, dtype=np.uint64).reshape(-1)
+        if n == 0:
+            self._nrec = np.zeros(1, dtype=np.uint64)
+        self.s.row_cum = &self._row_cum[0]
+        self.s.msx_cum = self.index_rs.rs.cum
+        self.s.msb_cum = self.blocks_rs.rs.cum
+        self.s.nrec = &self._nrec[0]
+        self.s.nfiles = n
+        self.s.block = block
+        memset(&self.sp, 0, sizeof(self.sp))  # tl_spans_pieces reads these four
+        self.sp.row_cum = &self._row_cum[0]
+        self.sp.msx_cum = self.index_rs.rs.cum
+        self.sp.nfiles = n
+        self.sp.block = block
+        self._paths = [index_files.paths, block_files.paths]
+
+    @property
+    def index_in_memory(self):
+        """Whether the block index is held in memory (see the class)."""
+        return self.tables.enabled
+
+    cdef object _corrupt(self, lib.tl_span_error *e):
+        return _block_corrupt(e, self._paths[0][e.shard], self._paths[1][e.shard])
+
+
+    def read_windows(self, indices, uint64_t first, uint64_t count, uint64_t stride,
+                     uint64_t window, out, positions, alloc, Scratch scratch not None):
+        """As :meth:`SpanSet.read_windows`: rows into ``out`` (unless None),
+        ``positions`` filled, returns the records as ``(data, offsets)``.
+
+        The rows and the windows' blocks are read in one round (with the
+        block index in memory; else the index entries go with the rows, then
+        the blocks); the records' bytes are copied from the blocks into
+        ``data``.  Everything but the allocations runs without the GIL.
+        """
+        cdef RowSet r
+        for r in (self.rows, self.index_rs, self.blocks_rs):
+            r.files.check_open()
+        cdef const int64_t[::1] iv = _indices(indices)
+        cdef size_t nwin = iv.shape[0]
+        cdef int32_t[::1] pos = positions.reshape(-1)
+        cdef uint8_t[::1] dst
+        cdef uint8_t *dptr = NULL
+        cdef Buf *b = scratch.b
+        if <uint64_t>pos.shape[0] != nwin * window:
+            raise ValueError(f"positions must hold {nwin} x {window} values, "
+                             f"not {pos.shape[0]}")
+        if out is not None:
+            dst = out.reshape(-1).view(np.uint8)
+            if <uint64_t>dst.shape[0] < nwin * window * self.rows.rs.row_bytes:
+                raise ValueError(f"out holds {dst.shape[0]} bytes, need "
+                                 f"{nwin * window * self.rows.rs.row_bytes}")
+            if dst.shape[0]:
+                dptr = &dst[0]
+        if nwin == 0 or window == 0:
+            offsets = alloc((1,), np.int64)
+            offsets[0] = 0
+            return _bytes(alloc, 0), offsets
+        if _grow(&b[B_STARTS], nwin * 8):
+            raise MemoryError()
+        cdef uint64_t *starts = <uint64_t *>b[B_STARTS].p
+        _checked_window_starts(iv, first, count, stride, window, self.rows.total, starts)
+        cdef lib.tl_engine eng
+        cdef Outcome o
+        cdef int rc
+        self.rows.files.engine_begin(&eng)
+        with nogil:
+            rc = _blocks_batch(&self.s, &self.sp, self.tables, &self.index_rs.rs,
+                               &self.blocks_rs.rs, &eng, &self.rows.rs, dptr, nwin, window,
+                               &pos[0], scratch, &o)
+        self.rows.files.engine_end(&eng)
+        if rc:
+            if o.fail == FAIL_MEMORY:
+                raise MemoryError()
+            if o.fail == FAIL_SPAN:
+                raise self._corrupt(&o.span)
+            if o.round == K_ROWS:
+                s0 = starts[o.item]
+                _raise_io(&o.io, self.rows.files.paths, f"rows [{s0}, {s0 + window})")
+            if o.round == K_INDEX:
+                _raise_io(&o.io, self._paths[0], "the metadata block index")
+            _raise_io(&o.io, self._paths[1], "the metadata blocks")
+        offsets = alloc((o.nitems + 1,), np.int64)
+        cdef int64_t[::1] off = offsets
+        memcpy(&off[0], b[B_OFFSETS].p, (o.nitems + 1) * 8)
+        data = _bytes(alloc, o.nbytes)
+        cdef uint8_t[::1] d
+        if o.nbytes:
+            d = data
+            with nogil:
+                lib.tl_blocks_copy(<uint8_t *>b[B_BLOCKBUF].p, <uint64_t *>b[B_ISRC].p,
+                                   <uint64_t *>b[B_ILEN].p, o.nitems, <int64_t *>b[B_OFFSETS].p,
+                                   &d[0])
+        return data, offsets
+
+
+_ENCODE_CHUNK = 4096  # blocks encoded per buffer
+
+
+def encode_blocks(uint64_t block, uint64_t rows, starts, records, mdx, mdb, write):
+    """A shard's metadata as blocks (FORMAT.md, version 3).
+
+    Args:
+        block: rows per block (at most BLOCK_MAX).
+        rows: the shard's rows.
+        starts, records: its runs as in a span table (uint64 first rows,
+            strictly increasing from 0; uint32 records or SPAN_NONE).
+        mdx, mdb: its records: ``len(records) + 1`` uint64 offsets into the
+            bytes ``mdb`` (any buffer; a memory map is fine).
+        write: called with each encoded piece of the ``.msb`` (a NumPy
+            uint8 array, in order).
+
+    Returns the block index (uint64, ``ceil(rows / block) + 1`` values).
+    Raises ValueError naming the run or record that is out of order or
+    range.  The encoding runs without the GIL, a few thousand blocks at a time.
+    """
+    if not 1 <= block <= lib.TL_BLOCK_MAX:
+        raise ValueError(f"block must be in [1, {lib.TL_BLOCK_MAX}], got {block}")
+    cdef const uint64_t[::1] st = np.ascontiguousarray(starts, dtype=np.uint64)
+    cdef const uint32_t[::1] rc = np.ascontiguousarray(records, dtype=np.uint32)
+    cdef const uint64_t[::1] ix = np.ascontiguousarray(mdx, dtype=np.uint64)
+    mdb_arr = np.frombuffer(mdb, dtype=np.uint8) if not isinstance(mdb, np.ndarray) else mdb
+    cdef const uint8_t[::1] db = np.ascontiguousarray(mdb_arr.reshape(-1).view(np.uint8))
+    if st.shape[0] != rc.shape[0]:
+        raise ValueError(f"{st.shape[0]} run starts but {rc.shape[0]} records")
+    if ix.shape[0] < 1:
+        raise ValueError("mdx needs at least one offset")
+    if rows and st.shape[0] == 0:
+        raise ValueError(f"a shard of {rows} rows needs runs")
+    cdef uint64_t nblocks = (rows + block - 1) // block, b0, b1, run = 0, k, w
+    index = np.zeros(nblocks + 1, dtype=np.uint64)
+    cdef uint64_t[::1] idx = index
+    sizes = np.empty(min(nblocks, _ENCODE_CHUNK) + 1, dtype=np.uint64)
+    cdef uint64_t[::1] sz = sizes
+    cdef Scratch sc = Scratch()
+    cdef lib.tl_span_error err
+    cdef int r = 0
+    cdef uint64_t cur, total = 0
+    cdef uint8_t[::1] ob
+    cdef const uint64_t *stp = &st[0] if st.shape[0] else NULL
+    cdef const uint32_t *rcp = &rc[0] if rc.shape[0] else NULL
+    cdef const uint8_t *dbp = &db[0] if db.shape[0] else NULL
+    if _seen_ready(sc, block):
+        raise MemoryError()
+    b0 = 0
+    while b0 < nblocks:
+        b1 = min(nblocks, b0 + _ENCODE_CHUNK)
+        cur = run
+        with nogil:
+            r = lib.tl_blocks_encode(block, rows, stp, rcp, st.shape[0], &ix[0],
+                                     ix.shape[0] - 1, dbp, db.shape[0], b0, b1, &cur, &sc.seen,
+                                     &sz[0], NULL, 0, &err)
+        if r == 0:
+            w = 0
+            for k in range(b1 - b0):
+                w += sz[k]
+                idx[b0 + k + 1] = total + w
+            out = np.empty(w, dtype=np.uint8)
+            ob = out
+            cur = run
+            with nogil:
+                r = lib.tl_blocks_encode(block, rows, stp, rcp, st.shape[0], &ix[0],
+                                         ix.shape[0] - 1, dbp, db.shape[0], b0, b1, &cur,
+                                         &sc.seen, &sz[0], &ob[0] if w else NULL, w, &err)
+        if r:
+            what = ("run", "record", "block", "block")[err.shard]
+            raise ValueError(f"metadata {what} {err.entry}: {err.value} is out of order or range "
+                             f"(limit {err.limit})")
+        write(out)
+        total += w
+        run = cur
+        b0 = b1
+    return index
+
+
+def decode_blocks(uint64_t block, uint64_t rows, uint64_t nrec, index, msb, str index_path,
+                  str where):
+    """A shard's runs and records from its metadata blocks (the inverse of
+    :func:`encode_blocks`, for ``tokload.convert``).
+
+    Args:
+        block, rows, nrec: the manifest's ``span_block`` and the shard's
+            rows and ``metadata_records``.
+        index, msb: the shard's ``.mbx`` (uint64) and ``.msb`` (bytes).
+        index_path, where: the ``.mbx``'s and the ``.msb``'s paths, for errors.
+
+    Returns ``(starts, records, mdx, mdb)``: the runs as in a span table
+    (a run that continues across a block boundary is one run), and the
+    records as in ``.mdx``/``.mdb`` (a record no run refers to has no bytes).
+    Raises CorruptDataError naming ``where`` and the block at fault.
+    """
+    if not 1 <= block <= lib.TL_BLOCK_MAX:
+        raise ValueError(f"block must be in [1, {lib.TL_BLOCK_MAX}], got {block}")
+    cdef const uint64_t[::1] ix = np.ascontiguousarray(index, dtype=np.uint64)
+    msb_arr = np.frombuffer(msb, dtype=np.uint8) if not isinstance(msb, np.ndarray) else msb
+    cdef const uint8_t[::1] db = np.ascontiguousarray(msb_arr.reshape(-1).view(np.uint8))
+    cdef uint64_t nblocks = (rows + block - 1) // block, b, size = db.shape[0]
+    if <uint64_t>ix.shape[0] != nblocks + 1:
+        raise ValueError(f"{nblocks + 1} block index entries needed, got {ix.shape[0]}")
+    for b in range(nblocks + 1):
+        if ix[b] > size or (b and ix[b] < ix[b - 1]) or (b == 0 and ix[b]) or (
+                b == nblocks and ix[b] != size):
+            raise CorruptDataError(f"{index_path}: block index entry {b} = {ix[b]} breaks "
+                                   f"0 = first <= ... <= last = {size} (the .msb size)")
+    cdef uint64_t row_cum[2]
+    cdef uint64_t nrec1[1]
+    row_cum[0] = 0
+    row_cum[1] = rows
+    nrec1[0] = nrec
+    cdef lib.tl_block_set s
+    memset(&s, 0, sizeof(s))
+    s.row_cum = row_cum
+    s.nrec = nrec1
+    s.nfiles = 1
+    s.block = block
+    cdef Scratch sc = Scratch()
+    if _seen_ready(sc, block):
+        raise MemoryError()
+    cap = size // 6 + 1  # runs: at least 6 bytes each
+    starts = np.empty(cap, dtype=np.uint64)
+    records = np.empty(cap, dtype=np.uint32)
+    src = np.full(nrec if nrec else 1, -1, dtype=np.int64)
+    lens = np.zeros(nrec if nrec else 1, dtype=np.uint64)
+    cdef uint64_t[::1] so = starts, ln = lens
+    cdef uint32_t[::1] ro = records
+    cdef int64_t[::1] sr = src
+    cdef lib.tl_span_error err
+    cdef uint32_t nruns = 0, nnew = 0, r, rec, j, count, a0, a1
+    cdef const uint8_t *ends
+    cdef const uint8_t *p
+    cdef uint64_t n = 0, data
+    cdef int rc = 0, fresh
+    with nogil:
+        for b in range(nblocks):
+            p = &db[0] + ix[b] if size else NULL
+            rc = lib.tl_block_check(&s, 0, b, p, ix[b + 1] - ix[b], &sc.seen, &nruns, &ends,
+                                    &nnew, &err)
+            if rc:
+                break
+            data = ix[b] + 4 + 6 * <uint64_t>nruns + 4 * <uint64_t>nnew
+            for r in range(nruns):
+                rec = lib.tl_load_u32(p + 4 + 2 * <uint64_t>nruns + 4 * <uint64_t>r)
+                if r == 0 and n and ro[n - 1] == rec:
+                    pass  # the run goes on from the previous block
+                else:
+                    so[n] = b * block + lib.tl_load_u16(p + 4 + 2 * <uint64_t>r)
+                    ro[n] = rec
+                    n += 1
+                if rec != lib.TL_SPAN_NONE and sr[rec] < 0:
+                    count = nnew
+                    j = lib.tl_block_seen_slot(&sc.seen, rec, &count, &fresh)
+                    a0 = lib.tl_load_u32(ends + 4 * <uint64_t>(j - 1)) if j else 0
+                    a1 = lib.tl_load_u32(ends + 4 * <uint64_t>j)
+                    sr[rec] = <int64_t>(data + a0)
+                    ln[rec] = a1 - a0
+    if rc:
+        raise _block_corrupt(&err, index_path, where)
+    mdx = np.zeros(nrec + 1, dtype=np.uint64)
+    if nrec:
+        np.cumsum(lens[:nrec], out=mdx[1:])
+    mdb = np.empty(int(mdx[nrec]), dtype=np.uint8)
+    cdef uint8_t[::1] mo = mdb
+    cdef const uint64_t[::1] mx = mdx
+    cdef uint64_t k
+    with nogil:
+        for k in range(nrec):
+            if ln[k]:
+                memcpy(&mo[mx[k]], &db[sr[k]], ln[k])
+    return starts[:n].copy(), records[:n].copy(), mdx, mdb

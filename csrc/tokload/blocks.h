@@ -1,0 +1,370 @@
+/*
+ * blocks.h -- the metadata of token windows from per-shard metadata blocks,
+ * and the encoder that writes them.
+ *
+ * Cython mirror: tokload/_lib.pxd (must match).
+ *
+ * FORMAT.md, version 3, "metadata_layout": "blocks".  Per shard, with B the
+ * manifest's span_block (at most 65536):
+ *   .msx  ceil(rows / B) + 1 uint64: block b is bytes [msx[b], msx[b + 1])
+ *         of the .msb; msx[0] = 0, the values never decrease, the last is
+ *         the .msb's size.
+ *   .msb  per block of B rows (the last may hold fewer), little-endian:
+ *           uint32 nruns            1 <= nruns <= the block's rows
+ *           uint16 start[nruns]     block-relative first rows: 0, then
+ *                                   strictly increasing, below the block's rows
+ *           uint32 record[nruns]    shard-local record numbers, or TL_SPAN_NONE
+ *           uint32 end[nnew]        nnew: the block's distinct records, in
+ *                                   order of first appearance; the bytes of
+ *                                   the j-th are data[end[j - 1], end[j])
+ *                                   (end[-1] = 0), never decreasing
+ *           uint8  data[end[nnew - 1]]
+ *         and nothing more: 4 + 6 nruns + 4 nnew + end[nnew - 1] bytes.
+ * A run is rows with one record (or none); a block lists the run holding its
+ * first row at start 0, so it stands alone: a window reads the blocks it
+ * touches (one read) and nothing else, once the block index is known.  The
+ * block index is small (8 bytes per B rows): tokload/_meta.pyx holds it in
+ * memory per shard (or reads its entries first, when it would not fit).
+ *
+ * A batch of windows:
+ *   1. tl_spans_pieces (spans.h): the windows cut at shard ends; each
+ *      piece's block index entries.
+ *   2. tl_blocks_slices: from the entries, one read of each piece's blocks.
+ *   3. tl_blocks_resolve: check each block; per row the batch-level number
+ *      of its record (or -1); the batch's distinct records (shard, id) in
+ *      order of first appearance, with where their bytes lie in the blocks.
+ *   4. tl_blocks_copy: the records' bytes into the batch's buffer.
+ * Nothing here allocates or reads: every buffer comes from the caller.
+ */
+#ifndef TOKLOAD_BLOCKS_H
+#define TOKLOAD_BLOCKS_H
+
+#include <string.h>
+
+#include "common.h"
+#include "shards.h"
+#include "spans.h"
+
+#define TL_BLOCK_MAX 65536u /* rows per block: starts are uint16 */
+
+/* Error codes (positive: not an errno), with tl_span_error's fields: shard,
+ * entry (the block, or the block index entry), value, limit. */
+#define TL_BLOCK_BAD_INDEX 11   /* a block index entry out of order or range */
+#define TL_BLOCK_BAD_SIZE 12    /* a block's counts disagree with its size */
+#define TL_BLOCK_BAD_START 13   /* run starts not 0, increasing, within the block */
+#define TL_BLOCK_BAD_RECORD 14  /* a record past the shard's records */
+#define TL_BLOCK_BAD_END 15     /* record ends that decrease */
+#define TL_BLOCK_BAD_INPUT 16   /* encoder input: runs, record index or sizes out of range */
+
+typedef struct {
+    const uint64_t *row_cum; /* nfiles + 1 cumulative rows */
+    const uint64_t *msx_cum; /* block index entries (blocks + 1 per shard) */
+    const uint64_t *msb_cum; /* .msb bytes */
+    const uint64_t *nrec;    /* records per shard */
+    size_t nfiles;
+    uint64_t block;
+} tl_block_set;
+
+/* A block-local set of records: open addressing, cleared in O(1) by a new
+ * generation.  cap: a power of two, at least twice a block's runs. */
+typedef struct {
+    uint32_t *key;
+    uint32_t *val;
+    uint32_t *gen;
+    uint64_t cap;
+    uint32_t now;
+} tl_block_seen;
+
+TL_INLINE void tl_block_seen_reset(tl_block_seen *t)
+{
+    if (++t->now == 0) { /* wrapped: every slot's generation is stale again */
+        memset(t->gen, 0, t->cap * sizeof(uint32_t));
+        t->now = 1;
+    }
+}
+
+/* The slot of rec in t; *fresh = whether it was added now (as number *count). */
+TL_INLINE uint32_t tl_block_seen_slot(tl_block_seen *t, uint32_t rec, uint32_t *count, int *fresh)
+{
+    uint64_t h = tl_span_hash(rec) & (t->cap - 1);
+    while (t->gen[h] == t->now && t->key[h] != rec) h = (h + 1) & (t->cap - 1);
+    if (t->gen[h] != t->now) {
+        t->gen[h] = t->now;
+        t->key[h] = rec;
+        t->val[h] = (*count)++;
+        *fresh = 1;
+    } else {
+        *fresh = 0;
+    }
+    return t->val[h];
+}
+
+TL_INLINE uint32_t tl_load_u32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+TL_INLINE uint16_t tl_load_u16(const uint8_t *p)
+{
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+TL_INLINE uint64_t tl_block_rows(const tl_block_set *s, size_t k, uint64_t b)
+{
+    uint64_t rows = s->row_cum[k + 1] - s->row_cum[k], first = b * s->block;
+    return rows - first < s->block ? rows - first : s->block;
+}
+
+/* The block index entries of piece p: from the shard's table in memory
+ * (tables non-NULL) or from the entries read for it. */
+TL_INLINE const uint64_t *tl_blocks_entries(const tl_block_set *s, const tl_span_piece *p,
+                                            const uint64_t *const *tables,
+                                            const uint64_t *entries)
+{
+    return tables ? tables[p->shard] + p->start / s->block : entries + p->blk;
+}
+
+/* Step 2: check each piece's block index entries; one read of its blocks'
+ * bytes into the block buffer at at[i].  q: one request per piece, in
+ * units of bytes of the .msb files.  Returns 0 and *nbytes, or an error. */
+TL_INLINE int tl_blocks_slices(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
+                               const uint64_t *const *tables, const uint64_t *entries,
+                               tl_span_reqs q, uint64_t *at, uint64_t *nbytes,
+                               tl_span_error *err)
+{
+    uint64_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        const tl_span_piece *p = &pieces[i];
+        size_t k = p->shard;
+        uint64_t size = s->msb_cum[k + 1] - s->msb_cum[k];
+        uint64_t nblocks = s->msx_cum[k + 1] - s->msx_cum[k] - 1;
+        uint64_t b0 = p->start / s->block, b1 = (p->start + p->len - 1) / s->block;
+        const uint64_t *e = tl_blocks_entries(s, p, tables, entries);
+        for (uint64_t j = 0; j <= b1 + 1 - b0; j++) {
+            uint64_t b = b0 + j;
+            int bad = e[j] > size || (j && e[j] < e[j - 1]) || (b == 0 && e[j] != 0) ||
+                      (b == nblocks && e[j] != size);
+            if (TL_UNLIKELY(bad)) return tl_span_fail(err, TL_BLOCK_BAD_INDEX, k, b, e[j], size);
+        }
+        uint64_t len = e[b1 + 1 - b0] - e[0];
+        at[i] = total;
+        q.start[i] = s->msb_cum[k] + e[0];
+        q.len[i] = len;
+        q.dst[i] = total;
+        total += len;
+    }
+    *nbytes = total;
+    return 0;
+}
+
+/* Check block b of shard k (bytes p, len) and walk its runs once to number
+ * its distinct records (in t).  Sets *nruns and *ends (the end[] array).
+ * Returns 0 or an error code. */
+TL_INLINE int tl_block_check(const tl_block_set *s, size_t k, uint64_t b, const uint8_t *p,
+                             uint64_t len, tl_block_seen *t, uint32_t *nruns_out,
+                             const uint8_t **ends_out, uint32_t *nnew_out, tl_span_error *err)
+{
+    uint64_t brows = tl_block_rows(s, k, b);
+    if (TL_UNLIKELY(len < 4)) return tl_span_fail(err, TL_BLOCK_BAD_SIZE, k, b, len, 4);
+    uint32_t nruns = tl_load_u32(p);
+    if (TL_UNLIKELY(nruns == 0 || nruns > brows || 4 + 6 * (uint64_t)nruns > len))
+        return tl_span_fail(err, TL_BLOCK_BAD_SIZE, k, b, nruns, brows);
+    const uint8_t *st = p + 4, *rc = p + 4 + 2 * (uint64_t)nruns;
+    uint64_t nrec = s->nrec[k];
+    uint32_t nnew = 0, prev = 0;
+    int fresh;
+    tl_block_seen_reset(t);
+    for (uint32_t r = 0; r < nruns; r++) {
+        uint32_t a = tl_load_u16(st + 2 * (uint64_t)r), rec = tl_load_u32(rc + 4 * (uint64_t)r);
+        if (TL_UNLIKELY((r == 0 && a != 0) || (r && a <= prev) || a >= brows))
+            return tl_span_fail(err, TL_BLOCK_BAD_START, k, b, a, brows);
+        if (rec != TL_SPAN_NONE) {
+            if (TL_UNLIKELY(rec >= nrec)) return tl_span_fail(err, TL_BLOCK_BAD_RECORD, k, b, rec, nrec);
+            tl_block_seen_slot(t, rec, &nnew, &fresh);
+        }
+        prev = a;
+    }
+    uint64_t head = 4 + 6 * (uint64_t)nruns + 4 * (uint64_t)nnew;
+    if (TL_UNLIKELY(head > len)) return tl_span_fail(err, TL_BLOCK_BAD_SIZE, k, b, len, head);
+    const uint8_t *ends = p + 4 + 6 * (uint64_t)nruns;
+    uint32_t last = 0;
+    for (uint32_t j = 0; j < nnew; j++) {
+        uint32_t v = tl_load_u32(ends + 4 * (uint64_t)j);
+        if (TL_UNLIKELY(v < last)) return tl_span_fail(err, TL_BLOCK_BAD_END, k, b, v, last);
+        last = v;
+    }
+    if (TL_UNLIKELY(head + last != len))
+        return tl_span_fail(err, TL_BLOCK_BAD_SIZE, k, b, len, head + last);
+    *nruns_out = nruns;
+    *ends_out = ends;
+    *nnew_out = nnew;
+    return 0;
+}
+
+/* Step 3: positions (int32, -1 for none) of every row of every piece; the
+ * batch's distinct records (shard, id) in order of first appearance, each
+ * with its bytes' place in the block buffer (item_src, item_len).
+ * hkeys/hvals: hcap slots (a power of two, at least twice the runs of the
+ * blocks read, which is at most their rows); t: a block-local set.
+ * Returns 0 and *nitems, or an error code. */
+TL_INLINE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
+                                const uint64_t *at, const uint64_t *const *tables,
+                                const uint64_t *entries, const uint8_t *blockbuf,
+                                int32_t *positions, uint64_t *hkeys, int64_t *hvals,
+                                uint64_t hcap, tl_block_seen *t, uint32_t *item_shard,
+                                uint32_t *item_id, uint64_t *item_src, uint64_t *item_len,
+                                size_t *nitems, tl_span_error *err)
+{
+    size_t ni = 0;
+    for (uint64_t h = 0; h < hcap; h++) hvals[h] = -1;
+    for (size_t i = 0; i < n; i++) {
+        const tl_span_piece *p = &pieces[i];
+        size_t k = p->shard;
+        const uint64_t *e = tl_blocks_entries(s, p, tables, entries);
+        uint64_t b0 = p->start / s->block, b1 = (p->start + p->len - 1) / s->block;
+        uint64_t end = p->start + p->len;
+        int32_t *pos = positions + p->dst - p->start; /* indexed by shard-local row */
+        for (uint64_t b = b0; b <= b1; b++) {
+            uint64_t off = at[i] + (e[b - b0] - e[0]), len = e[b - b0 + 1] - e[b - b0];
+            const uint8_t *blk = blockbuf + off;
+            uint32_t nruns = 0, nnew = 0;
+            const uint8_t *ends = NULL;
+            int rc = tl_block_check(s, k, b, blk, len, t, &nruns, &ends, &nnew, err);
+            if (rc) return rc;
+            uint64_t base = b * s->block, brows = tl_block_rows(s, k, b);
+            uint64_t data = off + 4 + 6 * (uint64_t)nruns + 4 * (uint64_t)nnew;
+            const uint8_t *st = blk + 4, *rcs = blk + 4 + 2 * (uint64_t)nruns;
+            for (uint32_t r = 0; r < nruns; r++) {
+                uint64_t a = base + tl_load_u16(st + 2 * (uint64_t)r);
+                uint64_t z = base + (r + 1 < nruns ? tl_load_u16(st + 2 * (uint64_t)(r + 1)) : brows);
+                if (z <= p->start) continue;
+                if (a >= end) break;
+                uint64_t lo = a > p->start ? a : p->start, hi = z < end ? z : end;
+                uint32_t rec = tl_load_u32(rcs + 4 * (uint64_t)r);
+                int32_t v = -1;
+                if (rec != TL_SPAN_NONE) {
+                    uint64_t key = ((uint64_t)k << 32) | rec;
+                    uint64_t h = tl_span_hash(key) & (hcap - 1);
+                    while (hvals[h] >= 0 && hkeys[h] != key) h = (h + 1) & (hcap - 1);
+                    if (hvals[h] < 0) {
+                        uint32_t count = nnew; /* the record is in t already: no insert */
+                        int fresh;
+                        uint32_t j = tl_block_seen_slot(t, rec, &count, &fresh);
+                        uint32_t a0 = j ? tl_load_u32(ends + 4 * (uint64_t)(j - 1)) : 0;
+                        uint32_t a1 = tl_load_u32(ends + 4 * (uint64_t)j);
+                        hkeys[h] = key;
+                        hvals[h] = (int64_t)ni;
+                        item_shard[ni] = (uint32_t)k;
+                        item_id[ni] = rec;
+                        item_src[ni] = data + a0;
+                        item_len[ni] = a1 - a0;
+                        ni++;
+                    }
+                    v = (int32_t)hvals[h];
+                }
+                for (uint64_t row = lo; row < hi; row++) pos[row] = v;
+            }
+        }
+    }
+    *nitems = ni;
+    return 0;
+}
+
+/* Step 4: offsets (nitems + 1, int64) of the records in the batch's buffer;
+ * with dst non-NULL, their bytes copied there.  Returns the bytes. */
+TL_INLINE uint64_t tl_blocks_copy(const uint8_t *blockbuf, const uint64_t *item_src,
+                                  const uint64_t *item_len, size_t nitems, int64_t *offsets,
+                                  uint8_t *dst)
+{
+    uint64_t total = 0;
+    offsets[0] = 0;
+    for (size_t i = 0; i < nitems; i++) {
+        if (dst && item_len[i]) memcpy(dst + total, blockbuf + item_src[i], item_len[i]);
+        total += item_len[i];
+        offsets[i + 1] = (int64_t)total;
+    }
+    return total;
+}
+
+/*
+ * The encoder.  A shard's runs (starts strictly increasing from 0, below
+ * rows; records below nrec or TL_SPAN_NONE) and its records (mdx: nrec + 1
+ * byte offsets into mdb, never decreasing, the last at most mdb_bytes)
+ * become blocks [b0, b1).  *run is a cursor: the run holding block b0's
+ * first row (0 for b0 = 0); it is left at block b1's.  With out NULL only
+ * the sizes are computed (sizes[b - b0]); otherwise the blocks are written
+ * back to back (cap bytes at most).  Returns 0 or an error code
+ * (TL_BLOCK_BAD_INPUT: entry the run or record, value what it holds).
+ */
+TL_INLINE int tl_blocks_encode(uint64_t block, uint64_t rows, const uint64_t *starts,
+                               const uint32_t *records, uint64_t nruns, const uint64_t *mdx,
+                               uint64_t nrec, const uint8_t *mdb, uint64_t mdb_bytes, uint64_t b0,
+                               uint64_t b1, uint64_t *run, tl_block_seen *t, uint64_t *sizes,
+                               uint8_t *out, uint64_t cap, tl_span_error *err)
+{
+    uint64_t r = *run, w = 0;
+    for (uint64_t b = b0; b < b1; b++) {
+        uint64_t base = b * block, top = base + block < rows ? base + block : rows;
+        if (TL_UNLIKELY(r >= nruns || starts[r] > base))
+            return tl_span_fail(err, TL_BLOCK_BAD_INPUT, 0, r, r < nruns ? starts[r] : 0, base);
+        /* runs r .. r1 - 1 meet the block */
+        uint64_t r1 = r + 1;
+        while (r1 < nruns && starts[r1] < top) {
+            if (TL_UNLIKELY(starts[r1] <= starts[r1 - 1]))
+                return tl_span_fail(err, TL_BLOCK_BAD_INPUT, 0, r1, starts[r1], starts[r1 - 1]);
+            r1++;
+        }
+        uint32_t nnew = 0;
+        uint64_t bytes = 0;
+        int fresh;
+        tl_block_seen_reset(t);
+        for (uint64_t j = r; j < r1; j++) {
+            uint32_t rec = records[j];
+            if (rec == TL_SPAN_NONE) continue;
+            if (TL_UNLIKELY(rec >= nrec)) return tl_span_fail(err, TL_BLOCK_BAD_INPUT, 0, j, rec, nrec);
+            tl_block_seen_slot(t, rec, &nnew, &fresh);
+            if (fresh) {
+                if (TL_UNLIKELY(mdx[rec] > mdx[rec + 1] || mdx[rec + 1] > mdb_bytes))
+                    return tl_span_fail(err, TL_BLOCK_BAD_INPUT, 1, rec, mdx[rec + 1], mdb_bytes);
+                bytes += mdx[rec + 1] - mdx[rec];
+            }
+        }
+        if (TL_UNLIKELY(bytes > 0xFFFFFFFFu))
+            return tl_span_fail(err, TL_BLOCK_BAD_INPUT, 2, b, bytes, 0xFFFFFFFFu);
+        uint64_t m = r1 - r, size = 4 + 6 * m + 4 * (uint64_t)nnew + bytes;
+        sizes[b - b0] = size;
+        if (out) {
+            if (TL_UNLIKELY(w + size > cap))
+                return tl_span_fail(err, TL_BLOCK_BAD_INPUT, 3, b, w + size, cap);
+            uint8_t *p = out + w, *st = p + 4, *rc = p + 4 + 2 * m, *en = p + 4 + 6 * m;
+            uint8_t *data = en + 4 * (uint64_t)nnew;
+            uint32_t v = (uint32_t)m, count = 0, filled = 0;
+            memcpy(p, &v, 4);
+            tl_block_seen_reset(t);
+            for (uint64_t j = r; j < r1; j++) {
+                uint16_t a = (uint16_t)(j == r ? 0 : starts[j] - base);
+                memcpy(st + 2 * (j - r), &a, 2);
+                memcpy(rc + 4 * (j - r), &records[j], 4);
+                if (records[j] == TL_SPAN_NONE) continue;
+                tl_block_seen_slot(t, records[j], &count, &fresh);
+                if (fresh) {
+                    uint64_t len = mdx[records[j] + 1] - mdx[records[j]];
+                    if (len) memcpy(data + filled, mdb + mdx[records[j]], len);
+                    filled += (uint32_t)len;
+                    memcpy(en + 4 * (uint64_t)(count - 1), &filled, 4);
+                }
+            }
+        }
+        w += size;
+        /* the run holding the next block's first row */
+        while (r + 1 < nruns && starts[r + 1] <= top) r++;
+    }
+    *run = r;
+    return 0;
+}
+
+#endif /* TOKLOAD_BLOCKS_H */
