@@ -171,7 +171,7 @@ def test_the_part_records_what_it_was_built_from(tmp_path: Path) -> None:
         assert rec["options"]["keep_fields"] == ["text"]
         assert rec["tokenizer"]["kind"] == "bytes"
         assert rec["format_version"] == tokload.format.FORMAT_VERSION
-        assert rec["dtype"] == "<u2" and rec["builder"] == BUILDER_VERSION == 3
+        assert rec["dtype"] == "<u2" and rec["builder"] == BUILDER_VERSION == 4
 
 
 def test_part_token_counts_with_metadata(tmp_path: Path) -> None:

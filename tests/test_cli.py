@@ -382,7 +382,7 @@ def test_a_closed_pipe_ends_quietly(dataset: Path) -> None:
 def test_convert_between_metadata_layouts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    spans = tmp_path / "spans"
+    spans = tmp_path / "spans"  # tokload build writes metadata blocks
     tokload.build(write_corpus(tmp_path / "in", files=1), spans, keep_fields=["id"], progress=False)
     code, out, _ = cli(
         ["convert", str(spans), str(tmp_path / "ids"), "--layout", "per_token"], capsys
@@ -390,14 +390,19 @@ def test_convert_between_metadata_layouts(
     assert code == 0 and out.startswith("tokload convert: ") and "metadata as per_token" in out
     code, _, _ = cli(["convert", str(tmp_path / "ids"), str(tmp_path / "back")], capsys)
     assert code == 0
-    views = [tokload.StreamWithMetadata(tmp_path / d, window=7) for d in ("spans", "ids", "back")]
+    code, _, _ = cli(["convert", str(spans), str(tmp_path / "table"), "--layout", "spans"], capsys)
+    assert code == 0
+    views = [
+        tokload.StreamWithMetadata(tmp_path / d, window=7)
+        for d in ("spans", "ids", "back", "table")
+    ]
     got = [v.read(np.arange(len(v))) for v in views]
     for g in got[1:]:
         np.testing.assert_array_equal(g.fields["token"], got[0].fields["token"])
         np.testing.assert_array_equal(g.positions, got[0].positions)
         assert list(g.metadata) == list(got[0].metadata)
-    code, _, err = cli(["convert", str(spans), str(tmp_path / "z")], capsys)  # spans already
-    assert code == 1 and "the metadata already has layout 'spans'" in one_line(err)
+    code, _, err = cli(["convert", str(spans), str(tmp_path / "z")], capsys)  # blocks already
+    assert code == 1 and "the metadata already has layout 'blocks'" in one_line(err)
     code, _, err = cli(
         ["convert", str(spans), str(tmp_path / "ids"), "--layout", "per_token"], capsys
     )

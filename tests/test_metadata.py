@@ -1,5 +1,6 @@
-"""Streams with metadata in both layouts (FORMAT.md): a span table per shard
-(version 2) and a ``metadata_id`` in every row (version 1).
+"""Streams with metadata in every layout (FORMAT.md): metadata blocks per shard
+(version 3), a span table per shard (version 2) and a ``metadata_id`` in every
+row (version 1).
 
 Every window is checked against a pure-Python reference built from the
 documents and spans as written; the two layouts of the same data, and the
@@ -48,10 +49,11 @@ def make_docs(seed: int, ndocs: int = 120, maxlen: int = 300) -> list[Doc]:
 
 
 def write(path: Path, docs: list[Doc], layout: str, **kw: Any) -> Path:
-    dtype: Any = "<u2" if layout == "spans" else [("tokens", "<u2"), ("metadata_id", "<u4")]
-    with Writer(path, dtype, metadata=True, **kw) as w:
+    per_token = layout == "per_token"
+    dtype: Any = [("tokens", "<u2"), ("metadata_id", "<u4")] if per_token else "<u2"
+    with Writer(path, dtype, metadata=True, metadata_layout=layout, **kw) as w:
         for toks, spans in docs:
-            w.write(toks if layout == "spans" else {"tokens": toks}, spans=spans)
+            w.write({"tokens": toks} if per_token else toks, spans=spans)
     return path
 
 
@@ -84,12 +86,12 @@ def check_against_reference(view: StreamWithMetadata, docs: list[Doc], idx: np.n
     assert first == list(range(len(b.metadata)))
 
 
-@pytest.mark.parametrize("layout", ["spans", "per_token"])
+@pytest.mark.parametrize("layout", ["blocks", "spans", "per_token"])
 @pytest.mark.parametrize("block", [1, 7, 1024])
 def test_every_window_matches_the_reference(tmp_path: Path, layout: str, block: int) -> None:
     docs = make_docs(1)
     ds = write(tmp_path / "ds", docs, layout, shard_bytes=3000, span_block=block)
-    assert read_manifest(ds).version == (2 if layout == "spans" else 1)
+    assert read_manifest(ds).version == {"blocks": 3, "spans": 2, "per_token": 1}[layout]
     for window, stride in ((97, 13), (1, 1), (700, 350)):
         view = StreamWithMetadata(ds, window=window, stride=stride)
         check_against_reference(view, docs, np.arange(len(view)))
@@ -103,9 +105,15 @@ def test_every_window_matches_the_reference(tmp_path: Path, layout: str, block: 
     block=st.integers(1, 64),
     shard_bytes=st.integers(40, 2000),
     window=st.integers(1, 200),
+    layout=st.sampled_from(["blocks", "spans"]),
 )
 def test_spans_property(
-    tmp_path_factory: pytest.TempPathFactory, seed: int, block: int, shard_bytes: int, window: int
+    tmp_path_factory: pytest.TempPathFactory,
+    seed: int,
+    block: int,
+    shard_bytes: int,
+    window: int,
+    layout: str,
 ) -> None:
     docs = make_docs(seed, ndocs=20, maxlen=120)
     if sum(len(t) for t, _ in docs) < window:
@@ -113,7 +121,7 @@ def test_spans_property(
     ds = write(
         tmp_path_factory.mktemp("p") / "ds",
         docs,
-        "spans",
+        layout,
         shard_bytes=shard_bytes,
         span_block=block,
     )
@@ -142,13 +150,26 @@ def test_both_layouts_and_conversions_give_the_same_batches(tmp_path: Path) -> N
     docs = make_docs(2)
     spans = write(tmp_path / "spans", docs, "spans", shard_bytes=4000, span_block=16)
     old = write(tmp_path / "old", docs, "per_token", shard_bytes=4000)
+    blocks = write(tmp_path / "blocks", docs, "blocks", shard_bytes=4000, span_block=32)
     to_old = tmp_path / "to_old"
     to_new = tmp_path / "to_new"
     convert(spans, to_old, "per_token")
     convert(old, to_new, "spans", span_block=5)
     assert read_manifest(to_new).version == 2 and read_manifest(to_old).version == 1
+    # every layout converts to every other one
+    pairs = [
+        (a, b) for a in ("blocks", "spans", "per_token") for b in ("blocks", "spans", "per_token")
+    ]
+    sources = {"blocks": blocks, "spans": spans, "per_token": old}
+    converted = []
+    for src_layout, dst_layout in pairs:
+        if src_layout != dst_layout:
+            dst = tmp_path / f"{src_layout}-to-{dst_layout}"
+            convert(sources[src_layout], dst, dst_layout, span_block=7)
+            assert read_manifest(dst).metadata_layout == dst_layout
+            converted.append(dst)
     ref = loader_batches(spans)
-    for ds in (old, to_old, to_new):
+    for ds in (old, blocks, to_old, to_new, *converted):
         assert_same_batches(ref, loader_batches(ds))
     assert_same_batches(ref, loader_batches(spans, num_threads=2))
     b = ref[0]
@@ -168,7 +189,7 @@ def test_both_layouts_and_conversions_give_the_same_batches(tmp_path: Path) -> N
     assert size(spans, ".mds", ".msx") < id_bytes / 2  # runs here average ~20 rows
 
 
-@pytest.mark.parametrize("layout", ["spans", "per_token"])
+@pytest.mark.parametrize("layout", ["blocks", "spans", "per_token"])
 def test_exactly_once_across_resumes(tmp_path: Path, layout: str) -> None:
     ds = write(tmp_path / "ds", make_docs(3, ndocs=60), layout, shard_bytes=2000)
     view = StreamWithMetadata(ds, window=31, stride=31)
@@ -218,7 +239,9 @@ def test_writer_layout_rules(tmp_path: Path) -> None:
         )
     with pytest.raises(FormatError, match="metadata_layout='per_token' needs a '<u4' field"):
         Writer(tmp_path / "b", "<u2", metadata=True, metadata_layout="per_token")
-    with pytest.raises(ValueError, match="metadata_layout must be one of 'spans', 'per_token'"):
+    with pytest.raises(
+        ValueError, match="metadata_layout must be one of 'blocks', 'spans', 'per_token'"
+    ):
         Writer(tmp_path / "c", "<u2", metadata=True, metadata_layout="dense")
     with pytest.raises(ValueError, match="span_block must be a positive integer, got 0"):
         Writer(tmp_path / "d", "<u2", metadata=True, span_block=0)
@@ -369,7 +392,11 @@ def test_io_errors_in_every_round_name_the_file(
 @pytest.mark.parametrize(
     ("patch", "message"),
     [
-        ({"metadata_layout": "dense"}, r"'metadata_layout' must be one of 'spans', 'per_token'"),
+        (
+            {"metadata_layout": "dense"},
+            r"'metadata_layout' must be one of 'blocks', 'spans', 'per_token'",
+        ),
+        ({"metadata_layout": "blocks"}, r"'metadata_layout' \"blocks\" needs version 3"),
         ({"span_block": 0}, r"span_block must be positive"),
         ({"span_block": "4"}, r"span_block must be a non-negative integer"),
         ({"dtype": [["tokens", "<u2"], ["metadata_id", "<u4"]]}, r"has no 'metadata_id' field"),

@@ -247,23 +247,29 @@ def _parser() -> argparse.ArgumentParser:
     c = command(
         "convert",
         "copy a stream with metadata into the other metadata layout",
-        "Write DST, a copy of the dataset SRC whose metadata is a span table per shard\n"
-        "(--layout spans, format version 2: a few bytes per run of tokens) or a\n"
-        "metadata_id next to every token (--layout per_token, version 1). Tokens,\n"
-        "documents and records are unchanged: both give the same batches, bit for bit.",
-        "tokload convert old-corpus corpus --layout spans",
+        "Write DST, a copy of the dataset SRC whose metadata is in blocks of rows that\n"
+        "hold their runs and records (--layout blocks, format version 3: one read per\n"
+        "window, about 6 bytes per run of tokens plus the records), a span table per\n"
+        "shard (--layout spans, version 2) or a metadata_id next to every token\n"
+        "(--layout per_token, version 1). Tokens, documents and records are unchanged:\n"
+        "every layout gives the same batches, bit for bit.",
+        "tokload convert old-corpus corpus --layout blocks",
     )
     c.add_argument("src", help="the dataset to convert (it has metadata)")
     c.add_argument("dst", help="the new dataset's directory (must not hold a dataset)")
     c.add_argument(
-        "--layout", choices=("spans", "per_token"), default="spans", help="the metadata layout"
+        "--layout",
+        choices=("blocks", "spans", "per_token"),
+        default="blocks",
+        help="the metadata layout",
     )
     c.add_argument(
         "--span-block",
         type=_count(1),
-        default=1024,
+        default=None,
         metavar="ROWS",
-        help="rows per span-table index entry (with --layout spans)",
+        help="rows per metadata block (--layout blocks, default 4096, at most 65536) or "
+        "per span-table index entry (--layout spans, default 1024)",
     )
 
     i = command(

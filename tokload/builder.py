@@ -101,7 +101,7 @@ def _json_loads() -> Callable[[bytes], Any]:
 _fast_loads = _json_loads()
 
 PARTS = "parts"
-BUILDER_VERSION = 3
+BUILDER_VERSION = 4  # 4: metadata in blocks (format version 3)
 """Bumped whenever the builder would write different bytes for the same input and options."""
 
 DEFAULT_CHUNK_BYTES = 32 << 20

@@ -21,24 +21,29 @@ from typing import Any
 import numpy as np
 
 from tokload._io import DocIndex, ExtentIndex, FileSet, MetaSet, RowSet
-from tokload._meta import SPAN_ENTRY, SpanSet
+from tokload._meta import SPAN_ENTRY, BlockSet, SpanSet
 from tokload.errors import FormatError, MissingShardError
 
 FORMAT_NAME = "tokload"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The newest version this tokload reads and writes (it reads every version up to it)."""
-VERSIONS = (1, 2)
+VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 METADATA_FIELD = "metadata_id"
 NO_METADATA = 0xFFFFFFFF
 CHECKSUM_KEY = "xxh3_64"
 """The per-shard manifest key of the files' checksums (FORMAT.md)."""
-LAYOUTS = ("spans", "per_token")
-"""How a dataset attaches metadata to rows (FORMAT.md): a span table per shard, or a
+LAYOUTS = ("blocks", "spans", "per_token")
+"""How a dataset attaches metadata to rows (FORMAT.md): self-contained metadata
+blocks per shard (version 3), a span table per shard (version 2), or a
 ``metadata_id`` field in every row (version 1's only layout)."""
 DEFAULT_SPAN_BLOCK = 1024
 """Rows per entry of a span table's block index, unless the writer says otherwise."""
-SHARD_FILES = ("rows", "docs", "mdx", "mdb", "mds", "msx")
+DEFAULT_METADATA_BLOCK = 4096
+"""Rows per metadata block (layout ``"blocks"``), unless the writer says otherwise."""
+MAX_METADATA_BLOCK = 65536
+"""The most rows a metadata block may have (its run starts are uint16)."""
+SHARD_FILES = ("rows", "docs", "mdx", "mdb", "mds", "msx", "msb", "mbx")
 """The extensions of a shard's files, in the order the writer opens them."""
 MAX_COUNT = (1 << 63) - 1
 """The largest count or size a manifest may hold (a file offset is an int64)."""
@@ -57,8 +62,8 @@ class ShardInfo:
     metadata_bytes: int = 0
     checksums: Mapping[str, str] | None = field(default=None, hash=False)
     """xxh3_64 of each of the shard's files, keyed by extension (``"rows"``,
-    ``"docs"``, ``"mdx"``, ``"mdb"``, ``"mds"``, ``"msx"``) as 16 lowercase hex
-    digits; None when the writer recorded none."""
+    ``"docs"``, ``"mdx"``, ``"mdb"``, ``"mds"``, ``"msx"``, ``"msb"``,
+    ``"mbx"``) as 16 lowercase hex digits; None when the writer recorded none."""
     metadata_runs: int = 0
     """Entries of the shard's span table (layout ``"spans"``; 0 otherwise)."""
 
@@ -94,9 +99,11 @@ class Manifest:
     shards: list[ShardInfo] = field(default_factory=list)
     user: dict[str, Any] = field(default_factory=dict)
     metadata_layout: str = "per_token"
-    """``"spans"`` (version 2) or ``"per_token"``; meaningful only with ``metadata``."""
+    """``"blocks"`` (version 3), ``"spans"`` (version 2) or ``"per_token"``;
+    meaningful only with ``metadata``."""
     span_block: int = DEFAULT_SPAN_BLOCK
-    """Rows per block index entry of the span tables (layout ``"spans"``)."""
+    """Rows per block index entry of the span tables (layout ``"spans"``), or
+    per metadata block (layout ``"blocks"``)."""
 
     @property
     def spans(self) -> bool:
@@ -104,20 +111,28 @@ class Manifest:
         return self.metadata and self.metadata_layout == "spans"
 
     @property
+    def blocks(self) -> bool:
+        """Whether the metadata is per-shard metadata blocks (FORMAT.md, version 3)."""
+        return self.metadata and self.metadata_layout == "blocks"
+
+    @property
     def version(self) -> int:
-        """The format version the manifest is written as: 2 for a span table, else 1
-        (so that readers of version 1 keep reading what they can)."""
-        return 2 if self.spans else 1
+        """The format version the manifest is written as: 3 for metadata blocks,
+        2 for a span table, else 1 (so that readers of an older version keep
+        reading what they can)."""
+        return 3 if self.blocks else 2 if self.spans else 1
 
     def files(self) -> tuple[str, ...]:
         """The extensions of each shard's files, in :data:`SHARD_FILES` order."""
         has = {
             "rows": True,
             "docs": self.documents,
-            "mdx": self.metadata,
-            "mdb": self.metadata,
+            "mdx": self.metadata and not self.blocks,
+            "mdb": self.metadata and not self.blocks,
             "mds": self.spans,
             "msx": self.spans,
+            "msb": self.blocks,
+            "mbx": self.blocks,
         }
         return tuple(e for e in SHARD_FILES if has[e])
 
@@ -142,8 +157,8 @@ class Manifest:
             "documents": self.documents,
             "metadata": self.metadata,
         }
-        if self.spans:
-            out["metadata_layout"] = "spans"
+        if self.spans or self.blocks:
+            out["metadata_layout"] = self.metadata_layout
             out["span_block"] = self.span_block
         out["shards"] = [s.to_json() for s in self.shards]
         out["user"] = self.user
@@ -188,7 +203,11 @@ class Manifest:
                     f"got {_show(given)}"
                 )
             layout = str(given)
-            if layout == "spans":
+            if layout == "blocks" and version < 3:
+                raise FormatError(
+                    f"{where}: 'metadata_layout' \"blocks\" needs version 3, got version {version}"
+                )
+            if layout in ("spans", "blocks"):
                 block = _count(data, "span_block", where, required=True)
                 if block < 1:
                     raise FormatError(f"{where}.span_block must be positive, got 0")
@@ -223,6 +242,17 @@ class Manifest:
                 )
             if self.span_block < 1:
                 raise FormatError(f"{where}: span_block must be positive, got {self.span_block}")
+        elif self.blocks:
+            if METADATA_FIELD in fields:
+                raise FormatError(
+                    f"{where}: a dataset whose metadata is in blocks has no "
+                    f"{METADATA_FIELD!r} field in its rows, got dtype {self.dtype}"
+                )
+            if not 1 <= self.span_block <= MAX_METADATA_BLOCK:
+                raise FormatError(
+                    f"{where}: span_block must be in [1, {MAX_METADATA_BLOCK}] for metadata "
+                    f"blocks, got {self.span_block}"
+                )
         elif self.metadata and (
             METADATA_FIELD not in fields or fields[METADATA_FIELD][0] != np.dtype("<u4")
         ):
@@ -575,7 +605,8 @@ class Source:
         docs: document extents, or None when the source has no documents.
         meta: the metadata of a stream with metadata whose rows carry a
             ``metadata_id`` (layout ``"per_token"``), or None.
-        spans: the metadata of one whose shards have span tables, or None.
+        spans: the metadata of one whose shards have span tables or metadata
+            blocks, or None.
         fingerprint: identifies the contents, for resume checks.
         description: where it came from, for messages.
     """
@@ -588,9 +619,9 @@ class Source:
     description: str
     manifest: Manifest | None = None
     user: dict[str, Any] = field(default_factory=dict)
-    spans: SpanSet | None = None
-    """The span tables of a stream with metadata of layout ``"spans"`` (then
-    ``meta`` is None), or None."""
+    spans: SpanSet | BlockSet | None = None
+    """The span tables (layout ``"spans"``) or metadata blocks (``"blocks"``) of
+    a stream with metadata (then ``meta`` is None), or None."""
     _closers: list[Any] = field(default_factory=list, repr=False)
 
     @property
@@ -615,6 +646,26 @@ def _expect_size(path: Path, what: str, expected: int) -> None:
         raise FormatError(f"{path}: {what} is {size} bytes but the manifest implies {expected}")
 
 
+DEFAULT_INDEX_MEMORY = 1 << 30
+"""Bytes of metadata block index a dataset may hold in memory (``TOKLOAD_INDEX_MEMORY``)."""
+
+
+def index_memory() -> int:
+    """The bytes of metadata block index one opened dataset may hold in memory:
+    ``TOKLOAD_INDEX_MEMORY`` (an integer number of bytes, 0 to never hold it),
+    else :data:`DEFAULT_INDEX_MEMORY`."""
+    env = os.environ.get("TOKLOAD_INDEX_MEMORY")
+    if not env:
+        return DEFAULT_INDEX_MEMORY
+    try:
+        value = int(env)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"TOKLOAD_INDEX_MEMORY={env!r}: expected a number of bytes (>= 0)")
+    return value
+
+
 def open_dataset(path: str | os.PathLike[str]) -> Source:
     """Open a tokload dataset directory: reads the manifest and ``stat``s each file.
 
@@ -628,7 +679,9 @@ def open_dataset(path: str | os.PathLike[str]) -> Source:
     m = read_manifest(root)
     item = m.dtype.itemsize
     rows_paths, docs_paths, mdx_paths, mdb_paths, mds_paths, msx_paths = [], [], [], [], [], []
+    msb_paths, mbx_paths = [], []
     block = m.span_block
+    index_bytes = 0
     for s in m.shards:
         rp = root / (s.name + ".rows")
         _expect_size(rp, "shard rows", s.rows * item)
@@ -637,7 +690,15 @@ def open_dataset(path: str | os.PathLike[str]) -> Source:
             dp = root / (s.name + ".docs")
             _expect_size(dp, "document index", (s.documents + 1) * 8)
             docs_paths.append(dp)
-        if m.metadata:
+        if m.blocks:
+            bp = root / (s.name + ".msb")
+            kp = root / (s.name + ".mbx")
+            _expect_size(bp, "metadata blocks", s.metadata_bytes)
+            index_bytes += (-(-s.rows // block) + 1) * 8
+            _expect_size(kp, "metadata block index", (-(-s.rows // block) + 1) * 8)
+            msb_paths.append(bp)
+            mbx_paths.append(kp)
+        elif m.metadata:
             xp = root / (s.name + ".mdx")
             bp = root / (s.name + ".mdb")
             _expect_size(xp, "metadata index", (s.metadata_records + 1) * 8)
@@ -662,8 +723,20 @@ def open_dataset(path: str | os.PathLike[str]) -> Source:
             closers.append(dfiles)
             docs = DocIndex(dfiles, [s.documents for s in m.shards], rows)
         meta = None
-        spans = None
-        if m.spans:
+        spans: SpanSet | BlockSet | None = None
+        if m.blocks:
+            kfiles, bfiles = FileSet(mbx_paths), FileSet(msb_paths)
+            closers += [kfiles, bfiles]
+            spans = BlockSet(
+                rows,
+                kfiles,
+                bfiles,
+                [s.metadata_records for s in m.shards],
+                [s.metadata_bytes for s in m.shards],
+                block,
+                index_bytes <= index_memory(),
+            )
+        elif m.spans:
             xfiles, bfiles = FileSet(mdx_paths), FileSet(mdb_paths)
             sfiles, kfiles = FileSet(mds_paths), FileSet(msx_paths)
             closers += [xfiles, bfiles, sfiles, kfiles]

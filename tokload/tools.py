@@ -29,7 +29,7 @@ def inspect(path: str | os.PathLike[str], sample: int | None = 0, tokens: int = 
         f"metadata    {'yes' if m.metadata else 'no'}"
         + (
             f" ({sum(s.metadata_records for s in m.shards):,} records, "
-            f"{'span table' if m.spans else 'an id per row'})"
+            f"{_LAYOUT_NAMES[m.metadata_layout].format(m.span_block)})"
             if m.metadata
             else ""
         ),
@@ -66,6 +66,13 @@ def inspect(path: str | os.PathLike[str], sample: int | None = 0, tokens: int = 
                 lines.append(f"  metadata of its first token: {first.metadata[0]!r}")
     src.close()
     return "\n".join(lines)
+
+
+_LAYOUT_NAMES = {
+    "blocks": "metadata blocks of {} rows",
+    "spans": "span table",
+    "per_token": "an id per row",
+}
 
 
 def verify(
@@ -108,6 +115,12 @@ def verify(
                     f"{p}: document index entry {bad[0]} = {bad[1]} breaks "
                     f"0 = first <= ... <= last = {s.rows} (the shard's rows)"
                 )
+        if m.blocks:
+            problem = _check_blocks(base, s.rows, s.metadata_records, m.span_block)
+            if problem is not None:
+                problems.append(problem)
+                break
+            continue
         if m.metadata:
             p = base.with_name(base.name + ".mdx")
             bad = _first_bad_offset(np.fromfile(p, "<u8"), s.metadata_bytes)
@@ -139,6 +152,29 @@ def verify(
             break  # the first problem is what a user needs; verify again after fixing it
     src.close()
     return problems
+
+
+def _check_blocks(base: Path, rows: int, records: int, block: int) -> str | None:
+    """The first problem of a shard's metadata blocks (FORMAT.md, version 3), or
+    None: the block index, and every block's counts, run starts, records and
+    record ends, checked by decoding the shard's blocks."""
+    from tokload._meta import decode_blocks
+
+    index = base.with_name(base.name + ".mbx")
+    msb = base.with_name(base.name + ".msb")
+    try:
+        decode_blocks(
+            block,
+            rows,
+            records,
+            np.fromfile(index, "<u8"),
+            np.fromfile(msb, np.uint8),
+            str(index),
+            str(msb),
+        )
+    except TokloadError as e:
+        return str(e)
+    return None
 
 
 _RUN = np.dtype([("start", "<u8"), ("record", "<u4")])  # one .mds entry, 12 bytes packed

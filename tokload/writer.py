@@ -19,12 +19,14 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from tokload._meta import SPAN_DTYPE
+from tokload._meta import SPAN_DTYPE, decode_blocks, encode_blocks
 from tokload.errors import FormatError
 from tokload.format import (
+    DEFAULT_METADATA_BLOCK,
     DEFAULT_SPAN_BLOCK,
     LAYOUTS,
     MANIFEST,
+    MAX_METADATA_BLOCK,
     METADATA_FIELD,
     NO_METADATA,
     Manifest,
@@ -49,15 +51,21 @@ class Writer:
         path: the dataset directory (created if needed).
         dtype: the row dtype: a plain integer dtype (``"<u4"``) or a structured
             one with integer fields (``[("token", "<u4"), ("concept", "<u2")]``).
-        metadata: write a stream with metadata: records in ``.mdx``/``.mdb``
-            per shard, attached to rows as ``metadata_layout`` says.
-        metadata_layout: ``"spans"`` (FORMAT.md version 2: a span table per
-            shard, 12 bytes per run of rows with one record, nothing per row)
-            or ``"per_token"`` (version 1: a ``"<u4"`` field ``metadata_id`` in
-            every row, which the writer fills). None (the default) decides
-            from the dtype: ``"per_token"`` when it has a ``metadata_id``
-            field, else ``"spans"``.
-        span_block: rows per entry of the span tables' block index (``"spans"``).
+        metadata: write a stream with metadata: records attached to spans
+            of rows, stored as ``metadata_layout`` says.
+        metadata_layout: ``"blocks"`` (FORMAT.md version 3: per shard, blocks
+            of ``span_block`` rows that each hold their runs of rows with one
+            record and those records' bytes, so a window reads its metadata
+            in one piece; about 6 bytes per run plus the records), ``"spans"``
+            (version 2: a span table per shard, 12 bytes per run, with the
+            records in ``.mdx``/``.mdb``) or ``"per_token"`` (version 1: a
+            ``"<u4"`` field ``metadata_id`` in every row, which the writer
+            fills). None (the default): ``"per_token"`` when the dtype has
+            a ``metadata_id`` field, else the dataset's when appending, else
+            ``"blocks"``.
+        span_block: rows per metadata block (``"blocks"``, default 4096, at
+            most 65536) or per entry of the span tables' block index
+            (``"spans"``, default 1024).
         shard_bytes: start a new shard before a document that would take the
             current one past this many bytes of rows (a single larger document
             still gets a shard of its own). Default 1 GiB.
@@ -80,7 +88,7 @@ class Writer:
         *,
         metadata: bool = False,
         metadata_layout: str | None = None,
-        span_block: int = DEFAULT_SPAN_BLOCK,
+        span_block: int | None = None,
         shard_bytes: int = 1 << 30,
         mode: str = "w",
         name_prefix: str | None = None,
@@ -95,16 +103,19 @@ class Writer:
         self.dtype: np.dtype[Any] = np.dtype(dtype).newbyteorder("<")
         check_dtype(self.dtype, "Writer dtype")
         has_field = METADATA_FIELD in (self.dtype.fields or {})
+        appending = mode == "a" and (self.path / MANIFEST).exists()
+        if metadata_layout is None and not has_field and appending:
+            metadata_layout = read_manifest(self.path).metadata_layout  # keep the dataset's
         if metadata_layout is None:
-            metadata_layout = "per_token" if has_field else "spans"
+            metadata_layout = "per_token" if has_field else "blocks"
         if metadata_layout not in LAYOUTS:
             raise ValueError(
                 f"metadata_layout must be one of {', '.join(map(repr, LAYOUTS))}, "
                 f"got {metadata_layout!r}"
             )
-        if metadata and metadata_layout == "spans" and has_field:
+        if metadata and metadata_layout in ("spans", "blocks") and has_field:
             raise ValueError(
-                f"metadata_layout='spans' keeps no {METADATA_FIELD!r} in the rows; "
+                f"metadata_layout={metadata_layout!r} keeps no {METADATA_FIELD!r} in the rows; "
                 f"drop the field from the dtype {self.dtype}"
             )
         if metadata and metadata_layout == "per_token" and not has_field:
@@ -112,8 +123,7 @@ class Writer:
                 f"Writer dtype: metadata_layout='per_token' needs a '<u4' field "
                 f"{METADATA_FIELD!r} in the dtype, got {self.dtype}"
             )
-        if isinstance(span_block, bool) or not isinstance(span_block, int) or span_block < 1:
-            raise ValueError(f"span_block must be a positive integer, got {span_block!r}")
+        span_block = _checked_block(span_block, metadata_layout)
         self.layout = metadata_layout if metadata else "per_token"
         self.shard_bytes = shard_bytes
         self.durable = durable
@@ -188,7 +198,7 @@ class Writer:
         n = len(arr)
         payloads: list[bytes] = []
         runs: tuple[np.ndarray, np.ndarray] | None = None
-        if self.metadata and self.layout == "spans":
+        if self.metadata and self.layout in ("spans", "blocks"):
             starts: list[int] = []
             records: list[int] = []
             end = 0
@@ -323,6 +333,19 @@ class Writer:
         self.close()
 
 
+def _checked_block(span_block: Any, layout: str) -> int:
+    """``span_block`` checked for ``layout``, or its default there."""
+    if span_block is None:
+        return DEFAULT_METADATA_BLOCK if layout == "blocks" else DEFAULT_SPAN_BLOCK
+    if isinstance(span_block, bool) or not isinstance(span_block, int) or span_block < 1:
+        raise ValueError(f"span_block must be a positive integer, got {span_block!r}")
+    if layout == "blocks" and span_block > MAX_METADATA_BLOCK:
+        raise ValueError(
+            f"span_block must be at most {MAX_METADATA_BLOCK} for metadata blocks, got {span_block}"
+        )
+    return span_block
+
+
 def _checked_cast(values: np.ndarray, dtype: np.dtype[Any], what: str) -> np.ndarray:
     if values.dtype == dtype:
         return values
@@ -345,8 +368,19 @@ class _OpenShard:
         self.name = name
         self.exts = manifest.files()
         self.block = manifest.span_block
-        self.paths = [root / f"{name}.{ext}" for ext in self.exts]
-        self.files: list[IO[bytes]] = [open(p, "xb", buffering=1 << 20) for p in self.paths]  # noqa: SIM115
+        self.root = root
+        # Layout "blocks": the runs and records go to hidden files in the form
+        # of layout "spans" (which no manifest lists), encoded as blocks when
+        # the shard is finished.
+        self.to_blocks = manifest.blocks
+        self.work = ("rows", "docs", "mdx", "mdb", "mds") if self.to_blocks else self.exts
+        self.paths = [
+            root / (f".{name}.{ext}.tmp" if ext not in self.exts else f"{name}.{ext}")
+            for ext in self.work
+        ]
+        self.files: list[IO[bytes]] = []
+        for p in self.paths:
+            self.files.append(open(p, "xb", buffering=1 << 20))  # noqa: SIM115
         # The checksums are computed from the bytes as they are written: no second pass.
         self.hashes = [xxhash.xxh3_64() for _ in self.paths]
         self.rows = 0
@@ -389,6 +423,8 @@ class _OpenShard:
             self._put(4, entries.tobytes())
             self.runs += len(starts)
             self.last_start, self.last_record = int(starts[-1]), int(records[-1])
+        if self.to_blocks:
+            return  # the blocks are encoded when the shard is finished
         # Block index entries for the blocks that begin inside the document.
         top = -(-(base + n) // self.block)
         if top > self.blocks:
@@ -413,21 +449,62 @@ class _OpenShard:
     def finish(self, durable: bool) -> ShardInfo:
         if "msx" in self.exts:
             self._put(5, np.array([self.runs], _U64).tobytes())
-        for f in self.files:
+        for f, ext in zip(self.files, self.work, strict=True):
             f.flush()
-            if durable:
+            if durable and ext in self.exts:
                 os.fsync(f.fileno())
             f.close()
-        checksums = {ext: h.hexdigest() for ext, h in zip(self.exts, self.hashes, strict=True)}
+        checksums = {
+            ext: h.hexdigest()
+            for ext, h in zip(self.work, self.hashes, strict=True)
+            if ext in self.exts
+        }
+        meta_bytes = self.meta_bytes
+        if self.to_blocks:
+            meta_bytes = self._encode_blocks(durable, checksums)
         return ShardInfo(
             self.name,
             self.rows,
             self.documents,
             self.records,
-            self.meta_bytes,
+            meta_bytes,
             checksums,
-            metadata_runs=self.runs,
+            metadata_runs=self.runs if "mds" in self.exts else 0,
         )
+
+    def _encode_blocks(self, durable: bool, checksums: dict[str, str]) -> int:
+        """Layout "blocks": the ``.msb`` and ``.mbx`` from the hidden files,
+        which are then removed.  Returns the ``.msb``'s size."""
+        mdx_p, mdb_p, mds_p = self.paths[2:5]
+        runs = np.fromfile(mds_p, SPAN_DTYPE)
+        mdx = np.fromfile(mdx_p, _U64)
+        mdb = np.fromfile(mdb_p, np.uint8)
+        out = [self.root / f"{self.name}.msb", self.root / f"{self.name}.mbx"]
+        self.paths += out
+        hashes = [xxhash.xxh3_64(), xxhash.xxh3_64()]
+        with open(out[0], "xb", buffering=1 << 20) as f:
+
+            def put(piece: np.ndarray) -> None:
+                f.write(piece.data)
+                hashes[0].update(piece.data)
+
+            index = encode_blocks(
+                self.block, self.rows, runs["start"], runs["record"], mdx, mdb, put
+            )
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        with open(out[1], "xb") as f:
+            data = index.astype(_U64).tobytes()
+            f.write(data)
+            hashes[1].update(data)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        for p in (mdx_p, mdb_p, mds_p):
+            p.unlink()
+        checksums["msb"], checksums["mbx"] = hashes[0].hexdigest(), hashes[1].hexdigest()
+        return int(index[-1])
 
     def remove(self) -> None:
         for p in self.paths:
@@ -461,7 +538,11 @@ def merge(output: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str
     )
 
     def shape(m: Manifest) -> tuple[Any, ...]:
-        layout = (m.metadata_layout, m.span_block if m.spans else None) if m.metadata else None
+        layout = (
+            (m.metadata_layout, m.span_block if m.spans or m.blocks else None)
+            if m.metadata
+            else None
+        )
         return (m.dtype, m.documents, m.metadata, layout)
 
     for path, m in manifests:
@@ -484,20 +565,24 @@ def merge(output: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str
 def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
-    layout: str = "spans",
+    layout: str = "blocks",
     *,
-    span_block: int = DEFAULT_SPAN_BLOCK,
+    span_block: int | None = None,
     durable: bool = True,
 ) -> Manifest:
-    """Write a copy of a dataset with metadata in the other layout (FORMAT.md).
+    """Write a copy of a dataset with its metadata in another layout (FORMAT.md).
 
-    ``layout="spans"``: the rows lose their ``metadata_id`` field (the other
-    fields stay, as a structured dtype) and each shard gets a span table;
-    ``"per_token"``: the rows gain a ``metadata_id`` field (a plain dtype
-    becomes the field ``"tokens"``). Shards, documents and records stay as
-    they are, so a :class:`~tokload.StreamWithMetadata` of the copy gives the
-    same batches, bit for bit. Memory stays bounded (shards are streamed in
-    chunks). ``dst`` may not hold a dataset.
+    ``layout="blocks"`` (version 3) or ``"spans"`` (version 2): the rows lose
+    their ``metadata_id`` field if they have one (the other fields stay, as a
+    structured dtype) and each shard gets metadata blocks or a span table;
+    ``"per_token"`` (version 1): the rows gain a ``metadata_id`` field (a
+    plain dtype becomes the field ``"tokens"``). ``span_block`` is the
+    target's (default: 4096 rows per block, 1024 per span table block index
+    entry). Shards, documents and records stay as they are (a record no row
+    refers to keeps no bytes when the source is in blocks), so a
+    :class:`~tokload.StreamWithMetadata` of the copy gives the same batches,
+    bit for bit. Memory stays within a shard's metadata (the rows are
+    streamed in chunks). ``dst`` may not hold a dataset.
 
     Returns the new manifest.
     """
@@ -509,11 +594,15 @@ def convert(
         raise FormatError(f"{root}: the dataset has no metadata (or no documents) to convert")
     if m.metadata_layout == layout:
         raise FormatError(f"{root}: the metadata already has layout {layout!r}; nothing to convert")
+    block = _checked_block(span_block, layout)
     old = m.dtype
-    if layout == "spans":
-        assert old.fields is not None
-        keep = [(n, old.fields[n][0].str) for n in old.names or () if n != METADATA_FIELD]
-        new: np.dtype[Any] = np.dtype(keep)
+    if layout != "per_token":
+        if m.metadata_layout == "per_token":
+            assert old.fields is not None
+            keep = [(n, old.fields[n][0].str) for n in old.names or () if n != METADATA_FIELD]
+            new: np.dtype[Any] = np.dtype(keep)
+        else:
+            new = old
     else:
         fields = (
             [("tokens", old.str)]
@@ -530,7 +619,7 @@ def convert(
         metadata=True,
         user=dict(m.user),
         metadata_layout=layout,
-        span_block=span_block,
+        span_block=block,
     )
     names: set[str] = set()
     for k, s in enumerate(m.shards):
@@ -548,79 +637,87 @@ def convert(
 _CHUNK_ROWS = 1 << 22
 
 
+def _source_metadata(
+    base: str, s: ShardInfo, m: Manifest, rows: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A shard's runs (starts, records) and records (mdx, mdb), whatever its layout."""
+    if m.blocks:
+        index = np.fromfile(f"{base}.mbx", dtype=_U64)
+        msb = np.fromfile(f"{base}.msb", dtype=np.uint8)
+        got: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] = decode_blocks(
+            m.span_block, s.rows, s.metadata_records, index, msb, f"{base}.mbx", f"{base}.msb"
+        )
+        return got
+    mdx = np.fromfile(f"{base}.mdx", dtype=_U64)
+    mdb = np.fromfile(f"{base}.mdb", dtype=np.uint8)
+    if m.spans:
+        runs = np.fromfile(f"{base}.mds", dtype=SPAN_DTYPE) if s.metadata_runs else None
+        if runs is None:
+            return np.zeros(0, np.uint64), np.zeros(0, np.uint32), mdx, mdb
+        return runs["start"].copy(), runs["record"].copy(), mdx, mdb
+    starts: list[np.ndarray] = []
+    records: list[np.ndarray] = []
+    last = None
+    for a in range(0, s.rows, _CHUNK_ROWS):
+        assert rows is not None
+        ids = np.asarray(rows[a : a + _CHUNK_ROWS][METADATA_FIELD])
+        change = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+        if last is None or ids[0] != last:
+            change = np.concatenate([[0], change])
+        starts.append(change.astype(np.uint64) + np.uint64(a))
+        records.append(ids[change].astype(np.uint32))
+        last = ids[-1]
+    if not starts:
+        return np.zeros(0, np.uint64), np.zeros(0, np.uint32), mdx, mdb
+    return np.concatenate(starts), np.concatenate(records), mdx, mdb
+
+
 def _convert_shard(
     root: Path, s: ShardInfo, m: Manifest, out: Path, name: str, target: Manifest, durable: bool
 ) -> ShardInfo:
     shard = _OpenShard(out, name, target, durable)
     try:
-        base = root / s.name
+        base = str(root / s.name)
         rows = (
             np.memmap(f"{base}.rows", dtype=m.dtype, mode="r", shape=(s.rows,)) if s.rows else None
         )
+        starts, records, mdx, mdb = _source_metadata(base, s, m, rows)
+        ends = np.append(starts[1:], np.uint64(s.rows))
+        for a in range(0, s.rows, _CHUNK_ROWS):
+            assert rows is not None
+            chunk = np.asarray(rows[a : a + _CHUNK_ROWS])
+            packed = np.empty(len(chunk), target.dtype)
+            for n in target.dtype.names or ("tokens",):
+                if n == METADATA_FIELD:
+                    b = a + len(chunk)
+                    r0 = int(np.searchsorted(starts, a, side="right")) - 1
+                    r1 = int(np.searchsorted(starts, b, side="left"))
+                    lo = np.maximum(starts[r0:r1], a)
+                    hi = np.minimum(ends[r0:r1], b)
+                    packed[n] = np.repeat(records[r0:r1], (hi - lo).astype(np.int64))
+                elif target.dtype.names is None:
+                    packed = chunk if m.dtype.names is None else chunk[n]
+                else:
+                    packed[n] = chunk if m.dtype.names is None else chunk[n]
+            shard._put(0, np.ascontiguousarray(packed).view(np.uint8).data)
+        if target.metadata_layout != "per_token":
+            e = np.empty(len(starts), SPAN_DTYPE)
+            e["start"], e["record"] = starts, records
+            shard._put(4, e.tobytes())
+            shard.runs = len(e)
         if target.spans:
-            assert m.dtype.fields is not None
-            names = [n for n in m.dtype.names or () if n != METADATA_FIELD]
-            last = None
-            starts: list[np.ndarray] = []
-            for a in range(0, s.rows, _CHUNK_ROWS):
-                assert rows is not None
-                chunk = rows[a : a + _CHUNK_ROWS]
-                packed = np.empty(len(chunk), target.dtype)
-                for n in names:
-                    packed[n] = chunk[n]
-                shard._put(0, packed.view(np.uint8).data)
-                ids = np.asarray(chunk[METADATA_FIELD])
-                change = np.flatnonzero(ids[1:] != ids[:-1]) + 1
-                if last is None or ids[0] != last:
-                    change = np.concatenate([[0], change])
-                e = np.empty(len(change), SPAN_DTYPE)
-                e["start"] = change + a
-                e["record"] = ids[change]
-                shard._put(4, e.tobytes())
-                starts.append(e["start"].copy())
-                shard.runs += len(e)
-                last = ids[-1]
-            all_starts = np.concatenate(starts) if starts else np.zeros(0, np.uint64)
             nblocks = -(-s.rows // target.span_block)
             at = np.arange(nblocks, dtype=np.uint64) * np.uint64(target.span_block)
-            idx = np.searchsorted(all_starts, at, side="right") - 1
+            idx = np.searchsorted(starts, at, side="right") - 1
             shard._put(5, idx.astype(_U64).tobytes())
-        else:
-            runs = (
-                np.fromfile(f"{base}.mds", dtype=SPAN_DTYPE)
-                if s.metadata_runs
-                else np.zeros(0, SPAN_DTYPE)
-            )
-            ends = np.append(runs["start"][1:], np.uint64(s.rows))
-            for a in range(0, s.rows, _CHUNK_ROWS):
-                assert rows is not None
-                chunk = np.asarray(rows[a : a + _CHUNK_ROWS])
-                packed = np.empty(len(chunk), target.dtype)
-                if m.dtype.fields is None:
-                    packed["tokens"] = chunk
-                else:
-                    for n in m.dtype.names or ():
-                        packed[n] = chunk[n]
-                b = a + len(chunk)
-                r0 = int(np.searchsorted(runs["start"], a, side="right")) - 1
-                r1 = int(np.searchsorted(runs["start"], b, side="left"))
-                lo = np.maximum(runs["start"][r0:r1], a)
-                hi = np.minimum(ends[r0:r1], b)
-                packed[METADATA_FIELD] = np.repeat(
-                    runs["record"][r0:r1], (hi - lo).astype(np.int64)
-                )
-                shard._put(0, packed.view(np.uint8).data)
         # documents and records are copied as they are
-        for k, ext in ((1, "docs"), (2, "mdx")):
-            if ext == "docs" and not m.documents:
-                continue
-            data = read_regular(f"{base}.{ext}", f"shard .{ext} file")
-            shard._put(k, data[8:])  # _OpenShard wrote the first 0 already
-        with open(f"{base}.mdb", "rb") as mdb:
-            while chunk_b := mdb.read(8 << 20):
-                shard._put(3, chunk_b)
+        if m.documents:
+            data = read_regular(f"{base}.docs", "shard .docs file")
+            shard._put(1, data[8:])  # _OpenShard wrote the first 0 already
+        shard._put(2, mdx[1:].astype(_U64).tobytes())
+        shard._put(3, mdb.data)
         shard.rows, shard.documents = s.rows, s.documents
-        shard.records, shard.meta_bytes = s.metadata_records, s.metadata_bytes
+        shard.records, shard.meta_bytes = s.metadata_records, int(mdx[-1])
         return shard.finish(durable)
     except BaseException:
         for f in shard.files:
