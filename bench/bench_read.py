@@ -151,6 +151,18 @@ for _ in range(1000):
 # ---- issue 13: one run, the same tokens, every read kind and every layout ------------
 
 
+LAYOUT_BUILDS = (
+    (10, "blocks"),
+    (100, "blocks"),
+    (1000, "blocks"),
+    (10, "spans"),
+    (100, "spans"),
+    (1000, "spans"),
+    (100, "per_token"),
+)
+"""(one record per so many tokens, layout) of each build with metadata."""
+
+
 def measure_layouts(
     root: Path, tokens: int = 8 << 20, doc: int = 2048, seconds: float = 1.0
 ) -> dict[str, Any]:
@@ -168,18 +180,21 @@ def measure_layouts(
         for d in range(ndocs):
             w.write(toks[d * doc : (d + 1) * doc])
     builds["tokens only"] = root / "tokens"
-    for every, layout in ((10, "spans"), (100, "spans"), (1000, "spans"), (100, "per_token")):
+    for every, layout in LAYOUT_BUILDS:
         name = f"{layout} 1/{every}"
-        dt: Any = "<u2" if layout == "spans" else [("tokens", "<u2"), ("metadata_id", "<u4")]
+        dt: Any = "<u2" if layout != "per_token" else [("tokens", "<u2"), ("metadata_id", "<u4")]
         with tokload.Writer(
-            root / name.replace("/", "-").replace(" ", "_"), dt, metadata=True
+            root / name.replace("/", "-").replace(" ", "_"),
+            dt,
+            metadata=True,
+            metadata_layout=layout,
         ) as w:
             for d in range(ndocs):
                 t = toks[d * doc : (d + 1) * doc]
                 spans = [
                     (a, min(doc, a + every), b"%08d" % (d * doc + a)) for a in range(0, doc, every)
                 ]
-                w.write(t if layout == "spans" else {"tokens": t}, spans=spans)
+                w.write(t if layout != "per_token" else {"tokens": t}, spans=spans)
         builds[name] = root / name.replace("/", "-").replace(" ", "_")
 
     def rate(view: Any, read: Any) -> float:
@@ -202,7 +217,7 @@ def measure_layouts(
         return len(b) * WINDOW  # tokens read
 
     res["rates"]["TokenStream"] = rate(ts, read_tokens)
-    for name in ("spans 1/10", "spans 1/100", "spans 1/1000", "per_token 1/100"):
+    for name in (f"{layout} 1/{every}" for every, layout in LAYOUT_BUILDS):
         v = tokload.StreamWithMetadata(builds[name], window=WINDOW)
         res["rates"][f"StreamWithMetadata {name}"] = rate(
             v, lambda b, v=v: v.read(b).positions.size
