@@ -117,7 +117,10 @@ class ShardTables:
 
 class DocIndex(ExtentIndex):
     files: FileSet
-    def __init__(self, files: FileSet, docs: npt.ArrayLike, rows: RowSet) -> None: ...
+    tables: ShardTables
+    def __init__(
+        self, files: FileSet, docs: npt.ArrayLike, rows: RowSet, in_memory: bool = False
+    ) -> None: ...
 
 class MegatronIndex(ExtentIndex):
     file: FileSet

@@ -22,6 +22,7 @@ from cpython.bytes cimport PyBytes_AS_STRING
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_RawFree, PyMem_RawMalloc
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
+from libc.errno cimport ENOMEM as _ENOMEM
 from libc.string cimport strerror
 
 cimport tokload._lib as lib
@@ -603,6 +604,16 @@ cdef class RowSet:
         return m
 
 
+cdef int _nomem(lib.tl_io_error *err, size_t file, size_t *failed) noexcept nogil:
+    err.code = -_ENOMEM
+    err.file = <int32_t>file
+    err.offset = 0
+    err.length = 0
+    err.done = 0
+    failed[0] = file
+    return err.code
+
+
 cdef class ShardTables:
     """Per shard, one whole index file of uint64 values, held in memory once a
     read first needs it.
@@ -644,8 +655,9 @@ cdef class ShardTables:
     cdef int need(self, const lib.tl_engine *eng, const uint32_t *shards, size_t count,
                   lib.tl_io_error *err, size_t *failed) noexcept nogil:
         """Make the tables of ``shards`` (repeats allowed) present, reading
-        those not in memory yet in one engine call.  0; -1 out of memory; or
-        an I/O error code with ``err`` filled and ``*failed`` its shard."""
+        those not in memory yet in one engine call.  0, or an error code
+        (-ENOMEM when out of memory) with ``err`` filled and ``*failed`` the
+        shard whose table failed."""
         cdef size_t i, j, m = 0, k
         cdef int rc = 0
         cdef uint64_t start, nrows
@@ -656,7 +668,7 @@ cdef class ShardTables:
             return 0
         reqs = <lib.tl_ioreq *>malloc(count * (sizeof(lib.tl_ioreq) + sizeof(void *)))
         if reqs == NULL:
-            return -1
+            return _nomem(err, shards[0], failed)
         bufs = <void **>(<char *>reqs + count * sizeof(lib.tl_ioreq))
         for i in range(count):
             k = shards[i]
@@ -670,7 +682,7 @@ cdef class ShardTables:
                 nrows = self.rs.rs.cum[k + 1] - start
                 bufs[m] = malloc(nrows * 8 if nrows else 8)
                 if bufs[m] == NULL:
-                    rc = -1
+                    rc = _nomem(err, k, failed)
                     break
                 lib.tl_rows_plan_many(&self.rs.rs, &start, &nrows, 0, NULL, 1,
                                       <uint8_t *>bufs[m], &reqs[m])
@@ -759,13 +771,16 @@ cdef class ExtentIndex:
 cdef class DocIndex(ExtentIndex):
     """Per-shard document indexes: shard k's file holds ``docs_k + 1`` uint64
     row offsets.  ``extents(ids)`` gives each document's first global row and
-    its length, reading 16 bytes per document."""
+    its length, reading 16 bytes per document, or, with ``in_memory``, from
+    each shard's whole index, read once when a batch first needs it
+    (:class:`ShardTables`)."""
 
     cdef readonly FileSet files
+    cdef readonly ShardTables tables
     cdef uint64_t[::1] _doc_cum
     cdef uint64_t[::1] _row_cum
 
-    def __cinit__(self, FileSet files, docs, RowSet rows):
+    def __cinit__(self, FileSet files, docs, RowSet rows, bint in_memory=False):
         counts = np.asarray(docs, dtype=np.uint64)
         if len(counts) != files.nfiles or files.nfiles != rows.files.nfiles:
             raise ValueError("one document index per shard is needed")
@@ -775,6 +790,7 @@ cdef class DocIndex(ExtentIndex):
         self._doc_cum = cum
         self._row_cum = np.array(rows.cum)
         self.total = cum[len(counts)]
+        self.tables = ShardTables(RowSet(files, counts + np.uint64(1), 8), in_memory)
 
     cdef FileSet _files(self):
         return self.files
@@ -785,18 +801,31 @@ cdef class DocIndex(ExtentIndex):
         cdef lib.tl_engine eng
         cdef size_t failed = 0
         cdef int rc = 0
-        # one allocation: the requests, then two index entries per document
-        cdef char *mem = <char *>PyMem_Malloc(n * (sizeof(lib.tl_ioreq) + 16))
+        # one allocation: the requests, two index entries and a shard per document
+        cdef char *mem = <char *>PyMem_Malloc(n * (sizeof(lib.tl_ioreq) + 16 + 4))
         if mem is NULL:
             raise MemoryError()
         cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>mem
         cdef uint64_t *ent = <uint64_t *>(mem + n * sizeof(lib.tl_ioreq))
+        cdef uint32_t *shards = <uint32_t *>(mem + n * (sizeof(lib.tl_ioreq) + 16))
+        cdef ShardTables tables = self.tables
         try:
             self.files.engine_begin(&eng)
             with nogil:
-                lib.tl_docs_plan(self.files.files, &self._doc_cum[0], self.files.nfiles, ids, n,
-                                 ent, reqs)
-                rc = lib.tl_engine_run(&eng, reqs, n, &err, &failed)
+                if tables.enabled:
+                    lib.tl_docs_shards(&self._doc_cum[0], self.files.nfiles, ids, n, shards)
+                    rc = tables.need(&eng, shards, n, &err, &failed)
+                    if rc == 0:
+                        lib.tl_docs_copy(&self._doc_cum[0], shards,
+                                         <const uint64_t *const *>tables.tabs, ids, n, ent)
+                    else:  # name a document of the shard whose index failed
+                        for failed in range(n):
+                            if shards[failed] == err.file:
+                                break
+                else:
+                    lib.tl_docs_plan(self.files.files, &self._doc_cum[0], self.files.nfiles, ids,
+                                     n, ent, reqs)
+                    rc = lib.tl_engine_run(&eng, reqs, n, &err, &failed)
                 if rc == 0:
                     rc = lib.tl_docs_finish(self.files.files, &self._doc_cum[0],
                                             &self._row_cum[0], self.files.nfiles, ids, n,

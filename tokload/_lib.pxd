@@ -183,6 +183,11 @@ cdef extern from "tokload/plan.h" nogil:
     void tl_docs_plan(tl_fent *idx_files, const uint64_t *doc_cum, size_t nfiles,
                       const uint64_t *ids, size_t count, uint64_t *entries,
                       tl_ioreq *reqs) noexcept
+    void tl_docs_shards(const uint64_t *doc_cum, size_t nfiles, const uint64_t *ids,
+                        size_t count, uint32_t *shards) noexcept
+    void tl_docs_copy(const uint64_t *doc_cum, const uint32_t *shards,
+                      const uint64_t *const *tables, const uint64_t *ids, size_t count,
+                      uint64_t *entries) noexcept
     int tl_docs_finish(const tl_fent *idx_files, const uint64_t *doc_cum,
                        const uint64_t *row_cum, size_t nfiles, const uint64_t *ids,
                        size_t count, const uint64_t *entries, uint64_t *out_start,

@@ -527,7 +527,7 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
             pshard[i] = pieces[i].shard
         rc = tables.need(eng, pshard, npieces, &o.io, &failed)
         if rc:
-            o.fail = FAIL_MEMORY if rc == -1 else FAIL_IO
+            o.fail = FAIL_IO  # out of memory too: an OSError(ENOMEM) naming the index
             o.round = K_INDEX
             o.item = failed
             return -1

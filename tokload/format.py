@@ -647,13 +647,17 @@ def _expect_size(path: Path, what: str, expected: int) -> None:
 
 
 DEFAULT_INDEX_MEMORY = 1 << 30
-"""Bytes of metadata block index a dataset may hold in memory (``TOKLOAD_INDEX_MEMORY``)."""
+"""Bytes of each kind of index a dataset may hold in memory (``TOKLOAD_INDEX_MEMORY``)."""
 
 
 def index_memory() -> int:
-    """The bytes of metadata block index one opened dataset may hold in memory:
-    ``TOKLOAD_INDEX_MEMORY`` (an integer number of bytes, 0 to never hold it),
-    else :data:`DEFAULT_INDEX_MEMORY`."""
+    """The most bytes of each kind of per-shard index (the document index, the
+    metadata block index) an opened dataset holds in memory:
+    ``TOKLOAD_INDEX_MEMORY`` (an integer number of bytes, 0 to never hold one),
+    else :data:`DEFAULT_INDEX_MEMORY`. An index whose files add up to more is
+    read entry by entry instead, a round of small reads per batch before the
+    rows; one that fits is read whole, a shard at a time, when a batch first
+    needs it, and kept until the dataset is closed."""
     env = os.environ.get("TOKLOAD_INDEX_MEMORY")
     if not env:
         return DEFAULT_INDEX_MEMORY
@@ -721,7 +725,10 @@ def open_dataset(path: str | os.PathLike[str]) -> Source:
         if m.documents:
             dfiles = FileSet(docs_paths)
             closers.append(dfiles)
-            docs = DocIndex(dfiles, [s.documents for s in m.shards], rows)
+            docs_bytes = sum((s.documents + 1) * 8 for s in m.shards)
+            docs = DocIndex(
+                dfiles, [s.documents for s in m.shards], rows, docs_bytes <= index_memory()
+            )
         meta = None
         spans: SpanSet | BlockSet | None = None
         if m.blocks:

@@ -34,6 +34,7 @@ from tokload.format import (
     check_dtype,
     create_unique,
     fingerprint,
+    index_memory,
     open_regular,
     regular_size,
     sample_digest,
@@ -245,7 +246,8 @@ def open_flat(
                 samples[k] += ":" + sample_digest(ip, "document index")
             ifiles = FileSet(ilist, bases)
             closers.append(ifiles)
-            docs = DocIndex(ifiles, doc_counts, rowset)
+            in_memory = 8 * (sum(doc_counts) + len(doc_counts)) <= index_memory()
+            docs = DocIndex(ifiles, doc_counts, rowset, in_memory)
     except BaseException:
         for c in closers:
             c.close()

@@ -210,6 +210,28 @@ TL_INLINE void tl_docs_plan(tl_fent *idx_files, const uint64_t *doc_cum, size_t 
     }
 }
 
+/*
+ * With the shards' document indexes in memory (tables[k]: the shard's
+ * documents + 1 offsets), the two entries of each id are copied instead of
+ * read; tl_docs_shards lists each id's shard, for loading the tables first.
+ */
+TL_INLINE void tl_docs_shards(const uint64_t *doc_cum, size_t nfiles, const uint64_t *ids,
+                              size_t count, uint32_t *shards)
+{
+    for (size_t i = 0; i < count; i++) shards[i] = (uint32_t)tl_shards_locate(doc_cum, nfiles, ids[i]);
+}
+
+TL_INLINE void tl_docs_copy(const uint64_t *doc_cum, const uint32_t *shards,
+                            const uint64_t *const *tables, const uint64_t *ids, size_t count,
+                            uint64_t *entries)
+{
+    for (size_t i = 0; i < count; i++) {
+        const uint64_t *t = tables[shards[i]] + (ids[i] - doc_cum[shards[i]]);
+        entries[2 * i] = t[0];
+        entries[2 * i + 1] = t[1];
+    }
+}
+
 TL_INLINE int tl_docs_finish(const tl_fent *idx_files, const uint64_t *doc_cum,
                              const uint64_t *row_cum, size_t nfiles, const uint64_t *ids,
                              size_t count, const uint64_t *entries, uint64_t *out_start,

@@ -1,0 +1,140 @@
+"""Document indexes held in memory (``TOKLOAD_INDEX_MEMORY``, ``_io.ShardTables``).
+
+An opened dataset whose document index fits the budget reads each shard's
+index whole, once, when a batch first needs it; one that does not reads two
+entries per document. Both give the same documents, a table that fails to
+load names its file, and damaged entries in a table held in memory are still
+refused at every read.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tokload import Documents, Writer
+from tokload._io import DocIndex, ShardTables
+from tokload.errors import CorruptDataError, TruncatedFileError
+from tokload.format import DEFAULT_INDEX_MEMORY, index_memory
+
+
+def tables(view: Documents) -> ShardTables:
+    docs = view.source.docs
+    assert isinstance(docs, DocIndex)
+    return docs.tables
+
+
+def corpus(path: Path, seed: int = 0) -> tuple[Path, list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, 1000, int(rng.integers(0, 50))).astype(np.uint16) for _ in range(300)]
+    with Writer(path, "<u2", shard_bytes=1500, name_prefix="s") as w:
+        for d in docs:
+            w.write(d)
+    return path, docs
+
+
+def test_the_budget_decides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ds, _ = corpus(tmp_path / "ds")
+    assert index_memory() == DEFAULT_INDEX_MEMORY
+    docs_bytes = sum(p.stat().st_size for p in ds.glob("*.docs"))
+    monkeypatch.setenv("TOKLOAD_INDEX_MEMORY", str(docs_bytes))
+    assert tables(Documents(ds)).enabled
+    monkeypatch.setenv("TOKLOAD_INDEX_MEMORY", str(docs_bytes - 1))
+    assert not tables(Documents(ds)).enabled
+    monkeypatch.setenv("TOKLOAD_INDEX_MEMORY", "0")
+    assert not tables(Documents(ds)).enabled
+    for bad in ("-1", "lots"):
+        monkeypatch.setenv("TOKLOAD_INDEX_MEMORY", bad)
+        with pytest.raises(ValueError, match=rf"TOKLOAD_INDEX_MEMORY='{bad}': expected a number"):
+            Documents(ds)
+
+
+def test_in_memory_or_not_the_same_documents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ds, want = corpus(tmp_path / "ds", seed=1)
+    held = Documents(ds)
+    monkeypatch.setenv("TOKLOAD_INDEX_MEMORY", "0")
+    read = Documents(ds)
+    assert tables(held).enabled and not tables(read).enabled
+    rng = np.random.default_rng(2)
+    touched: set[int] = set()
+    assert held.source.manifest is not None
+    cum = np.cumsum([0] + [s.documents for s in held.source.manifest.shards])
+    for _ in range(30):
+        ids = rng.integers(0, len(want), int(rng.integers(1, 9)))
+        touched |= {int(np.searchsorted(cum, i, side="right")) - 1 for i in ids}
+        a, b = held.read(ids), read.read(ids)
+        np.testing.assert_array_equal(a.values, b.values)
+        np.testing.assert_array_equal(a.offsets, b.offsets)
+        np.testing.assert_array_equal(a.values, np.concatenate([want[i] for i in ids]))
+        pa, la = held.read_padded(ids)
+        pb, lb = read.read_padded(ids)
+        np.testing.assert_array_equal(pa, pb)
+        np.testing.assert_array_equal(la, lb)
+    # only the shards a batch touched were read, and only there
+    assert tables(held).loaded() == sorted(touched)
+    assert tables(read).loaded() == []
+
+
+def test_threads_load_the_tables_together(tmp_path: Path) -> None:
+    ds, want = corpus(tmp_path / "ds", seed=3)
+    view = Documents(ds)
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(40):
+                ids = rng.integers(0, len(want), 8)
+                got = view.read(ids)
+                np.testing.assert_array_equal(got.values, np.concatenate([want[i] for i in ids]))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert view.source.manifest is not None
+    assert tables(view).loaded() == list(range(len(view.source.manifest.shards)))
+
+
+def test_a_table_that_fails_to_load_names_its_file(tmp_path: Path) -> None:
+    ds, _ = corpus(tmp_path / "ds", seed=4)
+    view = Documents(ds)  # opened (sizes checked), nothing read yet
+    os.truncate(ds / "s-00001.docs", 8)
+    assert view.source.manifest is not None
+    first = view.source.manifest.shards[0].documents
+    with pytest.raises(
+        TruncatedFileError,
+        match=rf"^{ds / 's-00001.docs'}: file ended at byte 8 while reading the document "
+        rf"index entry of document {first}",
+    ):
+        view.read([0, first])  # both tables load in one call: shard 1's fails
+    assert tables(view).loaded() == []  # a failed call keeps none of them
+    assert len(view.read([0]).values) == view.read([0]).lengths[0]
+    assert tables(view).loaded() == [0]
+
+
+def test_damaged_entries_in_a_held_table_fail_every_read(tmp_path: Path) -> None:
+    ds, _ = corpus(tmp_path / "ds", seed=5)
+    idx = np.fromfile(ds / "s-00000.docs", "<u8")
+    idx[3] = idx[4] + 1  # document 2 ends after document 3 starts... and 3 decreases
+    idx.tofile(ds / "s-00000.docs")
+    view = Documents(ds)
+    assert tables(view).enabled
+    for _ in range(2):  # loaded once, checked at each read
+        with pytest.raises(
+            CorruptDataError,
+            match=rf"s-00000\.docs: the document index entry of document 3: bad value "
+            rf"{idx[3]} at byte 24",
+        ):
+            view.read([3])
+    np.testing.assert_array_equal(view.read([0]).values, view.read([0]).values)
