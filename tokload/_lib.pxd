@@ -346,6 +346,9 @@ cdef extern from "tokload/blocks.h" nogil:
                           uint64_t hcap, tl_block_seen *t, uint32_t *item_shard,
                           uint32_t *item_id, uint64_t *item_src, uint64_t *item_len,
                           size_t *nitems, tl_span_error *err) noexcept
+    uint64_t tl_blocks_count_runs(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
+                                  const uint64_t *at, const uint64_t *const *tables,
+                                  const uint64_t *entries, const uint8_t *blockbuf) noexcept
     uint64_t tl_blocks_copy(const uint8_t *blockbuf, const uint64_t *item_src,
                             const uint64_t *item_len, size_t nitems, int64_t *offsets,
                             uint8_t *dst) noexcept

@@ -549,8 +549,8 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
         if o.round == R_ROWS:
             o.round = K_ROWS
         return -1
-    # a block of n bytes holds at most (n - 4) / 6 runs
-    nruns = nbytes // 6 + 1
+    nruns = lib.tl_blocks_count_runs(s, pieces, npieces, <uint64_t *>b[B_AT].p, tabs,
+                                     <uint64_t *>b[B_BLOCKS].p, <uint8_t *>b[B_BLOCKBUF].p) + 1
     while hcap < 2 * nruns:
         hcap *= 2
     if (_grow(&b[B_HKEYS], hcap * 8) or _grow(&b[B_HVALS], hcap * 8)

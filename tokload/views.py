@@ -505,18 +505,22 @@ class StreamWithMetadata(_Windows):
     """Token windows whose rows carry metadata records.
 
     Args:
-        data: a tokload dataset written with ``metadata=True``, in either
-            layout (FORMAT.md): a span table per shard (version 2) or a
-            ``metadata_id`` field in every row (version 1).
+        data: a tokload dataset written with ``metadata=True``, in any layout
+            (FORMAT.md): metadata blocks per shard (version 3), a span table
+            per shard (version 2) or a ``metadata_id`` field in every row
+            (version 1).
         window, stride: as for :class:`TokenStream`.
         deserialize: turns a record's bytes into what ``metadata[k]`` gives
             (default: the ``bytes`` themselves). Called only when a record is
             accessed, never per token, never per batch.
 
     A batch costs a fixed number of Python calls whatever its number of records:
-    with a span table, the rows, the per-row positions, the records' bytes and
-    their offsets come from one compiled call without the GIL, which reads in
-    four dependent rounds (the rows with the block index entries, then the span
+    the rows, the per-row positions, the records' bytes and their offsets come
+    from one compiled call without the GIL. With metadata blocks it reads the
+    rows and the blocks the windows touch in one round (the block index is
+    held in memory when it fits ``TOKLOAD_INDEX_MEMORY``; otherwise its entries
+    go with the rows and the blocks follow); with a span table, in four
+    dependent rounds (the rows with the block index entries, then the span
     table slices, the records' index entries, their bytes), each one batched
     read coalesced per window; with per-row ids, the rows and then two rounds.
     """
@@ -533,6 +537,8 @@ class StreamWithMetadata(_Windows):
             raise FormatError(f"{self.source.description} has no metadata")
         self.deserialize = deserialize or bytes
         self._local = threading.local()  # per reader thread: the span reader's scratch
+        self._lay = self._layout()
+        self._plain = self.source.dtype.fields is None
 
     def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
         """The view protocol (:mod:`tokload.assembly`): the fields (all but
@@ -581,26 +587,48 @@ class StreamWithMetadata(_Windows):
         idx = self._indices(indices)
         b, t = len(idx), self.window
         dt = self.source.dtype
-        layout = self._layout()
-        if out is None:
+        layout = self._lay
+        if out is None:  # made here: nothing to check
             out = {name: np.empty((b, t), ft) for name, ft, _ in layout}
-        outs = [_check_out(out.get(name), (b, t), ft, f"out[{name!r}]") for name, ft, _ in layout]
+            outs = list(out.values())
+        else:
+            outs = [
+                _check_out(out.get(name), (b, t), ft, f"out[{name!r}]") for name, ft, _ in layout
+            ]
         if positions is None:
             positions = np.empty((b, t), dtype=np.int32)
-        _check_out(positions, (b, t), np.dtype(np.int32), "positions")
+        else:
+            _check_out(positions, (b, t), np.dtype(np.int32), "positions")
         spans = self.source.spans
         if spans is not None:
-            sc = getattr(self._local, "scratch", None)
-            if sc is None:
+            try:
+                sc = self._local.scratch
+            except AttributeError:
                 sc = self._local.scratch = Scratch()
-            if dt.fields is None:
+            if self._plain:
                 data, offsets = spans.read_windows(
-                    idx, self._lo, len(self), self.stride, t, outs[0], positions, alloc, sc
+                    idx,
+                    self._lo,
+                    self._hi - self._lo,
+                    self.stride,
+                    t,
+                    outs[0],
+                    positions,
+                    alloc,
+                    sc,
                 )
             else:
                 scratch = np.empty((b, t), dtype=dt)
                 data, offsets = spans.read_windows(
-                    idx, self._lo, len(self), self.stride, t, scratch, positions, alloc, sc
+                    idx,
+                    self._lo,
+                    self._hi - self._lo,
+                    self.stride,
+                    t,
+                    scratch,
+                    positions,
+                    alloc,
+                    sc,
                 )
                 split_fields(
                     scratch,

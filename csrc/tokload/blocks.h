@@ -83,10 +83,18 @@ TL_INLINE void tl_block_seen_reset(tl_block_seen *t)
     }
 }
 
+/* A hash for record keys that keeps keys differing only in their low 6 bits
+ * in neighbouring slots (a block's records mostly have consecutive ids, so
+ * its probes touch a few cache lines) and scatters the groups of 64. */
+TL_INLINE uint64_t tl_block_hash(uint64_t key)
+{
+    return (tl_span_hash(key >> 6) << 6) | (key & 63);
+}
+
 /* The slot of rec in t; *fresh = whether it was added now (as number *count). */
 TL_INLINE uint32_t tl_block_seen_slot(tl_block_seen *t, uint32_t rec, uint32_t *count, int *fresh)
 {
-    uint64_t h = tl_span_hash(rec) & (t->cap - 1);
+    uint64_t h = tl_block_hash(rec) & (t->cap - 1);
     while (t->gen[h] == t->now && t->key[h] != rec) h = (h + 1) & (t->cap - 1);
     if (t->gen[h] != t->now) {
         t->gen[h] = t->now;
@@ -159,6 +167,27 @@ TL_INLINE int tl_blocks_slices(const tl_block_set *s, const tl_span_piece *piece
     }
     *nbytes = total;
     return 0;
+}
+
+/* An upper bound on the runs of the blocks read (each block's run count,
+ * capped at its rows, before the checks): sizes the batch's record set. */
+TL_INLINE uint64_t tl_blocks_count_runs(const tl_block_set *s, const tl_span_piece *pieces,
+                                        size_t n, const uint64_t *at,
+                                        const uint64_t *const *tables, const uint64_t *entries,
+                                        const uint8_t *blockbuf)
+{
+    uint64_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        const tl_span_piece *p = &pieces[i];
+        const uint64_t *e = tl_blocks_entries(s, p, tables, entries);
+        uint64_t b0 = p->start / s->block, b1 = (p->start + p->len - 1) / s->block;
+        for (uint64_t b = b0; b <= b1; b++) {
+            uint64_t len = e[b - b0 + 1] - e[b - b0], brows = tl_block_rows(s, p->shard, b);
+            uint64_t runs = len >= 4 ? tl_load_u32(blockbuf + at[i] + (e[b - b0] - e[0])) : 0;
+            total += runs < brows ? runs : brows;
+        }
+    }
+    return total;
 }
 
 /* Check block b of shard k (bytes p, len) and walk its runs once to number
@@ -248,7 +277,7 @@ TL_INLINE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *piec
                 int32_t v = -1;
                 if (rec != TL_SPAN_NONE) {
                     uint64_t key = ((uint64_t)k << 32) | rec;
-                    uint64_t h = tl_span_hash(key) & (hcap - 1);
+                    uint64_t h = tl_block_hash(key) & (hcap - 1);
                     while (hvals[h] >= 0 && hkeys[h] != key) h = (h + 1) & (hcap - 1);
                     if (hvals[h] < 0) {
                         uint32_t count = nnew; /* the record is in t already: no insert */
