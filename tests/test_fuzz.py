@@ -1,5 +1,5 @@
 """Fuzzing the files a reader trusts: the manifest, ``.docs``, ``.mdx``/``.mdb``, the
-rows' metadata ids and the Megatron ``.idx``.
+rows' metadata ids, metadata blocks (``.msb``/``.mbx``) and the Megatron ``.idx``.
 
 Every case damages one file of a small valid dataset (byte flips, overwritten
 64-bit values, truncation, insertion, deletion; for the manifest also JSON
@@ -145,6 +145,12 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
         for k, n in enumerate([4, 6, 0, 5, 3, 7]):
             spans = [(0, min(2, n), b"r%d" % k), (min(3, n), n, b"")] if n >= 4 else []
             w.write({"token": rng.integers(0, 1 << 32, n)}, spans=spans)
+    with tokload.Writer(
+        root / "blocks", "<u2", metadata=True, span_block=4, shard_bytes=40, name_prefix="s"
+    ) as w:
+        for k, n in enumerate([4, 6, 0, 5, 3, 7, 9]):
+            spans = [(0, min(2, n), b"r%d" % k), (min(3, n), n, b"")] if n >= 4 else []
+            w.write(rng.integers(0, 60000, n), spans=spans)
     for ext in (".bin", ".idx"):
         shutil.copy(MEGATRON / f"tiny_uint16{ext}", root / f"mega{ext}")
     return root
@@ -322,6 +328,39 @@ def test_fuzz_metadata_files(
     outcome(read_tokload, work / "meta", str(work / "meta"))
 
 
+def read_blocks(path: Path) -> None:
+    """Read every window of a (damaged) dataset with metadata blocks, with the block
+    index in memory and without; what comes back must be well formed and the same
+    both ways (the blocks' own checks are pinned in tests/test_blocks.py)."""
+    got = []
+    for memory in ("1073741824", "0"):
+        os.environ["TOKLOAD_INDEX_MEMORY"] = memory
+        try:
+            view = StreamWithMetadata(path, window=3, stride=2)
+        finally:
+            del os.environ["TOKLOAD_INDEX_MEMORY"]
+        b = view.read(np.arange(len(view)))
+        n = len(b.metadata)
+        assert ((b.positions >= -1) & (b.positions < n)).all()
+        assert b.metadata.offsets[0] == 0 and b.metadata.offsets[-1] == len(b.metadata.data)
+        assert (np.diff(b.metadata.offsets) >= 0).all()
+        got.append((b.fields["tokens"].copy(), b.positions.copy(), list(b.metadata)))
+    np.testing.assert_array_equal(got[0][0], got[1][0])
+    np.testing.assert_array_equal(got[0][1], got[1][1])
+    assert got[0][2] == got[1][2]
+
+
+@FUZZ
+@given(muts=mutations, shard=st.integers(0, 3), ext=st.sampled_from(["msb", "mbx"]))
+def test_fuzz_metadata_blocks(
+    pristine: Path, tmp_path: Path, muts: Any, shard: int, ext: str
+) -> None:
+    work = fresh(pristine, tmp_path)
+    f = shard_file(work / "blocks", ext, shard)
+    f.write_bytes(mutate(f.read_bytes(), muts, aligned=2 if ext == "msb" else 8))
+    outcome(read_blocks, work / "blocks", str(work / "blocks"))
+
+
 @FUZZ
 @given(muts=mutations)
 def test_fuzz_megatron_index(pristine: Path, tmp_path: Path, muts: Any) -> None:
@@ -336,6 +375,7 @@ def test_the_oracles_read_the_pristine_data(pristine: Path, tmp_path: Path) -> N
     work = fresh(pristine, tmp_path)
     read_tokload(work / "plain")
     read_tokload(work / "meta")
+    read_blocks(work / "blocks")
     read_megatron(work / "mega")
     assert mutate(b"abcdef", [("u32", 1, 2**32 - 1)], 4) == b"\xff\xff\xff\xffef"
     assert mutate(b"abcdef", [("truncate", 9, 0)]) == b"abc"
