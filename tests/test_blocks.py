@@ -44,6 +44,7 @@ from tokload.checksum import verify_checksums
 from tokload.errors import CorruptDataError, FormatError, TruncatedFileError
 from tokload.format import read_manifest
 from tokload.tools import verify
+from tokload.writer import merge
 
 NONE = SPAN_NONE
 assert NONE == 0xFFFFFFFF
@@ -720,6 +721,7 @@ def io_dataset(root: Path) -> tuple[Path, list[Shard]]:
         # and without the index in memory, window 1's entries 2 to 4
         (".mbx", r"the metadata block index \(24 bytes at offset 16\)"),
     ],
+    ids=["rows", "msb", "mbx"],
 )
 def test_io_errors_name_the_file_and_what_was_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, io: str, memory: bool, suffix: str, what: str
@@ -762,18 +764,29 @@ def test_block_index_that_shrank_before_its_table_loads(
 # ---- 7. manifest rules ---------------------------------------------------------------------
 
 
-def write_docs(path: Path, n: int = 40, block: int | None = None, **kw: Any) -> Path:
-    rng = np.random.default_rng(n)
+Doc = tuple[np.ndarray, list[tuple[int, int, bytes]]]
+
+
+def make_docs(n: int, seed: int = 0) -> list[Doc]:
+    """Documents of 1 to 299 tokens, most rows in spans of their own records."""
+    rng = np.random.default_rng(seed)
+    docs: list[Doc] = []
+    for k in range(n):
+        size = int(rng.integers(1, 300))
+        cuts = sorted(set(rng.integers(0, size, 6).tolist()) | {0, size})
+        spans = [
+            (a, z, b"d%d:%d" % (k, a)) for a, z in itertools.pairwise(cuts) if rng.random() < 0.7
+        ]
+        docs.append((rng.integers(0, 65_535, size), spans))
+    return docs
+
+
+def write_docs(
+    path: Path, n: int = 40, block: int | None = None, docs: list[Doc] | None = None, **kw: Any
+) -> Path:
     with Writer(path, "<u2", metadata=True, metadata_layout="blocks", span_block=block, **kw) as w:
-        for k in range(n):
-            size = int(rng.integers(1, 300))
-            cuts = sorted(set(rng.integers(0, size, 6).tolist()) | {0, size})
-            spans = [
-                (a, z, b"d%d:%d" % (k, a))
-                for a, z in itertools.pairwise(cuts)
-                if rng.random() < 0.7
-            ]
-            w.write(rng.integers(0, 65_535, size), spans=spans)
+        for tokens, spans in make_docs(n) if docs is None else docs:
+            w.write(tokens, spans=spans)
     return path
 
 
@@ -857,6 +870,38 @@ def test_manifest_is_version_3_with_checksums_of_the_blocks(tmp_path: Path) -> N
     (problem,) = verify_checksums(ds)
     assert problem.startswith(f"{msb}: damaged: its xxh3_64 is ")
     assert problem.endswith(f"the manifest records {man['shards'][1]['xxh3_64']['msb']}")
+
+
+def test_append_and_merge_keep_the_blocks(tmp_path: Path) -> None:
+    """Appending takes the block from the manifest; merged blocks datasets read
+    as the same data written in one go (every span is a record of its own,
+    so the shards do not change the batches)."""
+    docs = make_docs(60, seed=1)
+    whole = write_docs(tmp_path / "whole", docs=docs, block=16, shard_bytes=4000)
+    a = write_docs(tmp_path / "a", docs=docs[:20], block=16, shard_bytes=3000)
+    with Writer(a, "<u2", metadata=True, mode="a") as w:  # layout and block from the manifest
+        for tokens, spans in docs[20:35]:
+            w.write(tokens, spans=spans)
+    b = write_docs(tmp_path / "b", docs=docs[35:], block=16)
+    m = read_manifest(a)
+    assert (m.version, m.metadata_layout, m.span_block) == (3, "blocks", 16)
+    merged_ = tmp_path / "m"
+    merge(merged_, [a, b])
+    assert verify(merged_) == [] and verify_checksums(merged_) == []
+    x = StreamWithMetadata(whole, window=70, stride=23)
+    y = StreamWithMetadata(merged_, window=70, stride=23)
+    idx = np.arange(len(x))
+    assert len(y) == len(x)
+    bx, by = x.read(idx), y.read(idx)
+    np.testing.assert_array_equal(bx.fields["tokens"], by.fields["tokens"])
+    np.testing.assert_array_equal(bx.positions, by.positions)
+    np.testing.assert_array_equal(bx.metadata.data, by.metadata.data)
+    np.testing.assert_array_equal(bx.metadata.offsets, by.metadata.offsets)
+    c = write_docs(tmp_path / "c", docs=docs[:2], block=9)
+    with pytest.raises(
+        FormatError, match=r"\(layout \('blocks', 9\)\) differs from .*\(layout \('blocks', 16\)\)"
+    ):
+        merge(tmp_path / "m2", [a, c])
 
 
 # ---- 8. the writer's hidden files -----------------------------------------------------------
