@@ -16,9 +16,6 @@
   writer's hidden files (never left, never listed) and the size of the layout
   against the span table.
 
-One strict xfail pins a bug: ``encode_blocks`` drops runs that start at or
-after the shard's rows instead of raising the ValueError it documents.
-
 The reference / property / loader / exactly-once checks on all three layouts,
 and the conversions between them, live in ``tests/test_metadata.py``.
 """
@@ -272,12 +269,6 @@ def test_encoder_refuses_bad_runs_and_records(
         encode_blocks(65_537, 8, [0], np.array([0], np.uint32), [0, 1], b"x", print)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="encode_blocks (blocks.h tl_blocks_encode) never looks at runs that start at or "
-    "after the shard's last row: a start >= rows (or an out-of-order start or bad record "
-    "among them) is dropped silently instead of raising ValueError as documented",
-)
 @pytest.mark.parametrize(
     ("starts", "records"),
     [([0, 8], [0, 0]), ([0, 20, 9], [0, 0, 0]), ([0, 9], [0, 5])],
@@ -287,6 +278,8 @@ def test_encoder_refuses_runs_past_the_shard(starts: list[int], records: list[in
         encode_blocks(
             4, 8, np.array(starts, np.uint64), np.array(records, np.uint32), [0, 1], b"x", print
         )
+    with pytest.raises(ValueError, match=r"metadata run 0: 0 is out of order or range"):
+        encode_blocks(4, 0, np.array([0], np.uint64), np.array([0], np.uint32), [0, 1], b"x", print)
 
 
 # ---- datasets written by hand from FORMAT.md --------------------------------
@@ -1011,3 +1004,22 @@ def test_blocks_cost_under_a_tenth_of_the_tokens_and_less_than_a_span_table(tmp_
     assert meta_blocks <= 0.10 * b[".rows"]
     assert meta_blocks < meta_spans
     assert 0.09 * b[".rows"] < meta_blocks  # the bound is not empty: ~9.4% here
+
+
+def test_verify_names_a_record_whose_copies_differ(tmp_path: Path) -> None:
+    """FORMAT.md: a record's bytes are the same in every block where it appears.
+    A reader takes the first copy it meets; ``tokload verify`` compares them."""
+    ds = tmp_path / "ds"
+    with Writer(ds, "<u2", metadata=True, span_block=4) as w:
+        w.write(np.arange(12), spans=[(2, 9, b"PAYLOAD!"), (10, 12, b"other")])
+    shard = read_manifest(ds).shards[0].name
+    msb = ds / f"{shard}.msb"
+    data = bytearray(msb.read_bytes())
+    assert data.count(b"PAYLOAD!") == 3  # in blocks 0, 1 and 2
+    second = data.index(b"PAYLOAD!", data.index(b"PAYLOAD!") + 1)
+    assert verify(ds) == []
+    data[second] ^= 1
+    msb.write_bytes(bytes(data))
+    assert verify(ds) == [
+        f"{msb}: metadata block 1: record 0 has other bytes than where it appears first"
+    ]

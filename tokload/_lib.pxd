@@ -331,9 +331,24 @@ cdef extern from "tokload/blocks.h" nogil:
     uint16_t tl_load_u16(const uint8_t *p) noexcept
     uint32_t tl_block_seen_slot(tl_block_seen *t, uint32_t rec, uint32_t *count,
                                 int *fresh) noexcept
+    ctypedef struct tl_block_info:
+        uint32_t nruns
+        uint32_t nnew
+        const uint8_t *ends
+        int sorted
+        uint32_t first
+        uint32_t last
+
+    ctypedef struct tl_block_walk:
+        uint32_t slot
+        uint32_t prev
+
     int tl_block_check(const tl_block_set *s, size_t k, uint64_t b, const uint8_t *p,
-                       uint64_t len, tl_block_seen *t, uint32_t *nruns_out,
-                       const uint8_t **ends_out, uint32_t *nnew_out, tl_span_error *err) noexcept
+                       uint64_t len, tl_block_seen *t, tl_block_info *bi,
+                       tl_span_error *err) noexcept
+    void tl_block_walk_start(tl_block_walk *w) noexcept
+    uint32_t tl_block_walk_slot(const tl_block_info *bi, tl_block_seen *t, tl_block_walk *w,
+                                uint32_t rec) noexcept
 
     int tl_blocks_slices(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
                          const uint64_t *const *tables, const uint64_t *entries,
@@ -343,9 +358,9 @@ cdef extern from "tokload/blocks.h" nogil:
                           const uint64_t *at, const uint64_t *const *tables,
                           const uint64_t *entries, const uint8_t *blockbuf,
                           int32_t *positions, uint64_t *hkeys, int64_t *hvals,
-                          uint64_t hcap, tl_block_seen *t, uint32_t *item_shard,
-                          uint32_t *item_id, uint64_t *item_src, uint64_t *item_len,
-                          size_t *nitems, tl_span_error *err) noexcept
+                          uint64_t hcap, tl_block_seen *t, uint64_t *prange,
+                          uint32_t *item_shard, uint32_t *item_id, uint64_t *item_src,
+                          uint64_t *item_len, size_t *nitems, tl_span_error *err) noexcept
     uint64_t tl_blocks_count_runs(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
                                   const uint64_t *at, const uint64_t *const *tables,
                                   const uint64_t *entries, const uint8_t *blockbuf) noexcept

@@ -13,7 +13,7 @@ batch does not depend on the number of windows, runs or records.
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, realloc
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memset
 
 cimport tokload._lib as lib
 from tokload._io cimport RowSet, ShardTables, _checked_window_starts, _indices, _raise_io
@@ -80,6 +80,7 @@ cdef enum:
     B_SEEN_KEY    # uint32 per slot of the block-local set
     B_SEEN_VAL    # uint32 per slot
     B_SEEN_GEN    # uint32 per slot
+    B_PRANGE      # 3 uint64 per piece: its records' range, and whether it stands alone
     NBUF
 
 
@@ -459,7 +460,7 @@ BLOCK_MAX = lib.TL_BLOCK_MAX
 # The rounds of reads of a blocks batch, for errors.
 cdef enum:
     K_ROWS
-    K_INDEX   # the block index (.msx): entries, or whole tables
+    K_INDEX   # the block index (.mbx): entries, or whole tables
     K_BLOCKS  # the blocks (.msb)
 
 
@@ -511,7 +512,7 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
         nrow = lib.tl_rows_count_reqs(rows, starts, NULL, window, nwin)
     if (_grow(&b[B_PIECES], npieces * sizeof(lib.tl_span_piece)) or _grow_reqs(b, npieces)
             or _grow(&b[B_BLOCKS], nent * 8) or _grow(&b[B_AT], npieces * 8)
-            or _grow(&b[B_PSHARD], npieces * 4)
+            or _grow(&b[B_PSHARD], npieces * 4) or _grow(&b[B_PRANGE], npieces * 24)
             or _grow(&b[B_REQS], nrow * sizeof(lib.tl_ioreq))
             or _seen_ready(sc, s.block)):
         o.fail = FAIL_MEMORY
@@ -561,7 +562,7 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
     if lib.tl_blocks_resolve(s, pieces, npieces, <uint64_t *>b[B_AT].p, tabs,
                              <uint64_t *>b[B_BLOCKS].p, <uint8_t *>b[B_BLOCKBUF].p, pos,
                              <uint64_t *>b[B_HKEYS].p, <int64_t *>b[B_HVALS].p, hcap, &sc.seen,
-                             <uint32_t *>b[B_ISHARD].p, <uint32_t *>b[B_IID].p,
+                             <uint64_t *>b[B_PRANGE].p, <uint32_t *>b[B_ISHARD].p, <uint32_t *>b[B_IID].p,
                              <uint64_t *>b[B_ISRC].p, <uint64_t *>b[B_ILEN].p, &nitems,
                              &o.span):
         o.fail = FAIL_SPAN
@@ -604,7 +605,7 @@ cdef class BlockSet:
 
     Args:
         rows: the dataset's rows (read together with the metadata).
-        index_files, block_files: FileSets of the shards' ``.msx`` and ``.msb``.
+        index_files, block_files: FileSets of the shards' ``.mbx`` and ``.msb``.
         records, block_bytes: per shard, from the manifest.
         block: rows per block (at most BLOCK_MAX).
         index_in_memory: hold each shard's block index in memory once a read
@@ -766,6 +767,8 @@ def encode_blocks(uint64_t block, uint64_t rows, starts, records, mdx, mdb, writ
         raise ValueError("mdx needs at least one offset")
     if rows and st.shape[0] == 0:
         raise ValueError(f"a shard of {rows} rows needs runs")
+    if rows == 0 and st.shape[0]:  # no block to hold them
+        raise ValueError(f"metadata run 0: {st[0]} is out of order or range (limit 0)")
     cdef uint64_t nblocks = (rows + block - 1) // block, b0, b1, run = 0, k, w
     index = np.zeros(nblocks + 1, dtype=np.uint64)
     cdef uint64_t[::1] idx = index
@@ -826,7 +829,8 @@ def decode_blocks(uint64_t block, uint64_t rows, uint64_t nrec, index, msb, str 
     Returns ``(starts, records, mdx, mdb)``: the runs as in a span table
     (a run that continues across a block boundary is one run), and the
     records as in ``.mdx``/``.mdb`` (a record no run refers to has no bytes).
-    Raises CorruptDataError naming ``where`` and the block at fault.
+    Raises CorruptDataError naming ``where`` and the block at fault, also
+    for a record whose bytes differ from those of its first appearance.
     """
     if not 1 <= block <= lib.TL_BLOCK_MAX:
         raise ValueError(f"block must be in [1, {lib.TL_BLOCK_MAX}], got {block}")
@@ -864,36 +868,47 @@ def decode_blocks(uint64_t block, uint64_t rows, uint64_t nrec, index, msb, str 
     cdef uint32_t[::1] ro = records
     cdef int64_t[::1] sr = src
     cdef lib.tl_span_error err
-    cdef uint32_t nruns = 0, nnew = 0, r, rec, j, count, a0, a1
-    cdef const uint8_t *ends
+    cdef lib.tl_block_info bi
+    cdef lib.tl_block_walk walk
+    cdef uint32_t r, rec, j, a0, a1
     cdef const uint8_t *p
     cdef uint64_t n = 0, data
-    cdef int rc = 0, fresh
+    cdef int rc = 0
+    cdef uint32_t differs = lib.TL_SPAN_NONE
     with nogil:
         for b in range(nblocks):
             p = &db[0] + ix[b] if size else NULL
-            rc = lib.tl_block_check(&s, 0, b, p, ix[b + 1] - ix[b], &sc.seen, &nruns, &ends,
-                                    &nnew, &err)
+            rc = lib.tl_block_check(&s, 0, b, p, ix[b + 1] - ix[b], &sc.seen, &bi, &err)
             if rc:
                 break
-            data = ix[b] + 4 + 6 * <uint64_t>nruns + 4 * <uint64_t>nnew
-            for r in range(nruns):
-                rec = lib.tl_load_u32(p + 4 + 2 * <uint64_t>nruns + 4 * <uint64_t>r)
+            data = ix[b] + 4 + 6 * <uint64_t>bi.nruns + 4 * <uint64_t>bi.nnew
+            lib.tl_block_walk_start(&walk)
+            for r in range(bi.nruns):
+                rec = lib.tl_load_u32(p + 4 + 2 * <uint64_t>bi.nruns + 4 * <uint64_t>r)
                 if r == 0 and n and ro[n - 1] == rec:
                     pass  # the run goes on from the previous block
                 else:
                     so[n] = b * block + lib.tl_load_u16(p + 4 + 2 * <uint64_t>r)
                     ro[n] = rec
                     n += 1
-                if rec != lib.TL_SPAN_NONE and sr[rec] < 0:
-                    count = nnew
-                    j = lib.tl_block_seen_slot(&sc.seen, rec, &count, &fresh)
-                    a0 = lib.tl_load_u32(ends + 4 * <uint64_t>(j - 1)) if j else 0
-                    a1 = lib.tl_load_u32(ends + 4 * <uint64_t>j)
+                if rec == lib.TL_SPAN_NONE:
+                    continue
+                j = lib.tl_block_walk_slot(&bi, &sc.seen, &walk, rec)
+                a0 = lib.tl_load_u32(bi.ends + 4 * <uint64_t>(j - 1)) if j else 0
+                a1 = lib.tl_load_u32(bi.ends + 4 * <uint64_t>j)
+                if sr[rec] < 0:
                     sr[rec] = <int64_t>(data + a0)
                     ln[rec] = a1 - a0
+                elif ln[rec] != a1 - a0 or memcmp(&db[sr[rec]], &db[data + a0], ln[rec]):
+                    differs = rec  # a record's bytes are the same wherever it appears
+                    break
+            if differs != lib.TL_SPAN_NONE:
+                break
     if rc:
         raise _block_corrupt(&err, index_path, where)
+    if differs != lib.TL_SPAN_NONE:
+        raise CorruptDataError(f"{where}: metadata block {b}: record {differs} has other bytes "
+                               "than where it appears first")
     mdx = np.zeros(nrec + 1, dtype=np.uint64)
     if nrec:
         np.cumsum(lens[:nrec], out=mdx[1:])

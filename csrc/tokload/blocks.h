@@ -6,8 +6,8 @@
  *
  * FORMAT.md, version 3, "metadata_layout": "blocks".  Per shard, with B the
  * manifest's span_block (at most 65536):
- *   .msx  ceil(rows / B) + 1 uint64: block b is bytes [msx[b], msx[b + 1])
- *         of the .msb; msx[0] = 0, the values never decrease, the last is
+ *   .mbx  ceil(rows / B) + 1 uint64: block b is bytes [mbx[b], mbx[b + 1])
+ *         of the .msb; mbx[0] = 0, the values never decrease, the last is
  *         the .msb's size.
  *   .msb  per block of B rows (the last may hold fewer), little-endian:
  *           uint32 nruns            1 <= nruns <= the block's rows
@@ -58,7 +58,7 @@
 
 typedef struct {
     const uint64_t *row_cum; /* nfiles + 1 cumulative rows */
-    const uint64_t *msx_cum; /* block index entries (blocks + 1 per shard) */
+    const uint64_t *msx_cum; /* .mbx block index entries (blocks + 1 per shard) */
     const uint64_t *msb_cum; /* .msb bytes */
     const uint64_t *nrec;    /* records per shard */
     size_t nfiles;
@@ -190,12 +190,23 @@ TL_INLINE uint64_t tl_blocks_count_runs(const tl_block_set *s, const tl_span_pie
     return total;
 }
 
-/* Check block b of shard k (bytes p, len) and walk its runs once to number
- * its distinct records (in t).  Sets *nruns and *ends (the end[] array).
- * Returns 0 or an error code. */
+/* What tl_block_check learns of a block. */
+typedef struct {
+    uint32_t nruns;
+    uint32_t nnew;       /* distinct records */
+    const uint8_t *ends; /* the end[] array */
+    int sorted;          /* its records (none aside) never decrease: t is not used */
+    uint32_t first;      /* its first and last record (TL_SPAN_NONE if none) */
+    uint32_t last;
+} tl_block_info;
+
+/* Check block b of shard k (bytes p, len) and number its distinct records:
+ * when its records (none aside) never decrease, as a writer that numbers
+ * records in order of appearance leaves them, by counting changes;
+ * otherwise in t.  Returns 0 or an error code. */
 TL_INLINE int tl_block_check(const tl_block_set *s, size_t k, uint64_t b, const uint8_t *p,
-                             uint64_t len, tl_block_seen *t, uint32_t *nruns_out,
-                             const uint8_t **ends_out, uint32_t *nnew_out, tl_span_error *err)
+                             uint64_t len, tl_block_seen *t, tl_block_info *bi,
+                             tl_span_error *err)
 {
     uint64_t brows = tl_block_rows(s, k, b);
     if (TL_UNLIKELY(len < 4)) return tl_span_fail(err, TL_BLOCK_BAD_SIZE, k, b, len, 4);
@@ -204,96 +215,196 @@ TL_INLINE int tl_block_check(const tl_block_set *s, size_t k, uint64_t b, const 
         return tl_span_fail(err, TL_BLOCK_BAD_SIZE, k, b, nruns, brows);
     const uint8_t *st = p + 4, *rc = p + 4 + 2 * (uint64_t)nruns;
     uint64_t nrec = s->nrec[k];
-    uint32_t nnew = 0, prev = 0;
-    int fresh;
-    tl_block_seen_reset(t);
+    uint32_t nnew = 0, prev = 0, first = TL_SPAN_NONE, last = TL_SPAN_NONE;
+    int sorted = 1;
     for (uint32_t r = 0; r < nruns; r++) {
         uint32_t a = tl_load_u16(st + 2 * (uint64_t)r), rec = tl_load_u32(rc + 4 * (uint64_t)r);
         if (TL_UNLIKELY((r == 0 && a != 0) || (r && a <= prev) || a >= brows))
             return tl_span_fail(err, TL_BLOCK_BAD_START, k, b, a, brows);
         if (rec != TL_SPAN_NONE) {
             if (TL_UNLIKELY(rec >= nrec)) return tl_span_fail(err, TL_BLOCK_BAD_RECORD, k, b, rec, nrec);
-            tl_block_seen_slot(t, rec, &nnew, &fresh);
+            if (last == TL_SPAN_NONE) {
+                first = rec;
+                nnew = 1;
+            } else if (rec != last) {
+                sorted &= rec > last;
+                nnew++;
+            }
+            last = rec;
         }
         prev = a;
+    }
+    if (!sorted) { /* count the distinct records in t */
+        int fresh;
+        nnew = 0;
+        tl_block_seen_reset(t);
+        for (uint32_t r = 0; r < nruns; r++) {
+            uint32_t rec = tl_load_u32(rc + 4 * (uint64_t)r);
+            if (rec != TL_SPAN_NONE) tl_block_seen_slot(t, rec, &nnew, &fresh);
+        }
     }
     uint64_t head = 4 + 6 * (uint64_t)nruns + 4 * (uint64_t)nnew;
     if (TL_UNLIKELY(head > len)) return tl_span_fail(err, TL_BLOCK_BAD_SIZE, k, b, len, head);
     const uint8_t *ends = p + 4 + 6 * (uint64_t)nruns;
-    uint32_t last = 0;
+    uint32_t e0 = 0;
     for (uint32_t j = 0; j < nnew; j++) {
         uint32_t v = tl_load_u32(ends + 4 * (uint64_t)j);
-        if (TL_UNLIKELY(v < last)) return tl_span_fail(err, TL_BLOCK_BAD_END, k, b, v, last);
-        last = v;
+        if (TL_UNLIKELY(v < e0)) return tl_span_fail(err, TL_BLOCK_BAD_END, k, b, v, e0);
+        e0 = v;
     }
-    if (TL_UNLIKELY(head + last != len))
-        return tl_span_fail(err, TL_BLOCK_BAD_SIZE, k, b, len, head + last);
-    *nruns_out = nruns;
-    *ends_out = ends;
-    *nnew_out = nnew;
+    if (TL_UNLIKELY(head + e0 != len))
+        return tl_span_fail(err, TL_BLOCK_BAD_SIZE, k, b, len, head + e0);
+    bi->nruns = nruns;
+    bi->nnew = nnew;
+    bi->ends = ends;
+    bi->sorted = sorted;
+    bi->first = first;
+    bi->last = last;
     return 0;
+}
+
+/* The slots of a checked block's records, run after run: call for every
+ * record (none aside) in order, from the block's first run. */
+typedef struct {
+    uint32_t slot;
+    uint32_t prev;
+} tl_block_walk;
+
+TL_INLINE void tl_block_walk_start(tl_block_walk *w)
+{
+    w->slot = 0;
+    w->prev = TL_SPAN_NONE;
+}
+
+TL_INLINE uint32_t tl_block_walk_slot(const tl_block_info *bi, tl_block_seen *t, tl_block_walk *w,
+                                      uint32_t rec)
+{
+    if (bi->sorted) {
+        if (rec != w->prev) {
+            if (w->prev != TL_SPAN_NONE) w->slot++;
+            w->prev = rec;
+        }
+        return w->slot;
+    }
+    uint32_t count = bi->nnew; /* the record is in t already: no insert */
+    int fresh;
+    return tl_block_seen_slot(t, rec, &count, &fresh);
 }
 
 /* Step 3: positions (int32, -1 for none) of every row of every piece; the
  * batch's distinct records (shard, id) in order of first appearance, each
  * with its bytes' place in the block buffer (item_src, item_len).
  * hkeys/hvals: hcap slots (a power of two, at least twice the runs of the
- * blocks read, which is at most their rows); t: a block-local set.
- * Returns 0 and *nitems, or an error code. */
+ * blocks read, which is at most their rows); t: a block-local set; prange:
+ * 3 values per piece.
+ *
+ * A piece whose blocks' records never decrease, across its blocks too, and
+ * whose range of records meets no other piece's of its shard cannot share a
+ * record with another piece: its records need no look-up in the batch's set
+ * (a record is new where it differs from the one before).  Others go through
+ * the set.  Returns 0 and *nitems, or an error code. */
 TL_INLINE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
                                 const uint64_t *at, const uint64_t *const *tables,
                                 const uint64_t *entries, const uint8_t *blockbuf,
                                 int32_t *positions, uint64_t *hkeys, int64_t *hvals,
-                                uint64_t hcap, tl_block_seen *t, uint32_t *item_shard,
-                                uint32_t *item_id, uint64_t *item_src, uint64_t *item_len,
-                                size_t *nitems, tl_span_error *err)
+                                uint64_t hcap, tl_block_seen *t, uint64_t *prange,
+                                uint32_t *item_shard, uint32_t *item_id, uint64_t *item_src,
+                                uint64_t *item_len, size_t *nitems, tl_span_error *err)
 {
     size_t ni = 0;
-    for (uint64_t h = 0; h < hcap; h++) hvals[h] = -1;
+    tl_block_info bi;
+    int any_set = 0;
+    /* 1: check every block; each piece's range of records, and whether it is in order */
+    for (size_t i = 0; i < n; i++) {
+        const tl_span_piece *p = &pieces[i];
+        const uint64_t *e = tl_blocks_entries(s, p, tables, entries);
+        uint64_t b0 = p->start / s->block, b1 = (p->start + p->len - 1) / s->block;
+        uint64_t lo = TL_SPAN_NONE, hi = 0, ordered = 1;
+        uint32_t prev = TL_SPAN_NONE;
+        for (uint64_t b = b0; b <= b1; b++) {
+            const uint8_t *blk = blockbuf + at[i] + (e[b - b0] - e[0]);
+            int rc = tl_block_check(s, p->shard, b, blk, e[b - b0 + 1] - e[b - b0], t, &bi, err);
+            if (rc) return rc;
+            if (bi.first == TL_SPAN_NONE) continue;
+            ordered &= bi.sorted && (prev == TL_SPAN_NONE || bi.first >= prev);
+            prev = bi.last;
+            if (bi.first < lo) lo = bi.first;
+            if (bi.last > hi) hi = bi.last;
+            if (!bi.sorted) lo = 0, hi = TL_SPAN_NONE - 1; /* its range is unknown: all */
+        }
+        prange[3 * i] = lo;
+        prange[3 * i + 1] = hi;
+        prange[3 * i + 2] = ordered;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (prange[3 * i] > prange[3 * i + 1]) continue; /* no records */
+        for (size_t j = 0; j < n && prange[3 * i + 2]; j++) {
+            if (j != i && pieces[j].shard == pieces[i].shard && prange[3 * j] <= prange[3 * j + 1] &&
+                prange[3 * j] <= prange[3 * i + 1] && prange[3 * i] <= prange[3 * j + 1])
+                prange[3 * i + 2] = 0;
+        }
+        any_set |= !prange[3 * i + 2];
+    }
+    if (any_set)
+        for (uint64_t h = 0; h < hcap; h++) hvals[h] = -1;
+    /* 2: positions and records */
     for (size_t i = 0; i < n; i++) {
         const tl_span_piece *p = &pieces[i];
         size_t k = p->shard;
+        int alone = (int)prange[3 * i + 2];
         const uint64_t *e = tl_blocks_entries(s, p, tables, entries);
         uint64_t b0 = p->start / s->block, b1 = (p->start + p->len - 1) / s->block;
         uint64_t end = p->start + p->len;
         int32_t *pos = positions + p->dst - p->start; /* indexed by shard-local row */
+        uint32_t last_rec = TL_SPAN_NONE;
+        int32_t last_item = -1;
         for (uint64_t b = b0; b <= b1; b++) {
             uint64_t off = at[i] + (e[b - b0] - e[0]), len = e[b - b0 + 1] - e[b - b0];
             const uint8_t *blk = blockbuf + off;
-            uint32_t nruns = 0, nnew = 0;
-            const uint8_t *ends = NULL;
-            int rc = tl_block_check(s, k, b, blk, len, t, &nruns, &ends, &nnew, err);
+            int rc = tl_block_check(s, k, b, blk, len, t, &bi, err); /* numbers it again */
             if (rc) return rc;
             uint64_t base = b * s->block, brows = tl_block_rows(s, k, b);
-            uint64_t data = off + 4 + 6 * (uint64_t)nruns + 4 * (uint64_t)nnew;
-            const uint8_t *st = blk + 4, *rcs = blk + 4 + 2 * (uint64_t)nruns;
-            for (uint32_t r = 0; r < nruns; r++) {
+            uint64_t data = off + 4 + 6 * (uint64_t)bi.nruns + 4 * (uint64_t)bi.nnew;
+            const uint8_t *st = blk + 4, *rcs = blk + 4 + 2 * (uint64_t)bi.nruns;
+            tl_block_walk w;
+            tl_block_walk_start(&w);
+            for (uint32_t r = 0; r < bi.nruns; r++) {
                 uint64_t a = base + tl_load_u16(st + 2 * (uint64_t)r);
-                uint64_t z = base + (r + 1 < nruns ? tl_load_u16(st + 2 * (uint64_t)(r + 1)) : brows);
-                if (z <= p->start) continue;
                 if (a >= end) break;
-                uint64_t lo = a > p->start ? a : p->start, hi = z < end ? z : end;
                 uint32_t rec = tl_load_u32(rcs + 4 * (uint64_t)r);
+                uint32_t slot = rec != TL_SPAN_NONE ? tl_block_walk_slot(&bi, t, &w, rec) : 0;
+                uint64_t z = base + (r + 1 < bi.nruns ? tl_load_u16(st + 2 * (uint64_t)(r + 1)) : brows);
+                if (z <= p->start) continue;
+                uint64_t lo = a > p->start ? a : p->start, hi = z < end ? z : end;
                 int32_t v = -1;
                 if (rec != TL_SPAN_NONE) {
-                    uint64_t key = ((uint64_t)k << 32) | rec;
-                    uint64_t h = tl_block_hash(key) & (hcap - 1);
-                    while (hvals[h] >= 0 && hkeys[h] != key) h = (h + 1) & (hcap - 1);
-                    if (hvals[h] < 0) {
-                        uint32_t count = nnew; /* the record is in t already: no insert */
-                        int fresh;
-                        uint32_t j = tl_block_seen_slot(t, rec, &count, &fresh);
-                        uint32_t a0 = j ? tl_load_u32(ends + 4 * (uint64_t)(j - 1)) : 0;
-                        uint32_t a1 = tl_load_u32(ends + 4 * (uint64_t)j);
-                        hkeys[h] = key;
-                        hvals[h] = (int64_t)ni;
+                    int fresh;
+                    if (alone) { /* in order, and in no other piece */
+                        fresh = rec != last_rec;
+                        if (!fresh) v = last_item;
+                    } else {
+                        uint64_t key = ((uint64_t)k << 32) | rec;
+                        uint64_t h = tl_block_hash(key) & (hcap - 1);
+                        while (hvals[h] >= 0 && hkeys[h] != key) h = (h + 1) & (hcap - 1);
+                        fresh = hvals[h] < 0;
+                        if (fresh) {
+                            hkeys[h] = key;
+                            hvals[h] = (int64_t)ni;
+                        }
+                        v = (int32_t)hvals[h];
+                    }
+                    if (fresh) {
+                        const uint8_t *ends = bi.ends;
+                        uint32_t a0 = slot ? tl_load_u32(ends + 4 * (uint64_t)(slot - 1)) : 0;
+                        uint32_t a1 = tl_load_u32(ends + 4 * (uint64_t)slot);
                         item_shard[ni] = (uint32_t)k;
                         item_id[ni] = rec;
                         item_src[ni] = data + a0;
                         item_len[ni] = a1 - a0;
-                        ni++;
+                        v = (int32_t)ni++;
                     }
-                    v = (int32_t)hvals[h];
+                    last_rec = rec;
+                    last_item = v;
                 }
                 for (uint64_t row = lo; row < hi; row++) pos[row] = v;
             }
@@ -326,8 +437,10 @@ TL_INLINE uint64_t tl_blocks_copy(const uint8_t *blockbuf, const uint64_t *item_
  * become blocks [b0, b1).  *run is a cursor: the run holding block b0's
  * first row (0 for b0 = 0); it is left at block b1's.  With out NULL only
  * the sizes are computed (sizes[b - b0]); otherwise the blocks are written
- * back to back (cap bytes at most).  Returns 0 or an error code
- * (TL_BLOCK_BAD_INPUT: entry the run or record, value what it holds).
+ * back to back (cap bytes at most).  Every run must meet a block: with b1
+ * the last block, runs left over (starting at or past rows) are an error.
+ * Returns 0 or an error code (TL_BLOCK_BAD_INPUT: entry the run or record,
+ * value what it holds).
  */
 TL_INLINE int tl_blocks_encode(uint64_t block, uint64_t rows, const uint64_t *starts,
                                const uint32_t *records, uint64_t nruns, const uint64_t *mdx,
@@ -335,7 +448,7 @@ TL_INLINE int tl_blocks_encode(uint64_t block, uint64_t rows, const uint64_t *st
                                uint64_t b1, uint64_t *run, tl_block_seen *t, uint64_t *sizes,
                                uint8_t *out, uint64_t cap, tl_span_error *err)
 {
-    uint64_t r = *run, w = 0;
+    uint64_t r = *run, w = 0, unused = b0 ? nruns : 0; /* the first run after the blocks */
     for (uint64_t b = b0; b < b1; b++) {
         uint64_t base = b * block, top = base + block < rows ? base + block : rows;
         if (TL_UNLIKELY(r >= nruns || starts[r] > base))
@@ -391,7 +504,10 @@ TL_INLINE int tl_blocks_encode(uint64_t block, uint64_t rows, const uint64_t *st
         w += size;
         /* the run holding the next block's first row */
         while (r + 1 < nruns && starts[r + 1] <= top) r++;
+        unused = r1;
     }
+    if (TL_UNLIKELY(b1 * block >= rows && unused < nruns)) /* a run no block holds */
+        return tl_span_fail(err, TL_BLOCK_BAD_INPUT, 0, unused, starts[unused], rows);
     *run = r;
     return 0;
 }
