@@ -167,9 +167,12 @@ def measure_layouts(
     root: Path, tokens: int = 8 << 20, doc: int = 2048, seconds: float = 1.0
 ) -> dict[str, Any]:
     """Tokens/s of random windows of 4097 in batches of 8 (warm cache) for
-    TokenStream, StreamWithMetadata (span table at 1 record per 10, 100 and
-    1,000 tokens; per-token ids at 1 per 100), Documents padded and packed,
-    and the on-disk size of each build of the same uint16 tokens."""
+    TokenStream, StreamWithMetadata (metadata blocks and span table at 1
+    record per 10, 100 and 1,000 tokens; per-token ids at 1 per 100),
+    Documents padded and packed (batches of 8 documents of ``doc`` tokens),
+    metadata blocks and documents again with their indexes read entry by
+    entry (``TOKLOAD_INDEX_MEMORY=0``), and the on-disk size of each build of
+    the same uint16 tokens."""
     import time
 
     rng = np.random.default_rng(0)
@@ -225,6 +228,19 @@ def measure_layouts(
     dp = tokload.Documents(builds["tokens only"])
     res["rates"]["Documents padded"] = rate(dp, lambda b: int(dp.read_padded(b)[1].sum()))
     res["rates"]["Documents packed"] = rate(dp, lambda b: int(dp.read(b).offsets[-1]))
+    # the same with every index read entry by entry (an index too big to hold in memory)
+    os.environ["TOKLOAD_INDEX_MEMORY"] = "0"
+    try:
+        vb = tokload.StreamWithMetadata(builds["blocks 1/100"], window=WINDOW)
+        dq = tokload.Documents(builds["tokens only"])
+    finally:
+        del os.environ["TOKLOAD_INDEX_MEMORY"]
+    res["rates"]["StreamWithMetadata blocks 1/100, index not held"] = rate(
+        vb, lambda b: vb.read(b).positions.size
+    )
+    res["rates"]["Documents packed, index not held"] = rate(
+        dq, lambda b: int(dq.read(b).offsets[-1])
+    )
     for name, p in builds.items():
         res["sizes"][name] = sum(f.stat().st_size for f in p.iterdir() if f.name != "manifest.json")
     return res
