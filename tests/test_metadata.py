@@ -444,3 +444,39 @@ def test_verify_checks_span_tables(tmp_path: Path) -> None:
     _poke(msx3, 8 * 1, runs - 1, 8)  # block 1 points at the wrong run
     (problem,) = verify(ds3)
     assert problem.startswith(f"{msx3}: value 1 is {runs - 1}, but row 4 is in run ")
+
+
+@pytest.mark.parametrize("layout", ["blocks", "spans", "per_token"])
+@pytest.mark.parametrize("stop", ["before the rows", "after the rows"])
+def test_a_write_stopped_part_way_leaves_the_shard_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str, stop: str
+) -> None:
+    """Ctrl+C inside ``Writer.write`` (between the span table entries and the rows,
+    or between the rows and the document index) publishes the documents before it,
+    whole, and nothing of the one it stopped: the files go back to where they were."""
+    from tokload import writer as writer_mod
+
+    docs = make_docs(9, ndocs=12)
+    real_add = writer_mod._OpenShard.add
+    calls = 0
+
+    def add(self: Any, rows: np.ndarray, payloads: list[bytes]) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 8:
+            if stop == "after the rows":
+                self._put(0, np.ascontiguousarray(rows).view(np.uint8).data)
+            raise KeyboardInterrupt
+        real_add(self, rows, payloads)
+
+    monkeypatch.setattr(writer_mod._OpenShard, "add", add)
+    with pytest.raises(KeyboardInterrupt):
+        write(tmp_path / "ds", docs, layout)
+    monkeypatch.setattr(writer_mod._OpenShard, "add", real_add)
+    assert read_manifest(tmp_path / "ds").num_documents == 7
+    assert not list((tmp_path / "ds").glob(".*"))  # no hidden file left
+    from tokload.tools import verify
+
+    assert verify(tmp_path / "ds", deep=True) == []
+    view = StreamWithMetadata(tmp_path / "ds", window=5, stride=5)
+    check_against_reference(view, docs[:7], np.arange(len(view)))

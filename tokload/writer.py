@@ -252,12 +252,19 @@ class Writer:
                 self.path, self._name(self._seq), self.manifest, self.durable
             )
             self._seq += 1
-        if runs is not None:
-            shard.add_runs(runs[0], runs[1], n)
-        elif self.metadata:
-            local = np.where(ids == NO_METADATA, ids, ids + np.uint32(shard.records))
-            arr[METADATA_FIELD] = local
-        shard.add(arr, payloads)
+        # A document goes into every file of the shard or into none: an exception
+        # (Ctrl+C) part-way through takes the files back to where they were.
+        mark = shard.mark()
+        try:
+            if runs is not None:
+                shard.add_runs(runs[0], runs[1], n)
+            elif self.metadata:
+                local = np.where(ids == NO_METADATA, ids, ids + np.uint32(shard.records))
+                arr[METADATA_FIELD] = local
+            shard.add(arr, payloads)
+        except BaseException:
+            shard.rewind(mark)
+            raise
 
     def _convert(self, rows: npt.ArrayLike | Mapping[str, npt.ArrayLike]) -> np.ndarray:
         dt = self.dtype
@@ -395,6 +402,36 @@ class _OpenShard:
         self._put(1, first)  # first document starts at row 0
         if manifest.metadata:
             self._put(2, first)
+
+    _STATE = (
+        "rows",
+        "documents",
+        "records",
+        "meta_bytes",
+        "runs",
+        "blocks",
+        "last_start",
+        "last_record",
+    )
+
+    def mark(self) -> tuple[list[int], list[Any], list[Any]]:
+        """Where every file, checksum and count stands now, for :meth:`rewind`."""
+        return (
+            [f.tell() for f in self.files],
+            [h.copy() for h in self.hashes],
+            [getattr(self, a) for a in self._STATE],
+        )
+
+    def rewind(self, mark: tuple[list[int], list[Any], list[Any]]) -> None:
+        """Take the files, checksums and counts back to ``mark``."""
+        sizes, hashes, state = mark
+        for f, size in zip(self.files, sizes, strict=True):
+            f.flush()
+            f.truncate(size)
+            f.seek(size)
+        self.hashes = hashes
+        for a, v in zip(self._STATE, state, strict=True):
+            setattr(self, a, v)
 
     def _put(self, k: int, data: bytes | memoryview) -> None:
         self.files[k].write(data)
