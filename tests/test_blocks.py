@@ -45,7 +45,7 @@ from tokload.checksum import verify_checksums
 from tokload.errors import CorruptDataError, FormatError, TruncatedFileError
 from tokload.format import read_manifest
 from tokload.tools import verify
-from tokload.writer import merge
+from tokload.writer import convert, merge
 
 NONE = SPAN_NONE
 assert NONE == 0xFFFFFFFF
@@ -271,9 +271,11 @@ def test_encoder_refuses_bad_runs_and_records(
 
 @pytest.mark.parametrize(
     ("starts", "records"),
-    [([0, 8], [0, 0]), ([0, 20, 9], [0, 0, 0]), ([0, 9], [0, 5])],
+    [([0, 8], [0, 0]), ([0, 20, 9], [0, 0, 0]), ([0, 9], [0, 5]), ([0, 4, 1], [0, 0, 0])],
 )
-def test_encoder_refuses_runs_past_the_shard(starts: list[int], records: list[int]) -> None:
+def test_encoder_refuses_runs_out_of_order_or_past_the_shard(
+    starts: list[int], records: list[int]
+) -> None:
     with pytest.raises(ValueError, match=r"metadata (run|record) \d+"):
         encode_blocks(
             4, 8, np.array(starts, np.uint64), np.array(records, np.uint32), [0, 1], b"x", print
@@ -1023,3 +1025,56 @@ def test_verify_names_a_record_whose_copies_differ(tmp_path: Path) -> None:
     assert verify(ds) == [
         f"{msb}: metadata block 1: record 0 has other bytes than where it appears first"
     ]
+
+
+def test_verify_needs_memory_for_the_records_used_not_the_manifests_count(
+    tmp_path: Path,
+) -> None:
+    """In layout "blocks" no file's size follows ``metadata_records``: a damaged
+    count must not make ``verify`` allocate for it."""
+    ds = tmp_path / "ds"
+    with Writer(ds, "<u2", metadata=True, span_block=8) as w:
+        w.write(np.arange(20), spans=[(0, 5, b"a"), (5, 20, b"b")])
+    man = json.loads((ds / "manifest.json").read_text())
+    man["shards"][0]["metadata_records"] = 4_000_000_000  # 32 GB of tables, were they sized by it
+    (ds / "manifest.json").write_text(json.dumps(man))
+    assert verify(ds) == []
+    view = StreamWithMetadata(ds, window=20)
+    assert list(view[0].metadata) == [b"a", b"b"]
+
+
+def test_a_shard_that_fails_to_encode_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokload import writer as writer_mod
+
+    def broken(*args: Any) -> Any:
+        raise ValueError("the encoder failed")
+
+    ds = tmp_path / "ds"
+    monkeypatch.setattr(writer_mod, "encode_blocks", broken)
+    with (
+        pytest.raises(ValueError, match="the encoder failed"),
+        Writer(ds, "<u2", metadata=True) as w,
+    ):
+        w.write(np.arange(10), spans=[(0, 10, b"x")])
+    assert sorted(p.name for p in ds.iterdir()) == ["manifest.json"]  # an empty dataset
+    assert read_manifest(ds).shards == []
+
+
+def test_convert_re_blocks(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    with Writer(src, "<u2", metadata=True, span_block=16) as w:
+        for k in range(20):
+            w.write(np.arange(37) + k, spans=[(0, 10, b"a%d" % k), (12, 37, b"b%d" % k)])
+    with pytest.raises(
+        FormatError, match="already has layout 'blocks' with span_block 16; nothing to convert"
+    ):
+        convert(src, tmp_path / "same", "blocks", span_block=16)
+    convert(src, tmp_path / "dst", "blocks", span_block=5)
+    assert read_manifest(tmp_path / "dst").span_block == 5
+    a = StreamWithMetadata(src, window=29, stride=11)
+    b = StreamWithMetadata(tmp_path / "dst", window=29, stride=11)
+    x, y = a.read(np.arange(len(a))), b.read(np.arange(len(b)))
+    np.testing.assert_array_equal(x.positions, y.positions)
+    assert list(x.metadata) == list(y.metadata)

@@ -270,6 +270,8 @@ cdef object _raise_io(lib.tl_io_error *err, list paths, str what):
     if err.code == lib.TL_ERR_CORRUPT:
         raise CorruptDataError(f"{path}: {what}: bad value {err.done} at byte {err.offset}")
     code = -err.code
+    if code == _errno.ENOMEM:  # a table held in memory that could not be allocated
+        raise MemoryError(f"{path}: out of memory while reading {what}")
     msg = f"{strerror(code).decode()} while reading {what} ({err.length} bytes at offset {err.offset})"
     if code == _errno.ENOENT:
         raise MissingShardError(code, msg, path)
@@ -656,15 +658,20 @@ cdef class ShardTables:
                   lib.tl_io_error *err, size_t *failed) noexcept nogil:
         """Make the tables of ``shards`` (repeats allowed) present, reading
         those not in memory yet in one engine call.  0, or an error code
-        (-ENOMEM when out of memory) with ``err`` filled and ``*failed`` the
-        shard whose table failed."""
+        (-ENOMEM when out of memory: ``_raise_io`` makes it a MemoryError) with
+        ``err`` filled and ``*failed`` the shard whose table failed."""
         cdef size_t i, j, m = 0, k
         cdef int rc = 0
         cdef uint64_t start, nrows
         cdef lib.tl_ioreq *reqs
         cdef void **bufs
         cdef size_t nfailed = 0
-        if not self.enabled or count == 0:
+        if not self.enabled:
+            return 0
+        for i in range(count):  # the common case: every table is there already
+            if lib.tl_table_get(&self.tabs[shards[i]]) == NULL:
+                break
+        else:
             return 0
         reqs = <lib.tl_ioreq *>malloc(count * (sizeof(lib.tl_ioreq) + sizeof(void *)))
         if reqs == NULL:

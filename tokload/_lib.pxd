@@ -339,6 +339,12 @@ cdef extern from "tokload/blocks.h" nogil:
         uint32_t first
         uint32_t last
 
+    ctypedef struct tl_block_range:
+        uint64_t shard
+        uint64_t lo
+        uint64_t hi
+        uint64_t piece
+
     ctypedef struct tl_block_walk:
         uint32_t slot
         uint32_t prev
@@ -359,7 +365,7 @@ cdef extern from "tokload/blocks.h" nogil:
                           const uint64_t *entries, const uint8_t *blockbuf,
                           int32_t *positions, uint64_t *hkeys, int64_t *hvals,
                           uint64_t hcap, tl_block_seen *t, uint64_t *prange,
-                          uint32_t *item_shard, uint32_t *item_id, uint64_t *item_src,
+                          tl_block_range *order, uint32_t *item_shard, uint32_t *item_id, uint64_t *item_src,
                           uint64_t *item_len, size_t *nitems, tl_span_error *err) noexcept
     uint64_t tl_blocks_count_runs(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
                                   const uint64_t *at, const uint64_t *const *tables,

@@ -108,6 +108,5 @@ def decode_blocks(
     msb: Any,
     index_path: str,
     where: str,
-) -> tuple[
-    np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]
-]: ...
+    records: bool = True,
+) -> tuple[Any, Any, Any, Any]: ...

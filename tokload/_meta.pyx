@@ -81,6 +81,7 @@ cdef enum:
     B_SEEN_VAL    # uint32 per slot
     B_SEEN_GEN    # uint32 per slot
     B_PRANGE      # 3 uint64 per piece: its records' range, and whether it stands alone
+    B_ORDER       # tl_block_range per piece
     NBUF
 
 
@@ -513,6 +514,7 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
     if (_grow(&b[B_PIECES], npieces * sizeof(lib.tl_span_piece)) or _grow_reqs(b, npieces)
             or _grow(&b[B_BLOCKS], nent * 8) or _grow(&b[B_AT], npieces * 8)
             or _grow(&b[B_PSHARD], npieces * 4) or _grow(&b[B_PRANGE], npieces * 24)
+            or _grow(&b[B_ORDER], npieces * sizeof(lib.tl_block_range))
             or _grow(&b[B_REQS], nrow * sizeof(lib.tl_ioreq))
             or _seen_ready(sc, s.block)):
         o.fail = FAIL_MEMORY
@@ -528,7 +530,7 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
             pshard[i] = pieces[i].shard
         rc = tables.need(eng, pshard, npieces, &o.io, &failed)
         if rc:
-            o.fail = FAIL_IO  # out of memory too: an OSError(ENOMEM) naming the index
+            o.fail = FAIL_IO  # out of memory too: a MemoryError naming the index (_raise_io)
             o.round = K_INDEX
             o.item = failed
             return -1
@@ -562,7 +564,8 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
     if lib.tl_blocks_resolve(s, pieces, npieces, <uint64_t *>b[B_AT].p, tabs,
                              <uint64_t *>b[B_BLOCKS].p, <uint8_t *>b[B_BLOCKBUF].p, pos,
                              <uint64_t *>b[B_HKEYS].p, <int64_t *>b[B_HVALS].p, hcap, &sc.seen,
-                             <uint64_t *>b[B_PRANGE].p, <uint32_t *>b[B_ISHARD].p, <uint32_t *>b[B_IID].p,
+                             <uint64_t *>b[B_PRANGE].p, <lib.tl_block_range *>b[B_ORDER].p,
+                             <uint32_t *>b[B_ISHARD].p, <uint32_t *>b[B_IID].p,
                              <uint64_t *>b[B_ISRC].p, <uint64_t *>b[B_ILEN].p, &nitems,
                              &o.span):
         o.fail = FAIL_SPAN
@@ -816,7 +819,7 @@ def encode_blocks(uint64_t block, uint64_t rows, starts, records, mdx, mdb, writ
 
 
 def decode_blocks(uint64_t block, uint64_t rows, uint64_t nrec, index, msb, str index_path,
-                  str where):
+                  str where, bint records=True):
     """A shard's runs and records from its metadata blocks (the inverse of
     :func:`encode_blocks`, for ``tokload.convert``).
 
@@ -825,6 +828,9 @@ def decode_blocks(uint64_t block, uint64_t rows, uint64_t nrec, index, msb, str 
             rows and ``metadata_records``.
         index, msb: the shard's ``.mbx`` (uint64) and ``.msb`` (bytes).
         index_path, where: the ``.mbx``'s and the ``.msb``'s paths, for errors.
+        records: build ``mdx``/``mdb`` (else they come back as None: checking
+            needs memory in proportion to the records the blocks use, not to
+            the manifest's count).
 
     Returns ``(starts, records, mdx, mdb)``: the runs as in a span table
     (a run that continues across a block boundary is one run), and the
@@ -860,12 +866,14 @@ def decode_blocks(uint64_t block, uint64_t rows, uint64_t nrec, index, msb, str 
     if _seen_ready(sc, block):
         raise MemoryError()
     cap = size // 6 + 1  # runs: at least 6 bytes each
+    cdef const uint8_t *base = &db[0] if size else NULL
+    cdef uint64_t used = _records_used(base, &ix[0], nblocks, nrec)
     starts = np.empty(cap, dtype=np.uint64)
-    records = np.empty(cap, dtype=np.uint32)
-    src = np.full(nrec if nrec else 1, -1, dtype=np.int64)
-    lens = np.zeros(nrec if nrec else 1, dtype=np.uint64)
+    runs_rec = np.empty(cap, dtype=np.uint32)
+    src = np.full(used if used else 1, -1, dtype=np.int64)
+    lens = np.zeros(used if used else 1, dtype=np.uint64)
     cdef uint64_t[::1] so = starts, ln = lens
-    cdef uint32_t[::1] ro = records
+    cdef uint32_t[::1] ro = runs_rec
     cdef int64_t[::1] sr = src
     cdef lib.tl_span_error err
     cdef lib.tl_block_info bi
@@ -877,7 +885,7 @@ def decode_blocks(uint64_t block, uint64_t rows, uint64_t nrec, index, msb, str 
     cdef uint32_t differs = lib.TL_SPAN_NONE
     with nogil:
         for b in range(nblocks):
-            p = &db[0] + ix[b] if size else NULL
+            p = base + ix[b] if size else NULL
             rc = lib.tl_block_check(&s, 0, b, p, ix[b + 1] - ix[b], &sc.seen, &bi, &err)
             if rc:
                 break
@@ -899,7 +907,7 @@ def decode_blocks(uint64_t block, uint64_t rows, uint64_t nrec, index, msb, str 
                 if sr[rec] < 0:
                     sr[rec] = <int64_t>(data + a0)
                     ln[rec] = a1 - a0
-                elif ln[rec] != a1 - a0 or memcmp(&db[sr[rec]], &db[data + a0], ln[rec]):
+                elif ln[rec] != a1 - a0 or memcmp(base + sr[rec], base + data + a0, ln[rec]):
                     differs = rec  # a record's bytes are the same wherever it appears
                     break
             if differs != lib.TL_SPAN_NONE:
@@ -909,15 +917,39 @@ def decode_blocks(uint64_t block, uint64_t rows, uint64_t nrec, index, msb, str 
     if differs != lib.TL_SPAN_NONE:
         raise CorruptDataError(f"{where}: metadata block {b}: record {differs} has other bytes "
                                "than where it appears first")
+    if not records:
+        return starts[:n].copy(), runs_rec[:n].copy(), None, None
     mdx = np.zeros(nrec + 1, dtype=np.uint64)
-    if nrec:
-        np.cumsum(lens[:nrec], out=mdx[1:])
+    if used:
+        np.cumsum(lens[:used], out=mdx[1 : used + 1])
+        mdx[used + 1 :] = mdx[used]
     mdb = np.empty(int(mdx[nrec]), dtype=np.uint8)
     cdef uint8_t[::1] mo = mdb
+    cdef uint8_t *out = &mo[0] if mo.shape[0] else NULL
     cdef const uint64_t[::1] mx = mdx
     cdef uint64_t k
     with nogil:
-        for k in range(nrec):
+        for k in range(used):
             if ln[k]:
-                memcpy(&mo[mx[k]], &db[sr[k]], ln[k])
-    return starts[:n].copy(), records[:n].copy(), mdx, mdb
+                memcpy(out + mx[k], base + sr[k], ln[k])
+    return starts[:n].copy(), runs_rec[:n].copy(), mdx, mdb
+
+
+cdef uint64_t _records_used(const uint8_t *base, const uint64_t *ix, uint64_t nblocks,
+                            uint64_t nrec) noexcept nogil:
+    """One more than the largest record (below ``nrec``) the blocks name, read
+    without the checks (they come after): sizes decode_blocks' tables."""
+    cdef uint64_t b, r, nruns, len_, used = 0
+    cdef uint32_t rec
+    for b in range(nblocks):
+        len_ = ix[b + 1] - ix[b] if ix[b + 1] >= ix[b] else 0
+        if len_ < 4:
+            continue
+        nruns = lib.tl_load_u32(base + ix[b])
+        if 4 + 6 * nruns > len_:
+            continue
+        for r in range(nruns):
+            rec = lib.tl_load_u32(base + ix[b] + 4 + 2 * nruns + 4 * r)
+            if rec < nrec and rec + 1 > used:
+                used = rec + 1
+    return used

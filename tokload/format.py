@@ -657,7 +657,8 @@ def index_memory() -> int:
     else :data:`DEFAULT_INDEX_MEMORY`. An index whose files add up to more is
     read entry by entry instead, a round of small reads per batch before the
     rows; one that fits is read whole, a shard at a time, when a batch first
-    needs it, and kept until the dataset is closed."""
+    needs it, and kept (in this process) until the opened dataset is
+    garbage-collected."""
     env = os.environ.get("TOKLOAD_INDEX_MEMORY")
     if not env:
         return DEFAULT_INDEX_MEMORY

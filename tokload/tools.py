@@ -171,6 +171,7 @@ def _check_blocks(base: Path, rows: int, records: int, block: int) -> str | None
             np.fromfile(msb, np.uint8),
             str(index),
             str(msb),
+            records=False,
         )
     except TokloadError as e:
         return str(e)

@@ -42,6 +42,8 @@ Span = tuple[int, int, bytes]
 """A metadata record attached to rows ``[start, stop)`` of a document."""
 
 _U64 = np.dtype("<u8")
+MAX_RECORD = 0xFFFFFFFF
+"""The largest record a metadata block can hold (its ends are uint32)."""
 
 
 class Writer:
@@ -217,6 +219,11 @@ class Writer:
                 records.append(k)  # renumbered to shard ids below
                 end = stop
                 payloads.append(bytes(payload))
+                if self.layout == "blocks" and len(payloads[-1]) > MAX_RECORD:
+                    raise ValueError(
+                        f"span [{start}, {stop}): a record of {len(payloads[-1])} bytes; at most "
+                        f"{MAX_RECORD} fit in a metadata block"
+                    )
             if end < n:
                 starts.append(end)
                 records.append(NO_METADATA)
@@ -304,7 +311,13 @@ class Writer:
         shard, self._shard = self._shard, None
         if shard is None:
             return
-        info = shard.finish(self.durable)
+        try:
+            info = shard.finish(self.durable)
+        except BaseException:  # nothing of an unfinished shard is left behind
+            for f in shard.files:
+                f.close()
+            shard.remove()
+            raise
         if info.rows == 0 and info.documents == 0:
             shard.remove()
             return
@@ -322,9 +335,11 @@ class Writer:
         if self._closed:
             return
         self._closed = True
-        self._close_shard()
-        if not (self.path / MANIFEST).exists():
-            write_manifest(self.path, self.manifest)  # an empty dataset is still a dataset
+        try:
+            self._close_shard()
+        finally:
+            if not (self.path / MANIFEST).exists():
+                write_manifest(self.path, self.manifest)  # an empty dataset is still a dataset
 
     def __enter__(self) -> Self:
         return self
@@ -386,8 +401,15 @@ class _OpenShard:
             for ext in self.work
         ]
         self.files: list[IO[bytes]] = []
-        for p in self.paths:
-            self.files.append(open(p, "xb", buffering=1 << 20))  # noqa: SIM115
+        try:
+            for p in self.paths:
+                self.files.append(open(p, "xb", buffering=1 << 20))  # noqa: SIM115
+        except BaseException:
+            for f in self.files:
+                f.close()
+            for p in self.paths[: len(self.files)]:
+                p.unlink(missing_ok=True)
+            raise
         # The checksums are computed from the bytes as they are written: no second pass.
         self.hashes = [xxhash.xxh3_64() for _ in self.paths]
         self.rows = 0
@@ -511,7 +533,11 @@ class _OpenShard:
 
     def _encode_blocks(self, durable: bool, checksums: dict[str, str]) -> int:
         """Layout "blocks": the ``.msb`` and ``.mbx`` from the hidden files,
-        which are then removed.  Returns the ``.msb``'s size."""
+        which are then removed.  Returns the ``.msb``'s size.
+
+        The shard's runs and records are loaded whole (about 12 bytes per run
+        and the records: 130 MB for a 1 GiB shard of ``uint16`` tokens at one
+        record per 100)."""
         mdx_p, mdb_p, mds_p = self.paths[2:5]
         runs = np.fromfile(mds_p, SPAN_DTYPE)
         mdx = np.fromfile(mdx_p, _U64)
@@ -615,7 +641,8 @@ def convert(
     ``"per_token"`` (version 1): the rows gain a ``metadata_id`` field (a
     plain dtype becomes the field ``"tokens"``). ``span_block`` is the
     target's (default: 4096 rows per block, 1024 per span table block index
-    entry). Shards, documents and records stay as they are (a record no row
+    entry; converting to the same layout with another ``span_block`` re-blocks
+    it). Shards, documents and records stay as they are (a record no row
     refers to keeps no bytes when the source is in blocks), so a
     :class:`~tokload.StreamWithMetadata` of the copy gives the same batches,
     bit for bit. Memory stays within a shard's metadata (the rows are
@@ -629,9 +656,13 @@ def convert(
     m = read_manifest(root)
     if not m.metadata or not m.documents:
         raise FormatError(f"{root}: the dataset has no metadata (or no documents) to convert")
-    if m.metadata_layout == layout:
-        raise FormatError(f"{root}: the metadata already has layout {layout!r}; nothing to convert")
     block = _checked_block(span_block, layout)
+    if m.metadata_layout == layout and (layout == "per_token" or block == m.span_block):
+        raise FormatError(
+            f"{root}: the metadata already has layout {layout!r}"
+            + ("" if layout == "per_token" else f" with span_block {block}")
+            + "; nothing to convert"
+        )
     old = m.dtype
     if layout != "per_token":
         if m.metadata_layout == "per_token":

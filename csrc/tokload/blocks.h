@@ -39,6 +39,7 @@
 #ifndef TOKLOAD_BLOCKS_H
 #define TOKLOAD_BLOCKS_H
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -296,18 +297,34 @@ TL_INLINE uint32_t tl_block_walk_slot(const tl_block_info *bi, tl_block_seen *t,
  * with its bytes' place in the block buffer (item_src, item_len).
  * hkeys/hvals: hcap slots (a power of two, at least twice the runs of the
  * blocks read, which is at most their rows); t: a block-local set; prange:
- * 3 values per piece.
+ * 3 values per piece; order: one tl_block_range per piece.
  *
  * A piece whose blocks' records never decrease, across its blocks too, and
  * whose range of records meets no other piece's of its shard cannot share a
  * record with another piece: its records need no look-up in the batch's set
  * (a record is new where it differs from the one before).  Others go through
  * the set.  Returns 0 and *nitems, or an error code. */
+typedef struct {
+    uint64_t shard;
+    uint64_t lo;
+    uint64_t hi;
+    uint64_t piece;
+} tl_block_range;
+
+static inline int tl_block_range_cmp(const void *a, const void *b)
+{
+    const tl_block_range *x = (const tl_block_range *)a, *y = (const tl_block_range *)b;
+    if (x->shard != y->shard) return x->shard < y->shard ? -1 : 1;
+    if (x->lo != y->lo) return x->lo < y->lo ? -1 : 1;
+    return x->piece < y->piece ? -1 : x->piece > y->piece;
+}
+
 TL_INLINE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
                                 const uint64_t *at, const uint64_t *const *tables,
                                 const uint64_t *entries, const uint8_t *blockbuf,
                                 int32_t *positions, uint64_t *hkeys, int64_t *hvals,
                                 uint64_t hcap, tl_block_seen *t, uint64_t *prange,
+                                tl_block_range *order,
                                 uint32_t *item_shard, uint32_t *item_id, uint64_t *item_src,
                                 uint64_t *item_len, size_t *nitems, tl_span_error *err)
 {
@@ -336,15 +353,28 @@ TL_INLINE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *piec
         prange[3 * i + 1] = hi;
         prange[3 * i + 2] = ordered;
     }
+    /* a piece meets another of its shard when their ranges overlap: sorted by
+     * (shard, lo), piece i meets one before it if its lo is at most the largest
+     * hi before it, and one after it if the next lo is at most its hi */
+    size_t m = 0;
     for (size_t i = 0; i < n; i++) {
-        if (prange[3 * i] > prange[3 * i + 1]) continue; /* no records */
-        for (size_t j = 0; j < n && prange[3 * i + 2]; j++) {
-            if (j != i && pieces[j].shard == pieces[i].shard && prange[3 * j] <= prange[3 * j + 1] &&
-                prange[3 * j] <= prange[3 * i + 1] && prange[3 * i] <= prange[3 * j + 1])
-                prange[3 * i + 2] = 0;
-        }
-        any_set |= !prange[3 * i + 2];
+        if (prange[3 * i] > prange[3 * i + 1]) continue; /* no records: meets none */
+        order[m].shard = pieces[i].shard;
+        order[m].lo = prange[3 * i];
+        order[m].hi = prange[3 * i + 1];
+        order[m].piece = i;
+        m++;
     }
+    qsort(order, m, sizeof(tl_block_range), tl_block_range_cmp);
+    uint64_t top = 0;
+    for (size_t j = 0; j < m; j++) {
+        int first = j == 0 || order[j].shard != order[j - 1].shard;
+        int meets = (!first && order[j].lo <= top) ||
+                    (j + 1 < m && order[j + 1].shard == order[j].shard && order[j + 1].lo <= order[j].hi);
+        if (meets) prange[3 * order[j].piece + 2] = 0;
+        top = first || order[j].hi > top ? order[j].hi : top;
+    }
+    for (size_t i = 0; i < n; i++) any_set |= !prange[3 * i + 2];
     if (any_set)
         for (uint64_t h = 0; h < hcap; h++) hvals[h] = -1;
     /* 2: positions and records */
@@ -355,7 +385,7 @@ TL_INLINE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *piec
         const uint64_t *e = tl_blocks_entries(s, p, tables, entries);
         uint64_t b0 = p->start / s->block, b1 = (p->start + p->len - 1) / s->block;
         uint64_t end = p->start + p->len;
-        int32_t *pos = positions + p->dst - p->start; /* indexed by shard-local row */
+        int32_t *pos = positions + p->dst; /* the piece's first row */
         uint32_t last_rec = TL_SPAN_NONE;
         int32_t last_item = -1;
         for (uint64_t b = b0; b <= b1; b++) {
@@ -406,7 +436,7 @@ TL_INLINE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *piec
                     last_rec = rec;
                     last_item = v;
                 }
-                for (uint64_t row = lo; row < hi; row++) pos[row] = v;
+                for (uint64_t row = lo; row < hi; row++) pos[row - p->start] = v;
             }
         }
     }
@@ -503,7 +533,11 @@ TL_INLINE int tl_blocks_encode(uint64_t block, uint64_t rows, const uint64_t *st
         }
         w += size;
         /* the run holding the next block's first row */
-        while (r + 1 < nruns && starts[r + 1] <= top) r++;
+        while (r + 1 < nruns && starts[r + 1] <= top) {
+            if (TL_UNLIKELY(starts[r + 1] <= starts[r]))
+                return tl_span_fail(err, TL_BLOCK_BAD_INPUT, 0, r + 1, starts[r + 1], starts[r]);
+            r++;
+        }
         unused = r1;
     }
     if (TL_UNLIKELY(b1 * block >= rows && unused < nruns)) /* a run no block holds */
