@@ -827,7 +827,7 @@ cdef class DocIndex(ExtentIndex):
                                          <const uint64_t *const *>tables.tabs, ids, n, ent)
                     else:  # name a document of the shard whose index failed
                         for failed in range(n):
-                            if shards[failed] == err.file:
+                            if shards[failed] == <uint32_t>err.file:
                                 break
                 else:
                     lib.tl_docs_plan(self.files.files, &self._doc_cum[0], self.files.nfiles, ids,

@@ -436,7 +436,8 @@ TL_INLINE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *piec
                     last_rec = rec;
                     last_item = v;
                 }
-                for (uint64_t row = lo; row < hi; row++) pos[row - p->start] = v;
+                int32_t *out = pos + (lo - p->start); /* locals: the loop vectorizes */
+                for (uint64_t j = 0, m = hi - lo; j < m; j++) out[j] = v;
             }
         }
     }
