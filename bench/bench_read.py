@@ -164,7 +164,7 @@ LAYOUT_BUILDS = (
 
 
 def measure_layouts(
-    root: Path, tokens: int = 8 << 20, doc: int = 2048, seconds: float = 1.0
+    root: Path, tokens: int = 8 << 20, doc: int = 2048, seconds: float = 2.0, rounds: int = 10
 ) -> dict[str, Any]:
     """Tokens/s of random windows of 4097 in batches of 8 (warm cache) for
     TokenStream, StreamWithMetadata (metadata blocks and span table at 1
@@ -172,7 +172,8 @@ def measure_layouts(
     Documents padded and packed (batches of 8 documents of ``doc`` tokens),
     metadata blocks and documents again with their indexes read entry by
     entry (``TOKLOAD_INDEX_MEMORY=0``), and the on-disk size of each build of
-    the same uint16 tokens."""
+    the same uint16 tokens. Each rate is the median of ``rounds`` slices of
+    ``seconds / rounds``, the read kinds taking turns."""
     import time
 
     rng = np.random.default_rng(0)
@@ -200,34 +201,18 @@ def measure_layouts(
                 w.write(t if layout != "per_token" else {"tokens": t}, spans=spans)
         builds[name] = root / name.replace("/", "-").replace(" ", "_")
 
-    def rate(view: Any, read: Any) -> float:
-        n = len(view)
-        batches = [rng.integers(0, n, 8) for _ in range(64)]
-        for b in batches[:8]:
-            read(b)  # warm
-        done = 0
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            for b in batches:
-                done += read(b)
-        return done / (time.perf_counter() - t0)
-
-    res: dict[str, Any] = {"rates": {}, "sizes": {}}
+    # Every read kind is timed in turns, ``rounds`` slices of ``seconds / rounds``
+    # each, and its median slice kept: a slow moment of the machine then costs
+    # every kind alike instead of whichever ran then.
+    readers: dict[str, tuple[Any, Any]] = {}
     ts = tokload.TokenStream(builds["tokens only"], window=WINDOW)
-
-    def read_tokens(b: np.ndarray) -> int:
-        ts.read(b)
-        return len(b) * WINDOW  # tokens read
-
-    res["rates"]["TokenStream"] = rate(ts, read_tokens)
+    readers["TokenStream"] = (ts, lambda b: (ts.read(b), len(b) * WINDOW)[1])
     for name in (f"{layout} 1/{every}" for every, layout in LAYOUT_BUILDS):
         v = tokload.StreamWithMetadata(builds[name], window=WINDOW)
-        res["rates"][f"StreamWithMetadata {name}"] = rate(
-            v, lambda b, v=v: v.read(b).positions.size
-        )
+        readers[f"StreamWithMetadata {name}"] = (v, lambda b, v=v: v.read(b).positions.size)
     dp = tokload.Documents(builds["tokens only"])
-    res["rates"]["Documents padded"] = rate(dp, lambda b: int(dp.read_padded(b)[1].sum()))
-    res["rates"]["Documents packed"] = rate(dp, lambda b: int(dp.read(b).offsets[-1]))
+    readers["Documents padded"] = (dp, lambda b: int(dp.read_padded(b)[1].sum()))
+    readers["Documents packed"] = (dp, lambda b: int(dp.read(b).offsets[-1]))
     # the same with every index read entry by entry (an index too big to hold in memory)
     os.environ["TOKLOAD_INDEX_MEMORY"] = "0"
     try:
@@ -235,12 +220,29 @@ def measure_layouts(
         dq = tokload.Documents(builds["tokens only"])
     finally:
         del os.environ["TOKLOAD_INDEX_MEMORY"]
-    res["rates"]["StreamWithMetadata blocks 1/100, index not held"] = rate(
-        vb, lambda b: vb.read(b).positions.size
+    readers["StreamWithMetadata blocks 1/100, index not held"] = (
+        vb,
+        lambda b: vb.read(b).positions.size,
     )
-    res["rates"]["Documents packed, index not held"] = rate(
-        dq, lambda b: int(dq.read(b).offsets[-1])
-    )
+    readers["Documents packed, index not held"] = (dq, lambda b: int(dq.read(b).offsets[-1]))
+
+    batches = {k: [rng.integers(0, len(v), 8) for _ in range(64)] for k, (v, _) in readers.items()}
+    for k, (_, read) in readers.items():
+        for b in batches[k][:8]:
+            read(b)  # warm
+    slices: dict[str, list[float]] = {k: [] for k in readers}
+    for _ in range(rounds):
+        for k, (_, read) in readers.items():
+            done = 0
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < seconds / rounds:
+                for b in batches[k]:
+                    done += read(b)
+            slices[k].append(done / (time.perf_counter() - t0))
+    res: dict[str, Any] = {
+        "rates": {k: float(np.median(v)) for k, v in slices.items()},
+        "sizes": {},
+    }
     for name, p in builds.items():
         res["sizes"][name] = sum(f.stat().st_size for f in p.iterdir() if f.name != "manifest.json")
     return res
