@@ -270,6 +270,55 @@ cdef object _bytes(object alloc, uint64_t n):
     return alloc((n,), np.uint8) if n else np.empty(0, dtype=np.uint8)
 
 
+cdef struct Windows:
+    size_t nwin
+    int32_t *pos   # their positions (NULL when there is nothing to read)
+    uint8_t *dst   # their rows' destination, or NULL
+
+
+cdef int _window_args(RowSet rows, indices, uint64_t first, uint64_t count, uint64_t stride,
+                      uint64_t window, out, positions, Buf *b, Windows *w) except -1:
+    """Check the arguments of a ``read_windows`` (the arrays stay the caller's:
+    ``w`` points into them) and put the windows' first rows in B_STARTS.
+    Returns 1 when there is nothing to read, else 0."""
+    cdef const int64_t[::1] iv = _indices(indices)
+    cdef int32_t[::1] pos = positions.reshape(-1)
+    cdef uint8_t[::1] dst
+    w.nwin = iv.shape[0]
+    w.pos = NULL
+    w.dst = NULL
+    if <uint64_t>pos.shape[0] != w.nwin * window:
+        raise ValueError(f"positions must hold {w.nwin} x {window} values, "
+                         f"not {pos.shape[0]}")
+    if out is not None:
+        dst = out.reshape(-1).view(np.uint8)
+        if <uint64_t>dst.shape[0] < w.nwin * window * rows.rs.row_bytes:
+            raise ValueError(f"out holds {dst.shape[0]} bytes, need "
+                             f"{w.nwin * window * rows.rs.row_bytes}")
+        if dst.shape[0]:
+            w.dst = &dst[0]
+    if w.nwin == 0 or window == 0:
+        return 1
+    w.pos = &pos[0]
+    if _grow(&b[B_STARTS], w.nwin * 8):
+        raise MemoryError()
+    _checked_window_starts(iv, first, count, stride, window, rows.total,
+                           <uint64_t *>b[B_STARTS].p)
+    return 0
+
+
+cdef tuple _record_arrays(object alloc, Buf *b, size_t nitems, uint64_t nbytes):
+    """The batch's ``(data, offsets)`` made with ``alloc``: the offsets from
+    B_OFFSETS (all 0 when there are no records), ``data`` to be filled."""
+    offsets = alloc((nitems + 1,), np.int64)
+    cdef int64_t[::1] off = offsets
+    if nitems:
+        memcpy(&off[0], b[B_OFFSETS].p, (nitems + 1) * 8)  # 8 bytes a record
+    else:
+        off[0] = 0
+    return _bytes(alloc, nbytes), offsets
+
+
 cdef class SpanSet:
     """The span tables and records of a dataset's shards (FORMAT.md, version 2).
 
@@ -363,37 +412,19 @@ cdef class SpanSet:
         cdef RowSet r
         for r in (self.rows, self.blocks_rs, self.runs_rs, self.index_rs, self.data_rs):
             r.files.check_open()
-        cdef const int64_t[::1] iv = _indices(indices)
-        cdef size_t nwin = iv.shape[0]
-        cdef int32_t[::1] pos = positions.reshape(-1)
-        cdef uint8_t[::1] dst
-        cdef uint8_t *dptr = NULL
         cdef Buf *b = scratch.b
-        if <uint64_t>pos.shape[0] != nwin * window:
-            raise ValueError(f"positions must hold {nwin} x {window} values, "
-                             f"not {pos.shape[0]}")
-        if out is not None:
-            dst = out.reshape(-1).view(np.uint8)
-            if <uint64_t>dst.shape[0] < nwin * window * self.rows.rs.row_bytes:
-                raise ValueError(f"out holds {dst.shape[0]} bytes, need "
-                                 f"{nwin * window * self.rows.rs.row_bytes}")
-            if dst.shape[0]:
-                dptr = &dst[0]
-        if nwin == 0 or window == 0:
-            offsets = alloc((1,), np.int64)
-            offsets[0] = 0
-            return _bytes(alloc, 0), offsets
-        if _grow(&b[B_STARTS], nwin * 8):
-            raise MemoryError()
+        cdef Windows w
+        if _window_args(self.rows, indices, first, count, stride, window, out, positions, b, &w):
+            return _record_arrays(alloc, b, 0, 0)
+        cdef size_t nwin = w.nwin
+        cdef uint8_t *dptr = w.dst
         cdef uint64_t *starts = <uint64_t *>b[B_STARTS].p
-        _checked_window_starts(iv, first, count, stride, window, self.rows.total, starts)
         cdef lib.tl_engine eng
         cdef Outcome o
         cdef int rc
         self.rows.files.engine_begin(&eng)
         with nogil:
-            rc = _batch(&self.s, self.sets, &eng, &self.rows.rs, dptr, nwin, window, &pos[0], b,
-                        &o)
+            rc = _batch(&self.s, self.sets, &eng, &self.rows.rs, dptr, nwin, window, w.pos, b, &o)
         self.rows.files.engine_end(&eng)
         if rc:
             if o.fail == FAIL_MEMORY:
@@ -404,10 +435,7 @@ cdef class SpanSet:
                 s0 = starts[o.item]
                 _raise_io(&o.io, self.rows.files.paths, f"rows [{s0}, {s0 + window})")
             _raise_io(&o.io, self._paths[o.round - 1], _ROUND_WHAT[o.round])
-        offsets = alloc((o.nitems + 1,), np.int64)
-        cdef int64_t[::1] off = offsets
-        memcpy(&off[0], b[B_OFFSETS].p, (o.nitems + 1) * 8)  # 8 bytes a record
-        data = _bytes(alloc, o.nbytes)
+        data, offsets = _record_arrays(alloc, b, o.nitems, o.nbytes)
         cdef uint8_t[::1] d
         if o.nbytes:
             # the records' bytes go from the files straight into the batch's buffer
@@ -679,30 +707,13 @@ cdef class BlockSet:
         cdef RowSet r
         for r in (self.rows, self.index_rs, self.blocks_rs):
             r.files.check_open()
-        cdef const int64_t[::1] iv = _indices(indices)
-        cdef size_t nwin = iv.shape[0]
-        cdef int32_t[::1] pos = positions.reshape(-1)
-        cdef uint8_t[::1] dst
-        cdef uint8_t *dptr = NULL
         cdef Buf *b = scratch.b
-        if <uint64_t>pos.shape[0] != nwin * window:
-            raise ValueError(f"positions must hold {nwin} x {window} values, "
-                             f"not {pos.shape[0]}")
-        if out is not None:
-            dst = out.reshape(-1).view(np.uint8)
-            if <uint64_t>dst.shape[0] < nwin * window * self.rows.rs.row_bytes:
-                raise ValueError(f"out holds {dst.shape[0]} bytes, need "
-                                 f"{nwin * window * self.rows.rs.row_bytes}")
-            if dst.shape[0]:
-                dptr = &dst[0]
-        if nwin == 0 or window == 0:
-            offsets = alloc((1,), np.int64)
-            offsets[0] = 0
-            return _bytes(alloc, 0), offsets
-        if _grow(&b[B_STARTS], nwin * 8):
-            raise MemoryError()
+        cdef Windows w
+        if _window_args(self.rows, indices, first, count, stride, window, out, positions, b, &w):
+            return _record_arrays(alloc, b, 0, 0)
+        cdef size_t nwin = w.nwin
+        cdef uint8_t *dptr = w.dst
         cdef uint64_t *starts = <uint64_t *>b[B_STARTS].p
-        _checked_window_starts(iv, first, count, stride, window, self.rows.total, starts)
         cdef lib.tl_engine eng
         cdef Outcome o
         cdef int rc
@@ -710,7 +721,7 @@ cdef class BlockSet:
         with nogil:
             rc = _blocks_batch(&self.s, &self.sp, self.tables, &self.index_rs.rs,
                                &self.blocks_rs.rs, &eng, &self.rows.rs, dptr, nwin, window,
-                               &pos[0], scratch, &o)
+                               w.pos, scratch, &o)
         self.rows.files.engine_end(&eng)
         if rc:
             if o.fail == FAIL_MEMORY:
@@ -723,10 +734,7 @@ cdef class BlockSet:
             if o.round == K_INDEX:
                 _raise_io(&o.io, self._paths[0], "the metadata block index")
             _raise_io(&o.io, self._paths[1], "the metadata blocks")
-        offsets = alloc((o.nitems + 1,), np.int64)
-        cdef int64_t[::1] off = offsets
-        memcpy(&off[0], b[B_OFFSETS].p, (o.nitems + 1) * 8)
-        data = _bytes(alloc, o.nbytes)
+        data, offsets = _record_arrays(alloc, b, o.nitems, o.nbytes)
         cdef uint8_t[::1] d
         if o.nbytes:
             d = data
