@@ -356,6 +356,8 @@ cdef extern from "tokload/blocks.h" nogil:
     uint32_t tl_block_walk_slot(const tl_block_info *bi, tl_block_seen *t, tl_block_walk *w,
                                 uint32_t rec) noexcept
 
+    uint64_t tl_block_index_bad(const uint64_t *e, uint64_t n, uint64_t b0, uint64_t nblocks,
+                                uint64_t size) noexcept
     int tl_blocks_slices(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
                          const uint64_t *const *tables, const uint64_t *entries,
                          tl_span_reqs q, uint64_t *at, uint64_t *nbytes,

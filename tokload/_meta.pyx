@@ -854,11 +854,12 @@ def decode_blocks(uint64_t block, uint64_t rows, uint64_t nrec, index, msb, str 
     cdef uint64_t nblocks = (rows + block - 1) // block, b, size = db.shape[0]
     if <uint64_t>ix.shape[0] != nblocks + 1:
         raise ValueError(f"{nblocks + 1} block index entries needed, got {ix.shape[0]}")
-    for b in range(nblocks + 1):
-        if ix[b] > size or (b and ix[b] < ix[b - 1]) or (b == 0 and ix[b]) or (
-                b == nblocks and ix[b] != size):
-            raise CorruptDataError(f"{index_path}: block index entry {b} = {ix[b]} breaks "
-                                   f"0 = first <= ... <= last = {size} (the .msb size)")
+    cdef lib.tl_span_error err
+    b = lib.tl_block_index_bad(&ix[0], nblocks + 1, 0, nblocks, size)
+    if b <= nblocks:
+        err.code, err.shard, err.entry, err.value, err.limit = (
+            lib.TL_BLOCK_BAD_INDEX, 0, b, ix[b], size)
+        raise _block_corrupt(&err, index_path, where)
     cdef uint64_t row_cum[2]
     cdef uint64_t nrec1[1]
     row_cum[0] = 0
@@ -883,7 +884,6 @@ def decode_blocks(uint64_t block, uint64_t rows, uint64_t nrec, index, msb, str 
     cdef uint64_t[::1] so = starts, ln = lens
     cdef uint32_t[::1] ro = runs_rec
     cdef int64_t[::1] sr = src
-    cdef lib.tl_span_error err
     cdef lib.tl_block_info bi
     cdef lib.tl_block_walk walk
     cdef uint32_t r, rec, j, a0, a1

@@ -137,6 +137,21 @@ TL_INLINE const uint64_t *tl_blocks_entries(const tl_block_set *s, const tl_span
     return tables ? tables[p->shard] + p->start / s->block : entries + p->blk;
 }
 
+/* The first of entries e[0..n) (block index entries b0, b0 + 1, ... of a
+ * shard of nblocks blocks whose .msb is size bytes) that breaks 0 = first <=
+ * ... <= last = size, or n when none does. */
+TL_INLINE uint64_t tl_block_index_bad(const uint64_t *e, uint64_t n, uint64_t b0,
+                                      uint64_t nblocks, uint64_t size)
+{
+    for (uint64_t j = 0; j < n; j++) {
+        uint64_t b = b0 + j;
+        if (TL_UNLIKELY(e[j] > size || (j && e[j] < e[j - 1]) || (b == 0 && e[j] != 0) ||
+                        (b == nblocks && e[j] != size)))
+            return j;
+    }
+    return n;
+}
+
 /* Step 2: check each piece's block index entries; one read of its blocks'
  * bytes into the block buffer at at[i].  q: one request per piece, in
  * units of bytes of the .msb files.  Returns 0 and *nbytes, or an error. */
@@ -153,12 +168,9 @@ TL_INLINE int tl_blocks_slices(const tl_block_set *s, const tl_span_piece *piece
         uint64_t nblocks = s->msx_cum[k + 1] - s->msx_cum[k] - 1;
         uint64_t b0 = p->start / s->block, b1 = (p->start + p->len - 1) / s->block;
         const uint64_t *e = tl_blocks_entries(s, p, tables, entries);
-        for (uint64_t j = 0; j <= b1 + 1 - b0; j++) {
-            uint64_t b = b0 + j;
-            int bad = e[j] > size || (j && e[j] < e[j - 1]) || (b == 0 && e[j] != 0) ||
-                      (b == nblocks && e[j] != size);
-            if (TL_UNLIKELY(bad)) return tl_span_fail(err, TL_BLOCK_BAD_INDEX, k, b, e[j], size);
-        }
+        uint64_t j = tl_block_index_bad(e, b1 + 2 - b0, b0, nblocks, size);
+        if (TL_UNLIKELY(j < b1 + 2 - b0))
+            return tl_span_fail(err, TL_BLOCK_BAD_INDEX, k, b0 + j, e[j], size);
         uint64_t len = e[b1 + 1 - b0] - e[0];
         at[i] = total;
         q.start[i] = s->msb_cum[k] + e[0];
