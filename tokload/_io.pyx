@@ -552,15 +552,11 @@ cdef class RowSet:
         cdef lib.tl_ioreq *reqs = NULL
         cdef lib.tl_engine eng
         cdef lib.tl_io_error err
-        cdef size_t failed = 0, nreq, m
+        cdef size_t failed = 0, m
         cdef uint8_t *dptr = &dst[0] if dst.shape[0] else NULL
         cdef int rc
         try:
-            _checked_window_starts(iv, first, count, stride, window, self.total, starts)
-            nreq = lib.tl_rows_count_reqs(&self.rs, starts, NULL, window, n)
-            reqs = <lib.tl_ioreq *>PyMem_Malloc(max(nreq, 1) * sizeof(lib.tl_ioreq))
-            if reqs is NULL:
-                raise MemoryError()
+            reqs = self._window_reqs(iv, first, count, stride, window, starts)
             self.files.engine_begin(&eng)
             with nogil:
                 m = lib.tl_rows_plan_many(&self.rs, starts, NULL, window, NULL, n, dptr, reqs)
@@ -573,6 +569,18 @@ cdef class RowSet:
             PyMem_Free(reqs)
             PyMem_Free(starts)
 
+
+    cdef lib.tl_ioreq *_window_reqs(self, const int64_t[::1] iv, uint64_t first, uint64_t count,
+                                    uint64_t stride, uint64_t window,
+                                    uint64_t *starts) except NULL:
+        """Check the windows of observations ``iv``, put their first rows in
+        ``starts``, and return room (PyMem_Malloc) for their read requests."""
+        _checked_window_starts(iv, first, count, stride, window, self.total, starts)
+        cdef size_t nreq = lib.tl_rows_count_reqs(&self.rs, starts, NULL, window, iv.shape[0])
+        cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>PyMem_Malloc(max(nreq, 1) * sizeof(lib.tl_ioreq))
+        if reqs is NULL:
+            raise MemoryError()
+        return reqs
 
     def hint_windows(self, indices, uint64_t first, uint64_t count, uint64_t stride,
                      uint64_t window):
@@ -592,11 +600,7 @@ cdef class RowSet:
             raise MemoryError()
         cdef lib.tl_ioreq *reqs = NULL
         try:
-            _checked_window_starts(iv, first, count, stride, window, self.total, starts)
-            nreq = lib.tl_rows_count_reqs(&self.rs, starts, NULL, window, n)
-            reqs = <lib.tl_ioreq *>PyMem_Malloc(max(nreq, 1) * sizeof(lib.tl_ioreq))
-            if reqs is NULL:
-                raise MemoryError()
+            reqs = self._window_reqs(iv, first, count, stride, window, starts)
             with nogil:
                 nreq = lib.tl_rows_plan_many(&self.rs, starts, NULL, window, NULL, n, NULL, reqs)
                 m = lib.tl_ioreq_hint(reqs, nreq, &_cache)
