@@ -699,8 +699,9 @@ def open_dataset(path: str | os.PathLike[str]) -> Source:
             bp = root / (s.name + ".msb")
             kp = root / (s.name + ".mbx")
             _expect_size(bp, "metadata blocks", s.metadata_bytes)
-            index_bytes += (-(-s.rows // block) + 1) * 8
-            _expect_size(kp, "metadata block index", (-(-s.rows // block) + 1) * 8)
+            shard_index = (-(-s.rows // block) + 1) * 8
+            _expect_size(kp, "metadata block index", shard_index)
+            index_bytes += shard_index
             msb_paths.append(bp)
             mbx_paths.append(kp)
         elif m.metadata:
