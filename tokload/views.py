@@ -537,8 +537,7 @@ class StreamWithMetadata(_Windows):
             raise FormatError(f"{self.source.description} has no metadata")
         self.deserialize = deserialize or bytes
         self._local = threading.local()  # per reader thread: the span reader's scratch
-        self._lay = self._layout()
-        self._plain = self.source.dtype.fields is None
+        self._lay = self._layout()  # (name, dtype, offset) per field, fixed for the view
 
     def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
         """The view protocol (:mod:`tokload.assembly`): the fields (all but
@@ -569,7 +568,7 @@ class StreamWithMetadata(_Windows):
 
     def empty(self, batch: int, alloc: Alloc = np.empty) -> dict[str, np.ndarray]:
         """Per-field arrays (all fields but ``metadata_id``) ``read`` can fill."""
-        return {name: alloc((batch, self.window), ft) for name, ft, _ in self._layout()}
+        return {name: alloc((batch, self.window), ft) for name, ft, _ in self._lay}
 
     def __getitem__(self, i: int) -> MetadataBatch:
         b = self.read(self._index(i))
@@ -605,7 +604,7 @@ class StreamWithMetadata(_Windows):
                 sc = self._local.scratch
             except AttributeError:
                 sc = self._local.scratch = Scratch()
-            if self._plain:
+            if dt.fields is None:
                 data, offsets = spans.read_windows(
                     idx,
                     self._lo,
@@ -654,7 +653,7 @@ class StreamWithMetadata(_Windows):
         assert meta is not None
         b, t = len(idx), self.window
         dt = self.source.dtype
-        layout = self._layout()
+        layout = self._lay
         ids = np.empty((b, t), dtype=np.uint32)
         assert dt.fields is not None
         scratch = np.empty((b, t), dtype=dt)
