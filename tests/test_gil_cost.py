@@ -36,9 +36,16 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def calls_per_batch(view: Any, batch_size: int = 8, steps_per_task: int = 8) -> float:
-    """Python-level calls per batch while a reader thread builds a task, steady state."""
-    ld = DataLoader(view, batch_size, num_threads=0, steps_per_task=steps_per_task)
+def calls_per_batch(
+    view: Any, batch_size: int = 8, steps_per_task: int = 8, **loader: Any
+) -> float:
+    """Python-level calls per batch while a reader thread builds a task, steady state.
+
+    Host batches in ordinary memory unless ``loader`` says otherwise, so the counts
+    are the same on hosts with and without CUDA (``tests/test_gpu.py`` counts the
+    device path with this function)."""
+    loader = {"pin_memory": False, "device": None, **loader}
+    ld = DataLoader(view, batch_size, num_threads=0, steps_per_task=steps_per_task, **loader)
     build = _task_builder(ld, 0)
     build(0)  # first tasks: permutation tables, dtype caches
     build(1)

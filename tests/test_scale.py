@@ -89,7 +89,10 @@ def test_trillion_tokens_open_fast_and_stay_small(trillion: tuple[Path, dict[int
         assert w[0] == value and w[-1] == value + 0x100, i
     assert len(view.source.rows.plan(min(known) + 0, 1)) == 1
 
-    loader = tokload.DataLoader(view, 8, seed=2026, rank=0, world_size=4, num_threads=1)
+    # host memory, never pinned: a CUDA context (on a GPU host) is not the dataset's memory
+    loader = tokload.DataLoader(
+        view, 8, seed=2026, rank=0, world_size=4, num_threads=1, pin_memory=False, device=None
+    )
     t0 = time.perf_counter()
     first = next(iter(loader))
     ttfb0 = time.perf_counter() - t0

@@ -32,7 +32,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     view = tokload.TokenStream(args.data, window=17, stride=13)
-    loader = tokload.DataLoader(view, args.batch, seed=1234, epochs=args.epochs, num_threads=2)
+    # host batches on every machine (the ranks of one GPU host share its device)
+    loader = tokload.DataLoader(
+        view, args.batch, seed=1234, epochs=args.epochs, num_threads=2, device=None
+    )
     assert (loader.rank, loader.world_size) == (rank, dist.get_world_size())
     if args.state_in:
         loader.load_state_dict(json.loads(Path(args.state_in).read_text()))
