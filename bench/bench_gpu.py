@@ -7,7 +7,10 @@ page cache:
 
 - host-to-device throughput: the pinned batches tokload delivers (``device=None``)
   copied with ``non_blocking=True``, against the same bytes in plain
-  ``torch.empty(..., pin_memory=True)`` tensors (goal: >= 90%);
+  ``torch.empty(..., pin_memory=True)`` tensors (goal: >= 90%) and against the
+  machine's limit, all of them as one pinned tensor copied at once; after a warm-up
+  copy, the kinds take turns three times (the first copies of a process are slow,
+  and made whichever kind went first look worse);
 - a small training loop (an embedding, two transformer layers, a loss) on the
   GPU: its step time with tokload delivering batches to the device (defaults),
   against the same loop over batches already on the device (goal: within 2%).
@@ -72,15 +75,26 @@ def test_pinned_copy_throughput(corpus: Path) -> None:
     plain = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in batches]
     for p, t in zip(plain, batches, strict=True):
         p.copy_(t)
-    rates = {"tokload batches": _copy_rate(batches), "plain pinned tensors": _copy_rate(plain)}
-    rates["pageable (not pinned)"] = _copy_rate([t.clone() for t in batches[:50]])
+    # The machine's limit: the same bytes as one pinned tensor, copied at once.
+    whole = torch.cat(plain).pin_memory()
+    kinds = {
+        "tokload batches": batches,
+        "plain pinned tensors": plain,
+        "pageable (not pinned)": [t.clone() for t in batches[:50]],
+        "one pinned copy of all (the limit)": [whole],
+    }
+    _copy_rate(plain)  # the first copies of a process pay for setting up; not counted
+    rates = dict.fromkeys(kinds, 0.0)
+    for _ in range(3):  # the kinds take turns, best of all turns
+        for k, ts in kinds.items():
+            rates[k] = max(rates[k], _copy_rate(ts))
     name = torch.cuda.get_device_name()
     print(f"\nhost-to-device on {name}, {len(batches)} batches of {batches[0].shape}:")
     for k, v in rates.items():
         print(f"  {k}: {v / 1e9:.1f} GB/s")
-    print(
-        f"  tokload / plain pinned: {rates['tokload batches'] / rates['plain pinned tensors']:.0%}"
-    )
+    tl = rates["tokload batches"]
+    print(f"  tokload / plain pinned: {tl / rates['plain pinned tensors']:.0%} (goal >= 90%)")
+    print(f"  tokload / the limit: {tl / rates['one pinned copy of all (the limit)']:.0%}")
 
 
 class TinyLM(torch.nn.Module):
