@@ -124,7 +124,7 @@ def test_device_copies_under_randomized_timing(
         seed=seed,
         num_threads=rng.choice([0, 1, 2, 3]),
         prefetch=rng.choice([1, 4, 12]),
-        steps_per_task=rng.choice([1, 3, 8]),
+        steps_per_task=(spt := rng.choice([1, 3, 8])),
         transfer=fd,
     )
     assert ld.pinned and ld.device == "fake"
@@ -141,7 +141,8 @@ def test_device_copies_under_randomized_timing(
     ld.close()
     fd.close()
     assert fd.violations == []
-    assert fd.copies_issued >= 60
+    # a rowwise view's task is copied once for all its steps; others once per batch
+    assert fd.copies_issued >= 60 // (spt if getattr(view, "rowwise", False) else 1)
     assert fd.reuses > 0  # blocks went round the pool: the test exercised reuse
 
 

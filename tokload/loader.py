@@ -343,22 +343,30 @@ class DataLoader:
 
         A rowwise view reads the samples of all of them with one permutation
         call and one ``read_batch``; each batch is a slice of the result, and
-        their tensors are built once for all of them.
+        their tensors are built once for all of them. With a device, a task's
+        tensors are copied in one backend call with one event (the Python of a
+        stream switch and an event is paid per task, not per step); a rowwise
+        task's batches are slices of its device tensors.
         """
         sched, asm = self.schedule, self.assembly
         if not asm.rowwise:
-            return [self._finish(self.raw_batch(*sp)) for sp in spans]
+            if self.collate is not None:
+                return [self.collate(self.raw_batch(*sp)) for sp in spans]
+            tensors = [self.transfer.tensors(self.raw_batch(*sp)) for sp in spans]
+            return self.transfer.copy_all(tensors)
         pos, ends = sched.task_positions(spans)
         raw = asm.read(sched.indices(pos), pos)
         asm.check_rows(raw, len(pos))
         collate = self.collate
-        items = list((raw if collate is not None else self.transfer.tensors(raw)).items())
-        batches = [_rows(items, a, e) for a, e in zip([0, *ends], ends, strict=False)]
+        cuts = list(zip([0, *ends], ends, strict=False))
         if collate is not None:
-            return [collate(b) for b in batches]
-        if self.device is None:
-            return batches
-        return [self.transfer.copy(b) for b in batches]
+            return [collate(_rows(list(raw.items()), a, e)) for a, e in cuts]
+        whole = self.transfer.copy(self.transfer.tensors(raw))
+        items = list(whole.items())
+        batches = [_rows(items, a, e) for a, e in cuts]
+        for b in batches:
+            b.ready = whole.ready
+        return batches
 
     def raw_batch(self, start: int, end: int) -> dict[str, Any]:
         """The NumPy arrays of this rank's part of the global batch ``[start, end)``.
@@ -368,11 +376,6 @@ class DataLoader:
         """
         pos = self.schedule.positions(start, end)
         return self.assembly.read(self.schedule.indices(pos), pos)
-
-    def _finish(self, raw: dict[str, Any]) -> Any:
-        if self.collate is not None:
-            return self.collate(raw)
-        return self.transfer.copy(self.transfer.tensors(raw))
 
     # ---- iteration -----------------------------------------------------------------------
 
