@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tokload import DataLoader, Documents, TokenStream, Writer
+from tokload import DataLoader, Documents, StreamWithMetadata, TokenStream, Writer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -125,3 +125,50 @@ def test_documents_and_other_streams(corpus: Path) -> None:
         for k, i in enumerate(b["index"].cpu().tolist()):
             np.testing.assert_array_equal(tokens[cu[k] : cu[k + 1]], docs[i])
     ld.close()
+
+
+@pytest.mark.usefixtures("host_load")
+def test_stream_with_metadata_on_the_device(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    with Writer(tmp_path / "m", "<u2", metadata=True, shard_bytes=1 << 16) as w:
+        for k in range(400):
+            n = int(rng.integers(20, 900))
+            cuts = np.sort(rng.choice(np.arange(1, n), size=min(n - 1, 6), replace=False))
+            spans = [
+                (int(a), int(b), b"doc%d:%d" % (k, a))
+                for a, b in zip(cuts[::2], cuts[1::2], strict=False)
+            ]
+            w.write(rng.integers(0, 65535, n, dtype=np.uint16), spans=spans)
+    view = StreamWithMetadata(tmp_path / "m", window=257, stride=200)
+    ld = DataLoader(view, 8, seed=6, num_threads=2, prefetch=16, device="cuda")
+    for step, batch in zip(range(200), ld, strict=False):
+        busy_stream()
+        assert batch["metadata_positions"].device == ld.device
+        ref = view.read(batch["index"].cpu().numpy())
+        got = batch["tokens"].cpu().numpy()
+        np.testing.assert_array_equal(got, ref.fields["tokens"], str(step))
+        np.testing.assert_array_equal(batch["metadata_positions"].cpu().numpy(), ref.positions)
+        assert batch["metadata"] == ref.metadata  # host records, deserialized on access
+    ld.close()
+
+
+def test_device_copies_cost_the_reader_little_python(corpus: Path) -> None:
+    """Python calls per batch in a reader thread with the defaults (pinned, device copies).
+
+    A rowwise view's task is copied once for all its steps, so the copies add a few
+    calls per batch to the host path's count (``tests/test_gil_cost.py``); other
+    views copy a task's batches in one backend call. Measured on an H100 with torch
+    2.11: a token stream 10.25 on the host, 22.0 with device copies (109.5 when each
+    batch was copied on its own); packed documents 70.0 and 83.75 (164.9)."""
+    from test_gil_cost import calls_per_batch
+
+    view = TokenStream(corpus, window=4097)
+    host = calls_per_batch(view)
+    pinned = calls_per_batch(view, pin_memory=True, device=None)
+    dev = calls_per_batch(view, pin_memory="auto", device="auto")
+    docs = calls_per_batch(Documents(corpus, batch="pack"), pin_memory="auto", device="auto")
+    docs_host = calls_per_batch(Documents(corpus, batch="pack"))
+    print(f"\ncalls per batch: host {host}, pinned {pinned}, device {dev}")
+    print(f"packed documents: host {docs_host}, device {docs}")
+    assert dev <= host + 16, (host, pinned, dev)
+    assert docs <= docs_host + 16, (docs_host, docs)
