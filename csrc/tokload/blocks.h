@@ -315,7 +315,10 @@ TL_INLINE uint32_t tl_block_walk_slot(const tl_block_info *bi, tl_block_seen *t,
  * whose range of records meets no other piece's of its shard cannot share a
  * record with another piece: its records need no look-up in the batch's set
  * (a record is new where it differs from the one before).  Others go through
- * the set.  Returns 0 and *nitems, or an error code. */
+ * the set.  Returns 0 and *nitems, or an error code.  TL_WIDE: the positions
+ * fill (4 bytes a row, twice the bytes of uint16 tokens) was over a third of
+ * its time; with 64-byte stores it takes about 40% less (perf, 8 windows of
+ * 4,097 rows: from about 3 us to 1.8 us a batch). */
 typedef struct {
     uint64_t shard;
     uint64_t lo;
@@ -331,14 +334,14 @@ static inline int tl_block_range_cmp(const void *a, const void *b)
     return x->piece < y->piece ? -1 : x->piece > y->piece;
 }
 
-TL_INLINE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
-                                const uint64_t *at, const uint64_t *const *tables,
-                                const uint64_t *entries, const uint8_t *blockbuf,
-                                int32_t *positions, uint64_t *hkeys, int64_t *hvals,
-                                uint64_t hcap, tl_block_seen *t, uint64_t *prange,
-                                tl_block_range *order,
-                                uint32_t *item_shard, uint32_t *item_id, uint64_t *item_src,
-                                uint64_t *item_len, size_t *nitems, tl_span_error *err)
+TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
+                              const uint64_t *at, const uint64_t *const *tables,
+                              const uint64_t *entries, const uint8_t *blockbuf,
+                              int32_t *positions, uint64_t *hkeys, int64_t *hvals,
+                              uint64_t hcap, tl_block_seen *t, uint64_t *prange,
+                              tl_block_range *order,
+                              uint32_t *item_shard, uint32_t *item_id, uint64_t *item_src,
+                              uint64_t *item_len, size_t *nitems, tl_span_error *err)
 {
     size_t ni = 0;
     tl_block_info bi;

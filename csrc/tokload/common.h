@@ -30,6 +30,17 @@
 #define TL_RESTRICT
 #endif
 
+/* TL_WIDE: a function whose loops fill or copy batch memory, compiled for the
+ * x86-64 baseline (16-byte stores) and also for AVX2 and AVX-512 (32- and 64-byte
+ * stores); the dynamic loader picks the one the CPU runs (an ifunc, glibc).  Not
+ * inlined.  Elsewhere (other CPUs, compilers, C libraries): one plain version. */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__) && \
+    ((defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && __GNUC__ >= 8))
+#define TL_WIDE static __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define TL_WIDE static
+#endif
+
 /* Debug builds (TOKLOAD_DEBUG=1) keep asserts; release builds define NDEBUG. */
 #include <assert.h>
 #define TL_ASSERT(x) assert(x)
