@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 from tokload import StreamWithMetadata, Writer
 from tokload._io import uring_available
-from tokload._meta import SPAN_NONE, BlockSet, decode_blocks, encode_blocks
+from tokload._meta import SPAN_NONE, BlockSet, Scratch, decode_blocks, encode_blocks
 from tokload.checksum import verify_checksums
 from tokload.errors import CorruptDataError, FormatError, TruncatedFileError
 from tokload.format import read_manifest
@@ -438,6 +438,131 @@ def test_reader_at_the_largest_block(tmp_path: Path) -> None:
     view = StreamWithMetadata(ds, window=10, stride=3)
     near = [(65_535 - 9) // 3 + k for k in range(-2, 6)]
     assert_batch(view, [big, small], [0, *near, len(view) - 1, 23_330])
+
+
+# ---- 2b. several batches in one round (read_batches, the loader's tasks) ---
+
+
+def assert_batches(
+    view: StreamWithMetadata, shards_: Sequence[Shard], batches: Sequence[Sequence[int]]
+) -> None:
+    """read_batches equals read_batch of each batch and the row-by-row reference."""
+    idx = [np.asarray(b, dtype=np.int64) for b in batches]
+    got = view.read_batches(idx, np.empty)
+    assert len(got) == len(idx)
+    for raw, ix in zip(got, idx, strict=True):
+        one = view.read_batch(ix, np.empty)
+        assert sorted(raw) == sorted(one)
+        for key in ("tokens", "metadata_positions", "metadata_bytes", "metadata_offsets"):
+            np.testing.assert_array_equal(raw[key], one[key], key)
+        assert raw["tokens"].shape == (len(ix), view.window)
+        if not len(ix):
+            assert len(raw["metadata"]) == 0
+            continue
+        tokens, positions, records = reference_batch(shards_, view.window, view.stride, ix.tolist())
+        np.testing.assert_array_equal(raw["tokens"], tokens)
+        np.testing.assert_array_equal(raw["metadata_positions"], positions)
+        assert [raw["metadata"].raw(k) for k in range(len(raw["metadata"]))] == records
+
+
+@pytest.mark.parametrize("memory", [True, False], ids=["in-memory", "read"])
+@pytest.mark.parametrize("block", [1, 5, 16])
+def test_several_batches_in_one_round_number_their_own_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, memory: bool, block: int
+) -> None:
+    _memory(monkeypatch, memory)
+    shards_ = sample_shards(3)
+    ds = write_by_hand(tmp_path / "ds", shards_, block)
+    view = StreamWithMetadata(ds, window=37, stride=11)
+    n = len(view)
+    rng = np.random.default_rng(block)
+    # the same windows in several batches, batches of one, a batch of all
+    assert_batches(view, shards_, [[0, 1], [1, 0], [0]])
+    assert_batches(view, shards_, [[k] for k in range(n)])
+    assert_batches(view, shards_, [list(range(n)), [n - 1, 0]])
+    for _ in range(10):
+        sizes = rng.integers(1, 6, int(rng.integers(2, 9)))
+        assert_batches(view, shards_, [rng.integers(0, n, k).tolist() for k in sizes])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_read_batches_property(tmp_path_factory: pytest.TempPathFactory, data: Any) -> None:
+    seed = data.draw(st.integers(0, 2**16))
+    block = data.draw(st.sampled_from([1, 3, 8, 64]))
+    window = data.draw(st.integers(1, 60))
+    stride = data.draw(st.integers(1, window))
+    shards_ = sample_shards(seed)
+    ds = write_by_hand(tmp_path_factory.mktemp("rb") / "ds", shards_, block)
+    view = StreamWithMetadata(ds, window=window, stride=stride)
+    n = len(view)
+    batches = data.draw(
+        st.lists(st.lists(st.integers(0, n - 1), min_size=1, max_size=6), min_size=2, max_size=6)
+    )
+    assert_batches(view, shards_, batches)
+
+
+def test_several_batches_fall_back_where_one_round_cannot_serve(tmp_path: Path) -> None:
+    shards_ = sample_shards(4)
+    view = StreamWithMetadata(write_by_hand(tmp_path / "ds", shards_, 8), window=9, stride=4)
+    assert_batches(view, shards_, [[3], [], [1, 2]])  # an empty batch: one call per batch
+    assert view.read_batches([], np.empty) == []
+    bs = block_set(view)
+    args = (0, len(view), 4, 9, None, np.empty((3, 9), np.int32), np.empty, Scratch())
+    with pytest.raises(ValueError, match=r"cuts must rise from above 0 to 3, got \[2, 2, 3\]"):
+        bs.read_window_batches(np.arange(3), *args, [2, 2, 3])
+    with pytest.raises(ValueError, match=r"cuts must rise from above 0 to 3, got \[1, 2\]"):
+        bs.read_window_batches(np.arange(3), *args, [1, 2])
+
+
+@pytest.mark.parametrize("memory", [True, False], ids=["in-memory", "read"])
+def test_a_damaged_block_fails_the_task_that_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, memory: bool
+) -> None:
+    _memory(monkeypatch, memory)
+    ds, msb, _, index = damage_dataset(tmp_path / "ds")
+    _poke(msb, index[1] + DAMAGE[0][1], DAMAGE[0][2], DAMAGE[0][3])
+    view = StreamWithMetadata(ds, window=8, stride=8)
+    full = rf"^{re.escape(str(msb))}: metadata block 1{DAMAGE[0][4]}$"
+    with pytest.raises(CorruptDataError, match=full):
+        view.read_batches([np.array([0]), np.array([2]), np.array([1, 3])], np.empty)
+    assert_batches(view, [DAMAGE_SHARD], [[0], [2, 3], [3]])  # the others still read
+
+
+def test_the_loader_reads_a_task_in_one_call(tmp_path: Path) -> None:
+    """The loader's tasks of several steps go through read_batches, and give the
+    batches that tasks of one step give."""
+    from tokload import DataLoader
+
+    shards_ = sample_shards(5)
+    view = StreamWithMetadata(write_by_hand(tmp_path / "ds", shards_, 8), window=9, stride=4)
+    calls: list[int] = []
+    many = view.read_batches
+
+    def spy(batches: list[np.ndarray], alloc: Any) -> list[dict[str, Any]]:
+        calls.append(len(batches))
+        return many(batches, alloc)
+
+    view.read_batches = spy  # type: ignore[method-assign]
+
+    def run(steps: int) -> list[Any]:
+        ld = DataLoader(view, 3, seed=7, epochs=2, steps_per_task=steps, num_threads=2)
+        out = list(ld)
+        ld.close()
+        return out
+
+    grouped, calls_grouped = run(5), list(calls)
+    calls.clear()
+    single = run(1)
+    assert calls == [] and max(calls_grouped) == 5
+    assert len(grouped) == len(single) == -(-2 * len(view) // 3)
+    for a, b in zip(grouped, single, strict=True):
+        assert sorted(a) == sorted(b)
+        for k in a:
+            if k == "metadata":
+                assert a[k] == b[k]
+            else:
+                np.testing.assert_array_equal(a[k].numpy(), b[k].numpy(), k)
 
 
 # ---- 3. the block index in memory or not ------------------------------------

@@ -86,6 +86,20 @@ class BlockSet:
         alloc: _Alloc,
         scratch: Scratch,
     ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]: ...
+    # several batches (windows up to cuts[k]) in one round; records per batch
+    def read_window_batches(
+        self,
+        indices: npt.ArrayLike,
+        first: int,
+        count: int,
+        stride: int,
+        window: int,
+        out: np.ndarray[Any, Any] | None,
+        positions: npt.NDArray[np.int32],
+        alloc: _Alloc,
+        scratch: Scratch,
+        cuts: npt.ArrayLike | None,
+    ) -> list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]: ...
 
 # A shard's runs and records as blocks; write() gets the .msb in pieces;
 # returns the block index.

@@ -82,6 +82,7 @@ cdef enum:
     B_SEEN_GEN    # uint32 per slot
     B_PRANGE      # 3 uint64 per piece: its records' range, and whether it stands alone
     B_ORDER       # tl_block_range per piece
+    B_BATCH       # 3 uint64 per batch of windows: its records, their bytes, its first record
     NBUF
 
 
@@ -307,13 +308,13 @@ cdef int _window_args(RowSet rows, indices, uint64_t first, uint64_t count, uint
     return 0
 
 
-cdef tuple _record_arrays(object alloc, Buf *b, size_t nitems, uint64_t nbytes):
+cdef tuple _record_arrays(object alloc, Buf *b, size_t nitems, uint64_t nbytes, size_t at=0):
     """The batch's ``(data, offsets)`` made with ``alloc``: the offsets from
-    B_OFFSETS (all 0 when there are no records), ``data`` to be filled."""
+    B_OFFSETS[at:] (all 0 when there are no records), ``data`` to be filled."""
     offsets = alloc((nitems + 1,), np.int64)
     cdef int64_t[::1] off = offsets
     if nitems:
-        memcpy(&off[0], b[B_OFFSETS].p, (nitems + 1) * 8)  # 8 bytes a record
+        memcpy(&off[0], <int64_t *>b[B_OFFSETS].p + at, (nitems + 1) * 8)  # 8 bytes a record
     else:
         off[0] = 0
     return _bytes(alloc, nbytes), offsets
@@ -518,19 +519,25 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
                        const lib.tl_rowset *msx, const lib.tl_rowset *msb,
                        const lib.tl_engine *eng, const lib.tl_rowset *rows, uint8_t *rows_dst,
                        size_t nwin, uint64_t window, int32_t *pos, Scratch sc,
-                       Outcome *o) noexcept nogil:
+                       const uint64_t *cuts, size_t nbatch, Outcome *o) noexcept nogil:
     """Rows (into ``rows_dst`` unless NULL) and metadata of the windows whose
-    first rows are B_STARTS[0..nwin): positions, and the records' places in
-    B_BLOCKBUF (B_ISRC, B_ILEN; ``o.nitems``).  With the block index in memory
-    (``tables``), the rows and the blocks are one round of reads; otherwise
-    the rows go with the block index entries, then the blocks.  0, or -1
-    with ``o`` filled (``o.round``: K_*)."""
+    first rows are B_STARTS[0..nwin), in ``nbatch`` batches: batch k is the
+    windows up to ``cuts[k]`` (``cuts[nbatch - 1] == nwin``).  Positions count
+    the records of their own batch; batch k's records are B_BATCH[3k] places
+    in B_BLOCKBUF (B_ISRC, B_ILEN) from item B_BATCH[3k + 2], with
+    B_BATCH[3k + 1] bytes and offsets in B_OFFSETS from B_BATCH[3k + 2] + k.
+    With the block index in memory (``tables``), the rows and the blocks of
+    all batches are one round of reads; otherwise the rows go with the block
+    index entries, then the blocks.  0, or -1 with ``o`` filled (``o.round``:
+    K_*)."""
     cdef Buf *b = sc.b
     cdef const uint64_t *starts = <uint64_t *>b[B_STARTS].p
     cdef lib.tl_span_reqs q = _reqs(b)
     cdef lib.tl_span_piece *pieces
-    cdef size_t npieces = 0, nrow = 0, nitems = 0, i, failed = 0
-    cdef uint64_t nent, nbytes = 0, hcap = 1, nruns
+    cdef size_t npieces = 0, nrow = 0, nitems = 0, i, failed = 0, k, p0 = 0, p1, done = 0
+    cdef uint64_t nent, nbytes = 0, hcap, nruns, end
+    cdef uint64_t *res
+    cdef const uint64_t *at
     cdef lib.tl_ioreq *reqs
     cdef const uint64_t *const *tabs = NULL
     cdef uint32_t *pshard
@@ -580,31 +587,48 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
         if o.round == R_ROWS:
             o.round = K_ROWS
         return -1
+    # every batch's records fit in the runs of all blocks read (each at most its rows)
     nruns = lib.tl_blocks_count_runs(s, pieces, npieces, <uint64_t *>b[B_AT].p, tabs,
                                      <uint64_t *>b[B_BLOCKS].p, <uint8_t *>b[B_BLOCKBUF].p) + 1
-    while hcap < 2 * nruns:
-        hcap *= 2
-    if (_grow(&b[B_HKEYS], hcap * 8) or _grow(&b[B_HVALS], hcap * 8)
-            or _grow(&b[B_ISHARD], nruns * 4) or _grow(&b[B_IID], nruns * 4)
-            or _grow(&b[B_ISRC], nruns * 8) or _grow(&b[B_ILEN], nruns * 8)):
+    if (_grow(&b[B_ISHARD], nruns * 4) or _grow(&b[B_IID], nruns * 4)
+            or _grow(&b[B_ISRC], nruns * 8) or _grow(&b[B_ILEN], nruns * 8)
+            or _grow(&b[B_OFFSETS], (nruns + nbatch) * 8) or _grow(&b[B_BATCH], nbatch * 24)):
         o.fail = FAIL_MEMORY
         return -1
-    if lib.tl_blocks_resolve(s, pieces, npieces, <uint64_t *>b[B_AT].p, tabs,
-                             <uint64_t *>b[B_BLOCKS].p, <uint8_t *>b[B_BLOCKBUF].p, pos,
-                             <uint64_t *>b[B_HKEYS].p, <int64_t *>b[B_HVALS].p, hcap, &sc.seen,
-                             <uint64_t *>b[B_PRANGE].p, <lib.tl_block_range *>b[B_ORDER].p,
-                             <uint32_t *>b[B_ISHARD].p, <uint32_t *>b[B_IID].p,
-                             <uint64_t *>b[B_ISRC].p, <uint64_t *>b[B_ILEN].p, &nitems,
-                             &o.span):
-        o.fail = FAIL_SPAN
-        return -1
-    o.nitems = nitems
-    if _grow(&b[B_OFFSETS], (nitems + 1) * 8):
-        o.fail = FAIL_MEMORY
-        return -1
-    o.nbytes = lib.tl_blocks_copy(<uint8_t *>b[B_BLOCKBUF].p, <uint64_t *>b[B_ISRC].p,
-                                  <uint64_t *>b[B_ILEN].p, nitems, <int64_t *>b[B_OFFSETS].p,
-                                  NULL)
+    res = <uint64_t *>b[B_BATCH].p
+    for k in range(nbatch):  # a batch's pieces follow its windows' positions
+        end = cuts[k] * window
+        p1 = p0
+        while p1 < npieces and pieces[p1].dst < end:
+            p1 += 1
+        at = <uint64_t *>b[B_AT].p + p0
+        nruns = lib.tl_blocks_count_runs(s, pieces + p0, p1 - p0, at, tabs,
+                                         <uint64_t *>b[B_BLOCKS].p,
+                                         <uint8_t *>b[B_BLOCKBUF].p) + 1
+        hcap = 1
+        while hcap < 2 * nruns:
+            hcap *= 2
+        if _grow(&b[B_HKEYS], hcap * 8) or _grow(&b[B_HVALS], hcap * 8):
+            o.fail = FAIL_MEMORY
+            return -1
+        if lib.tl_blocks_resolve(s, pieces + p0, p1 - p0, at, tabs,
+                                 <uint64_t *>b[B_BLOCKS].p, <uint8_t *>b[B_BLOCKBUF].p, pos,
+                                 <uint64_t *>b[B_HKEYS].p, <int64_t *>b[B_HVALS].p, hcap,
+                                 &sc.seen, <uint64_t *>b[B_PRANGE].p,
+                                 <lib.tl_block_range *>b[B_ORDER].p,
+                                 <uint32_t *>b[B_ISHARD].p + done, <uint32_t *>b[B_IID].p + done,
+                                 <uint64_t *>b[B_ISRC].p + done, <uint64_t *>b[B_ILEN].p + done,
+                                 &nitems, &o.span):
+            o.fail = FAIL_SPAN
+            return -1
+        res[3 * k] = nitems
+        res[3 * k + 1] = lib.tl_blocks_copy(<uint8_t *>b[B_BLOCKBUF].p,
+                                            <uint64_t *>b[B_ISRC].p + done,
+                                            <uint64_t *>b[B_ILEN].p + done, nitems,
+                                            <int64_t *>b[B_OFFSETS].p + done + k, NULL)
+        res[3 * k + 2] = done
+        done += nitems
+        p0 = p1
     return 0
 
 
@@ -704,13 +728,32 @@ cdef class BlockSet:
         the blocks); the records' bytes are copied from the blocks into
         ``data``.  Everything but the allocations runs without the GIL.
         """
+        return self.read_window_batches(indices, first, count, stride, window, out, positions,
+                                        alloc, scratch, None)[0]
+
+    def read_window_batches(self, indices, uint64_t first, uint64_t count, uint64_t stride,
+                            uint64_t window, out, positions, alloc, Scratch scratch not None,
+                            cuts):
+        """:meth:`read_windows` of several batches in one round of reads: batch
+        k is the windows up to ``cuts[k]`` (ascending, the last one
+        ``len(indices)``; None: one batch).  Each batch's positions count its
+        own records; returns one ``(data, offsets)`` per batch."""
         cdef RowSet r
         for r in (self.rows, self.index_rs, self.blocks_rs):
             r.files.check_open()
         cdef Buf *b = scratch.b
         cdef Windows w
+        cdef size_t nwin0 = len(indices)
+        cdef const uint64_t[::1] cv = (np.array([nwin0], dtype=np.uint64) if cuts is None
+                                       else np.ascontiguousarray(cuts, dtype=np.uint64))
+        cdef size_t nbatch = cv.shape[0], k
+        cdef bint bad = cuts is not None and (nbatch == 0 or cv[nbatch - 1] != nwin0)
+        for k in range(nbatch if cuts is not None else 0):
+            bad |= cv[k] <= (cv[k - 1] if k else 0)
+        if bad:
+            raise ValueError(f"cuts must rise from above 0 to {nwin0}, got {list(cv)}")
         if _window_args(self.rows, indices, first, count, stride, window, out, positions, b, &w):
-            return _record_arrays(alloc, b, 0, 0)
+            return [_record_arrays(alloc, b, 0, 0) for k in range(nbatch)]
         cdef size_t nwin = w.nwin
         cdef uint8_t *dptr = w.dst
         cdef uint64_t *starts = <uint64_t *>b[B_STARTS].p
@@ -721,7 +764,7 @@ cdef class BlockSet:
         with nogil:
             rc = _blocks_batch(&self.s, &self.sp, self.tables, &self.index_rs.rs,
                                &self.blocks_rs.rs, &eng, &self.rows.rs, dptr, nwin, window,
-                               w.pos, scratch, &o)
+                               w.pos, scratch, &cv[0], nbatch, &o)
         self.rows.files.engine_end(&eng)
         if rc:
             if o.fail == FAIL_MEMORY:
@@ -734,15 +777,21 @@ cdef class BlockSet:
             if o.round == K_INDEX:
                 _raise_io(&o.io, self._paths[0], "the metadata block index")
             _raise_io(&o.io, self._paths[1], "the metadata blocks")
-        data, offsets = _record_arrays(alloc, b, o.nitems, o.nbytes)
+        cdef const uint64_t *res = <uint64_t *>b[B_BATCH].p
         cdef uint8_t[::1] d
-        if o.nbytes:
-            d = data
-            with nogil:
-                lib.tl_blocks_copy(<uint8_t *>b[B_BLOCKBUF].p, <uint64_t *>b[B_ISRC].p,
-                                   <uint64_t *>b[B_ILEN].p, o.nitems, <int64_t *>b[B_OFFSETS].p,
-                                   &d[0])
-        return data, offsets
+        out_records = []
+        for k in range(nbatch):
+            data, offsets = _record_arrays(alloc, b, res[3 * k], res[3 * k + 1],
+                                           res[3 * k + 2] + k)
+            if res[3 * k + 1]:
+                d = data
+                with nogil:
+                    lib.tl_blocks_copy(<uint8_t *>b[B_BLOCKBUF].p,
+                                       <uint64_t *>b[B_ISRC].p + res[3 * k + 2],
+                                       <uint64_t *>b[B_ILEN].p + res[3 * k + 2], res[3 * k],
+                                       <int64_t *>b[B_OFFSETS].p + res[3 * k + 2] + k, &d[0])
+            out_records.append((data, offsets))
+        return out_records
 
 
 _ENCODE_CHUNK = 4096  # blocks encoded per buffer

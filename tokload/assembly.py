@@ -28,6 +28,10 @@ and, optionally,
   index, in order, and reading a concatenation of index arrays gives the
   concatenation of the results. The loader then reads the samples of several
   steps with one call and gives each step its rows (a token stream's fast path);
+- ``view.read_batches(list_of_indices, alloc) -> list[dict]``: ``read_batch``
+  of each index array, in one call, for views that are not rowwise but can read
+  several batches in one round of I/O (a stream with metadata blocks); the
+  loader uses it for the steps of one task;
 - ``view.hint(indices)``: start reading observations ``indices`` in the
   background and return at once (tokload's windowed views advise the kernel with
   ``POSIX_FADV_WILLNEED``); the loader's read-ahead (:mod:`tokload.readahead`)
@@ -112,7 +116,24 @@ class Assembly:
 
     def read(self, indices: np.ndarray, positions: np.ndarray) -> dict[str, Any]:
         """The raw batch of samples ``indices`` at global ``positions`` (both 1-D)."""
-        raw = self.view.read_batch(indices, self.alloc)
+        return self._finish(self.view.read_batch(indices, self.alloc), indices, positions)
+
+    def read_many(self, parts: list[tuple[np.ndarray, np.ndarray]]) -> list[dict[str, Any]]:
+        """:meth:`read` of each ``(indices, positions)``; one ``read_batches`` call
+        where the view has it."""
+        many = getattr(self.view, "read_batches", None)
+        if many is None or len(parts) < 2:
+            return [self.read(i, p) for i, p in parts]
+        raws = many([i for i, _ in parts], self.alloc)
+        if not isinstance(raws, list) or len(raws) != len(parts):
+            got = len(raws) if isinstance(raws, list) else type(raws).__name__
+            raise TypeError(
+                f"{type(self.view).__name__}.read_batches returned {got}, "
+                f"not a list of {len(parts)} dicts"
+            )
+        return [self._finish(r, i, p) for r, (i, p) in zip(raws, parts, strict=True)]
+
+    def _finish(self, raw: Any, indices: np.ndarray, positions: np.ndarray) -> dict[str, Any]:
         if not isinstance(raw, dict):
             raise TypeError(
                 f"{type(self.view).__name__}.read_batch returned {type(raw).__name__}, not a dict"

@@ -341,7 +341,9 @@ class DataLoader:
     def build_steps(self, spans: list[tuple[int, int]]) -> list[Any]:
         """This rank's batches of consecutive global batches ``spans``, finished.
 
-        A rowwise view reads the samples of all of them with one permutation
+        Other views read them with one ``read_batches`` where they have it (a
+        stream with metadata blocks: one round of I/O for the task). A rowwise
+        view reads the samples of all of them with one permutation
         call and one ``read_batch``; each batch is a slice of the result, and
         their tensors are built once for all of them. With a device, a task's
         tensors are copied in one backend call with one event (the Python of a
@@ -350,10 +352,11 @@ class DataLoader:
         """
         sched, asm = self.schedule, self.assembly
         if not asm.rowwise:
+            parts = [(sched.indices(p), p) for p in (sched.positions(*sp) for sp in spans)]
+            raws = asm.read_many(parts)
             if self.collate is not None:
-                return [self.collate(self.raw_batch(*sp)) for sp in spans]
-            tensors = [self.transfer.tensors(self.raw_batch(*sp)) for sp in spans]
-            return self.transfer.copy_all(tensors)
+                return [self.collate(r) for r in raws]
+            return self.transfer.copy_all([self.transfer.tensors(r) for r in raws])
         pos, ends = sched.task_positions(spans)
         raw = asm.read(sched.indices(pos), pos)
         asm.check_rows(raw, len(pos))

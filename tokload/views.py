@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tokload._io import FileSet, read_documents, split_fields
-from tokload._meta import Scratch, compact_records
+from tokload._meta import BlockSet, Scratch, compact_records
 from tokload.assembly import Alloc
 from tokload.errors import FormatError
 from tokload.format import MANIFEST, METADATA_FIELD, Source, open_dataset
@@ -560,6 +560,60 @@ class StreamWithMetadata(_Windows):
         raw["metadata"] = res.metadata
         return raw
 
+    def read_batches(self, batches: list[np.ndarray], alloc: Alloc) -> list[dict[str, Any]]:
+        """:meth:`read_batch` of each index array of ``batches`` (the view
+        protocol's several-batches call). With metadata blocks and plain
+        tokens, the windows and blocks of all of them are one round of reads
+        (on cold storage, one wait instead of one per batch); each batch's
+        positions count its own records, as ``read_batch``'s do."""
+        spans = self.source.spans
+        sizes = [len(ix) for ix in batches]
+        if (
+            not isinstance(spans, BlockSet)
+            or self.source.dtype.fields is not None
+            or len(batches) < 2
+            or 0 in sizes
+        ):
+            return [self.read_batch(ix, alloc) for ix in batches]
+        idx = np.concatenate([self._indices(ix) for ix in batches])
+        cuts = np.cumsum(sizes)
+        n, t = len(idx), self.window
+        ((name, ft, _),) = self._lay
+        rows = alloc((n, t), ft)
+        positions = alloc((n, t), np.int32)
+        records = spans.read_window_batches(
+            idx,
+            self._lo,
+            self._hi - self._lo,
+            self.stride,
+            t,
+            rows,
+            positions,
+            alloc,
+            self._scratch(),
+            cuts,
+        )
+        out = []
+        for a, e, (data, offsets) in zip([0, *cuts[:-1]], cuts, records, strict=True):
+            out.append(
+                {
+                    name: rows[a:e],
+                    "metadata_positions": positions[a:e],
+                    "metadata_bytes": data,
+                    "metadata_offsets": offsets,
+                    "metadata": RecordList(data, offsets, self.deserialize),
+                }
+            )
+        return out
+
+    def _scratch(self) -> Scratch:
+        """This thread's scratch memory of the span reader."""
+        try:
+            sc: Scratch = self._local.scratch
+        except AttributeError:
+            sc = self._local.scratch = Scratch()
+        return sc
+
     def _layout(self) -> list[tuple[str, np.dtype[Any], int]]:
         dt = self.source.dtype
         if dt.fields is None:
@@ -600,10 +654,7 @@ class StreamWithMetadata(_Windows):
             _check_out(positions, (b, t), np.dtype(np.int32), "positions")
         spans = self.source.spans
         if spans is not None:
-            try:
-                sc = self._local.scratch
-            except AttributeError:
-                sc = self._local.scratch = Scratch()
+            sc = self._scratch()
             if dt.fields is None:
                 data, offsets = spans.read_windows(
                     idx,
