@@ -158,8 +158,8 @@ def test_device_copies_cost_the_reader_little_python(corpus: Path) -> None:
     A rowwise view's task is copied once for all its steps, so the copies add a few
     calls per batch to the host path's count (``tests/test_gil_cost.py``); other
     views copy a task's batches in one backend call. Measured on an H100 with torch
-    2.11: a token stream 10.25 on the host, 22.0 with device copies (109.5 when each
-    batch was copied on its own); packed documents 70.0 and 83.75 (164.9)."""
+    2.11: a token stream 10.4 on the host, 22.1 with device copies (109.5 when each
+    batch was copied on its own); packed documents 71.4 and 85.1 (164.9)."""
     from test_gil_cost import calls_per_batch
 
     view = TokenStream(corpus, window=4097)
