@@ -565,6 +565,45 @@ def test_the_loader_reads_a_task_in_one_call(tmp_path: Path) -> None:
                 np.testing.assert_array_equal(a[k].numpy(), b[k].numpy(), k)
 
 
+@pytest.mark.parametrize("memory", [True, False], ids=["in-memory", "read"])
+def test_hint_covers_each_windows_blocks_or_their_index_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, memory: bool
+) -> None:
+    """One WILLNEED per window per shard it touches: on the blocks with the block
+    index in memory (whose tables the hint loads, as a read would), else on the
+    index entries. Bad indices are refused as a read refuses them."""
+    _memory(monkeypatch, memory)
+    shards_ = sample_shards(6)
+    view = StreamWithMetadata(write_by_hand(tmp_path / "ds", shards_, 16), window=40, stride=13)
+    bs = block_set(view)
+    n = len(view)
+    pieces = sum(
+        len([k for k in touched(shards_, 40, 13, [i]) if shards_[k].rows]) for i in range(n)
+    )
+    assert bs.hint_windows(np.arange(n), view._lo, n, 13, 40, Scratch()) == pieces
+    assert sorted(bs.tables.loaded()) == (
+        sorted(k for k in touched(shards_, 40, 13, range(n)) if shards_[k].rows) if memory else []
+    )
+    assert bs.hint_windows(np.array([], np.int64), view._lo, n, 13, 40, Scratch()) == 0
+    view.hint([0, n - 1])  # the rows and the metadata
+    with pytest.raises(IndexError, match="out of range"):
+        view.hint([n])
+    assert_batch(view, shards_, [0, n - 1])
+
+
+def test_hint_on_a_damaged_block_index_gives_no_hint_and_the_read_says_why(
+    tmp_path: Path,
+) -> None:
+    ds, _, mbx, index = damage_dataset(tmp_path / "ds")
+    _poke(mbx, 8 * 2, index[1] - 1, 8)
+    view = StreamWithMetadata(ds, window=8, stride=8)
+    bs = block_set(view)
+    assert bs.hint_windows(np.arange(4), view._lo, len(view), 8, 8, Scratch()) == 0
+    view.hint([0, 1, 2, 3])  # advice: no error
+    with pytest.raises(CorruptDataError, match="block index entry 2"):
+        view.read([0, 1, 2, 3])
+
+
 # ---- 3. the block index in memory or not ------------------------------------
 
 

@@ -196,3 +196,49 @@ def test_readahead_hints_hide_a_delay(delayfs: Path, source: Path, tmp_path: Pat
         view.close()  # the mount must not be busy when it is unmounted
         flat = np.frombuffer((source / "a.bin").read_bytes(), dtype=np.uint32)
         np.testing.assert_array_equal(hinted, flat[5 * 1024 : 6 * 1024])
+
+
+@pytest.mark.parametrize("memory", [True, False], ids=["index-in-memory", "index-read"])
+def test_readahead_hints_a_metadata_streams_blocks_too(
+    delayfs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, memory: bool
+) -> None:
+    """A stream with metadata blocks: a hint covers the window's rows and its
+    metadata blocks (with the block index in memory), so the read that follows
+    waits on neither; with the index read per batch, the hint covers the index
+    entries, and the blocks still wait once."""
+    import tokload
+
+    src = tmp_path / "src"
+    rng = np.random.default_rng(9)
+    # blocks of 4 rows: the block index (400 KB) is larger than the kernel reads ahead
+    # of a read, so the entries of a window far from the first are not cached by it
+    with tokload.Writer(src / "ds", "<u2", metadata=True, span_block=4) as w:
+        for k in range(200):
+            w.write(rng.integers(0, 65535, 1000, dtype=np.uint16), spans=[(0, 500, b"%d" % k)])
+    if not memory:
+        monkeypatch.setenv("TOKLOAD_INDEX_MEMORY", "0")
+    ref = tokload.StreamWithMetadata(src / "ds", window=257)
+    with mount(delayfs, src, tmp_path / "m", "delay_ms=300,fraction=1") as m:
+        view = tokload.StreamWithMetadata(m / "ds", window=257)
+        try:
+            view.read([0])  # opens the files, and loads the block index when it is held
+            t0 = time.perf_counter()
+            view.hint([770])
+            assert time.perf_counter() - t0 < 0.1
+            time.sleep(0.7)
+            t0 = time.perf_counter()
+            got = view.read([770])
+            took = time.perf_counter() - t0
+            if memory:
+                assert took < 0.1, took
+            else:  # one delay: the blocks, after the hinted entries (unhinted: two)
+                assert 0.3 <= took < 0.5, took
+            want = ref.read([770])
+            np.testing.assert_array_equal(got.fields["tokens"], want.fields["tokens"])
+            np.testing.assert_array_equal(got.positions, want.positions)
+            assert got.metadata == want.metadata
+            t0 = time.perf_counter()
+            view.read([400])  # not hinted: waits
+            assert time.perf_counter() - t0 >= 0.3
+        finally:
+            view.close()  # the mount must not be busy when it is unmounted

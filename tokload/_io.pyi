@@ -90,6 +90,8 @@ class RowSet:
     def hint_windows(
         self, indices: npt.ArrayLike, first: int, count: int, stride: int, window: int
     ) -> int: ...
+    # WILLNEED hints for rows [starts[i], starts[i] + lengths[i]); the hints given
+    def hint_ranges(self, starts: npt.ArrayLike, lengths: npt.ArrayLike) -> int: ...
 
 def split_fields(
     rows: np.ndarray[Any, Any] | bytes | bytearray | memoryview,

@@ -610,6 +610,35 @@ cdef class RowSet:
         return m
 
 
+    def hint_ranges(self, starts, lengths):
+        """Advise the kernel that rows ``[starts[i], starts[i] + lengths[i])``
+        (global row numbers, uint64) will be read soon, as :meth:`hint_windows`
+        does for windows.  Returns the number of hints given."""
+        self.files.check_open()
+        cdef const uint64_t[::1] sv = np.ascontiguousarray(starts, dtype=np.uint64)
+        cdef const uint64_t[::1] lv = np.ascontiguousarray(lengths, dtype=np.uint64)
+        cdef size_t n = sv.shape[0], i, nreq, m = 0
+        if <size_t>lv.shape[0] != n:
+            raise ValueError(f"{n} starts but {lv.shape[0]} lengths")
+        for i in range(n):
+            if sv[i] > self.total or lv[i] > self.total - sv[i]:
+                raise IndexError(f"rows [{sv[i]}, {sv[i] + lv[i]}) run past the "
+                                 f"{self.total} rows")
+        if n == 0:
+            return 0
+        nreq = lib.tl_rows_count_reqs(&self.rs, &sv[0], &lv[0], 0, n)
+        cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>PyMem_Malloc((nreq + 1) * sizeof(lib.tl_ioreq))
+        if reqs is NULL:
+            raise MemoryError()
+        try:
+            with nogil:
+                nreq = lib.tl_rows_plan_many(&self.rs, &sv[0], &lv[0], 0, NULL, n, NULL, reqs)
+                m = lib.tl_ioreq_hint(reqs, nreq, &_cache)
+        finally:
+            PyMem_Free(reqs)
+        return m
+
+
 cdef int _nomem(lib.tl_io_error *err, size_t file, size_t *failed) noexcept nogil:
     err.code = -_ENOMEM
     err.file = <int32_t>file

@@ -100,6 +100,16 @@ class BlockSet:
         scratch: Scratch,
         cuts: npt.ArrayLike | None,
     ) -> list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]: ...
+    # WILLNEED hints for the windows' blocks (or block index entries); the hints given
+    def hint_windows(
+        self,
+        indices: npt.ArrayLike,
+        first: int,
+        count: int,
+        stride: int,
+        window: int,
+        scratch: Scratch,
+    ) -> int: ...
 
 # A shard's runs and records as blocks; write() gets the .msb in pieces;
 # returns the block index.

@@ -794,6 +794,64 @@ cdef class BlockSet:
         return out_records
 
 
+    def hint_windows(self, indices, uint64_t first, uint64_t count, uint64_t stride,
+                     uint64_t window, Scratch scratch not None):
+        """The read-ahead of the windows' metadata (the rows are the caller's):
+        with the block index in memory, ``POSIX_FADV_WILLNEED`` for the blocks
+        the windows need (their shards' index tables are loaded first, as a
+        read loads them); otherwise for their block index entries.  Returns
+        the hints given.  A hint is advice: a table that cannot be loaded or
+        an entry that does not check gives none (the read says why)."""
+        for r in (self.rows, self.index_rs, self.blocks_rs):
+            (<RowSet>r).files.check_open()
+        cdef const int64_t[::1] iv = _indices(indices)
+        cdef size_t n = iv.shape[0], npieces = 0, i, failed = 0
+        if n == 0 or window == 0:
+            return 0
+        cdef Buf *b = scratch.b
+        if _grow(&b[B_STARTS], n * 8):
+            raise MemoryError()
+        cdef uint64_t *starts = <uint64_t *>b[B_STARTS].p
+        _checked_window_starts(iv, first, count, stride, window, self.rows.total, starts)
+        cdef lib.tl_span_piece *pieces
+        cdef lib.tl_span_reqs q
+        cdef lib.tl_engine eng
+        cdef lib.tl_io_error err
+        cdef lib.tl_span_error serr
+        cdef uint64_t nbytes = 0
+        cdef uint32_t *pshard
+        cdef int rc = 0
+        with nogil:
+            lib.tl_spans_pieces(&self.sp, starts, n, window, NULL, _reqs(b), &npieces)
+            if (_grow(&b[B_PIECES], npieces * sizeof(lib.tl_span_piece))
+                    or _grow_reqs(b, npieces) or _grow(&b[B_AT], npieces * 8)
+                    or _grow(&b[B_PSHARD], npieces * 4)):
+                rc = -1
+            else:
+                pieces = <lib.tl_span_piece *>b[B_PIECES].p
+                q = _reqs(b)  # the pieces' block index entries, in entries
+                lib.tl_spans_pieces(&self.sp, starts, n, window, pieces, q, &npieces)
+        if rc:
+            raise MemoryError()
+        if not self.tables.enabled:
+            return self.index_rs.hint_ranges(<uint64_t[:npieces]>q.start,
+                                              <uint64_t[:npieces]>q.len)
+        pshard = <uint32_t *>b[B_PSHARD].p
+        self.rows.files.engine_begin(&eng)
+        with nogil:
+            for i in range(npieces):
+                pshard[i] = pieces[i].shard
+            rc = self.tables.need(&eng, pshard, npieces, &err, &failed)
+            if rc == 0:  # q becomes the blocks' bytes in the .msb files
+                rc = lib.tl_blocks_slices(&self.s, pieces, npieces,
+                                          <const uint64_t *const *>self.tables.tabs, NULL, q,
+                                          <uint64_t *>b[B_AT].p, &nbytes, &serr)
+        self.rows.files.engine_end(&eng)
+        if rc:
+            return 0
+        return self.blocks_rs.hint_ranges(<uint64_t[:npieces]>q.start, <uint64_t[:npieces]>q.len)
+
+
 _ENCODE_CHUNK = 4096  # blocks encoded per buffer
 
 

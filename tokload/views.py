@@ -606,6 +606,17 @@ class StreamWithMetadata(_Windows):
             )
         return out
 
+    def hint(self, indices: npt.ArrayLike) -> None:
+        """The view protocol's read-ahead: the rows of observations ``indices``
+        (as :meth:`TokenStream.hint`) and, with metadata blocks, their blocks
+        (or, when the block index is not held in memory, its entries), so the
+        read that follows waits on neither."""
+        super().hint(indices)
+        spans = self.source.spans
+        if isinstance(spans, BlockSet):
+            idx = self._indices(indices)
+            spans.hint_windows(idx, self._lo, len(self), self.stride, self.window, self._scratch())
+
     def _scratch(self) -> Scratch:
         """This thread's scratch memory of the span reader."""
         try:
