@@ -23,11 +23,12 @@ The corpus is bench_cold's 2 GiB of uint32 tokens (``$TOKLOAD_COLD_DIR``) as one
    after each for the time a step takes at half that throughput; after
    ``WARMUP`` batches it records how long each of ``BATCHES`` ``next()`` calls
    blocks; for tokload's defaults and a few ``prefetch``/``num_threads``
-   values, a plain ``torch.utils.data.DataLoader`` + ``np.memmap`` (0 and 2
-   workers), and where the peers' environment exists, litdata and Megatron-core
-   (0 and 2 workers).
+   values, a stream with metadata blocks (``meta_corpus``: 512 M uint16 tokens
+   of the same, one record per 100 tokens) with read-ahead on and off, a plain
+   ``torch.utils.data.DataLoader`` + ``np.memmap`` (0 and 2 workers), and where
+   the peers' environment exists, litdata and Megatron-core (0 and 2 workers).
 
-``TOKLOAD_STALL_LOADERS=tokload-flat,memmap,litdata,megatron`` picks loaders;
+``TOKLOAD_STALL_LOADERS=tokload-flat,tokload-meta,memmap,litdata,megatron`` picks loaders;
 ``TOKLOAD_STALL_SWEEP=2x512,8x512`` replaces the sweep of tokload's threads x prefetch.
 It prints p50/p99/p99.9/max of the wait in ms and the reads each loader made
 through the filesystem (and how many of them were delayed).
@@ -179,6 +180,12 @@ def _configs() -> list[tuple[str, str, str, int, list[str]]]:
     for th, pf in pairs:
         label = f"tokload num_threads={th}, prefetch={pf}"
         rows.append((label, me, "tokload-flat", th, ["--prefetch", str(pf)]))
+    # a stream with metadata blocks (uint16 tokens, 1 record / 100 tokens): its
+    # read-ahead hints the blocks as well as the rows
+    rows.append(("tokload metadata stream, defaults", me, "tokload-meta", -1, []))
+    rows.append(
+        ("tokload metadata stream, read-ahead off", me, "tokload-meta", -1, ["--readahead", "off"])
+    )
     for w in (0, 2):
         rows.append((f"torch DataLoader + np.memmap, {w} workers", me, "memmap", w, []))
     for w in (0, 2):
@@ -189,10 +196,34 @@ def _configs() -> list[tuple[str, str, str, int, list[str]]]:
     return [r for r in rows if only is None or r[2] in only.split(",")]
 
 
+META_TOKENS, META_DOC, META_EVERY = 512 << 20, 2048, 100
+
+
+def meta_corpus(source: Path) -> Path:
+    """``source/meta``: META_TOKENS uint16 tokens (the first of ``flat.bin``'s,
+    modulo 65,536) in documents of META_DOC with one 8-byte record per
+    META_EVERY tokens, as metadata blocks (written once, then reused)."""
+    out = source / "meta"
+    if (out / "manifest.json").exists():
+        return out
+    import tokload
+
+    flat = np.memmap(source / "flat.bin", dtype=np.uint32, mode="r")
+    spans = [(a, a + META_EVERY, b"") for a in range(0, META_DOC, META_EVERY)]
+    spans[-1] = (spans[-1][0], META_DOC, b"")
+    with tokload.Writer(out, "<u2", metadata=True, durable=False) as w:
+        for d in range(META_TOKENS // META_DOC):
+            toks = (flat[d * META_DOC : (d + 1) * META_DOC] & 0xFFFF).astype(np.uint16)
+            w.write(toks, spans=[(a, e, b"%08d" % (d * META_DOC + a)) for a, e, _ in spans])
+    return out
+
+
 def test_stalls(tools: dict[str, Path], tmp_path: Path) -> None:
     parts = make_corpus()
     source = peer_corpus(parts)
     flat = source / "flat.bin"
+    if any(r[2] == "tokload-meta" for r in _configs()):
+        meta_corpus(source)
     read = (WARMUP + BATCHES + 1) * BATCH * WINDOW * 4
     assert 4 * read <= flat.stat().st_size, "the corpus must be 4x what a measurement reads"
     warm([p for p in source.rglob("*") if p.is_file()])

@@ -66,16 +66,20 @@ def build(
     import numpy as np
     import torch
 
-    if loader in ("tokload", "tokload-megatron", "tokload-flat"):
+    if loader in ("tokload", "tokload-megatron", "tokload-flat", "tokload-meta"):
         import tokload
 
         t_imp = time.perf_counter() - t0
         t1 = time.perf_counter()
-        if loader == "tokload-flat":
-            data: Any = tokload.open_flat([corpus / "flat.bin"], np.uint32)
+        view: Any
+        if loader == "tokload-meta":  # a stream with metadata blocks (bench_stall's "meta")
+            view = tokload.StreamWithMetadata(corpus / "meta", window=WINDOW, stride=WINDOW - 1)
         else:
-            data = corpus / "tokload" if loader == "tokload" else corpus / "megatron"
-        view = tokload.TokenStream(data, window=WINDOW, stride=WINDOW - 1)
+            if loader == "tokload-flat":
+                data: Any = tokload.open_flat([corpus / "flat.bin"], np.uint32)
+            else:
+                data = corpus / "tokload" if loader == "tokload" else corpus / "megatron"
+            view = tokload.TokenStream(data, window=WINDOW, stride=WINDOW - 1)
         extra: dict[str, Any] = {} if prefetch is None else {"prefetch": prefetch}
         if readahead is not None:
             extra["readahead"] = readahead
