@@ -30,13 +30,16 @@
 #define TL_RESTRICT
 #endif
 
-/* TL_WIDE: a function whose loops fill or copy batch memory, compiled for the
- * x86-64 baseline (16-byte stores) and also for AVX2 and AVX-512 (32- and 64-byte
- * stores); the dynamic loader picks the one the CPU runs (an ifunc, glibc).  Not
- * inlined.  Elsewhere (other CPUs, compilers, C libraries): one plain version. */
-#if defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__) && \
-    ((defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && __GNUC__ >= 8))
-#define TL_WIDE static __attribute__((target_clones("avx512f", "avx2", "default")))
+/* TL_WIDE: a function kept out of line whose loops fill or compute over batch
+ * memory, compiled for the x86-64 baseline and also for AVX2 and x86-64-v4
+ * (AVX-512); the dynamic loader picks the best the CPU runs (an ifunc), so a
+ * portable wheel still uses wide vectors.  x86-64 Linux with GCC only;
+ * -DTL_NO_TARGET_CLONES (or another compiler or CPU) gives one plain version. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && \
+    !defined(TL_NO_TARGET_CLONES)
+#define TL_WIDE static __attribute__((noinline, target_clones("default", "avx2", "arch=x86-64-v4")))
+#elif defined(__GNUC__) || defined(__clang__)
+#define TL_WIDE static __attribute__((noinline))
 #else
 #define TL_WIDE static
 #endif

@@ -131,17 +131,11 @@ TL_INLINE uint64_t tl_gfc_round_fmod(const tl_gfc *g, uint64_t i, uint64_t R)
 
 /*
  * Lane kernels are kept out of line: inlined into a large caller, GCC stops
- * vectorizing them (3x slower).  On x86-64 it is compiled for several ISAs and
- * the best one for the CPU is picked at load time, so a portable wheel still
- * runs 8 or 16 Speck lanes per instruction.
+ * vectorizing them (3x slower).  TL_WIDE (common.h): on x86-64 they are
+ * compiled for several ISAs and the best one for the CPU is picked at load
+ * time, so a portable wheel still runs 8 or 16 Speck lanes per instruction.
  */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && \
-    !defined(TL_NO_TARGET_CLONES)
-#define TL_LANES_FN \
-    static __attribute__((noinline, target_clones("default", "avx2", "arch=x86-64-v4")))
-#else
-#define TL_LANES_FN static __attribute__((noinline))
-#endif
+#define TL_LANES_FN TL_WIDE
 
 /* Number of uint32 table entries: rounds * a. */
 TL_INLINE uint64_t tl_gfc_table_len(const tl_gfc *g) { return g->rounds * g->a; }
