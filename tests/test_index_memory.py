@@ -138,3 +138,54 @@ def test_damaged_entries_in_a_held_table_fail_every_read(tmp_path: Path) -> None
         ):
             view.read([3])
     np.testing.assert_array_equal(view.read([0]).values, view.read([0]).values)
+
+
+def _overcommit_refuses_huge() -> str | None:
+    """Why a malloc larger than memory + swap might not fail here (None: it fails)."""
+    if "asan" in os.environ.get("LD_PRELOAD", ""):
+        return "ASan aborts on a huge allocation instead of returning NULL"
+    try:
+        mode = Path("/proc/sys/vm/overcommit_memory").read_text().strip()
+    except OSError:
+        return "no /proc/sys/vm/overcommit_memory"
+    return None if mode in ("0", "2") else f"vm.overcommit_memory={mode} grants any malloc"
+
+
+@pytest.mark.skipif(_overcommit_refuses_huge() is not None, reason=_overcommit_refuses_huge() or "")
+def test_a_table_too_big_to_allocate_is_a_memory_error_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A document index larger than this machine's memory and swap (a sparse file),
+    held because the budget allows it: its load fails to allocate, and the read
+    says which file, instead of crashing; nothing is kept, and the index read
+    entry by entry (the default budget) still works."""
+    from tokload.format import Manifest, ShardInfo, write_manifest
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    swap = 0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("SwapTotal:"):
+            swap = int(line.split()[1]) * 1024
+    ndocs = max(1 << 37, 4 * (total + swap) // 8)  # 8 bytes an entry: > 4x memory + swap
+    rows = 10
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    np.arange(rows, dtype="<u2").tofile(ds / "s.rows")
+    with open(ds / "s.docs", "wb") as f:  # entries 0, ..., 0, rows: all but the last empty
+        f.seek(8 * ndocs)
+        f.write(np.array([rows], dtype="<u8").tobytes())
+    m = Manifest(dtype=np.dtype("<u2"), documents=True)
+    m.shards.append(ShardInfo("s", rows, ndocs))
+    write_manifest(ds, m)
+
+    monkeypatch.setenv("TOKLOAD_INDEX_MEMORY", str(1 << 62))
+    view = Documents(ds)
+    assert tables(view).enabled
+    with pytest.raises(MemoryError, match=rf"^{ds / 's.docs'}: out of memory while reading"):
+        view.read([ndocs - 1])
+    assert tables(view).loaded() == []
+    monkeypatch.delenv("TOKLOAD_INDEX_MEMORY")
+    small = Documents(ds)
+    assert not tables(small).enabled
+    np.testing.assert_array_equal(small.read([ndocs - 1]).values, np.arange(rows))
+    assert len(small.read([0]).values) == 0
