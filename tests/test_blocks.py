@@ -513,6 +513,14 @@ def test_several_batches_fall_back_where_one_round_cannot_serve(tmp_path: Path) 
         bs.read_window_batches(np.arange(3), *args, [2, 2, 3])
     with pytest.raises(ValueError, match=r"cuts must rise from above 0 to 3, got \[1, 2\]"):
         bs.read_window_batches(np.arange(3), *args, [1, 2])
+    # indices of any shape are read flat, as read_windows always read them
+    pos2, pos1 = np.empty((4, 9), np.int32), np.empty((4, 9), np.int32)
+    rows = (0, len(view), 4, 9, None)
+    flat = bs.read_windows(np.arange(4), *rows, pos1, np.empty, Scratch())
+    square = bs.read_windows(np.arange(4).reshape(2, 2), *rows, pos2, np.empty, Scratch())
+    np.testing.assert_array_equal(pos2, pos1)
+    np.testing.assert_array_equal(square[0], flat[0])
+    np.testing.assert_array_equal(square[1], flat[1])
 
 
 @pytest.mark.parametrize("memory", [True, False], ids=["in-memory", "read"])
@@ -569,9 +577,9 @@ def test_the_loader_reads_a_task_in_one_call(tmp_path: Path) -> None:
 def test_hint_covers_each_windows_blocks_or_their_index_entries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, memory: bool
 ) -> None:
-    """One WILLNEED per window per shard it touches: on the blocks with the block
-    index in memory (whose tables the hint loads, as a read would), else on the
-    index entries. Bad indices are refused as a read refuses them."""
+    """One WILLNEED per window per shard it touches: on its blocks where the
+    shard's block index table is in memory, else on its index entries (a hint
+    loads no table). Bad indices are refused as a read refuses them."""
     _memory(monkeypatch, memory)
     shards_ = sample_shards(6)
     view = StreamWithMetadata(write_by_hand(tmp_path / "ds", shards_, 16), window=40, stride=13)
@@ -581,10 +589,13 @@ def test_hint_covers_each_windows_blocks_or_their_index_entries(
         len([k for k in touched(shards_, 40, 13, [i]) if shards_[k].rows]) for i in range(n)
     )
     assert bs.hint_windows(np.arange(n), view._lo, n, 13, 40, Scratch()) == pieces
-    assert sorted(bs.tables.loaded()) == (
-        sorted(k for k in touched(shards_, 40, 13, range(n)) if shards_[k].rows) if memory else []
-    )
+    assert bs.tables.loaded() == []  # the entries were hinted: nothing read
+    view.read(np.arange(n))  # loads the tables (when they are held)
+    assert bs.hint_windows(np.arange(n), view._lo, n, 13, 40, Scratch()) == pieces
     assert bs.hint_windows(np.array([], np.int64), view._lo, n, 13, 40, Scratch()) == 0
+    assert bs.hint_windows(np.arange(4).reshape(2, 2), view._lo, n, 13, 40, Scratch()) == sum(
+        len([k for k in touched(shards_, 40, 13, [i]) if shards_[k].rows]) for i in range(4)
+    )
     view.hint([0, n - 1])  # the rows and the metadata
     with pytest.raises(IndexError, match="out of range"):
         view.hint([n])
@@ -598,6 +609,8 @@ def test_hint_on_a_damaged_block_index_gives_no_hint_and_the_read_says_why(
     _poke(mbx, 8 * 2, index[1] - 1, 8)
     view = StreamWithMetadata(ds, window=8, stride=8)
     bs = block_set(view)
+    assert bs.tables.enabled
+    view.read([0])  # loads the table; window 0 needs entries 0 and 1, which check
     assert bs.hint_windows(np.arange(4), view._lo, len(view), 8, 8, Scratch()) == 0
     view.hint([0, 1, 2, 3])  # advice: no error
     with pytest.raises(CorruptDataError, match="block index entry 2"):

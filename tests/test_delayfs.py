@@ -221,6 +221,9 @@ def test_readahead_hints_a_metadata_streams_blocks_too(
     with mount(delayfs, src, tmp_path / "m", "delay_ms=300,fraction=1") as m:
         view = tokload.StreamWithMetadata(m / "ds", window=257)
         try:
+            t0 = time.perf_counter()
+            view.hint([770])  # before any read: no table to load, still at once
+            assert time.perf_counter() - t0 < 0.1
             view.read([0])  # opens the files, and loads the block index when it is held
             t0 = time.perf_counter()
             view.hint([770])

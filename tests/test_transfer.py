@@ -42,6 +42,17 @@ def meta_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def blocks_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Plain tokens with metadata blocks: the loader reads a task's batches in one
+    call (``read_batches``), as slices of shared arrays."""
+    path = tmp_path_factory.mktemp("transfer") / "blocks"
+    with Writer(path, "<u4", metadata=True, shard_bytes=2000, span_block=16) as w:
+        for k in range(40):
+            w.write(np.arange(k * 100, k * 100 + 20), spans=[(2, 9, b"b%d" % k)])
+    return path
+
+
 # ---- the fake device itself can fail ----------------------------------------------------------
 
 
@@ -85,12 +96,13 @@ def test_the_fake_device_reuses_a_block_only_after_its_copies() -> None:
 # ---- the loader on the fake device ------------------------------------------------------------
 
 
-def _views(corpus: Path, meta_corpus: Path) -> dict[str, Any]:
+def _views(corpus: Path, meta_corpus: Path, blocks_corpus: Path) -> dict[str, Any]:
     return {
         "stream": TokenStream(corpus, window=9, stride=5),
         "padded": Documents(corpus, pad_to=16, pad_value=9),
         "packed": Documents(corpus, batch="pack"),
         "metadata": StreamWithMetadata(meta_corpus, window=8, stride=3),
+        "metadata-blocks": StreamWithMetadata(blocks_corpus, window=8, stride=3),
     }
 
 
@@ -99,7 +111,8 @@ def _reference(view: Any, batch: Batch) -> None:
     idx = batch["index"].numpy()
     if isinstance(view, StreamWithMetadata):
         ref = view.read(idx)
-        np.testing.assert_array_equal(batch["token"].numpy(), ref.fields["token"])
+        for name, values in ref.fields.items():
+            np.testing.assert_array_equal(batch[name].numpy(), values)
         np.testing.assert_array_equal(batch["metadata_positions"].numpy(), ref.positions)
         assert batch["metadata"] == ref.metadata
     elif isinstance(view, Documents):
@@ -110,13 +123,13 @@ def _reference(view: Any, batch: Batch) -> None:
         np.testing.assert_array_equal(batch["tokens"].numpy(), view.read(idx))
 
 
-@pytest.mark.parametrize("kind", ["stream", "padded", "packed", "metadata"])
+@pytest.mark.parametrize("kind", ["stream", "padded", "packed", "metadata", "metadata-blocks"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_device_copies_under_randomized_timing(
-    kind: str, seed: int, corpus: Path, meta_corpus: Path
+    kind: str, seed: int, corpus: Path, meta_corpus: Path, blocks_corpus: Path
 ) -> None:
     rng = random.Random(seed)
-    view = _views(corpus, meta_corpus)[kind]
+    view = _views(corpus, meta_corpus, blocks_corpus)[kind]
     fd = FakeDevice(seed=seed, max_delay=0.003)
     ld = DataLoader(
         view,

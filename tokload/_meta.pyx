@@ -87,7 +87,9 @@ cdef enum:
 
 
 cdef class Scratch:
-    """Working memory of :meth:`SpanSet.read_windows`, reused across batches.
+    """Working memory of the span and block readers (:meth:`SpanSet.read_windows`,
+    :meth:`BlockSet.read_window_batches`, :meth:`BlockSet.hint_windows`), reused
+    across batches.
 
     One per thread: the loader's reader threads each keep their own.  It
     grows to the largest batch seen and is freed with the object.
@@ -743,7 +745,8 @@ cdef class BlockSet:
             r.files.check_open()
         cdef Buf *b = scratch.b
         cdef Windows w
-        cdef size_t nwin0 = len(indices)
+        indices = _indices(indices)  # flat, int64: the windows _window_args reads
+        cdef size_t nwin0 = indices.shape[0]
         cdef const uint64_t[::1] cv = (np.array([nwin0], dtype=np.uint64) if cuts is None
                                        else np.ascontiguousarray(cuts, dtype=np.uint64))
         cdef size_t nbatch = cv.shape[0], k
@@ -777,10 +780,11 @@ cdef class BlockSet:
             if o.round == K_INDEX:
                 _raise_io(&o.io, self._paths[0], "the metadata block index")
             _raise_io(&o.io, self._paths[1], "the metadata blocks")
-        cdef const uint64_t *res = <uint64_t *>b[B_BATCH].p
+        cdef const uint64_t *res
         cdef uint8_t[::1] d
         out_records = []
         for k in range(nbatch):
+            res = <uint64_t *>b[B_BATCH].p  # (re-read: alloc runs Python in between)
             data, offsets = _record_arrays(alloc, b, res[3 * k], res[3 * k + 1],
                                            res[3 * k + 2] + k)
             if res[3 * k + 1]:
@@ -797,15 +801,15 @@ cdef class BlockSet:
     def hint_windows(self, indices, uint64_t first, uint64_t count, uint64_t stride,
                      uint64_t window, Scratch scratch not None):
         """The read-ahead of the windows' metadata (the rows are the caller's):
-        with the block index in memory, ``POSIX_FADV_WILLNEED`` for the blocks
-        the windows need (their shards' index tables are loaded first, as a
-        read loads them); otherwise for their block index entries.  Returns
-        the hints given.  A hint is advice: a table that cannot be loaded or
-        an entry that does not check gives none (the read says why)."""
+        ``POSIX_FADV_WILLNEED`` for the blocks the windows need where their
+        shard's block index table is in memory, else for their block index
+        entries (a hint loads no table: it reads nothing itself and returns at
+        once).  Returns the hints given.  A hint is advice: an entry that does
+        not check gives none (the read says why)."""
         for r in (self.rows, self.index_rs, self.blocks_rs):
             (<RowSet>r).files.check_open()
         cdef const int64_t[::1] iv = _indices(indices)
-        cdef size_t n = iv.shape[0], npieces = 0, i, failed = 0
+        cdef size_t n = iv.shape[0], npieces = 0, i, held = 0, rest = 0
         if n == 0 or window == 0:
             return 0
         cdef Buf *b = scratch.b
@@ -815,41 +819,43 @@ cdef class BlockSet:
         _checked_window_starts(iv, first, count, stride, window, self.rows.total, starts)
         cdef lib.tl_span_piece *pieces
         cdef lib.tl_span_reqs q
-        cdef lib.tl_engine eng
-        cdef lib.tl_io_error err
         cdef lib.tl_span_error serr
         cdef uint64_t nbytes = 0
-        cdef uint32_t *pshard
         cdef int rc = 0
+        cdef void **tabs = self.tables.tabs
         with nogil:
             lib.tl_spans_pieces(&self.sp, starts, n, window, NULL, _reqs(b), &npieces)
             if (_grow(&b[B_PIECES], npieces * sizeof(lib.tl_span_piece))
-                    or _grow_reqs(b, npieces) or _grow(&b[B_AT], npieces * 8)
-                    or _grow(&b[B_PSHARD], npieces * 4)):
+                    or _grow_reqs(b, npieces) or _grow(&b[B_AT], npieces * 8)):
                 rc = -1
             else:
                 pieces = <lib.tl_span_piece *>b[B_PIECES].p
                 q = _reqs(b)  # the pieces' block index entries, in entries
                 lib.tl_spans_pieces(&self.sp, starts, n, window, pieces, q, &npieces)
+                # pieces whose shard's table is held go first, their entries' requests
+                # (not needed: the table has them) dropped; the others' requests after
+                for i in range(npieces):
+                    if (self.tables.enabled
+                            and lib.tl_table_get(&tabs[pieces[i].shard]) != NULL):
+                        pieces[held] = pieces[i]
+                        held += 1
+                    else:
+                        q.start[rest] = q.start[i]
+                        q.len[rest] = q.len[i]
+                        rest += 1
         if rc:
             raise MemoryError()
-        if not self.tables.enabled:
-            return self.index_rs.hint_ranges(<uint64_t[:npieces]>q.start,
-                                              <uint64_t[:npieces]>q.len)
-        pshard = <uint32_t *>b[B_PSHARD].p
-        self.rows.files.engine_begin(&eng)
-        with nogil:
-            for i in range(npieces):
-                pshard[i] = pieces[i].shard
-            rc = self.tables.need(&eng, pshard, npieces, &err, &failed)
-            if rc == 0:  # q becomes the blocks' bytes in the .msb files
-                rc = lib.tl_blocks_slices(&self.s, pieces, npieces,
-                                          <const uint64_t *const *>self.tables.tabs, NULL, q,
-                                          <uint64_t *>b[B_AT].p, &nbytes, &serr)
-        self.rows.files.engine_end(&eng)
-        if rc:
-            return 0
-        return self.blocks_rs.hint_ranges(<uint64_t[:npieces]>q.start, <uint64_t[:npieces]>q.len)
+        given = 0
+        if rest:
+            given += self.index_rs.hint_ranges(<uint64_t[:rest]>q.start, <uint64_t[:rest]>q.len)
+        if held:
+            with nogil:  # q becomes the held pieces' blocks, in bytes of the .msb files
+                rc = lib.tl_blocks_slices(&self.s, pieces, held, <const uint64_t *const *>tabs,
+                                          NULL, q, <uint64_t *>b[B_AT].p, &nbytes, &serr)
+            if rc == 0:
+                given += self.blocks_rs.hint_ranges(<uint64_t[:held]>q.start,
+                                                    <uint64_t[:held]>q.len)
+        return given
 
 
 _ENCODE_CHUNK = 4096  # blocks encoded per buffer

@@ -131,17 +131,21 @@ class Assembly:
                 f"{type(self.view).__name__}.read_batches returned {got}, "
                 f"not a list of {len(parts)} dicts"
             )
-        return [self._finish(r, i, p) for r, (i, p) in zip(raws, parts, strict=True)]
+        return [
+            self._finish(r, i, p, "read_batches") for r, (i, p) in zip(raws, parts, strict=True)
+        ]
 
-    def _finish(self, raw: Any, indices: np.ndarray, positions: np.ndarray) -> dict[str, Any]:
+    def _finish(
+        self, raw: Any, indices: np.ndarray, positions: np.ndarray, how: str = "read_batch"
+    ) -> dict[str, Any]:
         if not isinstance(raw, dict):
             raise TypeError(
-                f"{type(self.view).__name__}.read_batch returned {type(raw).__name__}, not a dict"
+                f"{type(self.view).__name__}.{how} returned {type(raw).__name__}, not a dict"
             )
         for key in RESERVED_KEYS:
             if key in raw:
                 raise ValueError(
-                    f"{type(self.view).__name__}.read_batch returned the key {key!r}, "
+                    f"{type(self.view).__name__}.{how} returned the key {key!r}, "
                     "which the loader sets"
                 )
         # One buffer for both: half the allocations of a batch's bookkeeping.

@@ -64,7 +64,11 @@ class TransferBackend(Protocol):
         ...
 
     def copy(self, batch: Batch) -> Batch:
-        """The batch with every tensor copied to the device, asynchronously; sets ``ready``."""
+        """The batch with every tensor copied to the device, asynchronously; sets ``ready``.
+
+        The loader may pass the batches of one reader task merged into one
+        (keys ``"<step>:<key>"``, :meth:`Transfer.copy_all`): a backend copies
+        every tensor whatever its key, and keeps other values as they are."""
         ...
 
     def deliver(self, batch: Batch) -> None:

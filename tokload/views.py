@@ -565,17 +565,20 @@ class StreamWithMetadata(_Windows):
         protocol's several-batches call). With metadata blocks and plain
         tokens, the windows and blocks of all of them are one round of reads
         (on cold storage, one wait instead of one per batch); each batch's
-        positions count its own records, as ``read_batch``'s do."""
+        positions count its own records, as ``read_batch``'s do, and its rows
+        and positions are rows of arrays shared by the batches of the call.
+        Other layouts and structured tokens read one batch after the other."""
         spans = self.source.spans
-        sizes = [len(ix) for ix in batches]
+        flat = [self._indices(ix) for ix in batches]
+        sizes = [len(ix) for ix in flat]
         if (
             not isinstance(spans, BlockSet)
             or self.source.dtype.fields is not None
             or len(batches) < 2
             or 0 in sizes
         ):
-            return [self.read_batch(ix, alloc) for ix in batches]
-        idx = np.concatenate([self._indices(ix) for ix in batches])
+            return [self.read_batch(ix, alloc) for ix in flat]
+        idx = np.concatenate(flat)
         cuts = np.cumsum(sizes)
         n, t = len(idx), self.window
         ((name, ft, _),) = self._lay
