@@ -609,7 +609,6 @@ cdef class RowSet:
             PyMem_Free(starts)
         return m
 
-
     def hint_ranges(self, starts, lengths):
         """Advise the kernel that rows ``[starts[i], starts[i] + lengths[i])``
         (global row numbers, uint64) will be read soon, as :meth:`hint_windows`

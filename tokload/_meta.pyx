@@ -797,7 +797,6 @@ cdef class BlockSet:
             out_records.append((data, offsets))
         return out_records
 
-
     def hint_windows(self, indices, uint64_t first, uint64_t count, uint64_t stride,
                      uint64_t window, Scratch scratch not None):
         """The read-ahead of the windows' metadata (the rows are the caller's):

@@ -612,8 +612,8 @@ class StreamWithMetadata(_Windows):
     def hint(self, indices: npt.ArrayLike) -> None:
         """The view protocol's read-ahead: the rows of observations ``indices``
         (as :meth:`TokenStream.hint`) and, with metadata blocks, their blocks
-        (or, when the block index is not held in memory, its entries), so the
-        read that follows waits on neither."""
+        where the shard's block index is in memory (else its entries), so the
+        read that follows waits on neither. It reads nothing itself."""
         super().hint(indices)
         spans = self.source.spans
         if isinstance(spans, BlockSet):
