@@ -746,15 +746,20 @@ cdef class BlockSet:
         cdef Buf *b = scratch.b
         cdef Windows w
         indices = _indices(indices)  # flat, int64: the windows _window_args reads
-        cdef size_t nwin0 = indices.shape[0]
-        cdef const uint64_t[::1] cv = (np.array([nwin0], dtype=np.uint64) if cuts is None
-                                       else np.ascontiguousarray(cuts, dtype=np.uint64))
-        cdef size_t nbatch = cv.shape[0], k
-        cdef bint bad = cuts is not None and (nbatch == 0 or cv[nbatch - 1] != nwin0)
-        for k in range(nbatch if cuts is not None else 0):
-            bad |= cv[k] <= (cv[k - 1] if k else 0)
-        if bad:
-            raise ValueError(f"cuts must rise from above 0 to {nwin0}, got {list(cv)}")
+        cdef size_t nwin0 = indices.shape[0], nbatch = 1, k
+        cdef uint64_t one_cut = nwin0
+        cdef const uint64_t *cp = &one_cut
+        cdef const uint64_t[::1] cv
+        cdef bint bad = False
+        if cuts is not None:
+            cv = np.ascontiguousarray(cuts, dtype=np.uint64)
+            nbatch = cv.shape[0]
+            bad = nbatch == 0 or cv[nbatch - 1] != nwin0
+            for k in range(nbatch):
+                bad |= cv[k] <= (cv[k - 1] if k else 0)
+            if bad:
+                raise ValueError(f"cuts must rise from above 0 to {nwin0}, got {list(cv)}")
+            cp = &cv[0]
         if _window_args(self.rows, indices, first, count, stride, window, out, positions, b, &w):
             return [_record_arrays(alloc, b, 0, 0) for k in range(nbatch)]
         cdef size_t nwin = w.nwin
@@ -767,7 +772,7 @@ cdef class BlockSet:
         with nogil:
             rc = _blocks_batch(&self.s, &self.sp, self.tables, &self.index_rs.rs,
                                &self.blocks_rs.rs, &eng, &self.rows.rs, dptr, nwin, window,
-                               w.pos, scratch, &cv[0], nbatch, &o)
+                               w.pos, scratch, cp, nbatch, &o)
         self.rows.files.engine_end(&eng)
         if rc:
             if o.fail == FAIL_MEMORY:
