@@ -589,12 +589,7 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
         if o.round == R_ROWS:
             o.round = K_ROWS
         return -1
-    # every batch's records fit in the runs of all blocks read (each at most its rows)
-    nruns = lib.tl_blocks_count_runs(s, pieces, npieces, <uint64_t *>b[B_AT].p, tabs,
-                                     <uint64_t *>b[B_BLOCKS].p, <uint8_t *>b[B_BLOCKBUF].p) + 1
-    if (_grow(&b[B_ISHARD], nruns * 4) or _grow(&b[B_IID], nruns * 4)
-            or _grow(&b[B_ISRC], nruns * 8) or _grow(&b[B_ILEN], nruns * 8)
-            or _grow(&b[B_OFFSETS], (nruns + nbatch) * 8) or _grow(&b[B_BATCH], nbatch * 24)):
+    if _grow(&b[B_BATCH], nbatch * 24):
         o.fail = FAIL_MEMORY
         return -1
     res = <uint64_t *>b[B_BATCH].p
@@ -604,13 +599,17 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
         while p1 < npieces and pieces[p1].dst < end:
             p1 += 1
         at = <uint64_t *>b[B_AT].p + p0
+        # the batch's records fit in the runs of its blocks (each at most its rows)
         nruns = lib.tl_blocks_count_runs(s, pieces + p0, p1 - p0, at, tabs,
                                          <uint64_t *>b[B_BLOCKS].p,
                                          <uint8_t *>b[B_BLOCKBUF].p) + 1
         hcap = 1
         while hcap < 2 * nruns:
             hcap *= 2
-        if _grow(&b[B_HKEYS], hcap * 8) or _grow(&b[B_HVALS], hcap * 8):
+        if (_grow(&b[B_HKEYS], hcap * 8) or _grow(&b[B_HVALS], hcap * 8)
+                or _grow(&b[B_ISHARD], (done + nruns) * 4) or _grow(&b[B_IID], (done + nruns) * 4)
+                or _grow(&b[B_ISRC], (done + nruns) * 8) or _grow(&b[B_ILEN], (done + nruns) * 8)
+                or _grow(&b[B_OFFSETS], (done + nruns + k + 1) * 8)):
             o.fail = FAIL_MEMORY
             return -1
         if lib.tl_blocks_resolve(s, pieces + p0, p1 - p0, at, tabs,
