@@ -428,6 +428,27 @@ def test_reader_repeats_within_and_across_blocks(tmp_path: Path) -> None:
         assert_batch(view, [a, b], idx)
 
 
+@pytest.mark.parametrize("order", ["in order", "out of order"])
+def test_runs_of_every_length_fill_exactly_their_rows(tmp_path: Path, order: str) -> None:
+    """Runs of 1 to 70 rows, each cut by windows at every offset: the reader
+    fills positions with 64- and 16-byte stores, the last one of a run
+    overlapping the one before, and element by element below 4 rows; no
+    store may reach past its run. Out of order, the blocks' records go
+    through the block-local set instead of being counted."""
+    lengths = list(range(1, 71)) + list(range(70, 0, -1))
+    starts = [0, *itertools.accumulate(lengths)][:-1]
+    rows = sum(lengths)
+    nrec = len(lengths)
+    records = list(range(nrec)) if order == "in order" else [(7 * i) % nrec for i in range(nrec)]
+    records[5] = records[40] = NONE
+    payloads = [b"r%d" % i for i in range(nrec)]
+    shard = Shard(np.arange(rows) % 65_535, starts, records, payloads)
+    ds = write_by_hand(tmp_path / "ds", [shard], block=512)
+    for window, stride in ((rows, 1), (97, 13), (33, 1)):
+        view = StreamWithMetadata(ds, window=window, stride=stride)
+        assert_batch(view, [shard], list(range(len(view))))
+
+
 def test_reader_at_the_largest_block(tmp_path: Path) -> None:
     """Block 65,536: a run starting at 65,535, the last start a uint16 holds."""
     big = Shard(

@@ -362,16 +362,19 @@ cdef extern from "tokload/blocks.h" nogil:
                          const uint64_t *const *tables, const uint64_t *entries,
                          tl_span_reqs q, uint64_t *at, uint64_t *nbytes,
                          tl_span_error *err) noexcept
+    int tl_blocks_check_all(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
+                            const uint64_t *at, const uint64_t *const *tables,
+                            const uint64_t *entries, const uint8_t *blockbuf,
+                            tl_block_seen *t, tl_block_info *infos, uint64_t *prange,
+                            uint64_t *nruns, tl_span_error *err) noexcept
     int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
                           const uint64_t *at, const uint64_t *const *tables,
                           const uint64_t *entries, const uint8_t *blockbuf,
-                          int32_t *positions, uint64_t *hkeys, int64_t *hvals,
-                          uint64_t hcap, tl_block_seen *t, uint64_t *prange,
-                          tl_block_range *order, uint32_t *item_shard, uint32_t *item_id, uint64_t *item_src,
-                          uint64_t *item_len, size_t *nitems, tl_span_error *err) noexcept
-    uint64_t tl_blocks_count_runs(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
-                                  const uint64_t *at, const uint64_t *const *tables,
-                                  const uint64_t *entries, const uint8_t *blockbuf) noexcept
+                          const tl_block_info *infos, int32_t *positions, uint64_t *hkeys,
+                          int64_t *hvals, uint64_t hcap, tl_block_seen *t, uint64_t *prange,
+                          tl_block_range *order, uint32_t *item_shard, uint32_t *item_id,
+                          uint64_t *item_src, uint64_t *item_len, size_t *nitems,
+                          tl_span_error *err) noexcept
     uint64_t tl_blocks_copy(const uint8_t *blockbuf, const uint64_t *item_src,
                             const uint64_t *item_len, size_t nitems, int64_t *offsets,
                             uint8_t *dst) noexcept

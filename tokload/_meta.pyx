@@ -83,6 +83,7 @@ cdef enum:
     B_PRANGE      # 3 uint64 per piece: its records' range, and whether it stands alone
     B_ORDER       # tl_block_range per piece
     B_BATCH       # 3 uint64 per batch of windows: its records, their bytes, its first record
+    B_INFO        # tl_block_info per block read (at its piece's blk)
     NBUF
 
 
@@ -550,6 +551,7 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
         nrow = lib.tl_rows_count_reqs(rows, starts, NULL, window, nwin)
     if (_grow(&b[B_PIECES], npieces * sizeof(lib.tl_span_piece)) or _grow_reqs(b, npieces)
             or _grow(&b[B_BLOCKS], nent * 8) or _grow(&b[B_AT], npieces * 8)
+            or _grow(&b[B_INFO], nent * sizeof(lib.tl_block_info))
             or _grow(&b[B_PSHARD], npieces * 4) or _grow(&b[B_PRANGE], npieces * 24)
             or _grow(&b[B_ORDER], npieces * sizeof(lib.tl_block_range))
             or _grow(&b[B_REQS], nrow * sizeof(lib.tl_ioreq))
@@ -599,10 +601,14 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
         while p1 < npieces and pieces[p1].dst < end:
             p1 += 1
         at = <uint64_t *>b[B_AT].p + p0
-        # the batch's records fit in the runs of its blocks (each at most its rows)
-        nruns = lib.tl_blocks_count_runs(s, pieces + p0, p1 - p0, at, tabs,
-                                         <uint64_t *>b[B_BLOCKS].p,
-                                         <uint8_t *>b[B_BLOCKBUF].p) + 1
+        # each block checked once; the batch's records fit in the runs of its blocks
+        if lib.tl_blocks_check_all(s, pieces + p0, p1 - p0, at, tabs, <uint64_t *>b[B_BLOCKS].p,
+                                   <uint8_t *>b[B_BLOCKBUF].p, &sc.seen,
+                                   <lib.tl_block_info *>b[B_INFO].p, <uint64_t *>b[B_PRANGE].p,
+                                   &nruns, &o.span):
+            o.fail = FAIL_SPAN
+            return -1
+        nruns += 1
         hcap = 1
         while hcap < 2 * nruns:
             hcap *= 2
@@ -613,7 +619,8 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
             o.fail = FAIL_MEMORY
             return -1
         if lib.tl_blocks_resolve(s, pieces + p0, p1 - p0, at, tabs,
-                                 <uint64_t *>b[B_BLOCKS].p, <uint8_t *>b[B_BLOCKBUF].p, pos,
+                                 <uint64_t *>b[B_BLOCKS].p, <uint8_t *>b[B_BLOCKBUF].p,
+                                 <lib.tl_block_info *>b[B_INFO].p, pos,
                                  <uint64_t *>b[B_HKEYS].p, <int64_t *>b[B_HVALS].p, hcap,
                                  &sc.seen, <uint64_t *>b[B_PRANGE].p,
                                  <lib.tl_block_range *>b[B_ORDER].p,

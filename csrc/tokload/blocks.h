@@ -30,9 +30,10 @@
  *   1. tl_spans_pieces (spans.h): the windows cut at shard ends; each
  *      piece's block index entries.
  *   2. tl_blocks_slices: from the entries, one read of each piece's blocks.
- *   3. tl_blocks_resolve: check each block; per row the batch-level number
- *      of its record (or -1); the batch's distinct records (shard, id) in
- *      order of first appearance, with where their bytes lie in the blocks.
+ *   3. tl_blocks_check_all: check each block once; tl_blocks_resolve: per
+ *      row the batch-level number of its record (or -1); the batch's
+ *      distinct records (shard, id) in order of first appearance, with where
+ *      their bytes lie in the blocks.
  *   4. tl_blocks_copy: the records' bytes into the batch's buffer.
  * Nothing here allocates or reads: every buffer comes from the caller.
  */
@@ -182,27 +183,6 @@ TL_INLINE int tl_blocks_slices(const tl_block_set *s, const tl_span_piece *piece
     return 0;
 }
 
-/* An upper bound on the runs of the blocks read (each block's run count,
- * capped at its rows, before the checks): sizes the batch's record set. */
-TL_INLINE uint64_t tl_blocks_count_runs(const tl_block_set *s, const tl_span_piece *pieces,
-                                        size_t n, const uint64_t *at,
-                                        const uint64_t *const *tables, const uint64_t *entries,
-                                        const uint8_t *blockbuf)
-{
-    uint64_t total = 0;
-    for (size_t i = 0; i < n; i++) {
-        const tl_span_piece *p = &pieces[i];
-        const uint64_t *e = tl_blocks_entries(s, p, tables, entries);
-        uint64_t b0 = p->start / s->block, b1 = (p->start + p->len - 1) / s->block;
-        for (uint64_t b = b0; b <= b1; b++) {
-            uint64_t len = e[b - b0 + 1] - e[b - b0], brows = tl_block_rows(s, p->shard, b);
-            uint64_t runs = len >= 4 ? tl_load_u32(blockbuf + at[i] + (e[b - b0] - e[0])) : 0;
-            total += runs < brows ? runs : brows;
-        }
-    }
-    return total;
-}
-
 /* What tl_block_check learns of a block. */
 typedef struct {
     uint32_t nruns;
@@ -276,6 +256,67 @@ TL_INLINE int tl_block_check(const tl_block_set *s, size_t k, uint64_t b, const 
     return 0;
 }
 
+/* tl_block_check, quick for the usual block: sound, with records (none
+ * aside) that never decrease.  Its loops carry no early exit, so they
+ * compile to a few instructions a run; any other block, damaged ones
+ * included, goes through tl_block_check, which gives the same info or the
+ * precise error. */
+TL_INLINE int tl_block_check_quick(const tl_block_set *s, size_t k, uint64_t b, const uint8_t *p,
+                                   uint64_t len, tl_block_seen *t, tl_block_info *bi,
+                                   tl_span_error *err)
+{
+    uint64_t brows = tl_block_rows(s, k, b);
+    uint32_t nruns = len >= 4 ? tl_load_u32(p) : 0;
+    if (TL_UNLIKELY(nruns == 0 || nruns > brows || 4 + 6 * (uint64_t)nruns > len))
+        return tl_block_check(s, k, b, p, len, t, bi, err);
+    const uint8_t *st = p + 4, *rc = p + 4 + 2 * (uint64_t)nruns;
+    uint64_t nrec = s->nrec[k];
+    unsigned bad = (tl_load_u16(st) != 0) | (tl_load_u16(st + 2 * (uint64_t)(nruns - 1)) >= brows);
+    for (uint32_t r = 1; r < nruns; r++)
+        bad |= tl_load_u16(st + 2 * (uint64_t)r) <= tl_load_u16(st + 2 * (uint64_t)(r - 1));
+    uint32_t first = TL_SPAN_NONE, last = TL_SPAN_NONE, nnew = 0;
+    for (uint32_t r = 0; r < nruns; r++) {
+        uint32_t rec = tl_load_u32(rc + 4 * (uint64_t)r);
+        unsigned some = rec != TL_SPAN_NONE, fresh = some & (rec != last);
+        bad |= some & (rec >= nrec);
+        bad |= fresh & (last != TL_SPAN_NONE) & (rec < last); /* out of order: the set numbers it */
+        nnew += fresh;
+        first = first == TL_SPAN_NONE ? rec : first;
+        last = some ? rec : last;
+    }
+    uint64_t head = 4 + 6 * (uint64_t)nruns + 4 * (uint64_t)nnew;
+    if (TL_UNLIKELY(bad || head > len)) return tl_block_check(s, k, b, p, len, t, bi, err);
+    const uint8_t *ends = p + 4 + 6 * (uint64_t)nruns;
+    for (uint32_t j = 1; j < nnew; j++)
+        bad |= tl_load_u32(ends + 4 * (uint64_t)j) < tl_load_u32(ends + 4 * (uint64_t)(j - 1));
+    uint64_t e0 = nnew ? tl_load_u32(ends + 4 * (uint64_t)(nnew - 1)) : 0;
+    if (TL_UNLIKELY(bad || head + e0 != len)) return tl_block_check(s, k, b, p, len, t, bi, err);
+    bi->nruns = nruns;
+    bi->nnew = nnew;
+    bi->ends = ends;
+    bi->sorted = 1;
+    bi->first = first;
+    bi->last = last;
+    return 0;
+}
+
+/* out[0..m) = v: 64-byte stores (the last one overlapping the one before)
+ * where m allows, so a run costs a few stores and no element-wise tail. */
+TL_INLINE void tl_fill_i32(int32_t *out, uint64_t m, int32_t v)
+{
+    int32_t pat[16];
+    for (int j = 0; j < 16; j++) pat[j] = v;
+    if (m >= 16) {
+        for (uint64_t j = 0; j + 16 < m; j += 16) memcpy(out + j, pat, 64);
+        memcpy(out + m - 16, pat, 64);
+    } else if (m >= 4) {
+        for (uint64_t j = 0; j + 4 < m; j += 4) memcpy(out + j, pat, 16);
+        memcpy(out + m - 4, pat, 16);
+    } else {
+        for (uint64_t j = 0; j < m; j++) out[j] = v;
+    }
+}
+
 /* The slots of a checked block's records, run after run: call for every
  * record (none aside) in order, from the block's first run. */
 typedef struct {
@@ -304,27 +345,51 @@ TL_INLINE uint32_t tl_block_walk_slot(const tl_block_info *bi, tl_block_seen *t,
     return tl_block_seen_slot(t, rec, &count, &fresh);
 }
 
-/* Step 3: positions (int32, -1 for none) of every row of every piece; the
- * batch's distinct records (shard, id) in order of first appearance, each
- * with its bytes' place in the block buffer (item_src, item_len).
- * hkeys/hvals: hcap slots (a power of two, at least twice the runs of the
- * blocks read, which is at most their rows); t: a block-local set; prange:
- * 3 values per piece; order: one tl_block_range per piece.
- *
- * A piece whose blocks' records never decrease, across its blocks too, and
- * whose range of records meets no other piece's of its shard cannot share a
- * record with another piece: its records need no look-up in the batch's set
- * (a record is new where it differs from the one before).  Others go through
- * the set.  Returns 0 and *nitems, or an error code.  TL_WIDE: the positions
- * fill (4 bytes a row, twice the bytes of uint16 tokens) was over a third of
- * its time; with 64-byte stores it takes about 40% less (perf, 8 windows of
- * 4,097 rows: from about 3 us to 1.8 us a batch). */
+/* Step 3a: check every block of pieces[0..n) once (infos[p->blk + b - b0]
+ * for block b of piece p: p->blk numbers the pieces' blocks apart); each
+ * piece's range of records and whether they are in order (prange: 3 values
+ * per piece); *nruns: the runs of all the blocks, a bound on the records.
+ * Returns 0 or an error code. */
 typedef struct {
     uint64_t shard;
     uint64_t lo;
     uint64_t hi;
     uint64_t piece;
 } tl_block_range;
+
+TL_WIDE int tl_blocks_check_all(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
+                                const uint64_t *at, const uint64_t *const *tables,
+                                const uint64_t *entries, const uint8_t *blockbuf,
+                                tl_block_seen *t, tl_block_info *infos, uint64_t *prange,
+                                uint64_t *nruns, tl_span_error *err)
+{
+    uint64_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        const tl_span_piece *p = &pieces[i];
+        const uint64_t *e = tl_blocks_entries(s, p, tables, entries);
+        uint64_t b0 = p->start / s->block, b1 = (p->start + p->len - 1) / s->block;
+        uint64_t lo = TL_SPAN_NONE, hi = 0, ordered = 1;
+        uint32_t prev = TL_SPAN_NONE;
+        for (uint64_t b = b0; b <= b1; b++) {
+            tl_block_info *bi = &infos[p->blk + (b - b0)];
+            const uint8_t *blk = blockbuf + at[i] + (e[b - b0] - e[0]);
+            int rc = tl_block_check_quick(s, p->shard, b, blk, e[b - b0 + 1] - e[b - b0], t, bi, err);
+            if (rc) return rc;
+            total += bi->nruns;
+            if (bi->first == TL_SPAN_NONE) continue;
+            ordered &= bi->sorted && (prev == TL_SPAN_NONE || bi->first >= prev);
+            prev = bi->last;
+            if (bi->first < lo) lo = bi->first;
+            if (bi->last > hi) hi = bi->last;
+            if (!bi->sorted) lo = 0, hi = TL_SPAN_NONE - 1; /* its range is unknown: all */
+        }
+        prange[3 * i] = lo;
+        prange[3 * i + 1] = hi;
+        prange[3 * i + 2] = ordered;
+    }
+    *nruns = total;
+    return 0;
+}
 
 static inline int tl_block_range_cmp(const void *a, const void *b)
 {
@@ -334,40 +399,32 @@ static inline int tl_block_range_cmp(const void *a, const void *b)
     return x->piece < y->piece ? -1 : x->piece > y->piece;
 }
 
+/* Step 3b, after tl_blocks_check_all over the same pieces: positions
+ * (int32, -1 for none) of every row of every piece; the batch's distinct
+ * records (shard, id) in order of first appearance, each with its bytes'
+ * place in the block buffer (item_src, item_len).  hkeys/hvals: hcap slots
+ * (a power of two, at least twice the runs); t: a block-local set; order:
+ * one tl_block_range per piece.
+ *
+ * A piece whose blocks' records never decrease, across its blocks too, and
+ * whose range of records meets no other piece's of its shard cannot share a
+ * record with another piece: its records need no look-up in the batch's set
+ * (a record is new where it differs from the one before).  Others go through
+ * the set.  A block whose records are out of order is checked again here,
+ * which numbers its records in t.  Returns 0 and *nitems, or an error code.
+ * TL_WIDE: the positions (4 bytes a row, twice the bytes of uint16 tokens)
+ * are most of the stores. */
 TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
                               const uint64_t *at, const uint64_t *const *tables,
                               const uint64_t *entries, const uint8_t *blockbuf,
-                              int32_t *positions, uint64_t *hkeys, int64_t *hvals,
-                              uint64_t hcap, tl_block_seen *t, uint64_t *prange,
-                              tl_block_range *order,
+                              const tl_block_info *infos, int32_t *positions, uint64_t *hkeys,
+                              int64_t *hvals, uint64_t hcap, tl_block_seen *t,
+                              uint64_t *prange, tl_block_range *order,
                               uint32_t *item_shard, uint32_t *item_id, uint64_t *item_src,
                               uint64_t *item_len, size_t *nitems, tl_span_error *err)
 {
     size_t ni = 0;
-    tl_block_info bi;
     int any_set = 0;
-    /* 1: check every block; each piece's range of records, and whether it is in order */
-    for (size_t i = 0; i < n; i++) {
-        const tl_span_piece *p = &pieces[i];
-        const uint64_t *e = tl_blocks_entries(s, p, tables, entries);
-        uint64_t b0 = p->start / s->block, b1 = (p->start + p->len - 1) / s->block;
-        uint64_t lo = TL_SPAN_NONE, hi = 0, ordered = 1;
-        uint32_t prev = TL_SPAN_NONE;
-        for (uint64_t b = b0; b <= b1; b++) {
-            const uint8_t *blk = blockbuf + at[i] + (e[b - b0] - e[0]);
-            int rc = tl_block_check(s, p->shard, b, blk, e[b - b0 + 1] - e[b - b0], t, &bi, err);
-            if (rc) return rc;
-            if (bi.first == TL_SPAN_NONE) continue;
-            ordered &= bi.sorted && (prev == TL_SPAN_NONE || bi.first >= prev);
-            prev = bi.last;
-            if (bi.first < lo) lo = bi.first;
-            if (bi.last > hi) hi = bi.last;
-            if (!bi.sorted) lo = 0, hi = TL_SPAN_NONE - 1; /* its range is unknown: all */
-        }
-        prange[3 * i] = lo;
-        prange[3 * i + 1] = hi;
-        prange[3 * i + 2] = ordered;
-    }
     /* a piece meets another of its shard when their ranges overlap: sorted by
      * (shard, lo), piece i meets one before it if its lo is at most the largest
      * hi before it, and one after it if the next lo is at most its hi */
@@ -392,7 +449,6 @@ TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces
     for (size_t i = 0; i < n; i++) any_set |= !prange[3 * i + 2];
     if (any_set)
         for (uint64_t h = 0; h < hcap; h++) hvals[h] = -1;
-    /* 2: positions and records */
     for (size_t i = 0; i < n; i++) {
         const tl_span_piece *p = &pieces[i];
         size_t k = p->shard;
@@ -404,23 +460,28 @@ TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces
         uint32_t last_rec = TL_SPAN_NONE;
         int32_t last_item = -1;
         for (uint64_t b = b0; b <= b1; b++) {
+            tl_block_info bi = infos[p->blk + (b - b0)];
             uint64_t off = at[i] + (e[b - b0] - e[0]), len = e[b - b0 + 1] - e[b - b0];
             const uint8_t *blk = blockbuf + off;
-            int rc = tl_block_check(s, k, b, blk, len, t, &bi, err); /* numbers it again */
-            if (rc) return rc;
+            if (!bi.sorted) { /* number its records in t */
+                int rc = tl_block_check(s, k, b, blk, len, t, &bi, err);
+                if (rc) return rc;
+            }
             uint64_t base = b * s->block, brows = tl_block_rows(s, k, b);
             uint64_t data = off + 4 + 6 * (uint64_t)bi.nruns + 4 * (uint64_t)bi.nnew;
             const uint8_t *st = blk + 4, *rcs = blk + 4 + 2 * (uint64_t)bi.nruns;
-            tl_block_walk w;
-            tl_block_walk_start(&w);
-            for (uint32_t r = 0; r < bi.nruns; r++) {
-                uint64_t a = base + tl_load_u16(st + 2 * (uint64_t)r);
-                if (a >= end) break;
+            uint32_t slot = 0, prev = TL_SPAN_NONE; /* sorted: the record's number in the block */
+            uint64_t a = base; /* the run's first row */
+            for (uint32_t r = 0; r < bi.nruns && a < end; r++) {
                 uint32_t rec = tl_load_u32(rcs + 4 * (uint64_t)r);
-                uint32_t slot = rec != TL_SPAN_NONE ? tl_block_walk_slot(&bi, t, &w, rec) : 0;
                 uint64_t z = base + (r + 1 < bi.nruns ? tl_load_u16(st + 2 * (uint64_t)(r + 1)) : brows);
-                if (z <= p->start) continue;
+                if (bi.sorted && rec != TL_SPAN_NONE && rec != prev) {
+                    slot += prev != TL_SPAN_NONE;
+                    prev = rec;
+                }
                 uint64_t lo = a > p->start ? a : p->start, hi = z < end ? z : end;
+                a = z;
+                if (hi <= lo) continue; /* before the piece */
                 int32_t v = -1;
                 if (rec != TL_SPAN_NONE) {
                     int fresh;
@@ -439,9 +500,15 @@ TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces
                         v = (int32_t)hvals[h];
                     }
                     if (fresh) {
+                        uint32_t sl = slot;
+                        if (!bi.sorted) {
+                            uint32_t count = bi.nnew; /* in t already: no insert */
+                            int added;
+                            sl = tl_block_seen_slot(t, rec, &count, &added);
+                        }
                         const uint8_t *ends = bi.ends;
-                        uint32_t a0 = slot ? tl_load_u32(ends + 4 * (uint64_t)(slot - 1)) : 0;
-                        uint32_t a1 = tl_load_u32(ends + 4 * (uint64_t)slot);
+                        uint32_t a0 = sl ? tl_load_u32(ends + 4 * (uint64_t)(sl - 1)) : 0;
+                        uint32_t a1 = tl_load_u32(ends + 4 * (uint64_t)sl);
                         item_shard[ni] = (uint32_t)k;
                         item_id[ni] = rec;
                         item_src[ni] = data + a0;
@@ -451,8 +518,7 @@ TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces
                     last_rec = rec;
                     last_item = v;
                 }
-                int32_t *out = pos + (lo - p->start); /* locals: the loop vectorizes */
-                for (uint64_t j = 0, m = hi - lo; j < m; j++) out[j] = v;
+                tl_fill_i32(pos + (lo - p->start), hi - lo, v);
             }
         }
     }
