@@ -544,6 +544,49 @@ def test_several_batches_fall_back_where_one_round_cannot_serve(tmp_path: Path) 
     np.testing.assert_array_equal(square[1], flat[1])
 
 
+@pytest.mark.parametrize(
+    ("out", "positions", "error", "message"),
+    [
+        (None, np.empty((2, 9), np.uint32), ValueError, "positions must be int32, got uint32"),
+        (None, np.empty((2, 8), np.int32), ValueError, "positions holds 64 bytes, need 72"),
+        (None, np.empty((2, 10), np.int32), ValueError, "positions holds 80 bytes, need 72"),
+        (None, np.empty((2, 18), np.int32)[:, ::2], ValueError, "not C-contiguous"),
+        (None, np.frombuffer(bytes(72), np.int32), ValueError, "read-only"),
+        (None, [0] * 18, TypeError, "bytes-like object is required"),
+        (
+            np.empty((2, 8), np.uint16),
+            np.empty((2, 9), np.int32),
+            ValueError,
+            "out holds 32 bytes, need 36",
+        ),
+        (
+            np.empty((2, 18), np.uint16)[:, ::2],
+            np.empty((2, 9), np.int32),
+            ValueError,
+            "not C-contiguous",
+        ),
+    ],
+    ids=["dtype", "short", "long", "strided", "read-only", "list", "out short", "out strided"],
+)
+def test_read_windows_refuses_buffers_it_cannot_fill(
+    tmp_path: Path, out: Any, positions: Any, error: type[Exception], message: str
+) -> None:
+    """The reader writes through the buffers' addresses: each must be a
+    writable C-contiguous buffer of the batch's size (positions int32, exactly),
+    or the call fails before anything is read, naming the argument."""
+    shards_ = sample_shards(4)
+    view = StreamWithMetadata(write_by_hand(tmp_path / "ds", shards_, 8), window=9, stride=4)
+    bs = block_set(view)
+    with pytest.raises(error, match=re.escape(message)):
+        bs.read_windows(np.arange(2), 0, len(view), 4, 9, out, positions, np.empty, Scratch())
+    big = np.zeros((3, 9), np.uint16)  # a larger out is fine: its first rows are filled
+    pos = np.empty((2, 9), np.int32)
+    bs.read_windows(np.arange(2), 0, len(view), 4, 9, big, pos, np.empty, Scratch())
+    tokens, positions_, _ = reference_batch(shards_, 9, 4, [0, 1])
+    np.testing.assert_array_equal(big[:2], tokens)
+    np.testing.assert_array_equal(pos, positions_)
+
+
 @pytest.mark.parametrize("memory", [True, False], ids=["in-memory", "read"])
 def test_a_damaged_block_fails_the_task_that_reads_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, memory: bool

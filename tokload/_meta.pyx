@@ -11,6 +11,8 @@ block, in scratch memory reused from batch to batch.  The Python work of a
 batch does not depend on the number of windows, runs or records.
 """
 
+from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBuffer_Release,
+                              PyObject_GetBuffer)
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, realloc
 from libc.string cimport memcmp, memcpy, memset
@@ -280,30 +282,45 @@ cdef struct Windows:
     uint8_t *dst   # their rows' destination, or NULL
 
 
-cdef int _window_args(RowSet rows, indices, uint64_t first, uint64_t count, uint64_t stride,
-                      uint64_t window, out, positions, Buf *b, Windows *w) except -1:
+cdef char _EMPTY = 0  # the address given for an empty buffer that has none
+
+
+cdef char *_address(obj, Py_ssize_t nbytes, bint int32, str what) except NULL:
+    """The address of ``obj``'s memory, a writable C-contiguous buffer of at
+    least ``nbytes`` bytes (exactly that many int32 items when ``int32``).  No
+    memoryview is made (a batch takes four of these): ``obj`` keeps the memory
+    alive.  ValueError names ``what`` when the buffer does not fit."""
+    cdef Py_buffer v
+    cdef char *p
+    cdef Py_ssize_t n
+    cdef bint ok
+    PyObject_GetBuffer(obj, &v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS
+                       | (PyBUF_FORMAT if int32 else 0))
+    p = <char *>v.buf
+    n = v.len
+    ok = not int32 or (v.itemsize == 4 and v.format != NULL and v.format[0] != 0
+                       and v.format[1] == 0 and v.format[0] == b"i")
+    PyBuffer_Release(&v)
+    if not ok:
+        raise ValueError(f"{what} must be int32, got {getattr(obj, 'dtype', type(obj))}")
+    if n < nbytes or (int32 and n != nbytes):
+        raise ValueError(f"{what} holds {n} bytes, need {nbytes}")
+    return p if p != NULL else <char *>&_EMPTY
+
+
+cdef int _window_args(RowSet rows, const int64_t[::1] iv, uint64_t first, uint64_t count,
+                      uint64_t stride, uint64_t window, out, positions, Buf *b,
+                      Windows *w) except -1:
     """Check the arguments of a ``read_windows`` (the arrays stay the caller's:
     ``w`` points into them) and put the windows' first rows in B_STARTS.
     Returns 1 when there is nothing to read, else 0."""
-    cdef const int64_t[::1] iv = _indices(indices)
-    cdef int32_t[::1] pos = positions.reshape(-1)
-    cdef uint8_t[::1] dst
     w.nwin = iv.shape[0]
-    w.pos = NULL
+    w.pos = <int32_t *>_address(positions, w.nwin * window * 4, True, "positions")
     w.dst = NULL
-    if <uint64_t>pos.shape[0] != w.nwin * window:
-        raise ValueError(f"positions must hold {w.nwin} x {window} values, "
-                         f"not {pos.shape[0]}")
     if out is not None:
-        dst = out.reshape(-1).view(np.uint8)
-        if <uint64_t>dst.shape[0] < w.nwin * window * rows.rs.row_bytes:
-            raise ValueError(f"out holds {dst.shape[0]} bytes, need "
-                             f"{w.nwin * window * rows.rs.row_bytes}")
-        if dst.shape[0]:
-            w.dst = &dst[0]
+        w.dst = <uint8_t *>_address(out, w.nwin * window * rows.rs.row_bytes, False, "out")
     if w.nwin == 0 or window == 0:
         return 1
-    w.pos = &pos[0]
     if _grow(&b[B_STARTS], w.nwin * 8):
         raise MemoryError()
     _checked_window_starts(iv, first, count, stride, window, rows.total,
@@ -315,9 +332,9 @@ cdef tuple _record_arrays(object alloc, Buf *b, size_t nitems, uint64_t nbytes, 
     """The batch's ``(data, offsets)`` made with ``alloc``: the offsets from
     B_OFFSETS[at:] (all 0 when there are no records), ``data`` to be filled."""
     offsets = alloc((nitems + 1,), np.int64)
-    cdef int64_t[::1] off = offsets
+    cdef int64_t *off = <int64_t *>_address(offsets, (nitems + 1) * 8, False, "offsets")
     if nitems:
-        memcpy(&off[0], <int64_t *>b[B_OFFSETS].p + at, (nitems + 1) * 8)  # 8 bytes a record
+        memcpy(off, <int64_t *>b[B_OFFSETS].p + at, (nitems + 1) * 8)  # 8 bytes a record
     else:
         off[0] = 0
     return _bytes(alloc, nbytes), offsets
@@ -418,7 +435,8 @@ cdef class SpanSet:
             r.files.check_open()
         cdef Buf *b = scratch.b
         cdef Windows w
-        if _window_args(self.rows, indices, first, count, stride, window, out, positions, b, &w):
+        if _window_args(self.rows, _indices(indices), first, count, stride, window, out,
+                        positions, b, &w):
             return _record_arrays(alloc, b, 0, 0)
         cdef size_t nwin = w.nwin
         cdef uint8_t *dptr = w.dst
@@ -440,13 +458,13 @@ cdef class SpanSet:
                 _raise_io(&o.io, self.rows.files.paths, f"rows [{s0}, {s0 + window})")
             _raise_io(&o.io, self._paths[o.round - 1], _ROUND_WHAT[o.round])
         data, offsets = _record_arrays(alloc, b, o.nitems, o.nbytes)
-        cdef uint8_t[::1] d
+        cdef uint8_t *d
         if o.nbytes:
             # the records' bytes go from the files straight into the batch's buffer
-            d = data
+            d = <uint8_t *>_address(data, o.nbytes, False, "data")
             self.data_rs.files.engine_begin(&eng)
             with nogil:
-                rc = _round(&eng, &self.sets[3], o.nreq, &d[0], b, 0, R_DATA, &o)
+                rc = _round(&eng, &self.sets[3], o.nreq, d, b, 0, R_DATA, &o)
             self.data_rs.files.engine_end(&eng)
             if rc:
                 if o.fail == FAIL_MEMORY:
@@ -736,8 +754,11 @@ cdef class BlockSet:
         the blocks); the records' bytes are copied from the blocks into
         ``data``.  Everything but the allocations runs without the GIL.
         """
-        return self.read_window_batches(indices, first, count, stride, window, out, positions,
-                                        alloc, scratch, None)[0]
+        cdef uint64_t one_cut
+        cdef const int64_t[::1] iv = _indices(indices)
+        one_cut = iv.shape[0]
+        return self._read(iv, first, count, stride, window, out, positions, alloc, scratch,
+                          &one_cut, 1)[0]
 
     def read_window_batches(self, indices, uint64_t first, uint64_t count, uint64_t stride,
                             uint64_t window, out, positions, alloc, Scratch scratch not None,
@@ -746,13 +767,8 @@ cdef class BlockSet:
         k is the windows up to ``cuts[k]`` (ascending, the last one
         ``len(indices)``; None: one batch).  Each batch's positions count its
         own records; returns one ``(data, offsets)`` per batch."""
-        cdef RowSet r
-        for r in (self.rows, self.index_rs, self.blocks_rs):
-            r.files.check_open()
-        cdef Buf *b = scratch.b
-        cdef Windows w
-        indices = _indices(indices)  # flat, int64: the windows _window_args reads
-        cdef size_t nwin0 = indices.shape[0], nbatch = 1, k
+        cdef const int64_t[::1] iv = _indices(indices)  # flat, int64
+        cdef size_t nwin0 = iv.shape[0], nbatch = 1, k
         cdef uint64_t one_cut = nwin0
         cdef const uint64_t *cp = &one_cut
         cdef const uint64_t[::1] cv
@@ -766,7 +782,21 @@ cdef class BlockSet:
             if bad:
                 raise ValueError(f"cuts must rise from above 0 to {nwin0}, got {list(cv)}")
             cp = &cv[0]
-        if _window_args(self.rows, indices, first, count, stride, window, out, positions, b, &w):
+        return self._read(iv, first, count, stride, window, out, positions, alloc, scratch, cp,
+                          nbatch)
+
+    cdef list _read(self, const int64_t[::1] iv, uint64_t first, uint64_t count,
+                    uint64_t stride, uint64_t window, out, positions, alloc, Scratch scratch,
+                    const uint64_t *cp, size_t nbatch):
+        """:meth:`read_window_batches` with its arguments checked (``cp``: the
+        ``nbatch`` cuts)."""
+        self.rows.files.check_open()
+        self.index_rs.files.check_open()
+        self.blocks_rs.files.check_open()
+        cdef Buf *b = scratch.b
+        cdef Windows w
+        cdef size_t k
+        if _window_args(self.rows, iv, first, count, stride, window, out, positions, b, &w):
             return [_record_arrays(alloc, b, 0, 0) for k in range(nbatch)]
         cdef size_t nwin = w.nwin
         cdef uint8_t *dptr = w.dst
@@ -792,19 +822,19 @@ cdef class BlockSet:
                 _raise_io(&o.io, self._paths[0], "the metadata block index")
             _raise_io(&o.io, self._paths[1], "the metadata blocks")
         cdef const uint64_t *res
-        cdef uint8_t[::1] d
+        cdef uint8_t *d
         out_records = []
         for k in range(nbatch):
             res = <uint64_t *>b[B_BATCH].p  # (re-read: alloc runs Python in between)
             data, offsets = _record_arrays(alloc, b, res[3 * k], res[3 * k + 1],
                                            res[3 * k + 2] + k)
             if res[3 * k + 1]:
-                d = data
+                d = <uint8_t *>_address(data, res[3 * k + 1], False, "data")
                 with nogil:
                     lib.tl_blocks_copy(<uint8_t *>b[B_BLOCKBUF].p,
                                        <uint64_t *>b[B_ISRC].p + res[3 * k + 2],
                                        <uint64_t *>b[B_ILEN].p + res[3 * k + 2], res[3 * k],
-                                       <int64_t *>b[B_OFFSETS].p + res[3 * k + 2] + k, &d[0])
+                                       <int64_t *>b[B_OFFSETS].p + res[3 * k + 2] + k, d)
             out_records.append((data, offsets))
         return out_records
 

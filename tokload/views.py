@@ -656,8 +656,12 @@ class StreamWithMetadata(_Windows):
         dt = self.source.dtype
         layout = self._lay
         if out is None:  # made here: nothing to check
-            out = {name: np.empty((b, t), ft) for name, ft, _ in layout}
-            outs = list(out.values())
+            if len(layout) == 1:  # plain tokens: no comprehension on the common path
+                outs = [np.empty((b, t), layout[0][1])]
+                out = {layout[0][0]: outs[0]}
+            else:
+                out = {name: np.empty((b, t), ft) for name, ft, _ in layout}
+                outs = list(out.values())
         else:
             outs = [
                 _check_out(out.get(name), (b, t), ft, f"out[{name!r}]") for name, ft, _ in layout
@@ -668,7 +672,10 @@ class StreamWithMetadata(_Windows):
             _check_out(positions, (b, t), np.dtype(np.int32), "positions")
         spans = self.source.spans
         if spans is not None:
-            sc = self._scratch()
+            try:
+                sc: Scratch = self._local.scratch
+            except AttributeError:
+                sc = self._scratch()
             if dt.fields is None:
                 data, offsets = spans.read_windows(
                     idx,
