@@ -587,6 +587,38 @@ def test_read_windows_refuses_buffers_it_cannot_fill(
     np.testing.assert_array_equal(pos, positions_)
 
 
+def test_read_windows_gives_back_the_buffers_it_holds(tmp_path: Path) -> None:
+    """The reader holds ``out`` and ``positions`` (a buffer export) while C
+    writes into them without the GIL, and gives them back after a read, an
+    error in the arguments or a damaged block: a bytearray held by a
+    forgotten export could never be resized again."""
+    shards_ = sample_shards(4)
+    view = StreamWithMetadata(write_by_hand(tmp_path / "ds", shards_, 8), window=9, stride=4)
+    bs = block_set(view)
+    out: Any = bytearray(2 * 9 * 2)  # any writable buffer, not only an array
+    pos = np.empty((2, 9), np.int32)
+    bs.read_windows(np.arange(2), 0, len(view), 4, 9, out, pos, np.empty, Scratch())
+    tokens, _, _ = reference_batch(shards_, 9, 4, [0, 1])
+    assert bytes(out) == tokens.astype("<u2").tobytes()
+    with pytest.raises(IndexError):
+        bs.read_windows(np.array([0, len(view)]), 0, len(view), 4, 9, out, pos, np.empty, Scratch())
+    with pytest.raises(ValueError, match="positions holds"):
+        bs.read_windows(np.arange(2), 0, len(view), 4, 9, out, pos[:1], np.empty, Scratch())
+    made: list[bytearray] = []
+
+    def alloc(shape: tuple[int, ...], dtype: Any) -> Any:  # the records' bytes in a bytearray
+        if np.dtype(dtype) != np.uint8:
+            return np.empty(shape, dtype)
+        made.append(bytearray(shape[0]))
+        return made[-1]
+
+    data: Any = bs.read_windows(np.arange(2), 0, len(view), 4, 9, out, pos, alloc, Scratch())[0]
+    assert made and data is made[0] and len(data) > 0
+    out.extend(b"xx")  # no export left: each resize would raise BufferError
+    del out[-2:]
+    made[0].extend(b"x")
+
+
 @pytest.mark.parametrize("memory", [True, False], ids=["in-memory", "read"])
 def test_a_damaged_block_fails_the_task_that_reads_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, memory: bool

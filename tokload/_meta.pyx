@@ -278,47 +278,50 @@ cdef object _bytes(object alloc, uint64_t n):
 
 cdef struct Windows:
     size_t nwin
-    int32_t *pos   # their positions (NULL when there is nothing to read)
+    int32_t *pos   # their positions
     uint8_t *dst   # their rows' destination, or NULL
+    Py_buffer pos_view  # positions and out, held until _release_windows
+    Py_buffer dst_view
+    bint held_pos, held_dst
 
 
-cdef char _EMPTY = 0  # the address given for an empty buffer that has none
-
-
-cdef char *_address(obj, Py_ssize_t nbytes, bint int32, str what) except NULL:
-    """The address of ``obj``'s memory, a writable C-contiguous buffer of at
-    least ``nbytes`` bytes (exactly that many int32 items when ``int32``).  No
-    memoryview is made (a batch takes four of these): ``obj`` keeps the memory
-    alive.  ValueError names ``what`` when the buffer does not fit."""
-    cdef Py_buffer v
-    cdef char *p
-    cdef Py_ssize_t n
-    cdef bint ok
-    PyObject_GetBuffer(obj, &v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS
+cdef int _acquire(obj, Py_buffer *v, Py_ssize_t nbytes, bint int32, str what) except -1:
+    """Hold ``obj``'s memory in ``v`` (PyBuffer_Release gives it back): a
+    writable C-contiguous buffer of at least ``nbytes`` bytes, exactly that
+    many of int32 items when ``int32``.  Held, it cannot move or shrink while
+    C writes into it without the GIL; cheaper than a typed memoryview (a
+    batch takes four).  ValueError names ``what`` when it does not fit."""
+    PyObject_GetBuffer(obj, v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS
                        | (PyBUF_FORMAT if int32 else 0))
-    p = <char *>v.buf
-    n = v.len
-    ok = not int32 or (v.itemsize == 4 and v.format != NULL and v.format[0] != 0
-                       and v.format[1] == 0 and v.format[0] == b"i")
-    PyBuffer_Release(&v)
+    cdef bint ok = not int32 or (v.itemsize == 4 and v.format != NULL and v.format[0] == b"i"
+                                 and v.format[1] == 0)
+    cdef Py_ssize_t n = v.len
+    if ok and n >= nbytes and (not int32 or n == nbytes):
+        return 0
+    PyBuffer_Release(v)
     if not ok:
         raise ValueError(f"{what} must be int32, got {getattr(obj, 'dtype', type(obj))}")
-    if n < nbytes or (int32 and n != nbytes):
-        raise ValueError(f"{what} holds {n} bytes, need {nbytes}")
-    return p if p != NULL else <char *>&_EMPTY
+    raise ValueError(f"{what} holds {n} bytes, need {nbytes}")
 
 
 cdef int _window_args(RowSet rows, const int64_t[::1] iv, uint64_t first, uint64_t count,
                       uint64_t stride, uint64_t window, out, positions, Buf *b,
                       Windows *w) except -1:
-    """Check the arguments of a ``read_windows`` (the arrays stay the caller's:
-    ``w`` points into them) and put the windows' first rows in B_STARTS.
-    Returns 1 when there is nothing to read, else 0."""
+    """Check the arguments of a ``read_windows`` and put the windows' first
+    rows in B_STARTS.  ``w`` holds ``positions`` and ``out`` (unless None)
+    and points into them: give them back with _release_windows, also when
+    this raises.  Returns 1 when there is nothing to read, else 0."""
     w.nwin = iv.shape[0]
-    w.pos = <int32_t *>_address(positions, w.nwin * window * 4, True, "positions")
+    w.pos = NULL
     w.dst = NULL
+    w.held_pos = w.held_dst = False
+    _acquire(positions, &w.pos_view, w.nwin * window * 4, True, "positions")
+    w.held_pos = True
+    w.pos = <int32_t *>w.pos_view.buf
     if out is not None:
-        w.dst = <uint8_t *>_address(out, w.nwin * window * rows.rs.row_bytes, False, "out")
+        _acquire(out, &w.dst_view, w.nwin * window * rows.rs.row_bytes, False, "out")
+        w.held_dst = True
+        w.dst = <uint8_t *>w.dst_view.buf
     if w.nwin == 0 or window == 0:
         return 1
     if _grow(&b[B_STARTS], w.nwin * 8):
@@ -328,15 +331,27 @@ cdef int _window_args(RowSet rows, const int64_t[::1] iv, uint64_t first, uint64
     return 0
 
 
+cdef void _release_windows(Windows *w) noexcept:
+    """Give back what _window_args holds (whatever it got to)."""
+    if w.held_pos:
+        PyBuffer_Release(&w.pos_view)
+        w.held_pos = False
+    if w.held_dst:
+        PyBuffer_Release(&w.dst_view)
+        w.held_dst = False
+
+
 cdef tuple _record_arrays(object alloc, Buf *b, size_t nitems, uint64_t nbytes, size_t at=0):
     """The batch's ``(data, offsets)`` made with ``alloc``: the offsets from
     B_OFFSETS[at:] (all 0 when there are no records), ``data`` to be filled."""
     offsets = alloc((nitems + 1,), np.int64)
-    cdef int64_t *off = <int64_t *>_address(offsets, (nitems + 1) * 8, False, "offsets")
+    cdef Py_buffer v
+    _acquire(offsets, &v, (nitems + 1) * 8, False, "offsets")  # written with the GIL held
     if nitems:
-        memcpy(off, <int64_t *>b[B_OFFSETS].p + at, (nitems + 1) * 8)  # 8 bytes a record
+        memcpy(v.buf, <int64_t *>b[B_OFFSETS].p + at, (nitems + 1) * 8)  # 8 bytes a record
     else:
-        off[0] = 0
+        (<int64_t *>v.buf)[0] = 0
+    PyBuffer_Release(&v)
     return _bytes(alloc, nbytes), offsets
 
 
@@ -435,19 +450,24 @@ cdef class SpanSet:
             r.files.check_open()
         cdef Buf *b = scratch.b
         cdef Windows w
-        if _window_args(self.rows, _indices(indices), first, count, stride, window, out,
-                        positions, b, &w):
-            return _record_arrays(alloc, b, 0, 0)
-        cdef size_t nwin = w.nwin
-        cdef uint8_t *dptr = w.dst
-        cdef uint64_t *starts = <uint64_t *>b[B_STARTS].p
+        cdef const int64_t[::1] iv = _indices(indices)
+        cdef uint64_t *starts
         cdef lib.tl_engine eng
         cdef Outcome o
         cdef int rc
-        self.rows.files.engine_begin(&eng)
-        with nogil:
-            rc = _batch(&self.s, self.sets, &eng, &self.rows.rs, dptr, nwin, window, w.pos, b, &o)
-        self.rows.files.engine_end(&eng)
+        w.held_pos = w.held_dst = False
+        try:
+            if _window_args(self.rows, iv, first, count, stride, window, out, positions, b,
+                            &w):
+                return _record_arrays(alloc, b, 0, 0)
+            starts = <uint64_t *>b[B_STARTS].p
+            self.rows.files.engine_begin(&eng)
+            with nogil:
+                rc = _batch(&self.s, self.sets, &eng, &self.rows.rs, w.dst, w.nwin, window,
+                            w.pos, b, &o)
+            self.rows.files.engine_end(&eng)
+        finally:
+            _release_windows(&w)
         if rc:
             if o.fail == FAIL_MEMORY:
                 raise MemoryError()
@@ -458,14 +478,15 @@ cdef class SpanSet:
                 _raise_io(&o.io, self.rows.files.paths, f"rows [{s0}, {s0 + window})")
             _raise_io(&o.io, self._paths[o.round - 1], _ROUND_WHAT[o.round])
         data, offsets = _record_arrays(alloc, b, o.nitems, o.nbytes)
-        cdef uint8_t *d
+        cdef Py_buffer d
         if o.nbytes:
             # the records' bytes go from the files straight into the batch's buffer
-            d = <uint8_t *>_address(data, o.nbytes, False, "data")
+            _acquire(data, &d, o.nbytes, False, "data")
             self.data_rs.files.engine_begin(&eng)
             with nogil:
-                rc = _round(&eng, &self.sets[3], o.nreq, d, b, 0, R_DATA, &o)
+                rc = _round(&eng, &self.sets[3], o.nreq, <uint8_t *>d.buf, b, 0, R_DATA, &o)
             self.data_rs.files.engine_end(&eng)
+            PyBuffer_Release(&d)
             if rc:
                 if o.fail == FAIL_MEMORY:
                     raise MemoryError()
@@ -796,20 +817,23 @@ cdef class BlockSet:
         cdef Buf *b = scratch.b
         cdef Windows w
         cdef size_t k
-        if _window_args(self.rows, iv, first, count, stride, window, out, positions, b, &w):
-            return [_record_arrays(alloc, b, 0, 0) for k in range(nbatch)]
-        cdef size_t nwin = w.nwin
-        cdef uint8_t *dptr = w.dst
-        cdef uint64_t *starts = <uint64_t *>b[B_STARTS].p
+        cdef uint64_t *starts
         cdef lib.tl_engine eng
         cdef Outcome o
         cdef int rc
-        self.rows.files.engine_begin(&eng)
-        with nogil:
-            rc = _blocks_batch(&self.s, &self.sp, self.tables, &self.index_rs.rs,
-                               &self.blocks_rs.rs, &eng, &self.rows.rs, dptr, nwin, window,
-                               w.pos, scratch, cp, nbatch, &o)
-        self.rows.files.engine_end(&eng)
+        w.held_pos = w.held_dst = False
+        try:
+            if _window_args(self.rows, iv, first, count, stride, window, out, positions, b, &w):
+                return [_record_arrays(alloc, b, 0, 0) for k in range(nbatch)]
+            starts = <uint64_t *>b[B_STARTS].p
+            self.rows.files.engine_begin(&eng)
+            with nogil:
+                rc = _blocks_batch(&self.s, &self.sp, self.tables, &self.index_rs.rs,
+                                   &self.blocks_rs.rs, &eng, &self.rows.rs, w.dst, w.nwin,
+                                   window, w.pos, scratch, cp, nbatch, &o)
+            self.rows.files.engine_end(&eng)
+        finally:
+            _release_windows(&w)
         if rc:
             if o.fail == FAIL_MEMORY:
                 raise MemoryError()
@@ -822,19 +846,21 @@ cdef class BlockSet:
                 _raise_io(&o.io, self._paths[0], "the metadata block index")
             _raise_io(&o.io, self._paths[1], "the metadata blocks")
         cdef const uint64_t *res
-        cdef uint8_t *d
+        cdef Py_buffer d
         out_records = []
         for k in range(nbatch):
             res = <uint64_t *>b[B_BATCH].p  # (re-read: alloc runs Python in between)
             data, offsets = _record_arrays(alloc, b, res[3 * k], res[3 * k + 1],
                                            res[3 * k + 2] + k)
             if res[3 * k + 1]:
-                d = <uint8_t *>_address(data, res[3 * k + 1], False, "data")
+                _acquire(data, &d, res[3 * k + 1], False, "data")
                 with nogil:
                     lib.tl_blocks_copy(<uint8_t *>b[B_BLOCKBUF].p,
                                        <uint64_t *>b[B_ISRC].p + res[3 * k + 2],
                                        <uint64_t *>b[B_ILEN].p + res[3 * k + 2], res[3 * k],
-                                       <int64_t *>b[B_OFFSETS].p + res[3 * k + 2] + k, d)
+                                       <int64_t *>b[B_OFFSETS].p + res[3 * k + 2] + k,
+                                       <uint8_t *>d.buf)
+                PyBuffer_Release(&d)
             out_records.append((data, offsets))
         return out_records
 
