@@ -22,6 +22,7 @@ and the conversions between them, live in ``tests/test_metadata.py``.
 
 from __future__ import annotations
 
+import array
 import bisect
 import itertools
 import json
@@ -439,6 +440,7 @@ def test_runs_of_every_length_fill_exactly_their_rows(tmp_path: Path, order: str
     starts = [0, *itertools.accumulate(lengths)][:-1]
     rows = sum(lengths)
     nrec = len(lengths)
+    # out of order: 7 i mod 140, 20 records that come back every 20 runs
     records = list(range(nrec)) if order == "in order" else [(7 * i) % nrec for i in range(nrec)]
     records[5] = records[40] = NONE
     payloads = [b"r%d" % i for i in range(nrec)]
@@ -447,6 +449,18 @@ def test_runs_of_every_length_fill_exactly_their_rows(tmp_path: Path, order: str
     for window, stride in ((rows, 1), (97, 13), (33, 1)):
         view = StreamWithMetadata(ds, window=window, stride=stride)
         assert_batch(view, [shard], list(range(len(view))))
+    # window by window into memory fenced by sentinels: a store past the last
+    # row (or before the first) of a window shows there
+    view = StreamWithMetadata(ds, window=37, stride=1)
+    backing = np.empty(37 + 32, np.int32)
+    _, expected, _ = reference_batch([shard], 37, 1, list(range(len(view))))
+    for i in range(len(view)):
+        backing[:] = -7
+        view.read([i], positions=backing[16:-16].reshape(1, 37))
+        assert (backing[:16] == -7).all() and (backing[-16:] == -7).all(), i
+        seen: dict[int, int] = {}  # read alone, a window numbers its records from 0
+        renumbered = [-1 if v < 0 else seen.setdefault(v, len(seen)) for v in expected[i]]
+        assert backing[16:-16].tolist() == renumbered, i
 
 
 def test_reader_at_the_largest_block(tmp_path: Path) -> None:
@@ -550,9 +564,24 @@ def test_several_batches_fall_back_where_one_round_cannot_serve(tmp_path: Path) 
         (None, np.empty((2, 9), np.uint32), ValueError, "positions must be int32, got uint32"),
         (None, np.empty((2, 8), np.int32), ValueError, "positions holds 64 bytes, need 72"),
         (None, np.empty((2, 10), np.int32), ValueError, "positions holds 80 bytes, need 72"),
-        (None, np.empty((2, 18), np.int32)[:, ::2], ValueError, "not C-contiguous"),
-        (None, np.frombuffer(bytes(72), np.int32), ValueError, "read-only"),
-        (None, [0] * 18, TypeError, "bytes-like object is required"),
+        (
+            None,
+            np.empty((2, 18), np.int32)[:, ::2],
+            ValueError,
+            "positions must be a writable C-contiguous buffer: ",
+        ),
+        (
+            None,
+            np.frombuffer(bytes(72), np.int32),
+            ValueError,
+            "positions must be a writable C-contiguous buffer: ",
+        ),
+        (
+            None,
+            [0] * 18,
+            TypeError,
+            "positions must be a writable buffer such as a NumPy array, got list",
+        ),
         (
             np.empty((2, 8), np.uint16),
             np.empty((2, 9), np.int32),
@@ -563,7 +592,7 @@ def test_several_batches_fall_back_where_one_round_cannot_serve(tmp_path: Path) 
             np.empty((2, 18), np.uint16)[:, ::2],
             np.empty((2, 9), np.int32),
             ValueError,
-            "not C-contiguous",
+            "out must be a writable C-contiguous buffer: ",
         ),
     ],
     ids=["dtype", "short", "long", "strided", "read-only", "list", "out short", "out strided"],
@@ -588,22 +617,16 @@ def test_read_windows_refuses_buffers_it_cannot_fill(
 
 
 def test_read_windows_gives_back_the_buffers_it_holds(tmp_path: Path) -> None:
-    """The reader holds ``out`` and ``positions`` (a buffer export) while C
-    writes into them without the GIL, and gives them back after a read, an
-    error in the arguments or a damaged block: a bytearray held by a
-    forgotten export could never be resized again."""
-    shards_ = sample_shards(4)
-    view = StreamWithMetadata(write_by_hand(tmp_path / "ds", shards_, 8), window=9, stride=4)
+    """The reader holds ``out``, ``positions`` and the records' buffer (buffer
+    exports) while C writes into them without the GIL, and gives them back
+    after a read, an error in the arguments and a damaged block: an object
+    held by a forgotten export could never be resized again."""
+    shards_ = [DAMAGE_SHARD]
+    ds, msb, _, index = damage_dataset(tmp_path / "ds")
+    view = StreamWithMetadata(ds, window=8, stride=8)
     bs = block_set(view)
-    out: Any = bytearray(2 * 9 * 2)  # any writable buffer, not only an array
-    pos = np.empty((2, 9), np.int32)
-    bs.read_windows(np.arange(2), 0, len(view), 4, 9, out, pos, np.empty, Scratch())
-    tokens, _, _ = reference_batch(shards_, 9, 4, [0, 1])
-    assert bytes(out) == tokens.astype("<u2").tobytes()
-    with pytest.raises(IndexError):
-        bs.read_windows(np.array([0, len(view)]), 0, len(view), 4, 9, out, pos, np.empty, Scratch())
-    with pytest.raises(ValueError, match="positions holds"):
-        bs.read_windows(np.arange(2), 0, len(view), 4, 9, out, pos[:1], np.empty, Scratch())
+    out: Any = bytearray(2 * 8 * 2)  # any writable buffer, not only an array
+    pos: Any = array.array("i", bytes(2 * 8 * 4))
     made: list[bytearray] = []
 
     def alloc(shape: tuple[int, ...], dtype: Any) -> Any:  # the records' bytes in a bytearray
@@ -612,11 +635,31 @@ def test_read_windows_gives_back_the_buffers_it_holds(tmp_path: Path) -> None:
         made.append(bytearray(shape[0]))
         return made[-1]
 
-    data: Any = bs.read_windows(np.arange(2), 0, len(view), 4, 9, out, pos, alloc, Scratch())[0]
-    assert made and data is made[0] and len(data) > 0
-    out.extend(b"xx")  # no export left: each resize would raise BufferError
-    del out[-2:]
-    made[0].extend(b"x")
+    def read(indices: Any, positions: Any = pos) -> Any:
+        return bs.read_windows(
+            np.asarray(indices), 0, len(view), 8, 8, out, positions, alloc, Scratch()
+        )
+
+    def resizable(*objs: Any) -> None:  # each resize raises BufferError while an export lives
+        for o in objs:
+            o.extend(o[:1])
+            del o[-1:]
+
+    data, _ = read([0, 2])
+    tokens, positions, records = reference_batch(shards_, 8, 8, [0, 2])
+    assert bytes(out) == tokens.astype("<u2").tobytes()
+    assert list(pos) == positions.reshape(-1).tolist()
+    assert data is made[-1] and bytes(data) == b"".join(records)
+    resizable(out, pos, made[-1])
+    with pytest.raises(IndexError):
+        read([0, len(view)])
+    with pytest.raises(ValueError, match="positions holds"):
+        read([0, 2], array.array("i", bytes(4)))
+    resizable(out, pos)
+    _poke(msb, index[1], 0, 4)  # block 1: no runs
+    with pytest.raises(CorruptDataError, match="metadata block 1"):
+        read([0, 1])
+    resizable(out, pos)
 
 
 @pytest.mark.parametrize("memory", [True, False], ids=["in-memory", "read"])
@@ -856,14 +899,25 @@ DAMAGE_SHARD = Shard(
     [0, NONE, 1, 1, 2, 0, NONE, 2],
     [b"rec", b"one!!", b"2two"],
 )
+# the same layout byte for byte, but block 1's records in order (1, 2, 3): the
+# reader's quick check, not the full one, meets its damage first
+DAMAGE_SHARD_IN_ORDER = Shard(
+    np.arange(32),
+    [0, 3, 5, 8, 10, 13, 20, 27],
+    [0, NONE, 1, 1, 2, 3, NONE, 2],
+    [b"rec", b"one!!", b"2two", b"thr"],
+)
 
 
-def damage_dataset(root: Path) -> tuple[Path, Path, Path, list[int]]:
-    ds = write_by_hand(root, [DAMAGE_SHARD], block=8)
+def damage_dataset(root: Path, shard: Shard = DAMAGE_SHARD) -> tuple[Path, Path, Path, list[int]]:
+    ds = write_by_hand(root, [shard], block=8)
     msb, mbx = ds / "s00.msb", ds / "s00.mbx"
     index = np.fromfile(mbx, "<u8").tolist()
     at = index[1]
-    assert struct.unpack_from("<I3H3I3I", msb.read_bytes(), at) == (3, 0, 2, 5, 1, 2, 0, 5, 9, 12)
+    third = 0 if shard is DAMAGE_SHARD else 3
+    assert struct.unpack_from("<I3H3I3I", msb.read_bytes(), at) == (
+        (3, 0, 2, 5, 1, 2, third, 5, 9, 12)
+    )
     return ds, msb, mbx, index
 
 
@@ -877,7 +931,9 @@ COUNTS = "its counts and its size disagree"
 STARTS = "starts must be 0, then increase, and stay below the block's 8 rows"
 # (what, byte offset in block 1, new value, its size, the message after the
 # block's name); block 1 holds nruns at +0, start[3] at +4, record[3] at +10,
-# end[3] at +22 and its 12 bytes of data at +34 (46 bytes).
+# end[3] at +22 and its 12 bytes of data at +34 (46 bytes). NREC: the shard's
+# number of records.
+NREC = -1
 DAMAGE = [
     ("nruns 0", 0, 0, 4, rf": {COUNTS} \(0 against 8\)"),
     ("nruns past the rows", 0, 9, 4, rf": {COUNTS} \(9 against 8\)"),
@@ -888,10 +944,10 @@ DAMAGE = [
     ("start past the block", 8, 8, 2, f" has a run starting at row 8: {STARTS}"),
     (
         "record past the shard's",
-        14,
-        3,
+        18,
+        NREC,
         4,
-        " refers to record 3, but the shard has 3 metadata records",
+        " refers to record {nrec}, but the shard has {nrec} metadata records",
     ),
     ("ends decrease", 22, 10, 4, ": a record ends at byte 9, before the previous one's end 10"),
     ("data past the ends", 30, 11, 4, rf": {COUNTS} \(46 against 45\)"),
@@ -908,6 +964,7 @@ INDEX_DAMAGE: list[tuple[str, int, Callable[[list[int]], int]]] = [
 ]
 
 
+@pytest.mark.parametrize("shard", [DAMAGE_SHARD, DAMAGE_SHARD_IN_ORDER], ids=["unsorted", "sorted"])
 @pytest.mark.parametrize("memory", [True, False], ids=["in-memory", "read"])
 @pytest.mark.parametrize(
     ("what", "at", "value", "size", "message"), DAMAGE, ids=[d[0] for d in DAMAGE]
@@ -915,6 +972,7 @@ INDEX_DAMAGE: list[tuple[str, int, Callable[[list[int]], int]]] = [
 def test_damaged_blocks_name_the_file_and_block(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    shard: Shard,
     memory: bool,
     what: str,
     at: int,
@@ -922,10 +980,14 @@ def test_damaged_blocks_name_the_file_and_block(
     size: int,
     message: str,
 ) -> None:
+    """Each damage of block 1, whose records are out of order (the full check
+    meets it) or in order (the quick check must refuse it first)."""
     _memory(monkeypatch, memory)
-    ds, msb, _, index = damage_dataset(tmp_path / "ds")
+    ds, msb, _, index = damage_dataset(tmp_path / "ds", shard)
     assert verify(ds) == []
-    _poke(msb, index[1] + at, value, size)
+    nrec = len(shard.payloads)
+    _poke(msb, index[1] + at, nrec if value == NREC else value, size)
+    message = message.replace("{nrec}", str(nrec))
     view = StreamWithMetadata(ds, window=8, stride=8)
     assert block_set(view).index_in_memory == memory
     full = rf"^{re.escape(str(msb))}: metadata block 1{message}$"
@@ -933,7 +995,7 @@ def test_damaged_blocks_name_the_file_and_block(
         with pytest.raises(CorruptDataError, match=full) as e:
             view.read(idx)
     # a block stands alone: the others still read
-    assert_batch(view, [DAMAGE_SHARD], [0, 2, 3])
+    assert_batch(view, [shard], [0, 2, 3])
     assert verify(ds) == [str(e.value)]  # verify decodes the blocks: the same message
 
 

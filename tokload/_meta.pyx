@@ -285,17 +285,24 @@ cdef struct Windows:
     bint held_pos, held_dst
 
 
-cdef int _acquire(obj, Py_buffer *v, Py_ssize_t nbytes, bint int32, str what) except -1:
+cdef int _acquire(obj, Py_buffer *v, uint64_t nbytes, bint int32, str what) except -1:
     """Hold ``obj``'s memory in ``v`` (PyBuffer_Release gives it back): a
     writable C-contiguous buffer of at least ``nbytes`` bytes, exactly that
     many of int32 items when ``int32``.  Held, it cannot move or shrink while
     C writes into it without the GIL; cheaper than a typed memoryview (a
-    batch takes four).  ValueError names ``what`` when it does not fit."""
-    PyObject_GetBuffer(obj, v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS
-                       | (PyBUF_FORMAT if int32 else 0))
+    batch takes four).  ValueError (TypeError for an object that is no
+    buffer) names ``what`` when it does not fit."""
+    try:
+        PyObject_GetBuffer(obj, v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS
+                           | (PyBUF_FORMAT if int32 else 0))
+    except TypeError:
+        raise TypeError(f"{what} must be a writable buffer such as a NumPy array, "
+                        f"got {type(obj).__name__}") from None
+    except (BufferError, ValueError) as e:
+        raise ValueError(f"{what} must be a writable C-contiguous buffer: {e}") from None
     cdef bint ok = not int32 or (v.itemsize == 4 and v.format != NULL and v.format[0] == b"i"
                                  and v.format[1] == 0)
-    cdef Py_ssize_t n = v.len
+    cdef uint64_t n = <uint64_t>v.len
     if ok and n >= nbytes and (not int32 or n == nbytes):
         return 0
     PyBuffer_Release(v)
@@ -315,11 +322,15 @@ cdef int _window_args(RowSet rows, const int64_t[::1] iv, uint64_t first, uint64
     w.pos = NULL
     w.dst = NULL
     w.held_pos = w.held_dst = False
-    _acquire(positions, &w.pos_view, w.nwin * window * 4, True, "positions")
+    cdef uint64_t cells = w.nwin * window
+    cdef uint64_t unit = rows.rs.row_bytes if rows.rs.row_bytes > 4 else 4  # int32 positions
+    if window and (cells // window != w.nwin or cells > (<uint64_t>1 << 60) // unit):
+        raise ValueError(f"{w.nwin} windows of {window} rows is too large a batch")
+    _acquire(positions, &w.pos_view, cells * 4, True, "positions")
     w.held_pos = True
     w.pos = <int32_t *>w.pos_view.buf
     if out is not None:
-        _acquire(out, &w.dst_view, w.nwin * window * rows.rs.row_bytes, False, "out")
+        _acquire(out, &w.dst_view, cells * rows.rs.row_bytes, False, "out")
         w.held_dst = True
         w.dst = <uint8_t *>w.dst_view.buf
     if w.nwin == 0 or window == 0:
@@ -482,11 +493,13 @@ cdef class SpanSet:
         if o.nbytes:
             # the records' bytes go from the files straight into the batch's buffer
             _acquire(data, &d, o.nbytes, False, "data")
-            self.data_rs.files.engine_begin(&eng)
-            with nogil:
-                rc = _round(&eng, &self.sets[3], o.nreq, <uint8_t *>d.buf, b, 0, R_DATA, &o)
-            self.data_rs.files.engine_end(&eng)
-            PyBuffer_Release(&d)
+            try:
+                self.data_rs.files.engine_begin(&eng)
+                with nogil:
+                    rc = _round(&eng, &self.sets[3], o.nreq, <uint8_t *>d.buf, b, 0, R_DATA, &o)
+                self.data_rs.files.engine_end(&eng)
+            finally:
+                PyBuffer_Release(&d)
             if rc:
                 if o.fail == FAIL_MEMORY:
                     raise MemoryError()
@@ -640,7 +653,7 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
         while p1 < npieces and pieces[p1].dst < end:
             p1 += 1
         at = <uint64_t *>b[B_AT].p + p0
-        # each block checked once; the batch's records fit in the runs of its blocks
+        # each block checked (an in-order one once); the batch's records fit in their runs
         if lib.tl_blocks_check_all(s, pieces + p0, p1 - p0, at, tabs, <uint64_t *>b[B_BLOCKS].p,
                                    <uint8_t *>b[B_BLOCKBUF].p, &sc.seen,
                                    <lib.tl_block_info *>b[B_INFO].p, <uint64_t *>b[B_PRANGE].p,
@@ -809,8 +822,8 @@ cdef class BlockSet:
     cdef list _read(self, const int64_t[::1] iv, uint64_t first, uint64_t count,
                     uint64_t stride, uint64_t window, out, positions, alloc, Scratch scratch,
                     const uint64_t *cp, size_t nbatch):
-        """:meth:`read_window_batches` with its arguments checked (``cp``: the
-        ``nbatch`` cuts)."""
+        """:meth:`read_window_batches` with its indices and cuts checked
+        (``cp``: the ``nbatch`` cuts); _window_args checks the rest."""
         self.rows.files.check_open()
         self.index_rs.files.check_open()
         self.blocks_rs.files.check_open()

@@ -30,8 +30,9 @@
  *   1. tl_spans_pieces (spans.h): the windows cut at shard ends; each
  *      piece's block index entries.
  *   2. tl_blocks_slices: from the entries, one read of each piece's blocks.
- *   3. tl_blocks_check_all: check each block once; tl_blocks_resolve: per
- *      row the batch-level number of its record (or -1); the batch's
+ *   3. tl_blocks_check_all: check each block (once where its records are
+ *      in order, the usual case); tl_blocks_resolve: per row the
+ *      batch-level number of its record (or -1); the batch's
  *      distinct records (shard, id) in order of first appearance, with where
  *      their bytes lie in the blocks.
  *   4. tl_blocks_copy: the records' bytes into the batch's buffer.
@@ -300,8 +301,9 @@ TL_INLINE int tl_block_check_quick(const tl_block_set *s, size_t k, uint64_t b, 
     return 0;
 }
 
-/* out[0..m) = v: 64-byte stores (the last one overlapping the one before)
- * where m allows, so a run costs a few stores and no element-wise tail. */
+/* out[0..m) = v: 64-byte stores from 16 values, 16-byte stores from 4
+ * (the last one overlapping the one before), element by element below 4:
+ * a run costs a few stores and no element-wise tail. */
 TL_INLINE void tl_fill_i32(int32_t *out, uint64_t m, int32_t v)
 {
     int32_t pat[16];
@@ -345,11 +347,7 @@ TL_INLINE uint32_t tl_block_walk_slot(const tl_block_info *bi, tl_block_seen *t,
     return tl_block_seen_slot(t, rec, &count, &fresh);
 }
 
-/* Step 3a: check every block of pieces[0..n) once (infos[p->blk + b - b0]
- * for block b of piece p: p->blk numbers the pieces' blocks apart); each
- * piece's range of records and whether they are in order (prange: 3 values
- * per piece); *nruns: the runs of all the blocks, a bound on the records.
- * Returns 0 or an error code. */
+/* A piece's range of records, to find the pieces that may share one. */
 typedef struct {
     uint64_t shard;
     uint64_t lo;
@@ -357,6 +355,12 @@ typedef struct {
     uint64_t piece;
 } tl_block_range;
 
+/* Step 3a: check every block of pieces[0..n) (infos[p->blk + b - b0] for
+ * block b of piece p: p->blk numbers the pieces' blocks apart); each piece's
+ * range of records and whether they are in order (prange: 3 values per
+ * piece); *nruns: the runs of all the blocks, a bound on the records.  A
+ * block whose records are out of order is checked again by
+ * tl_blocks_resolve, which numbers them.  Returns 0 or an error code. */
 TL_WIDE int tl_blocks_check_all(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
                                 const uint64_t *at, const uint64_t *const *tables,
                                 const uint64_t *entries, const uint8_t *blockbuf,
