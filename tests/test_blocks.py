@@ -537,6 +537,52 @@ def test_read_batches_property(tmp_path_factory: pytest.TempPathFactory, data: A
     assert_batches(view, shards_, batches)
 
 
+def test_structured_rows_read_several_batches_in_one_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dtype with a per-token field next to the tokens: read_batches reads
+    the rows of all its batches in one call (read_batch is never used) and
+    splits them into fields once; every batch equals read_batch's and the
+    rows written."""
+    rng = np.random.default_rng(3)
+    dt = [("tokens", "<u2"), ("concept", "<u2")]
+    tokens, concepts = [], []
+    with Writer(tmp_path / "ds", dt, metadata=True, span_block=8) as w:
+        for d in range(6):
+            n = 40 + d
+            t, c = rng.integers(0, 65_535, n), rng.integers(0, 9, n)
+            tokens.append(t)
+            concepts.append(c)
+            w.write(
+                {"tokens": t, "concept": c},
+                spans=[(a, min(n, a + 7), b"d%d-%d" % (d, a)) for a in range(0, n, 9)],
+            )
+    all_t, all_c = np.concatenate(tokens), np.concatenate(concepts)
+    view = StreamWithMetadata(tmp_path / "ds", window=13, stride=5)
+    batches = [rng.integers(0, len(view), k) for k in (3, 1, 4, 2)]
+    expected = [view.read_batch(ix, np.empty) for ix in batches]
+
+    def no_read_batch(*args: Any) -> Any:
+        raise AssertionError("read_batches fell back to one read per batch")
+
+    monkeypatch.setattr(view, "read_batch", no_read_batch)
+    got = view.read_batches(batches, np.empty)
+    for raw, one, ix in zip(got, expected, batches, strict=True):
+        assert list(raw) == list(one)  # the same keys in the same order
+        for key in (
+            "tokens",
+            "concept",
+            "metadata_positions",
+            "metadata_bytes",
+            "metadata_offsets",
+        ):
+            np.testing.assert_array_equal(raw[key], one[key], key)
+        assert list(raw["metadata"]) == list(one["metadata"])
+        for k, i in enumerate(ix.tolist()):
+            np.testing.assert_array_equal(raw["tokens"][k], all_t[i * 5 : i * 5 + 13])
+            np.testing.assert_array_equal(raw["concept"][k], all_c[i * 5 : i * 5 + 13])
+
+
 def test_several_batches_fall_back_where_one_round_cannot_serve(tmp_path: Path) -> None:
     shards_ = sample_shards(4)
     view = StreamWithMetadata(write_by_hand(tmp_path / "ds", shards_, 8), window=9, stride=4)

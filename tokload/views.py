@@ -562,27 +562,25 @@ class StreamWithMetadata(_Windows):
 
     def read_batches(self, batches: list[np.ndarray], alloc: Alloc) -> list[dict[str, Any]]:
         """:meth:`read_batch` of each index array of ``batches`` (the view
-        protocol's several-batches call). With metadata blocks and plain
-        tokens, the windows and blocks of all of them are one round of reads
-        (on cold storage, one wait instead of one per batch); each batch's
-        positions count its own records, as ``read_batch``'s do, and its rows
-        and positions are rows of arrays shared by the batches of the call.
-        Other layouts and structured tokens read one batch after the other."""
+        protocol's several-batches call). With metadata blocks, the windows
+        and blocks of all of them are one round of reads (on cold storage, one
+        wait instead of one per batch); each batch's positions count its own
+        records, as ``read_batch``'s do, and its fields and positions are rows
+        of arrays shared by the batches of the call (a structured dtype's rows
+        are read into one scratch array and split into fields once). Other
+        layouts read one batch after the other."""
         spans = self.source.spans
         flat = [self._indices(ix) for ix in batches]
         sizes = [len(ix) for ix in flat]
-        if (
-            not isinstance(spans, BlockSet)
-            or self.source.dtype.fields is not None
-            or len(batches) < 2
-            or 0 in sizes
-        ):
+        if not isinstance(spans, BlockSet) or len(batches) < 2 or 0 in sizes:
             return [self.read_batch(ix, alloc) for ix in flat]
         idx = np.concatenate(flat)
         cuts = np.cumsum(sizes)
         n, t = len(idx), self.window
-        ((name, ft, _),) = self._lay
-        rows = alloc((n, t), ft)
+        dt = self.source.dtype
+        layout = self._lay
+        fields = {name: alloc((n, t), ft) for name, ft, _ in layout}
+        rows = next(iter(fields.values())) if dt.fields is None else np.empty((n, t), dtype=dt)
         positions = alloc((n, t), np.int32)
         records = spans.read_window_batches(
             idx,
@@ -596,17 +594,26 @@ class StreamWithMetadata(_Windows):
             self._scratch(),
             cuts,
         )
-        out = []
-        for a, e, (data, offsets) in zip([0, *cuts[:-1]], cuts, records, strict=True):
-            out.append(
-                {
-                    name: rows[a:e],
-                    "metadata_positions": positions[a:e],
-                    "metadata_bytes": data,
-                    "metadata_offsets": offsets,
-                    "metadata": RecordList(data, offsets, self.deserialize),
-                }
+        if dt.fields is not None:
+            split_fields(
+                rows,
+                n * t,
+                dt.itemsize,
+                [o for _, _, o in layout],
+                [ft.itemsize for _, ft, _ in layout],
+                list(fields.values()),
             )
+        out = []
+        named = list(fields.items())
+        for a, e, (data, offsets) in zip([0, *cuts[:-1]], cuts, records, strict=True):
+            batch: dict[str, Any] = {}
+            for name, f in named:  # a loop, not a comprehension: no call per batch
+                batch[name] = f[a:e]
+            batch["metadata_positions"] = positions[a:e]
+            batch["metadata_bytes"] = data
+            batch["metadata_offsets"] = offsets
+            batch["metadata"] = RecordList(data, offsets, self.deserialize)
+            out.append(batch)
         return out
 
     def hint(self, indices: npt.ArrayLike) -> None:
