@@ -802,6 +802,49 @@ def test_hint_on_a_damaged_block_index_gives_no_hint_and_the_read_says_why(
         view.read([0, 1, 2, 3])
 
 
+def test_where_the_index_is_not_held_the_next_hint_covers_the_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read-ahead's second step (index not held): the windows' blocks,
+    one WILLNEED per window per shard it touches, the same ranges as a hint
+    with the index held; nothing for shards whose table is held; no hint
+    and no error on entries that do not check; a subset's first hint does
+    not take its parent's windows for its own."""
+    shards_ = sample_shards(6)
+    ds = write_by_hand(tmp_path / "ds", shards_, 16)
+    held = StreamWithMetadata(ds, window=40, stride=13)
+    n = len(held)
+    held.read(np.arange(n))  # loads the tables
+    expected = block_set(held).hint_windows(np.arange(n), 0, n, 13, 40, Scratch())
+    assert expected == sum(
+        len([k for k in touched(shards_, 40, 13, [i]) if shards_[k].rows]) for i in range(n)
+    )
+    assert block_set(held).hint_blocks_after_index(np.arange(n), 0, n, 13, 40, Scratch()) == 0
+    _memory(monkeypatch, False)
+    view = StreamWithMetadata(ds, window=40, stride=13)
+    bs = block_set(view)
+    assert not bs.index_in_memory
+    assert bs.hint_blocks_after_index(np.arange(n), 0, n, 13, 40, Scratch()) == expected
+    assert bs.hint_blocks_after_index(np.array([], np.int64), 0, n, 13, 40, Scratch()) == 0
+    with pytest.raises(IndexError, match="out of range"):
+        bs.hint_blocks_after_index(np.array([n]), 0, n, 13, 40, Scratch())
+    view.hint([n - 1])
+    sub = view.subset(0, 2)
+    sub.hint([0])  # the parent's window n - 1 is not one of the subset's: skipped
+    sub.hint([1])
+    view.hint([0])
+    assert_batch(view, shards_, [0, n - 1])
+    # damaged entries: no hint, no error; the read says why
+    ds2, _, mbx, index = damage_dataset(tmp_path / "ds2")
+    _poke(mbx, 8 * 2, index[1] - 1, 8)
+    bad = StreamWithMetadata(ds2, window=8, stride=8)
+    assert block_set(bad).hint_blocks_after_index(np.arange(4), 0, 4, 8, 8, Scratch()) == 0
+    bad.hint([0, 1, 2, 3])
+    bad.hint([0, 1, 2, 3])
+    with pytest.raises(CorruptDataError, match="block index entry 2"):
+        bad.read([0, 1, 2, 3])
+
+
 # ---- 3. the block index in memory or not ------------------------------------
 
 

@@ -110,6 +110,17 @@ class BlockSet:
         window: int,
         scratch: Scratch,
     ) -> int: ...
+    # where a shard's block index is not held: read the windows' entries (advised
+    # earlier), then WILLNEED hints for their blocks; the hints given
+    def hint_blocks_after_index(
+        self,
+        indices: npt.ArrayLike,
+        first: int,
+        count: int,
+        stride: int,
+        window: int,
+        scratch: Scratch,
+    ) -> int: ...
 
 # A shard's runs and records as blocks; write() gets the .msb in pieces;
 # returns the block index.

@@ -937,6 +937,73 @@ cdef class BlockSet:
         return given
 
 
+    def hint_blocks_after_index(self, indices, uint64_t first, uint64_t count, uint64_t stride,
+                                uint64_t window, Scratch scratch not None):
+        """The read-ahead's second step where a shard's block index is not
+        held: read the block index entries of the windows (the entries a
+        :meth:`hint_windows` call advised earlier, so usually in the page
+        cache by now; this waits for them otherwise) and advise the kernel
+        of the blocks they point to.  Windows whose shard's table is held
+        are skipped (:meth:`hint_windows` gave their blocks).  Returns the
+        hints given.  A hint is advice: entries that fail to read or do not
+        check give none (the read says why)."""
+        for r in (self.rows, self.index_rs, self.blocks_rs):
+            (<RowSet>r).files.check_open()
+        cdef const int64_t[::1] iv = _indices(indices)
+        cdef size_t n = iv.shape[0], npieces = 0, i, rest = 0
+        if n == 0 or window == 0:
+            return 0
+        cdef Buf *b = scratch.b
+        if _grow(&b[B_STARTS], n * 8):
+            raise MemoryError()
+        cdef uint64_t *starts = <uint64_t *>b[B_STARTS].p
+        _checked_window_starts(iv, first, count, stride, window, self.rows.total, starts)
+        cdef lib.tl_span_piece *pieces
+        cdef lib.tl_span_reqs q
+        cdef lib.tl_span_error serr
+        cdef lib.tl_engine eng
+        cdef Outcome o
+        cdef uint64_t nbytes = 0, nent
+        cdef int rc = 0
+        cdef void **tabs = self.tables.tabs
+        o.fail = FAIL_NONE
+        self.rows.files.engine_begin(&eng)
+        with nogil:
+            nent = lib.tl_spans_pieces(&self.sp, starts, n, window, NULL, _reqs(b), &npieces)
+            if (_grow(&b[B_PIECES], npieces * sizeof(lib.tl_span_piece))
+                    or _grow_reqs(b, npieces) or _grow(&b[B_AT], npieces * 8)
+                    or _grow(&b[B_BLOCKS], nent * 8)):
+                rc = -1
+                o.fail = FAIL_MEMORY
+            else:
+                pieces = <lib.tl_span_piece *>b[B_PIECES].p
+                q = _reqs(b)  # the pieces' block index entries
+                lib.tl_spans_pieces(&self.sp, starts, n, window, pieces, q, &npieces)
+                # the pieces whose shard's table is not held go first, with their requests
+                for i in range(npieces):
+                    if not (self.tables.enabled
+                            and lib.tl_table_get(&tabs[pieces[i].shard]) != NULL):
+                        pieces[rest] = pieces[i]
+                        q.start[rest] = q.start[i]
+                        q.len[rest] = q.len[i]
+                        q.dst[rest] = q.dst[i]
+                        rest += 1
+                if rest:
+                    rc = _round(&eng, &self.index_rs.rs, rest, <uint8_t *>b[B_BLOCKS].p, b, 0,
+                                K_INDEX, &o)
+                    if rc == 0:  # q becomes their blocks, in bytes of the .msb files
+                        rc = lib.tl_blocks_slices(&self.s, pieces, rest, NULL,
+                                                  <uint64_t *>b[B_BLOCKS].p, _reqs(b),
+                                                  <uint64_t *>b[B_AT].p, &nbytes, &serr)
+        self.rows.files.engine_end(&eng)
+        if o.fail == FAIL_MEMORY:
+            raise MemoryError()
+        if rc or rest == 0:  # an I/O error or an entry that does not check: no hint
+            return 0
+        q = _reqs(b)
+        return self.blocks_rs.hint_ranges(<uint64_t[:rest]>q.start, <uint64_t[:rest]>q.len)
+
+
 _ENCODE_CHUNK = 4096  # blocks encoded per buffer
 
 

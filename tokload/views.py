@@ -537,6 +537,10 @@ class StreamWithMetadata(_Windows):
             raise FormatError(f"{self.source.description} has no metadata")
         self.deserialize = deserialize or bytes
         self._local = threading.local()  # per reader thread: the span reader's scratch
+        self._hint_lock = threading.Lock()
+        # (lo, hi, windows) whose blocks the next hint advises (subset() copies it: lo, hi
+        # tell a view's own windows apart)
+        self._hint_prev: tuple[int, int, np.ndarray] | None = None
         self._lay = self._layout()  # (name, dtype, offset) per field, fixed for the view
 
     def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
@@ -619,13 +623,26 @@ class StreamWithMetadata(_Windows):
     def hint(self, indices: npt.ArrayLike) -> None:
         """The view protocol's read-ahead: the rows of observations ``indices``
         (as :meth:`TokenStream.hint`) and, with metadata blocks, their blocks
-        where the shard's block index is in memory (else its entries), so the
-        read that follows waits on neither. It reads nothing itself."""
+        where the shard's block index is in memory, so the read that follows
+        waits on neither. Where the index is not in memory (too large for
+        ``TOKLOAD_INDEX_MEMORY``), a hint advises the windows' index entries,
+        and the next hint call reads the entries advised by this one (by then
+        usually in the page cache: it waits for them otherwise) and advises
+        their blocks: the read-ahead keeps the blocks one task less ahead than
+        the rows instead of not at all."""
         super().hint(indices)
         spans = self.source.spans
         if isinstance(spans, BlockSet):
             idx = self._indices(indices)
-            spans.hint_windows(idx, self._lo, len(self), self.stride, self.window, self._scratch())
+            sc = self._scratch()
+            spans.hint_windows(idx, self._lo, len(self), self.stride, self.window, sc)
+            if not spans.index_in_memory:
+                with self._hint_lock:  # each call's windows get their blocks hinted once
+                    prev, self._hint_prev = self._hint_prev, (self._lo, self._hi, idx)
+                if prev is not None and prev[:2] == (self._lo, self._hi):  # not a subset's
+                    spans.hint_blocks_after_index(
+                        prev[2], self._lo, len(self), self.stride, self.window, sc
+                    )
 
     def _scratch(self) -> Scratch:
         """This thread's scratch memory of the span reader."""
