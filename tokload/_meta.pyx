@@ -877,6 +877,64 @@ cdef class BlockSet:
             out_records.append((data, offsets))
         return out_records
 
+    cdef int _hint_pieces(self, indices, uint64_t first, uint64_t count, uint64_t stride,
+                          uint64_t window, Scratch scratch, size_t *npieces,
+                          size_t *unheld) except -1:
+        """The first step of both hints: the files open and the indices in
+        range, the windows cut into pieces (B_PIECES) with the requests of
+        their block index entries (B_Q*, in entries; B_BLOCKS has room for
+        them).  The ``*unheld`` pieces whose shard's table is not held come
+        first, each with its request; the held ones follow (``*npieces`` in
+        all).  Returns 1 when there is nothing to hint, else 0."""
+        for r in (self.rows, self.index_rs, self.blocks_rs):
+            (<RowSet>r).files.check_open()
+        cdef const int64_t[::1] iv = _indices(indices)
+        cdef size_t n = iv.shape[0], np_ = 0, i, rest = 0
+        if n == 0 or window == 0:
+            return 1
+        cdef Buf *b = scratch.b
+        if _grow(&b[B_STARTS], n * 8):
+            raise MemoryError()
+        cdef uint64_t *starts = <uint64_t *>b[B_STARTS].p
+        _checked_window_starts(iv, first, count, stride, window, self.rows.total, starts)
+        cdef lib.tl_span_piece *pieces
+        cdef lib.tl_span_piece piece
+        cdef lib.tl_span_reqs q
+        cdef uint64_t nent, v
+        cdef int rc = 0
+        cdef void **tabs = self.tables.tabs
+        with nogil:
+            nent = lib.tl_spans_pieces(&self.sp, starts, n, window, NULL, _reqs(b), &np_)
+            if (_grow(&b[B_PIECES], np_ * sizeof(lib.tl_span_piece))
+                    or _grow_reqs(b, np_) or _grow(&b[B_AT], np_ * 8)
+                    or _grow(&b[B_BLOCKS], nent * 8)):
+                rc = -1
+            else:
+                pieces = <lib.tl_span_piece *>b[B_PIECES].p
+                q = _reqs(b)
+                lib.tl_spans_pieces(&self.sp, starts, n, window, pieces, q, &np_)
+                for i in range(np_):  # the unheld to the front, each with its request
+                    if self.tables.enabled and lib.tl_table_get(&tabs[pieces[i].shard]) != NULL:
+                        continue
+                    piece = pieces[rest]
+                    pieces[rest] = pieces[i]
+                    pieces[i] = piece
+                    v = q.start[rest]
+                    q.start[rest] = q.start[i]
+                    q.start[i] = v
+                    v = q.len[rest]
+                    q.len[rest] = q.len[i]
+                    q.len[i] = v
+                    v = q.dst[rest]
+                    q.dst[rest] = q.dst[i]
+                    q.dst[i] = v
+                    rest += 1
+        if rc:
+            raise MemoryError()
+        npieces[0] = np_
+        unheld[0] = rest
+        return 0
+
     def hint_windows(self, indices, uint64_t first, uint64_t count, uint64_t stride,
                      uint64_t window, Scratch scratch not None):
         """The read-ahead of the windows' metadata (the rows are the caller's):
@@ -885,57 +943,28 @@ cdef class BlockSet:
         entries (a hint loads no table: it reads nothing itself and returns at
         once).  Returns the hints given.  A hint is advice: an entry that does
         not check gives none (the read says why)."""
-        for r in (self.rows, self.index_rs, self.blocks_rs):
-            (<RowSet>r).files.check_open()
-        cdef const int64_t[::1] iv = _indices(indices)
-        cdef size_t n = iv.shape[0], npieces = 0, i, held = 0, rest = 0
-        if n == 0 or window == 0:
+        cdef size_t npieces, rest
+        if self._hint_pieces(indices, first, count, stride, window, scratch, &npieces, &rest):
             return 0
         cdef Buf *b = scratch.b
-        if _grow(&b[B_STARTS], n * 8):
-            raise MemoryError()
-        cdef uint64_t *starts = <uint64_t *>b[B_STARTS].p
-        _checked_window_starts(iv, first, count, stride, window, self.rows.total, starts)
-        cdef lib.tl_span_piece *pieces
-        cdef lib.tl_span_reqs q
+        cdef lib.tl_span_reqs q = _reqs(b)
+        cdef lib.tl_span_piece *pieces = <lib.tl_span_piece *>b[B_PIECES].p
+        cdef size_t held = npieces - rest
         cdef lib.tl_span_error serr
         cdef uint64_t nbytes = 0
-        cdef int rc = 0
-        cdef void **tabs = self.tables.tabs
-        with nogil:
-            lib.tl_spans_pieces(&self.sp, starts, n, window, NULL, _reqs(b), &npieces)
-            if (_grow(&b[B_PIECES], npieces * sizeof(lib.tl_span_piece))
-                    or _grow_reqs(b, npieces) or _grow(&b[B_AT], npieces * 8)):
-                rc = -1
-            else:
-                pieces = <lib.tl_span_piece *>b[B_PIECES].p
-                q = _reqs(b)  # the pieces' block index entries, in entries
-                lib.tl_spans_pieces(&self.sp, starts, n, window, pieces, q, &npieces)
-                # pieces whose shard's table is held go first, their entries' requests
-                # (not needed: the table has them) dropped; the others' requests after
-                for i in range(npieces):
-                    if (self.tables.enabled
-                            and lib.tl_table_get(&tabs[pieces[i].shard]) != NULL):
-                        pieces[held] = pieces[i]
-                        held += 1
-                    else:
-                        q.start[rest] = q.start[i]
-                        q.len[rest] = q.len[i]
-                        rest += 1
-        if rc:
-            raise MemoryError()
+        cdef int rc
         given = 0
-        if rest:
+        if rest:  # the unheld pieces' entries
             given += self.index_rs.hint_ranges(<uint64_t[:rest]>q.start, <uint64_t[:rest]>q.len)
         if held:
             with nogil:  # q becomes the held pieces' blocks, in bytes of the .msb files
-                rc = lib.tl_blocks_slices(&self.s, pieces, held, <const uint64_t *const *>tabs,
-                                          NULL, q, <uint64_t *>b[B_AT].p, &nbytes, &serr)
+                rc = lib.tl_blocks_slices(&self.s, pieces + rest, held,
+                                          <const uint64_t *const *>self.tables.tabs, NULL, q,
+                                          <uint64_t *>b[B_AT].p, &nbytes, &serr)
             if rc == 0:
                 given += self.blocks_rs.hint_ranges(<uint64_t[:held]>q.start,
                                                     <uint64_t[:held]>q.len)
         return given
-
 
     def hint_blocks_after_index(self, indices, uint64_t first, uint64_t count, uint64_t stride,
                                 uint64_t window, Scratch scratch not None):
@@ -947,60 +976,31 @@ cdef class BlockSet:
         are skipped (:meth:`hint_windows` gave their blocks).  Returns the
         hints given.  A hint is advice: entries that fail to read or do not
         check give none (the read says why)."""
-        for r in (self.rows, self.index_rs, self.blocks_rs):
-            (<RowSet>r).files.check_open()
-        cdef const int64_t[::1] iv = _indices(indices)
-        cdef size_t n = iv.shape[0], npieces = 0, i, rest = 0
-        if n == 0 or window == 0:
+        cdef size_t npieces, rest
+        if (self._hint_pieces(indices, first, count, stride, window, scratch, &npieces, &rest)
+                or rest == 0):
             return 0
         cdef Buf *b = scratch.b
-        if _grow(&b[B_STARTS], n * 8):
-            raise MemoryError()
-        cdef uint64_t *starts = <uint64_t *>b[B_STARTS].p
-        _checked_window_starts(iv, first, count, stride, window, self.rows.total, starts)
-        cdef lib.tl_span_piece *pieces
-        cdef lib.tl_span_reqs q
+        cdef lib.tl_span_piece *pieces = <lib.tl_span_piece *>b[B_PIECES].p
         cdef lib.tl_span_error serr
         cdef lib.tl_engine eng
         cdef Outcome o
-        cdef uint64_t nbytes = 0, nent
-        cdef int rc = 0
-        cdef void **tabs = self.tables.tabs
+        cdef uint64_t nbytes = 0
+        cdef int rc
         o.fail = FAIL_NONE
         self.rows.files.engine_begin(&eng)
         with nogil:
-            nent = lib.tl_spans_pieces(&self.sp, starts, n, window, NULL, _reqs(b), &npieces)
-            if (_grow(&b[B_PIECES], npieces * sizeof(lib.tl_span_piece))
-                    or _grow_reqs(b, npieces) or _grow(&b[B_AT], npieces * 8)
-                    or _grow(&b[B_BLOCKS], nent * 8)):
-                rc = -1
-                o.fail = FAIL_MEMORY
-            else:
-                pieces = <lib.tl_span_piece *>b[B_PIECES].p
-                q = _reqs(b)  # the pieces' block index entries
-                lib.tl_spans_pieces(&self.sp, starts, n, window, pieces, q, &npieces)
-                # the pieces whose shard's table is not held go first, with their requests
-                for i in range(npieces):
-                    if not (self.tables.enabled
-                            and lib.tl_table_get(&tabs[pieces[i].shard]) != NULL):
-                        pieces[rest] = pieces[i]
-                        q.start[rest] = q.start[i]
-                        q.len[rest] = q.len[i]
-                        q.dst[rest] = q.dst[i]
-                        rest += 1
-                if rest:
-                    rc = _round(&eng, &self.index_rs.rs, rest, <uint8_t *>b[B_BLOCKS].p, b, 0,
-                                K_INDEX, &o)
-                    if rc == 0:  # q becomes their blocks, in bytes of the .msb files
-                        rc = lib.tl_blocks_slices(&self.s, pieces, rest, NULL,
-                                                  <uint64_t *>b[B_BLOCKS].p, _reqs(b),
-                                                  <uint64_t *>b[B_AT].p, &nbytes, &serr)
+            rc = _round(&eng, &self.index_rs.rs, rest, <uint8_t *>b[B_BLOCKS].p, b, 0, K_INDEX,
+                        &o)
+            if rc == 0:  # q becomes their blocks, in bytes of the .msb files
+                rc = lib.tl_blocks_slices(&self.s, pieces, rest, NULL, <uint64_t *>b[B_BLOCKS].p,
+                                          _reqs(b), <uint64_t *>b[B_AT].p, &nbytes, &serr)
         self.rows.files.engine_end(&eng)
         if o.fail == FAIL_MEMORY:
             raise MemoryError()
-        if rc or rest == 0:  # an I/O error or an entry that does not check: no hint
+        if rc:  # an I/O error or an entry that does not check: no hint
             return 0
-        q = _reqs(b)
+        cdef lib.tl_span_reqs q = _reqs(b)
         return self.blocks_rs.hint_ranges(<uint64_t[:rest]>q.start, <uint64_t[:rest]>q.len)
 
 
