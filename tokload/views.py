@@ -542,6 +542,9 @@ class StreamWithMetadata(_Windows):
         # tell a view's own windows apart)
         self._hint_prev: tuple[int, int, np.ndarray] | None = None
         self._lay = self._layout()  # (name, dtype, offset) per field, fixed for the view
+        # where each field lies in a row and its bytes, for split_fields (made once)
+        self._split_at = [o for _, _, o in self._lay]
+        self._split_size = [ft.itemsize for _, ft, _ in self._lay]
 
     def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
         """The view protocol (:mod:`tokload.assembly`): the fields (all but
@@ -600,12 +603,7 @@ class StreamWithMetadata(_Windows):
         )
         if dt.fields is not None:
             split_fields(
-                rows,
-                n * t,
-                dt.itemsize,
-                [o for _, _, o in layout],
-                [ft.itemsize for _, ft, _ in layout],
-                list(fields.values()),
+                rows, n * t, dt.itemsize, self._split_at, self._split_size, list(fields.values())
             )
         out = []
         named = list(fields.items())
@@ -725,14 +723,7 @@ class StreamWithMetadata(_Windows):
                     alloc,
                     sc,
                 )
-                split_fields(
-                    scratch,
-                    b * t,
-                    dt.itemsize,
-                    [o for _, _, o in layout],
-                    [ft.itemsize for _, ft, _ in layout],
-                    outs,
-                )
+                split_fields(scratch, b * t, dt.itemsize, self._split_at, self._split_size, outs)
             return MetadataBatch(out, positions, RecordList(data, offsets, self.deserialize))
         return self._read_per_token(idx, out, outs, positions, alloc)
 
@@ -749,7 +740,6 @@ class StreamWithMetadata(_Windows):
         assert meta is not None
         b, t = len(idx), self.window
         dt = self.source.dtype
-        layout = self._lay
         ids = np.empty((b, t), dtype=np.uint32)
         assert dt.fields is not None
         scratch = np.empty((b, t), dtype=dt)
@@ -760,8 +750,8 @@ class StreamWithMetadata(_Windows):
             scratch,
             b * t,
             dt.itemsize,
-            [o for _, _, o in layout] + [id_off],
-            [ft.itemsize for _, ft, _ in layout] + [4],
+            [*self._split_at, id_off],
+            [*self._split_size, 4],
             [*outs, ids],
         )
         items, spans, blob_bytes = meta.gather(starts, t, ids, positions)
