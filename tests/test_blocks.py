@@ -40,11 +40,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokload import StreamWithMetadata, Writer
-from tokload._io import uring_available
+from tokload._io import CompressedTable, compressed_table_bytes, uring_available
 from tokload._meta import SPAN_NONE, BlockSet, Scratch, decode_blocks, encode_blocks
 from tokload.checksum import verify_checksums
 from tokload.errors import CorruptDataError, FormatError, TruncatedFileError
-from tokload.format import read_manifest
+from tokload.format import DEFAULT_INDEX_MEMORY, read_manifest
 from tokload.tools import verify
 from tokload.writer import convert, merge
 
@@ -848,12 +848,21 @@ def test_where_the_index_is_not_held_the_next_hint_covers_the_blocks(
 # ---- 3. the block index in memory or not ------------------------------------
 
 
+def assert_same_batch(a: StreamWithMetadata, b: StreamWithMetadata, idx: np.ndarray) -> None:
+    x, y = a.read(idx), b.read(idx)
+    np.testing.assert_array_equal(x.fields["tokens"], y.fields["tokens"])
+    np.testing.assert_array_equal(x.positions, y.positions)
+    np.testing.assert_array_equal(x.metadata.data, y.metadata.data)
+    np.testing.assert_array_equal(x.metadata.offsets, y.metadata.offsets)
+
+
 def test_index_in_memory_or_not_gives_the_same_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     shards_ = sample_shards(2)
     ds = write_by_hand(tmp_path / "ds", shards_, block=16)
-    index_bytes = sum((-(-s.rows // 16) + 1) * 8 for s in shards_)
+    # held compressed (ctab.h): 8 bytes per group of 64 entries, 2 per entry, a header
+    index_bytes = sum(compressed_table_bytes(-(-s.rows // 16) + 1) for s in shards_)
     monkeypatch.delenv("TOKLOAD_INDEX_MEMORY", raising=False)
     held = StreamWithMetadata(ds, window=40, stride=13)
     monkeypatch.setenv("TOKLOAD_INDEX_MEMORY", "0")
@@ -869,13 +878,12 @@ def test_index_in_memory_or_not_gives_the_same_batches(
 
     rng = np.random.default_rng(0)
     for idx in [np.arange(len(held)), *(rng.integers(0, len(held), 7) for _ in range(5))]:
-        x, y = held.read(idx), read.read(idx)
-        np.testing.assert_array_equal(x.fields["tokens"], y.fields["tokens"])
-        np.testing.assert_array_equal(x.positions, y.positions)
-        np.testing.assert_array_equal(x.metadata.data, y.metadata.data)
-        np.testing.assert_array_equal(x.metadata.offsets, y.metadata.offsets)
+        assert_same_batch(held, read, idx)
         assert_batch(read, shards_, idx.tolist())
     assert block_set(read).tables.loaded() == []  # nothing held, even after reading
+    tables = block_set(held).tables  # each table held takes what the budget weighed
+    held_bytes = [compressed_table_bytes(-(-shards_[k].rows // 16) + 1) for k in tables.loaded()]
+    assert tables.held_bytes() == sum(held_bytes) and len(held_bytes) >= 2
 
 
 def touched(shards_: Sequence[Shard], window: int, stride: int, idx: Sequence[int]) -> set[int]:
@@ -903,6 +911,108 @@ def test_tables_are_loaded_for_the_shards_read_only(
         seen |= touched(shards_, 20, 20, idx)
         assert tables.loaded() == sorted(seen), idx
     assert seen == {0, 2, 3, 4, 5, 6}  # all but the empty shard
+
+
+# entries of a block index as tests meet them: block sizes under 64 KiB, sizes of
+# 64 KiB and more, and anything a damaged file may hold (decreasing, past 2**63)
+ENTRY_STEPS = st.one_of(
+    st.integers(0, 0xFFFF),
+    st.sampled_from([0x7FFF, 0x8000, 0xFFFE, 0xFFFF, 0x10000]),  # around the edges
+    st.integers(0x10000, 2**40),
+    st.integers(-(2**20), -1),
+)
+
+
+# any uint64, the top bit set as often as not (a group's first entry must not be
+# taken for the mark of a group kept as it is)
+ANY_U64 = st.one_of(st.integers(0, 2**40), st.integers(2**63, 2**64 - 1))
+# anywhere, a group's first entry often
+AT = st.one_of(st.integers(0, 299), st.sampled_from([0, 64, 128, 192, 256]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    steps=st.lists(ENTRY_STEPS, max_size=300),
+    first=ANY_U64,
+    wild=st.lists(st.tuples(AT, ANY_U64), max_size=3),
+    cuts=st.lists(st.tuples(st.integers(0, 320), st.integers(0, 140)), max_size=20),
+)
+def test_a_compressed_table_decodes_to_its_entries(
+    steps: list[int],
+    first: int,
+    wild: list[tuple[int, int]],
+    cuts: list[tuple[int, int]],
+) -> None:
+    """What ShardTables(compress=True) holds per shard (ctab.h) gives back every
+    entry exactly, damage included, in any range; it takes 2 bytes an entry and
+    8 per group of 64, and 512 bytes more for each group kept as it is (a step
+    over 65535, modulo 2**64, or a first entry with the top bit set)."""
+    entries = np.array([first, *steps], dtype=object).cumsum() % 2**64
+    for at, v in wild:  # any value anywhere
+        if at < len(entries):
+            entries[at] = v
+    e = entries.astype(np.uint64)
+    t = CompressedTable(e)
+    n = len(e)
+    np.testing.assert_array_equal(t.decode(0, n), e)
+    np.testing.assert_array_equal([t.decode(j, 1)[0] for j in range(n)], e)  # each alone
+    for a, m in cuts:
+        if a + m <= n:
+            np.testing.assert_array_equal(t.decode(a, m), e[a : a + m])
+        else:
+            with pytest.raises(IndexError, match=rf"entries \[{a}, {a + m}\) of a table of {n}"):
+                t.decode(a, m)
+    ints = [int(x) for x in e]
+    full = sum(
+        1
+        for g in range(0, n, 64)
+        if ints[g] >= 2**63
+        or any((ints[j] - ints[j - 1]) % 2**64 > 0xFFFF for j in range(g + 1, min(g + 64, n)))
+    )
+    assert t.full_groups == full
+    assert t.nbytes == compressed_table_bytes(n) + 512 * full
+    assert compressed_table_bytes(n) == 40 + 8 * -(-n // 64) + 2 * n
+
+
+def test_a_block_index_of_4tb_is_held_in_about_1gb() -> None:
+    """The arithmetic the budget uses, on the corpus tokload is built for:
+    4 TB of uint16 tokens in 2,000 shards of 10^9 rows, 4,096 rows a block."""
+    per_shard = -(-(10**9) // 4096) + 1
+    held = 2000 * compressed_table_bytes(per_shard)
+    assert 2000 * per_shard * 8 > 3.9e9  # the .mbx files
+    assert held < DEFAULT_INDEX_MEMORY  # fits the default budget
+    assert abs(held / (2000 * per_shard) - 2.125) < 0.001
+
+
+def test_blocks_of_64_kib_and_more_read_the_same_held_or_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records big enough that blocks pass 64 KiB: their groups of the held
+    table keep their entries as they are, and batches are the same as with
+    the entries read from the file."""
+    rng = np.random.default_rng(5)
+    docs: list[Doc] = []
+    for i in range(30):
+        tokens = rng.integers(0, 60000, int(rng.integers(20, 200))).astype(np.uint16)
+        size = 70_000 if i % 4 == 0 else int(rng.integers(1, 40))
+        spans = [(0, len(tokens) // 2, bytes([i % 251]) * size)]
+        docs.append((tokens, spans))
+    ds = write_docs(tmp_path / "ds", docs=docs, block=16)
+    monkeypatch.delenv("TOKLOAD_INDEX_MEMORY", raising=False)
+    held = StreamWithMetadata(ds, window=40, stride=7)
+    monkeypatch.setenv("TOKLOAD_INDEX_MEMORY", "0")
+    read = StreamWithMetadata(ds, window=40, stride=7)
+    assert block_set(held).index_in_memory and not block_set(read).index_in_memory
+    for idx in [np.arange(len(held)), *(rng.integers(0, len(held), 5) for _ in range(10))]:
+        assert_same_batch(held, read, idx)
+    tables = block_set(held).tables
+    entries = [len(np.fromfile(p, "<u8")) for p in sorted(ds.glob("*.mbx"))]
+    least = sum(compressed_table_bytes(entries[k]) for k in tables.loaded())
+    assert tables.held_bytes() >= least + 512  # a group at least kept as it is
+    for k in tables.loaded():
+        mbx = sorted(ds.glob("*.mbx"))[k]
+        e = np.fromfile(mbx, "<u8")
+        np.testing.assert_array_equal(CompressedTable(e).decode(0, len(e)), e)
 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "1.5"])
@@ -1050,6 +1160,7 @@ INDEX_DAMAGE: list[tuple[str, int, Callable[[list[int]], int]]] = [
     ("first entry not 0", 0, lambda ix: 1),
     ("entry past the end", 1, lambda ix: 10**6),
     ("last entry short of the end", 4, lambda ix: ix[4] - 1),
+    ("entry past 2**63", 2, lambda ix: 2**63 + ix[2]),  # held: its group kept as it is
 ]
 
 

@@ -38,6 +38,7 @@ cdef class ShardTables:
     cdef readonly RowSet rs
     cdef void **tabs
     cdef readonly bint enabled
+    cdef readonly bint compress
     cdef size_t n
 
     cdef int need(self, const lib.tl_engine *eng, const uint32_t *shards, size_t count,

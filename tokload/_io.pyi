@@ -110,12 +110,25 @@ class ExtentIndex:
     ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]: ...
 
 # Per shard, one whole file of uint64 values held in memory once a read needs it
-# (read without the GIL, shared by reader threads).
+# (read without the GIL, shared by reader threads), as it is or compressed.
 class ShardTables:
     rs: RowSet
     enabled: bool
-    def __init__(self, rs: RowSet, enabled: bool) -> None: ...
+    compress: bool
+    def __init__(self, rs: RowSet, enabled: bool, compress: bool = False) -> None: ...
     def loaded(self) -> list[int]: ...
+    def held_bytes(self) -> int: ...
+
+# The least bytes of a compressed table of n entries (about 2.1 bytes an entry).
+def compressed_table_bytes(n: int) -> int: ...
+
+# One table as ShardTables(compress=True) holds it.
+class CompressedTable:
+    n: int
+    nbytes: int
+    full_groups: int
+    def __init__(self, entries: npt.ArrayLike) -> None: ...
+    def decode(self, first: int, count: int) -> npt.NDArray[np.uint64]: ...
 
 class DocIndex(ExtentIndex):
     files: FileSet

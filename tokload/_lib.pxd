@@ -359,19 +359,17 @@ cdef extern from "tokload/blocks.h" nogil:
     uint64_t tl_block_index_bad(const uint64_t *e, uint64_t n, uint64_t b0, uint64_t nblocks,
                                 uint64_t size) noexcept
     int tl_blocks_slices(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
-                         const uint64_t *const *tables, const uint64_t *entries,
-                         tl_span_reqs q, uint64_t *at, uint64_t *nbytes,
-                         tl_span_error *err) noexcept
+                         const uint64_t *entries, tl_span_reqs q, uint64_t *at,
+                         uint64_t *nbytes, tl_span_error *err) noexcept
     int tl_blocks_check_all(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
-                            const uint64_t *at, const uint64_t *const *tables,
-                            const uint64_t *entries, const uint8_t *blockbuf,
-                            tl_block_seen *t, tl_block_info *infos, uint64_t *prange,
-                            uint64_t *nruns, tl_span_error *err) noexcept
+                            const uint64_t *at, const uint64_t *entries,
+                            const uint8_t *blockbuf, tl_block_seen *t, tl_block_info *infos,
+                            uint64_t *prange, uint64_t *nruns, tl_span_error *err) noexcept
     int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
-                          const uint64_t *at, const uint64_t *const *tables,
-                          const uint64_t *entries, const uint8_t *blockbuf,
-                          const tl_block_info *infos, int32_t *positions, uint64_t *hkeys,
-                          int64_t *hvals, uint64_t hcap, tl_block_seen *t, uint64_t *prange,
+                          const uint64_t *at, const uint64_t *entries,
+                          const uint8_t *blockbuf, const tl_block_info *infos,
+                          int32_t *positions, uint64_t *hkeys, int64_t *hvals, uint64_t hcap,
+                          tl_block_seen *t, uint64_t *prange,
                           tl_block_range *order, uint32_t *item_shard, uint32_t *item_id,
                           uint64_t *item_src, uint64_t *item_len, size_t *nitems,
                           tl_span_error *err) noexcept
@@ -383,6 +381,17 @@ cdef extern from "tokload/blocks.h" nogil:
                          uint64_t nrec, const uint8_t *mdb, uint64_t mdb_bytes, uint64_t b0,
                          uint64_t b1, uint64_t *run, tl_block_seen *t, uint64_t *sizes,
                          uint8_t *out, uint64_t cap, tl_span_error *err) noexcept
+
+
+cdef extern from "tokload/ctab.h" nogil:
+    enum: TL_CTAB_GROUP
+    ctypedef struct tl_ctab:
+        uint64_t n
+        uint64_t nfull
+    uint64_t tl_ctab_bytes(const uint64_t *e, uint64_t n, uint64_t *nfull) noexcept
+    uint64_t tl_ctab_bytes_least(uint64_t n) noexcept
+    tl_ctab *tl_ctab_build(const uint64_t *e, uint64_t n, uint64_t nfull, void *mem) noexcept
+    int tl_ctab_decode(const tl_ctab *t, uint64_t j, uint64_t len, uint64_t *out) noexcept
 
 
 cdef extern from "tokload/tables.h" nogil:

@@ -570,6 +570,23 @@ cdef int _seen_ready(Scratch sc, uint64_t block) noexcept nogil:
     return 0
 
 
+cdef void _decode_entries(ShardTables tables, const lib.tl_span_piece *pieces, size_t n,
+                          uint64_t block, uint64_t *entries) noexcept nogil:
+    """The block index entries of ``pieces`` (their shards' tables held:
+    ``tables.need`` first) decoded into ``entries``, piece p's at ``p.blk``,
+    where a round of reads would have put them.  It cannot run past a table:
+    a table holds its shard's blocks + 1 entries, and a piece's entries lie
+    within them (``tl_spans_pieces``)."""
+    cdef size_t i
+    cdef uint64_t b0
+    cdef const lib.tl_span_piece *p
+    for i in range(n):
+        p = &pieces[i]
+        b0 = p.start // block
+        lib.tl_ctab_decode(<const lib.tl_ctab *>lib.tl_table_get(&tables.tabs[p.shard]), b0,
+                           (p.start + p.len - 1) // block + 2 - b0, entries + p.blk)
+
+
 cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, ShardTables tables,
                        const lib.tl_rowset *msx, const lib.tl_rowset *msb,
                        const lib.tl_engine *eng, const lib.tl_rowset *rows, uint8_t *rows_dst,
@@ -594,7 +611,6 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
     cdef uint64_t *res
     cdef const uint64_t *at
     cdef lib.tl_ioreq *reqs
-    cdef const uint64_t *const *tabs = NULL
     cdef uint32_t *pshard
     cdef int rc
     o.fail = FAIL_NONE
@@ -625,14 +641,14 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
             o.round = K_INDEX
             o.item = failed
             return -1
-        tabs = <const uint64_t *const *>tables.tabs
+        _decode_entries(tables, pieces, npieces, s.block, <uint64_t *>b[B_BLOCKS].p)
     elif _round(eng, msx, npieces, <uint8_t *>b[B_BLOCKS].p, b, nrow, K_INDEX, o):
         if o.round == R_ROWS:
             o.round = K_ROWS
         return -1
     else:
         nrow = 0  # the rows went with the entries
-    if lib.tl_blocks_slices(s, pieces, npieces, tabs, <uint64_t *>b[B_BLOCKS].p, _reqs(b),
+    if lib.tl_blocks_slices(s, pieces, npieces, <uint64_t *>b[B_BLOCKS].p, _reqs(b),
                             <uint64_t *>b[B_AT].p, &nbytes, &o.span):
         o.fail = FAIL_SPAN
         return -1
@@ -654,7 +670,7 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
             p1 += 1
         at = <uint64_t *>b[B_AT].p + p0
         # each block checked (an in-order one once); the batch's records fit in their runs
-        if lib.tl_blocks_check_all(s, pieces + p0, p1 - p0, at, tabs, <uint64_t *>b[B_BLOCKS].p,
+        if lib.tl_blocks_check_all(s, pieces + p0, p1 - p0, at, <uint64_t *>b[B_BLOCKS].p,
                                    <uint8_t *>b[B_BLOCKBUF].p, &sc.seen,
                                    <lib.tl_block_info *>b[B_INFO].p, <uint64_t *>b[B_PRANGE].p,
                                    &nruns, &o.span):
@@ -670,8 +686,7 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
                 or _grow(&b[B_OFFSETS], (done + nruns + k + 1) * 8)):
             o.fail = FAIL_MEMORY
             return -1
-        if lib.tl_blocks_resolve(s, pieces + p0, p1 - p0, at, tabs,
-                                 <uint64_t *>b[B_BLOCKS].p, <uint8_t *>b[B_BLOCKBUF].p,
+        if lib.tl_blocks_resolve(s, pieces + p0, p1 - p0, at, <uint64_t *>b[B_BLOCKS].p, <uint8_t *>b[B_BLOCKBUF].p,
                                  <lib.tl_block_info *>b[B_INFO].p, pos,
                                  <uint64_t *>b[B_HKEYS].p, <int64_t *>b[B_HVALS].p, hcap,
                                  &sc.seen, <uint64_t *>b[B_PRANGE].p,
@@ -724,9 +739,10 @@ cdef class BlockSet:
         records, block_bytes: per shard, from the manifest.
         block: rows per block (at most BLOCK_MAX).
         index_in_memory: hold each shard's block index in memory once a read
-            needs it (8 bytes per block), so that a window costs one read of
-            metadata; otherwise its entries are read first, in a round of
-            their own.
+            needs it, compressed (``csrc/tokload/ctab.h``: about 2.1 bytes per
+            block; 8 more for each block of a group of 64 that holds one of 64
+            KiB or more), so that a window costs one read of metadata;
+            otherwise its entries are read first, in a round of their own.
     """
 
     cdef readonly RowSet rows, index_rs, blocks_rs
@@ -751,7 +767,7 @@ cdef class BlockSet:
         self.block = block
         self.index_rs = RowSet(index_files, nblocks + np.uint64(1), 8)
         self.blocks_rs = RowSet(block_files, np.asarray(block_bytes, dtype=np.uint64), 1)
-        self.tables = ShardTables(self.index_rs, index_in_memory)
+        self.tables = ShardTables(self.index_rs, index_in_memory, True)
         self._row_cum = np.array(rows.cum, dtype=np.uint64)
         self._nrec = np.array(records, dtype=np.uint64).reshape(-1)
         if n == 0:
@@ -958,9 +974,10 @@ cdef class BlockSet:
             given += self.index_rs.hint_ranges(<uint64_t[:rest]>q.start, <uint64_t[:rest]>q.len)
         if held:
             with nogil:  # q becomes the held pieces' blocks, in bytes of the .msb files
-                rc = lib.tl_blocks_slices(&self.s, pieces + rest, held,
-                                          <const uint64_t *const *>self.tables.tabs, NULL, q,
-                                          <uint64_t *>b[B_AT].p, &nbytes, &serr)
+                _decode_entries(self.tables, pieces + rest, held, self.s.block,
+                                <uint64_t *>b[B_BLOCKS].p)
+                rc = lib.tl_blocks_slices(&self.s, pieces + rest, held, <uint64_t *>b[B_BLOCKS].p,
+                                          q, <uint64_t *>b[B_AT].p, &nbytes, &serr)
             if rc == 0:
                 given += self.blocks_rs.hint_ranges(<uint64_t[:held]>q.start,
                                                     <uint64_t[:held]>q.len)
@@ -993,7 +1010,7 @@ cdef class BlockSet:
             rc = _round(&eng, &self.index_rs.rs, rest, <uint8_t *>b[B_BLOCKS].p, b, 0, K_INDEX,
                         &o)
             if rc == 0:  # q becomes their blocks, in bytes of the .msb files
-                rc = lib.tl_blocks_slices(&self.s, pieces, rest, NULL, <uint64_t *>b[B_BLOCKS].p,
+                rc = lib.tl_blocks_slices(&self.s, pieces, rest, <uint64_t *>b[B_BLOCKS].p,
                                           _reqs(b), <uint64_t *>b[B_AT].p, &nbytes, &serr)
         self.rows.files.engine_end(&eng)
         if o.fail == FAIL_MEMORY:

@@ -23,12 +23,15 @@
  * A run is rows with one record (or none); a block lists the run holding its
  * first row at start 0, so it stands alone: a window reads the blocks it
  * touches (one read) and nothing else, once the block index is known.  The
- * block index is small (8 bytes per B rows): tokload/_meta.pyx holds it in
- * memory per shard (or reads its entries first, when it would not fit).
+ * block index is small (8 bytes per B rows on disk): tokload/_meta.pyx holds
+ * it in memory per shard, in about 2 bytes an entry (ctab.h), or reads its
+ * entries first, when it would not fit.  Either way the functions here get
+ * the entries each piece needs, piece p's at entries[p->blk].
  *
  * A batch of windows:
  *   1. tl_spans_pieces (spans.h): the windows cut at shard ends; each
- *      piece's block index entries.
+ *      piece's block index entries (decoded from the table held in memory,
+ *      or read).
  *   2. tl_blocks_slices: from the entries, one read of each piece's blocks.
  *   3. tl_blocks_check_all: check each block (once where its records are
  *      in order, the usual case); tl_blocks_resolve: per row the
@@ -130,15 +133,6 @@ TL_INLINE uint64_t tl_block_rows(const tl_block_set *s, size_t k, uint64_t b)
     return rows - first < s->block ? rows - first : s->block;
 }
 
-/* The block index entries of piece p: from the shard's table in memory
- * (tables non-NULL) or from the entries read for it. */
-TL_INLINE const uint64_t *tl_blocks_entries(const tl_block_set *s, const tl_span_piece *p,
-                                            const uint64_t *const *tables,
-                                            const uint64_t *entries)
-{
-    return tables ? tables[p->shard] + p->start / s->block : entries + p->blk;
-}
-
 /* The first of entries e[0..n) (block index entries b0, b0 + 1, ... of a
  * shard of nblocks blocks whose .msb is size bytes) that breaks 0 = first <=
  * ... <= last = size, or n when none does. */
@@ -158,9 +152,8 @@ TL_INLINE uint64_t tl_block_index_bad(const uint64_t *e, uint64_t n, uint64_t b0
  * bytes into the block buffer at at[i].  q: one request per piece, in
  * units of bytes of the .msb files.  Returns 0 and *nbytes, or an error. */
 TL_INLINE int tl_blocks_slices(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
-                               const uint64_t *const *tables, const uint64_t *entries,
-                               tl_span_reqs q, uint64_t *at, uint64_t *nbytes,
-                               tl_span_error *err)
+                               const uint64_t *entries, tl_span_reqs q, uint64_t *at,
+                               uint64_t *nbytes, tl_span_error *err)
 {
     uint64_t total = 0;
     for (size_t i = 0; i < n; i++) {
@@ -169,7 +162,7 @@ TL_INLINE int tl_blocks_slices(const tl_block_set *s, const tl_span_piece *piece
         uint64_t size = s->msb_cum[k + 1] - s->msb_cum[k];
         uint64_t nblocks = s->msx_cum[k + 1] - s->msx_cum[k] - 1;
         uint64_t b0 = p->start / s->block, b1 = (p->start + p->len - 1) / s->block;
-        const uint64_t *e = tl_blocks_entries(s, p, tables, entries);
+        const uint64_t *e = entries + p->blk;
         uint64_t j = tl_block_index_bad(e, b1 + 2 - b0, b0, nblocks, size);
         if (TL_UNLIKELY(j < b1 + 2 - b0))
             return tl_span_fail(err, TL_BLOCK_BAD_INDEX, k, b0 + j, e[j], size);
@@ -362,15 +355,15 @@ typedef struct {
  * block whose records are out of order is checked again by
  * tl_blocks_resolve, which numbers them.  Returns 0 or an error code. */
 TL_WIDE int tl_blocks_check_all(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
-                                const uint64_t *at, const uint64_t *const *tables,
-                                const uint64_t *entries, const uint8_t *blockbuf,
-                                tl_block_seen *t, tl_block_info *infos, uint64_t *prange,
-                                uint64_t *nruns, tl_span_error *err)
+                                const uint64_t *at, const uint64_t *entries,
+                                const uint8_t *blockbuf, tl_block_seen *t,
+                                tl_block_info *infos, uint64_t *prange, uint64_t *nruns,
+                                tl_span_error *err)
 {
     uint64_t total = 0;
     for (size_t i = 0; i < n; i++) {
         const tl_span_piece *p = &pieces[i];
-        const uint64_t *e = tl_blocks_entries(s, p, tables, entries);
+        const uint64_t *e = entries + p->blk;
         uint64_t b0 = p->start / s->block, b1 = (p->start + p->len - 1) / s->block;
         uint64_t lo = TL_SPAN_NONE, hi = 0, ordered = 1;
         uint32_t prev = TL_SPAN_NONE;
@@ -419,10 +412,10 @@ static inline int tl_block_range_cmp(const void *a, const void *b)
  * TL_WIDE: the positions (4 bytes a row, twice the bytes of uint16 tokens)
  * are most of the stores. */
 TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces, size_t n,
-                              const uint64_t *at, const uint64_t *const *tables,
-                              const uint64_t *entries, const uint8_t *blockbuf,
-                              const tl_block_info *infos, int32_t *positions, uint64_t *hkeys,
-                              int64_t *hvals, uint64_t hcap, tl_block_seen *t,
+                              const uint64_t *at, const uint64_t *entries,
+                              const uint8_t *blockbuf, const tl_block_info *infos,
+                              int32_t *positions, uint64_t *hkeys, int64_t *hvals,
+                              uint64_t hcap, tl_block_seen *t,
                               uint64_t *prange, tl_block_range *order,
                               uint32_t *item_shard, uint32_t *item_id, uint64_t *item_src,
                               uint64_t *item_len, size_t *nitems, tl_span_error *err)
@@ -457,7 +450,7 @@ TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces
         const tl_span_piece *p = &pieces[i];
         size_t k = p->shard;
         int alone = (int)prange[3 * i + 2];
-        const uint64_t *e = tl_blocks_entries(s, p, tables, entries);
+        const uint64_t *e = entries + p->blk;
         uint64_t b0 = p->start / s->block, b1 = (p->start + p->len - 1) / s->block;
         uint64_t end = p->start + p->len;
         int32_t *pos = positions + p->dst; /* the piece's first row */
