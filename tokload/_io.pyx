@@ -695,16 +695,14 @@ cdef class ShardTables:
         """Bytes the tables in memory now take (each compressed one's whole
         block, header included)."""
         cdef size_t k
-        cdef uint64_t total = 0, nfull
+        cdef uint64_t total = 0
         cdef void *t
         for k in range(self.n):
             t = lib.tl_table_get(&self.tabs[k])
             if t == NULL:
                 continue
             if self.compress:
-                nfull = (<lib.tl_ctab *>t).nfull
-                total += (lib.tl_ctab_bytes_least((<lib.tl_ctab *>t).n)
-                          + 8 * lib.TL_CTAB_GROUP * nfull)
+                total += lib.tl_ctab_size(<lib.tl_ctab *>t)
             else:
                 total += 8 * (self.rs.rs.cum[k + 1] - self.rs.rs.cum[k])
         return total
@@ -759,7 +757,8 @@ cdef class ShardTables:
                 k = reqs[j].item
                 bufs[j] = _compressed(bufs[j], self.rs.rs.cum[k + 1] - self.rs.rs.cum[k])
                 if bufs[j] == NULL:
-                    rc = _nomem(err, k, failed)
+                    rc = _nomem(err, k, failed)  # the others are freed below
+                    break
         for j in range(m):
             if rc or not lib.tl_table_publish(&self.tabs[reqs[j].item], bufs[j]):
                 free(bufs[j])
@@ -777,7 +776,6 @@ cdef void *_compressed(void *raw, uint64_t n) noexcept nogil:
         lib.tl_ctab_build(<uint64_t *>raw, n, nfull, mem)
     free(raw)
     return mem
-
 
 
 def compressed_table_bytes(uint64_t n):
@@ -817,8 +815,7 @@ cdef class CompressedTable:
     @property
     def nbytes(self):
         """Bytes the table takes (header included)."""
-        return (lib.tl_ctab_bytes_least(self.n)
-                + 8 * lib.TL_CTAB_GROUP * (<lib.tl_ctab *>self.t).nfull)
+        return lib.tl_ctab_size(<lib.tl_ctab *>self.t)
 
     @property
     def full_groups(self):

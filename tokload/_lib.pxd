@@ -390,6 +390,7 @@ cdef extern from "tokload/ctab.h" nogil:
         uint64_t nfull
     uint64_t tl_ctab_bytes(const uint64_t *e, uint64_t n, uint64_t *nfull) noexcept
     uint64_t tl_ctab_bytes_least(uint64_t n) noexcept
+    uint64_t tl_ctab_size(const tl_ctab *t) noexcept
     tl_ctab *tl_ctab_build(const uint64_t *e, uint64_t n, uint64_t nfull, void *mem) noexcept
     int tl_ctab_decode(const tl_ctab *t, uint64_t j, uint64_t len, uint64_t *out) noexcept
 

@@ -686,8 +686,8 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
                 or _grow(&b[B_OFFSETS], (done + nruns + k + 1) * 8)):
             o.fail = FAIL_MEMORY
             return -1
-        if lib.tl_blocks_resolve(s, pieces + p0, p1 - p0, at, <uint64_t *>b[B_BLOCKS].p, <uint8_t *>b[B_BLOCKBUF].p,
-                                 <lib.tl_block_info *>b[B_INFO].p, pos,
+        if lib.tl_blocks_resolve(s, pieces + p0, p1 - p0, at, <uint64_t *>b[B_BLOCKS].p,
+                                 <uint8_t *>b[B_BLOCKBUF].p, <lib.tl_block_info *>b[B_INFO].p, pos,
                                  <uint64_t *>b[B_HKEYS].p, <int64_t *>b[B_HVALS].p, hcap,
                                  &sc.seen, <uint64_t *>b[B_PRANGE].p,
                                  <lib.tl_block_range *>b[B_ORDER].p,

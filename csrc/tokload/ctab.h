@@ -67,6 +67,12 @@ TL_INLINE uint64_t tl_ctab_bytes_least(uint64_t n)
     return sizeof(tl_ctab) + 8 * ((n + TL_CTAB_GROUP - 1) / TL_CTAB_GROUP) + 2 * n;
 }
 
+/* The bytes table t takes (its header included). */
+TL_INLINE uint64_t tl_ctab_size(const tl_ctab *t)
+{
+    return tl_ctab_bytes_least(t->n) + 8 * TL_CTAB_GROUP * t->nfull;
+}
+
 /* Build the table of e[0..n) in mem (tl_ctab_bytes bytes, 8-byte aligned;
  * nfull from it).  Returns the table (at mem). */
 TL_INLINE tl_ctab *tl_ctab_build(const uint64_t *e, uint64_t n, uint64_t nfull, void *mem)
