@@ -254,3 +254,51 @@ def test_readahead_hints_a_metadata_streams_blocks_too(
             assert time.perf_counter() - t0 >= 0.3
         finally:
             view.close()  # the mount must not be busy when it is unmounted
+
+
+def test_readahead_hints_the_blocks_of_a_table_no_read_has_loaded_yet(
+    delayfs: Path, tmp_path: Path
+) -> None:
+    """The block index held (the default budget), but the hinted window's shard
+    has not had its table loaded by a read yet: the hint advises the window's
+    index entries, and the next hint call reads them and advises its blocks,
+    so the read that then loads the table waits for the table only (before,
+    for the table and then the blocks)."""
+    import tokload
+
+    src = tmp_path / "src"
+    rng = np.random.default_rng(11)
+    # 4 shards of 50,000 rows in blocks of 4: a table of 100 KB each
+    with tokload.Writer(src / "ds", "<u2", metadata=True, span_block=4, shard_bytes=100_000) as w:
+        for k in range(800):
+            w.write(rng.integers(0, 65535, 250, dtype=np.uint16), spans=[(0, 125, b"%d" % k)])
+    ref = tokload.StreamWithMetadata(src / "ds", window=257)
+    assert len(ref.source.rows.files.paths) == 4
+    in_shard = [i * 50_000 // 257 + 5 for i in range(4)]  # a window inside each shard
+    with mount(delayfs, src, tmp_path / "m", "delay_ms=300,fraction=1") as m:
+        view = tokload.StreamWithMetadata(m / "ds", window=257)
+        try:
+            spans = view.source.spans
+            assert isinstance(spans, tokload._meta.BlockSet)
+            tables = spans.tables
+            view.read([in_shard[0]])  # opens the files, loads shard 0's table
+            assert tables.enabled and tables.loaded() == [0]
+            for i in (2, 0):  # shard 2's rows and entries; then the second step: its blocks
+                t0 = time.perf_counter()
+                view.hint([in_shard[i]])
+                assert time.perf_counter() - t0 < 0.1
+                time.sleep(0.7)
+            t0 = time.perf_counter()
+            got = view.read([in_shard[2]])
+            took = time.perf_counter() - t0
+            assert 0.3 <= took < 0.5, took  # its table, one delayed read
+            assert tables.loaded() == [0, 2]
+            want = ref.read([in_shard[2]])
+            np.testing.assert_array_equal(got.fields["tokens"], want.fields["tokens"])
+            np.testing.assert_array_equal(got.positions, want.positions)
+            assert got.metadata == want.metadata
+            t0 = time.perf_counter()
+            view.read([in_shard[3]])  # not hinted: waits for its table, then its blocks
+            assert time.perf_counter() - t0 >= 0.6
+        finally:
+            view.close()  # the mount must not be busy when it is unmounted

@@ -985,14 +985,15 @@ cdef class BlockSet:
 
     def hint_blocks_after_index(self, indices, uint64_t first, uint64_t count, uint64_t stride,
                                 uint64_t window, Scratch scratch not None):
-        """The read-ahead's second step where a shard's block index is not
-        held: read the block index entries of the windows (the entries a
-        :meth:`hint_windows` call advised earlier, so usually in the page
-        cache by now; this waits for them otherwise) and advise the kernel
-        of the blocks they point to.  Windows whose shard's table is held
-        are skipped (:meth:`hint_windows` gave their blocks).  Returns the
-        hints given.  A hint is advice: entries that fail to read or do not
-        check give none (the read says why)."""
+        """The read-ahead's second step where a shard's block index table is
+        not in memory (not held, or not loaded by a read yet): read the block
+        index entries of the windows (the entries a :meth:`hint_windows` call
+        advised earlier, so usually in the page cache by now; this waits for
+        them otherwise) and advise the kernel of the blocks they point to.
+        Windows whose shard's table is in memory are skipped
+        (:meth:`hint_windows` gave their blocks).  Returns the hints given.
+        A hint is advice: entries that fail to read or do not check give none
+        (the read says why)."""
         cdef size_t npieces, rest
         if (self._hint_pieces(indices, first, count, stride, window, scratch, &npieces, &rest)
                 or rest == 0):

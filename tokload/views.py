@@ -621,26 +621,28 @@ class StreamWithMetadata(_Windows):
     def hint(self, indices: npt.ArrayLike) -> None:
         """The view protocol's read-ahead: the rows of observations ``indices``
         (as :meth:`TokenStream.hint`) and, with metadata blocks, their blocks
-        where the shard's block index is in memory, so the read that follows
-        waits on neither. Where the index is not in memory (too large for
-        ``TOKLOAD_INDEX_MEMORY``), a hint advises the windows' index entries,
-        and the next hint call reads the entries advised by this one (by then
-        usually in the page cache: it waits for them otherwise) and advises
-        their blocks: the read-ahead keeps the blocks one task less ahead than
-        the rows instead of not at all."""
+        where the shard's block index table is in memory, so the read that
+        follows waits on neither. Where it is not (an index too large for
+        ``TOKLOAD_INDEX_MEMORY``, or a shard no read has loaded the table of
+        yet), a hint advises the windows' index entries, and the next hint
+        call reads the entries advised by this one (by then usually in the
+        page cache: it waits for them otherwise) and advises their blocks: the
+        read-ahead keeps those blocks one task less ahead than the rows
+        instead of not at all. (A read that loads a table still waits for it:
+        advising a whole table can hold up the hint itself on a FUSE
+        filesystem, whose queue of background reads is short.)"""
         super().hint(indices)
         spans = self.source.spans
         if isinstance(spans, BlockSet):
             idx = self._indices(indices)
             sc = self._scratch()
             spans.hint_windows(idx, self._lo, len(self), self.stride, self.window, sc)
-            if not spans.index_in_memory:
-                with self._hint_lock:  # each call's windows get their blocks hinted once
-                    prev, self._hint_prev = self._hint_prev, (self._lo, self._hi, idx)
-                if prev is not None and prev[:2] == (self._lo, self._hi):  # not a subset's
-                    spans.hint_blocks_after_index(
-                        prev[2], self._lo, len(self), self.stride, self.window, sc
-                    )
+            with self._hint_lock:  # each call's windows get their blocks hinted once
+                prev, self._hint_prev = self._hint_prev, (self._lo, self._hi, idx)
+            if prev is not None and prev[:2] == (self._lo, self._hi):  # not a subset's
+                spans.hint_blocks_after_index(
+                    prev[2], self._lo, len(self), self.stride, self.window, sc
+                )
 
     def _scratch(self) -> Scratch:
         """This thread's scratch memory of the span reader."""
