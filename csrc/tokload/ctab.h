@@ -52,19 +52,19 @@ TL_INLINE int tl_ctab_group_full(const uint64_t *e, uint64_t n, uint64_t g)
     return 0;
 }
 
+/* The bytes of a table of n entries whose groups all fit (the least it takes). */
+TL_INLINE uint64_t tl_ctab_bytes_least(uint64_t n)
+{
+    return sizeof(tl_ctab) + 8 * ((n + TL_CTAB_GROUP - 1) / TL_CTAB_GROUP) + 2 * n;
+}
+
 /* Bytes of the table of e[0..n), and its full groups in *nfull. */
 TL_INLINE uint64_t tl_ctab_bytes(const uint64_t *e, uint64_t n, uint64_t *nfull)
 {
     uint64_t groups = (n + TL_CTAB_GROUP - 1) / TL_CTAB_GROUP, f = 0;
     for (uint64_t g = 0; g < groups; g++) f += (uint64_t)tl_ctab_group_full(e, n, g);
     *nfull = f;
-    return sizeof(tl_ctab) + 8 * groups + 8 * TL_CTAB_GROUP * f + 2 * n;
-}
-
-/* The bytes of a table of n entries whose groups all fit (the least it takes). */
-TL_INLINE uint64_t tl_ctab_bytes_least(uint64_t n)
-{
-    return sizeof(tl_ctab) + 8 * ((n + TL_CTAB_GROUP - 1) / TL_CTAB_GROUP) + 2 * n;
+    return tl_ctab_bytes_least(n) + 8 * TL_CTAB_GROUP * f;
 }
 
 /* The bytes table t takes (its header included). */
