@@ -313,7 +313,9 @@ TL_INLINE void tl_fill_i32(int32_t *out, uint64_t m, int32_t v)
 }
 
 /* The slots of a checked block's records, run after run: call for every
- * record (none aside) in order, from the block's first run. */
+ * record (none aside) in order, from the block's first run.  A block whose
+ * records are out of order keeps nothing here (t numbers them): its slots
+ * may be asked for any record, at any time. */
 typedef struct {
     uint32_t slot;
     uint32_t prev;
@@ -467,15 +469,15 @@ TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces
             uint64_t base = b * s->block, brows = tl_block_rows(s, k, b);
             uint64_t data = off + 4 + 6 * (uint64_t)bi.nruns + 4 * (uint64_t)bi.nnew;
             const uint8_t *st = blk + 4, *rcs = blk + 4 + 2 * (uint64_t)bi.nruns;
-            uint32_t slot = 0, prev = TL_SPAN_NONE; /* sorted: the record's number in the block */
+            tl_block_walk w;
+            tl_block_walk_start(&w);
             uint64_t a = base; /* the run's first row */
             for (uint32_t r = 0; r < bi.nruns && a < end; r++) {
                 uint32_t rec = tl_load_u32(rcs + 4 * (uint64_t)r);
                 uint64_t z = base + (r + 1 < bi.nruns ? tl_load_u16(st + 2 * (uint64_t)(r + 1)) : brows);
-                if (bi.sorted && rec != TL_SPAN_NONE && rec != prev) {
-                    slot += prev != TL_SPAN_NONE;
-                    prev = rec;
-                }
+                /* in order: counted at every run; out of order: looked up when fresh below */
+                uint32_t slot =
+                    bi.sorted && rec != TL_SPAN_NONE ? tl_block_walk_slot(&bi, t, &w, rec) : 0;
                 uint64_t lo = a > p->start ? a : p->start, hi = z < end ? z : end;
                 a = z;
                 if (hi <= lo) continue; /* before the piece */
@@ -497,12 +499,7 @@ TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces
                         v = (int32_t)hvals[h];
                     }
                     if (fresh) {
-                        uint32_t sl = slot;
-                        if (!bi.sorted) {
-                            uint32_t count = bi.nnew; /* in t already: no insert */
-                            int added;
-                            sl = tl_block_seen_slot(t, rec, &count, &added);
-                        }
+                        uint32_t sl = bi.sorted ? slot : tl_block_walk_slot(&bi, t, &w, rec);
                         const uint8_t *ends = bi.ends;
                         uint32_t a0 = sl ? tl_load_u32(ends + 4 * (uint64_t)(sl - 1)) : 0;
                         uint32_t a1 = tl_load_u32(ends + 4 * (uint64_t)sl);
