@@ -110,8 +110,9 @@ class BlockSet:
         window: int,
         scratch: Scratch,
     ) -> int: ...
-    # where a shard's block index is not held: read the windows' entries (advised
-    # earlier), then WILLNEED hints for their blocks; the hints given
+    # where a shard's block index table is not in memory (not held, or not loaded
+    # yet): read the windows' entries (advised earlier), then WILLNEED hints for
+    # their blocks; the hints given
     def hint_blocks_after_index(
         self,
         indices: npt.ArrayLike,

@@ -835,14 +835,20 @@ cdef class BlockSet:
         return self._read(iv, first, count, stride, window, out, positions, alloc, scratch, cp,
                           nbatch)
 
+    cdef int _check_open(self) except -1:
+        """Raise as a closed dataset's read does (its rows, block index and
+        blocks are one dataset's files)."""
+        self.rows.files.check_open()
+        self.index_rs.files.check_open()
+        self.blocks_rs.files.check_open()
+        return 0
+
     cdef list _read(self, const int64_t[::1] iv, uint64_t first, uint64_t count,
                     uint64_t stride, uint64_t window, out, positions, alloc, Scratch scratch,
                     const uint64_t *cp, size_t nbatch):
         """:meth:`read_window_batches` with its indices and cuts checked
         (``cp``: the ``nbatch`` cuts); _window_args checks the rest."""
-        self.rows.files.check_open()
-        self.index_rs.files.check_open()
-        self.blocks_rs.files.check_open()
+        self._check_open()
         cdef Buf *b = scratch.b
         cdef Windows w
         cdef size_t k
@@ -902,8 +908,7 @@ cdef class BlockSet:
         them).  The ``*unheld`` pieces whose shard's table is not held come
         first, each with its request; the held ones follow (``*npieces`` in
         all).  Returns 1 when there is nothing to hint, else 0."""
-        for r in (self.rows, self.index_rs, self.blocks_rs):
-            (<RowSet>r).files.check_open()
+        self._check_open()
         cdef const int64_t[::1] iv = _indices(indices)
         cdef size_t n = iv.shape[0], np_ = 0, i, rest = 0
         if n == 0 or window == 0:

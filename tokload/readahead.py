@@ -6,8 +6,9 @@ build task ``t``, the view can be asked to start reading the samples of the
 tasks up to ``t + lead`` (``view.hint(indices)``, optional in the view
 protocol; tokload's windowed views advise the kernel with
 ``POSIX_FADV_WILLNEED``, which queues the reads and returns; a stream with
-metadata blocks whose block index is not held also reads, at the next hint,
-the index entries it advised, to advise their blocks). A read that the
+metadata blocks also reads, at the next hint, the index entries it advised
+where a shard's block index table is not in memory (not held, or not loaded
+by a read yet), to advise their blocks). A read that the
 storage delays (a network filesystem's 200 ms spike) is then in flight long
 before a reader thread needs it, instead of stopping that thread when it gets
 there.

@@ -696,10 +696,7 @@ class StreamWithMetadata(_Windows):
             _check_out(positions, (b, t), np.dtype(np.int32), "positions")
         spans = self.source.spans
         if spans is not None:
-            try:
-                sc: Scratch = self._local.scratch
-            except AttributeError:
-                sc = self._scratch()
+            sc = self._scratch()
             if dt.fields is None:
                 data, offsets = spans.read_windows(
                     idx,
