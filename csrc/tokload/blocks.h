@@ -250,9 +250,40 @@ TL_INLINE int tl_block_check(const tl_block_set *s, size_t k, uint64_t b, const 
     return 0;
 }
 
+/* The records of runs [r0, n) of a block (rc: its record array; r0 >= 2)
+ * where no two neighbouring runs are both without a record: the record
+ * before run r (none aside) is then run r - 1's, or run r - 2's, so each
+ * run is checked on its own and the loop carries nothing but its sums (it
+ * vectorizes).  A run with a record is bad when the record is nrec or more
+ * or below the one before; it is fresh when it differs from the one
+ * before.  Adds to *bad and *nnew; sets *pair where runs r - 1 and r both
+ * lack a record (then the sums are void). */
+TL_INLINE void tl_block_records_quick(const uint8_t *rc, uint32_t r0, uint32_t n, uint64_t nrec,
+                                      unsigned *bad, uint32_t *nnew, unsigned *pair)
+{
+    unsigned bd = 0, pr = 0;
+    uint32_t cnt = 0;
+    for (uint32_t r = r0; r < n; r++) {
+        uint32_t rec = tl_load_u32(rc + 4 * (uint64_t)r);
+        uint32_t p1 = tl_load_u32(rc + 4 * (uint64_t)(r - 1));
+        uint32_t p2 = tl_load_u32(rc + 4 * (uint64_t)(r - 2));
+        uint32_t before = p1 != TL_SPAN_NONE ? p1 : p2;
+        unsigned some = rec != TL_SPAN_NONE, fresh = some & (rec != before);
+        pr |= !some & (p1 == TL_SPAN_NONE);
+        bd |= some & (rec >= nrec);
+        bd |= fresh & (before != TL_SPAN_NONE) & (rec < before);
+        cnt += fresh;
+    }
+    *bad |= bd;
+    *nnew += cnt;
+    *pair |= pr;
+}
+
 /* tl_block_check, quick for the usual block: sound, with records (none
  * aside) that never decrease.  Its loops carry no early exit, so they
- * compile to a few instructions a run; any other block, damaged ones
+ * compile to a few instructions a run (no dependence from run to run
+ * either where no two neighbouring runs lack a record, the usual case: a
+ * gap between annotations is one run); any other block, damaged ones
  * included, goes through tl_block_check, which gives the same info or the
  * precise error. */
 TL_INLINE int tl_block_check_quick(const tl_block_set *s, size_t k, uint64_t b, const uint8_t *p,
@@ -268,15 +299,32 @@ TL_INLINE int tl_block_check_quick(const tl_block_set *s, size_t k, uint64_t b, 
     unsigned bad = (tl_load_u16(st) != 0) | (tl_load_u16(st + 2 * (uint64_t)(nruns - 1)) >= brows);
     for (uint32_t r = 1; r < nruns; r++)
         bad |= tl_load_u16(st + 2 * (uint64_t)r) <= tl_load_u16(st + 2 * (uint64_t)(r - 1));
-    uint32_t first = TL_SPAN_NONE, last = TL_SPAN_NONE, nnew = 0;
-    for (uint32_t r = 0; r < nruns; r++) {
-        uint32_t rec = tl_load_u32(rc + 4 * (uint64_t)r);
-        unsigned some = rec != TL_SPAN_NONE, fresh = some & (rec != last);
-        bad |= some & (rec >= nrec);
-        bad |= fresh & (last != TL_SPAN_NONE) & (rec < last); /* out of order: the set numbers it */
-        nnew += fresh;
-        first = first == TL_SPAN_NONE ? rec : first;
-        last = some ? rec : last;
+    /* runs 0 and 1 by hand (nothing before them to load), then the rest
+     * (runs 0 and 1 both without a record are no pair that matters: no
+     * record comes before them) */
+    uint32_t rec0 = tl_load_u32(rc), rec1 = nruns > 1 ? tl_load_u32(rc + 4) : TL_SPAN_NONE;
+    unsigned pair = 0;
+    uint32_t nnew = (rec0 != TL_SPAN_NONE) + (rec1 != TL_SPAN_NONE && rec1 != rec0);
+    bad |= (rec0 != TL_SPAN_NONE) & (rec0 >= nrec);
+    bad |= (rec1 != TL_SPAN_NONE) & ((rec1 >= nrec) | ((rec0 != TL_SPAN_NONE) & (rec1 < rec0)));
+    tl_block_records_quick(rc, 2, nruns, nrec, &bad, &nnew, &pair);
+    uint32_t first = rec0 != TL_SPAN_NONE ? rec0 : rec1, last = TL_SPAN_NONE;
+    if (TL_UNLIKELY(pair)) { /* neighbours without a record: one run at a time */
+        first = TL_SPAN_NONE;
+        nnew = 0;
+        for (uint32_t r = 0; r < nruns; r++) {
+            uint32_t rec = tl_load_u32(rc + 4 * (uint64_t)r);
+            unsigned some = rec != TL_SPAN_NONE, fresh = some & (rec != last);
+            bad |= some & (rec >= nrec);
+            bad |= fresh & (last != TL_SPAN_NONE) & (rec < last); /* out of order: the set numbers it */
+            nnew += fresh;
+            first = first == TL_SPAN_NONE ? rec : first;
+            last = some ? rec : last;
+        }
+    } else {
+        uint32_t z1 = tl_load_u32(rc + 4 * (uint64_t)(nruns - 1));
+        uint32_t z2 = nruns > 1 ? tl_load_u32(rc + 4 * (uint64_t)(nruns - 2)) : TL_SPAN_NONE;
+        last = z1 != TL_SPAN_NONE ? z1 : z2;
     }
     uint64_t head = 4 + 6 * (uint64_t)nruns + 4 * (uint64_t)nnew;
     if (TL_UNLIKELY(bad || head > len)) return tl_block_check(s, k, b, p, len, t, bi, err);
