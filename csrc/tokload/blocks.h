@@ -569,18 +569,25 @@ TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces
 }
 
 /* Step 4: offsets (nitems + 1, int64) of the records in the batch's buffer;
- * with dst non-NULL, their bytes copied there.  Returns the bytes. */
+ * with dst non-NULL, their bytes copied there: one copy for each stretch of
+ * records that lie back to back in the blocks (a block's fresh records
+ * usually do, in order).  Returns the bytes. */
 TL_INLINE uint64_t tl_blocks_copy(const uint8_t *blockbuf, const uint64_t *item_src,
                                   const uint64_t *item_len, size_t nitems, int64_t *offsets,
                                   uint8_t *dst)
 {
-    uint64_t total = 0;
+    uint64_t total = 0, from = 0, to = 0, run = 0; /* the stretch: [from, from + run) to dst + to */
     offsets[0] = 0;
     for (size_t i = 0; i < nitems; i++) {
-        if (dst && item_len[i]) memcpy(dst + total, blockbuf + item_src[i], item_len[i]);
+        if (dst && item_src[i] != from + run) {
+            if (run) memcpy(dst + to, blockbuf + from, run);
+            from = item_src[i], to = total, run = 0;
+        }
+        run += item_len[i];
         total += item_len[i];
         offsets[i + 1] = (int64_t)total;
     }
+    if (dst && run) memcpy(dst + to, blockbuf + from, run);
     return total;
 }
 
