@@ -370,9 +370,8 @@ cdef extern from "tokload/blocks.h" nogil:
                           const uint8_t *blockbuf, const tl_block_info *infos,
                           int32_t *positions, uint64_t *hkeys, int64_t *hvals, uint64_t hcap,
                           tl_block_seen *t, uint64_t *prange,
-                          tl_block_range *order, uint32_t *item_shard, uint32_t *item_id,
-                          uint64_t *item_src, uint64_t *item_len, size_t *nitems,
-                          tl_span_error *err) noexcept
+                          tl_block_range *order, uint64_t *item_src, uint64_t *item_len,
+                          size_t *nitems, tl_span_error *err) noexcept
     uint64_t tl_blocks_copy(const uint8_t *blockbuf, const uint64_t *item_src,
                             const uint64_t *item_len, size_t nitems, int64_t *offsets,
                             uint8_t *dst) noexcept

@@ -681,7 +681,6 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
         while hcap < 2 * nruns:
             hcap *= 2
         if (_grow(&b[B_HKEYS], hcap * 8) or _grow(&b[B_HVALS], hcap * 8)
-                or _grow(&b[B_ISHARD], (done + nruns) * 4) or _grow(&b[B_IID], (done + nruns) * 4)
                 or _grow(&b[B_ISRC], (done + nruns) * 8) or _grow(&b[B_ILEN], (done + nruns) * 8)
                 or _grow(&b[B_OFFSETS], (done + nruns + k + 1) * 8)):
             o.fail = FAIL_MEMORY
@@ -691,7 +690,6 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
                                  <uint64_t *>b[B_HKEYS].p, <int64_t *>b[B_HVALS].p, hcap,
                                  &sc.seen, <uint64_t *>b[B_PRANGE].p,
                                  <lib.tl_block_range *>b[B_ORDER].p,
-                                 <uint32_t *>b[B_ISHARD].p + done, <uint32_t *>b[B_IID].p + done,
                                  <uint64_t *>b[B_ISRC].p + done, <uint64_t *>b[B_ILEN].p + done,
                                  &nitems, &o.span):
             o.fail = FAIL_SPAN

@@ -448,8 +448,9 @@ static inline int tl_block_range_cmp(const void *a, const void *b)
 
 /* Step 3b, after tl_blocks_check_all over the same pieces: positions
  * (int32, -1 for none) of every row of every piece; the batch's distinct
- * records (shard, id) in order of first appearance, each with its bytes'
- * place in the block buffer (item_src, item_len).  hkeys/hvals: hcap slots
+ * records (a record: a shard and an id in it) in order of first
+ * appearance, as their bytes' places in the block buffer (item_src,
+ * item_len).  hkeys/hvals: hcap slots
  * (a power of two, at least twice the runs); t: a block-local set; order:
  * one tl_block_range per piece.
  *
@@ -466,8 +467,7 @@ TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces
                               const uint8_t *blockbuf, const tl_block_info *infos,
                               int32_t *positions, uint64_t *hkeys, int64_t *hvals,
                               uint64_t hcap, tl_block_seen *t,
-                              uint64_t *prange, tl_block_range *order,
-                              uint32_t *item_shard, uint32_t *item_id, uint64_t *item_src,
+                              uint64_t *prange, tl_block_range *order, uint64_t *item_src,
                               uint64_t *item_len, size_t *nitems, tl_span_error *err)
 {
     size_t ni = 0;
@@ -519,13 +519,33 @@ TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces
             const uint8_t *st = blk + 4, *rcs = blk + 4 + 2 * (uint64_t)bi.nruns;
             tl_block_walk w;
             tl_block_walk_start(&w);
-            uint64_t a = base; /* the run's first row */
-            for (uint32_t r = 0; r < bi.nruns && a < end; r++) {
+            /* dense: in order, and its records are first .. last, each once (as
+             * a writer numbering records in order leaves them), so record rec
+             * is the block's (rec - first)-th: no walk, and the runs before the
+             * piece need no visit (a binary search finds the one holding its
+             * first row) */
+            int dense = bi.sorted && bi.first != TL_SPAN_NONE &&
+                        (uint64_t)bi.last - bi.first + 1 == bi.nnew;
+            uint32_t r0 = 0;
+            if (dense && p->start > base) {
+                uint64_t row = p->start - base;
+                uint32_t lo = 0, hi = bi.nruns; /* st[lo] <= row < st[hi] (st[nruns]: past) */
+                while (hi - lo > 1) {
+                    uint32_t mid = lo + (hi - lo) / 2;
+                    if (tl_load_u16(st + 2 * (uint64_t)mid) <= row) lo = mid;
+                    else hi = mid;
+                }
+                r0 = lo;
+            }
+            uint64_t a = base + tl_load_u16(st + 2 * (uint64_t)r0); /* the run's first row */
+            for (uint32_t r = r0; r < bi.nruns && a < end; r++) {
                 uint32_t rec = tl_load_u32(rcs + 4 * (uint64_t)r);
                 uint64_t z = base + (r + 1 < bi.nruns ? tl_load_u16(st + 2 * (uint64_t)(r + 1)) : brows);
-                /* in order: counted at every run; out of order: looked up when fresh below */
-                uint32_t slot =
-                    bi.sorted && rec != TL_SPAN_NONE ? tl_block_walk_slot(&bi, t, &w, rec) : 0;
+                /* in order: counted at every run (dense: by its number); out of
+                 * order: looked up when fresh below */
+                uint32_t slot = !bi.sorted || rec == TL_SPAN_NONE ? 0
+                                : dense ? rec - bi.first
+                                        : tl_block_walk_slot(&bi, t, &w, rec);
                 uint64_t lo = a > p->start ? a : p->start, hi = z < end ? z : end;
                 a = z;
                 if (hi <= lo) continue; /* before the piece */
@@ -551,8 +571,6 @@ TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces
                         const uint8_t *ends = bi.ends;
                         uint32_t a0 = sl ? tl_load_u32(ends + 4 * (uint64_t)(sl - 1)) : 0;
                         uint32_t a1 = tl_load_u32(ends + 4 * (uint64_t)sl);
-                        item_shard[ni] = (uint32_t)k;
-                        item_id[ni] = rec;
                         item_src[ni] = data + a0;
                         item_len[ni] = a1 - a0;
                         v = (int32_t)ni++;
