@@ -538,6 +538,33 @@ TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces
                 r0 = lo;
             }
             uint64_t a = base + tl_load_u16(st + 2 * (uint64_t)r0); /* the run's first row */
+            if (dense && alone) { /* the usual block: the loop below without its look-ups */
+                const uint8_t *ends = bi.ends;
+                uint64_t start = p->start;
+                for (uint32_t r = r0; r < bi.nruns && a < end; r++) {
+                    uint32_t rec = tl_load_u32(rcs + 4 * (uint64_t)r);
+                    uint64_t z =
+                        base + (r + 1 < bi.nruns ? tl_load_u16(st + 2 * (uint64_t)(r + 1)) : brows);
+                    uint64_t lo = a > start ? a : start, hi = z < end ? z : end;
+                    a = z;
+                    if (hi <= lo) continue; /* before the piece */
+                    int32_t v = -1;
+                    if (rec != TL_SPAN_NONE) {
+                        if (rec != last_rec) { /* fresh: the block's (rec - first)-th record */
+                            uint32_t sl = rec - bi.first;
+                            uint32_t a0 = sl ? tl_load_u32(ends + 4 * (uint64_t)(sl - 1)) : 0;
+                            uint32_t a1 = tl_load_u32(ends + 4 * (uint64_t)sl);
+                            item_src[ni] = data + a0;
+                            item_len[ni] = a1 - a0;
+                            last_item = (int32_t)ni++;
+                            last_rec = rec;
+                        }
+                        v = last_item;
+                    }
+                    tl_fill_i32(pos + (lo - start), hi - lo, v);
+                }
+                continue;
+            }
             for (uint32_t r = r0; r < bi.nruns && a < end; r++) {
                 uint32_t rec = tl_load_u32(rcs + 4 * (uint64_t)r);
                 uint64_t z = base + (r + 1 < bi.nruns ? tl_load_u16(st + 2 * (uint64_t)(r + 1)) : brows);
