@@ -390,6 +390,18 @@ TL_INLINE uint32_t tl_block_walk_slot(const tl_block_info *bi, tl_block_seen *t,
     return tl_block_seen_slot(t, rec, &count, &fresh);
 }
 
+/* A record of a batch: the place (*src, in the block buffer) and size (*len)
+ * of the bytes of the sl-th record of a checked block whose record ends are
+ * at ends and whose data begins at byte data of the buffer. */
+TL_INLINE void tl_block_item(const uint8_t *ends, uint32_t sl, uint64_t data, uint64_t *src,
+                             uint64_t *len)
+{
+    uint32_t a0 = sl ? tl_load_u32(ends + 4 * (uint64_t)(sl - 1)) : 0;
+    uint32_t a1 = tl_load_u32(ends + 4 * (uint64_t)sl);
+    *src = data + a0;
+    *len = a1 - a0;
+}
+
 /* A piece's range of records, to find the pieces that may share one. */
 typedef struct {
     uint64_t shard;
@@ -551,11 +563,7 @@ TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces
                     int32_t v = -1;
                     if (rec != TL_SPAN_NONE) {
                         if (rec != last_rec) { /* fresh: the block's (rec - first)-th record */
-                            uint32_t sl = rec - bi.first;
-                            uint32_t a0 = sl ? tl_load_u32(ends + 4 * (uint64_t)(sl - 1)) : 0;
-                            uint32_t a1 = tl_load_u32(ends + 4 * (uint64_t)sl);
-                            item_src[ni] = data + a0;
-                            item_len[ni] = a1 - a0;
+                            tl_block_item(ends, rec - bi.first, data, item_src + ni, item_len + ni);
                             last_item = (int32_t)ni++;
                             last_rec = rec;
                         }
@@ -595,11 +603,7 @@ TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces
                     }
                     if (fresh) {
                         uint32_t sl = bi.sorted ? slot : tl_block_walk_slot(&bi, t, &w, rec);
-                        const uint8_t *ends = bi.ends;
-                        uint32_t a0 = sl ? tl_load_u32(ends + 4 * (uint64_t)(sl - 1)) : 0;
-                        uint32_t a1 = tl_load_u32(ends + 4 * (uint64_t)sl);
-                        item_src[ni] = data + a0;
-                        item_len[ni] = a1 - a0;
+                        tl_block_item(bi.ends, sl, data, item_src + ni, item_len + ni);
                         v = (int32_t)ni++;
                     }
                     last_rec = rec;
