@@ -429,19 +429,28 @@ def test_reader_repeats_within_and_across_blocks(tmp_path: Path) -> None:
         assert_batch(view, [a, b], idx)
 
 
-@pytest.mark.parametrize("order", ["in order", "out of order"])
+@pytest.mark.parametrize("order", ["in order", "dense", "out of order"])
 def test_runs_of_every_length_fill_exactly_their_rows(tmp_path: Path, order: str) -> None:
     """Runs of 1 to 70 rows, each cut by windows at every offset: the reader
     fills positions with 64- and 16-byte stores, the last one of a run
     overlapping the one before, and element by element below 4 rows; no
-    store may reach past its run. Out of order, the blocks' records go
-    through the block-local set instead of being counted."""
+    store may reach past its run. In order, the blocks' records are counted,
+    except in the blocks next to the two runs without a record, whose ids
+    (5 and 40) no run uses; dense, every block's records are first .. last,
+    each once, numbered by subtraction from the run that holds a window's
+    first row on (a window read alone takes the resolver's lean loop). Out of
+    order, they go through the block-local set instead."""
     lengths = list(range(1, 71)) + list(range(70, 0, -1))
     starts = [0, *itertools.accumulate(lengths)][:-1]
     rows = sum(lengths)
     nrec = len(lengths)
-    # out of order: 7 i mod 140, 20 records that come back every 20 runs
-    records = list(range(nrec)) if order == "in order" else [(7 * i) % nrec for i in range(nrec)]
+    if order == "in order":
+        records = list(range(nrec))
+    elif order == "dense":  # the ids go on over the runs without a record
+        ids = itertools.count()
+        records = [0 if i in (5, 40) else next(ids) for i in range(nrec)]
+    else:  # 7 i mod 140, 20 records that come back every 20 runs
+        records = [(7 * i) % nrec for i in range(nrec)]
     records[5] = records[40] = NONE
     payloads = [b"r%d" % i for i in range(nrec)]
     shard = Shard(np.arange(rows) % 65_535, starts, records, payloads)
