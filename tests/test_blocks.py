@@ -429,6 +429,19 @@ def test_reader_repeats_within_and_across_blocks(tmp_path: Path) -> None:
         assert_batch(view, [a, b], idx)
 
 
+def test_a_block_that_begins_with_two_runs_without_a_record(tmp_path: Path) -> None:
+    """Block 0 of 8 rows: two runs without a record, then records 0 and 1 in
+    order. Its first record is run 2's: two overlapping windows within it
+    share record 0, and a batch of both lists it once."""
+    shard = Shard(
+        np.arange(16), [0, 1, 2, 5, 9, 12], [NONE, NONE, 0, 1, 2, NONE], [b"a", b"b", b"c"]
+    )
+    ds = write_by_hand(tmp_path / "ds", [shard], block=8)
+    view = StreamWithMetadata(ds, window=6, stride=1)
+    for idx in ([0, 1], [1, 2, 0], [0], list(range(len(view)))):
+        assert_batch(view, [shard], idx)
+
+
 @pytest.mark.parametrize("order", ["in order", "dense", "out of order"])
 def test_runs_of_every_length_fill_exactly_their_rows(tmp_path: Path, order: str) -> None:
     """Runs of 1 to 70 rows, each cut by windows at every offset: the reader

@@ -299,11 +299,11 @@ TL_INLINE int tl_block_check_quick(const tl_block_set *s, size_t k, uint64_t b, 
     unsigned bad = (tl_load_u16(st) != 0) | (tl_load_u16(st + 2 * (uint64_t)(nruns - 1)) >= brows);
     for (uint32_t r = 1; r < nruns; r++)
         bad |= tl_load_u16(st + 2 * (uint64_t)r) <= tl_load_u16(st + 2 * (uint64_t)(r - 1));
-    /* runs 0 and 1 by hand (nothing before them to load), then the rest
-     * (runs 0 and 1 both without a record are no pair that matters: no
-     * record comes before them) */
+    /* runs 0 and 1 by hand (nothing before them to load), then the rest;
+     * runs 0 and 1 both without a record are a pair too (the block's first
+     * record is then further on) */
     uint32_t rec0 = tl_load_u32(rc), rec1 = nruns > 1 ? tl_load_u32(rc + 4) : TL_SPAN_NONE;
-    unsigned pair = 0;
+    unsigned pair = (rec0 == TL_SPAN_NONE) & (rec1 == TL_SPAN_NONE) & (nruns > 1);
     uint32_t nnew = (rec0 != TL_SPAN_NONE) + (rec1 != TL_SPAN_NONE && rec1 != rec0);
     bad |= (rec0 != TL_SPAN_NONE) & (rec0 >= nrec);
     bad |= (rec1 != TL_SPAN_NONE) & ((rec1 >= nrec) | ((rec0 != TL_SPAN_NONE) & (rec1 < rec0)));
