@@ -138,21 +138,43 @@ def test_the_base_latency_applies_to_every_read(
 
 
 def test_concurrent_delayed_reads_overlap(delayfs: Path, source: Path, tmp_path: Path) -> None:
+    """Reads in flight at once each wait the delay, side by side.
+
+    Every file is opened before any read starts: an open of a delayfs file drops its
+    page cache, and the kernel then waits for each page still being read (locked), so
+    an open that lands while another thread's read is in flight waits for that read,
+    and the reads after it would queue behind their opens (CI saw 2 at a time).
+    """
     n, delay = 16, 0.3
     took: list[float] = []
+    got: dict[int, bytes] = {}
     with mount(delayfs, source, tmp_path / "m", f"fraction=1,delay_ms={int(delay * 1000)}") as m:
+        fds = [os.open(m / "a.bin", os.O_RDONLY) for _ in range(n)]
+        try:
+            for fd in fds:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            start = threading.Barrier(n + 1)
 
-        def read(k: int) -> None:
-            took.append(_pread_cold(m / "a.bin", 4096, k * 131072)[1])
+            def read(k: int) -> None:
+                start.wait()
+                t0 = time.perf_counter()
+                got[k] = os.pread(fds[k], 4096, k * 131072)
+                took.append(time.perf_counter() - t0)
 
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=read, args=(k,)) for k in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
+            threads = [threading.Thread(target=read, args=(k,)) for k in range(n)]
+            for t in threads:
+                t.start()
+            start.wait()
+            t0 = time.perf_counter()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+        finally:
+            for fd in fds:
+                os.close(fd)
     assert len(took) == n and min(took) >= delay
+    data = (source / "a.bin").read_bytes()
+    assert all(got[k] == data[k * 131072 : k * 131072 + 4096] for k in range(n))
     assert wall < n * delay / 2, f"{n} reads of {delay} s each took {wall:.2f} s: not overlapped"
 
 
