@@ -266,7 +266,7 @@ def test_readahead_hints_a_metadata_streams_blocks_too(
                 time.sleep(0.7)
                 t0 = time.perf_counter()
                 view.read([10])
-                assert 0.3 <= time.perf_counter() - t0 < 0.5
+                assert 0.3 <= time.perf_counter() - t0 < 0.6  # one delayed read, not two
             want = ref.read([770])
             np.testing.assert_array_equal(got.fields["tokens"], want.fields["tokens"])
             np.testing.assert_array_equal(got.positions, want.positions)
@@ -313,7 +313,7 @@ def test_readahead_hints_the_blocks_of_a_table_no_read_has_loaded_yet(
             t0 = time.perf_counter()
             got = view.read([in_shard[2]])
             took = time.perf_counter() - t0
-            assert 0.3 <= took < 0.5, took  # its table, one delayed read
+            assert 0.3 <= took < 0.6, took  # its table: one delayed read, not two
             assert tables.loaded() == [0, 2]
             want = ref.read([in_shard[2]])
             np.testing.assert_array_equal(got.fields["tokens"], want.fields["tokens"])
