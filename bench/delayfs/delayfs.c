@@ -192,7 +192,11 @@ static void *fs_init(struct fuse_conn_info *conn, struct fuse_config *cfg)
     conn->max_background = 128;
     conn->congestion_threshold = 96;
     cfg->use_ino = 1;
-    cfg->kernel_cache = 0; /* every open starts cold, like a fresh network mount */
+    /* Every open starts cold, like a fresh network mount. The kernel drops the file's
+     * pages at each open and waits there for any page a read still has in flight,
+     * so an open of a file being read waits up to a delay (NFS drops the pages only
+     * of a file that changed): open files before reading them concurrently. */
+    cfg->kernel_cache = 0;
     return NULL;
 }
 
