@@ -140,10 +140,11 @@ def test_the_base_latency_applies_to_every_read(
 def test_concurrent_delayed_reads_overlap(delayfs: Path, source: Path, tmp_path: Path) -> None:
     """Reads in flight at once each wait the delay, side by side.
 
-    Every file is opened before any read starts: an open of a delayfs file drops its
-    page cache, and the kernel then waits for each page still being read (locked), so
-    an open that lands while another thread's read is in flight waits for that read,
-    and the reads after it would queue behind their opens (CI saw 2 at a time).
+    The file is opened once per read before any read starts: an open of a delayfs
+    file drops its page cache, and the kernel then waits for each page still being
+    read (locked), so an open that lands while another thread's read is in flight
+    waits for that read, and the reads after it would queue behind their opens (CI
+    saw 2 at a time).
     """
     n, delay = 16, 0.3
     took: list[float] = []
@@ -153,7 +154,7 @@ def test_concurrent_delayed_reads_overlap(delayfs: Path, source: Path, tmp_path:
         try:
             for fd in fds:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            start = threading.Barrier(n + 1)
+            start = threading.Barrier(n + 1, timeout=30)
 
             def read(k: int) -> None:
                 start.wait()
