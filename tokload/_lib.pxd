@@ -372,9 +372,10 @@ cdef extern from "tokload/blocks.h" nogil:
                           tl_block_seen *t, uint64_t *prange,
                           tl_block_range *order, uint64_t *item_src, uint64_t *item_len,
                           size_t *nitems, tl_span_error *err) noexcept
-    uint64_t tl_blocks_copy(const uint8_t *blockbuf, const uint64_t *item_src,
-                            const uint64_t *item_len, size_t nitems, int64_t *offsets,
-                            uint8_t *dst) noexcept
+    uint64_t tl_blocks_offsets(const uint64_t *item_len, size_t nitems,
+                               int64_t *offsets) noexcept
+    void tl_blocks_copy(const uint8_t *blockbuf, const uint64_t *item_src,
+                        const uint64_t *item_len, size_t nitems, uint8_t *dst) noexcept
     int tl_blocks_encode(uint64_t block, uint64_t rows, const uint64_t *starts,
                          const uint32_t *records, uint64_t nruns, const uint64_t *mdx,
                          uint64_t nrec, const uint8_t *mdb, uint64_t mdb_bytes, uint64_t b0,

@@ -530,11 +530,9 @@ def compact_records(blob, item_blob, item_len, alloc):
         off[k + 1] = at
     data = _bytes(alloc, at)
     cdef uint8_t[::1] dst = data
-    if at:
+    if at:  # (then there are records, and bytes to take them from)
         with nogil:
-            for k in range(m):
-                if n[k]:
-                    memcpy(&dst[off[k]], &src[b[k]], n[k])
+            lib.tl_blocks_copy(&src[0], &b[0], &n[0], m, &dst[0])
     return data, offsets
 
 
@@ -695,10 +693,8 @@ cdef int _blocks_batch(const lib.tl_block_set *s, const lib.tl_span_set *sp, Sha
             o.fail = FAIL_SPAN
             return -1
         res[3 * k] = nitems
-        res[3 * k + 1] = lib.tl_blocks_copy(<uint8_t *>b[B_BLOCKBUF].p,
-                                            <uint64_t *>b[B_ISRC].p + done,
-                                            <uint64_t *>b[B_ILEN].p + done, nitems,
-                                            <int64_t *>b[B_OFFSETS].p + done + k, NULL)
+        res[3 * k + 1] = lib.tl_blocks_offsets(<uint64_t *>b[B_ILEN].p + done, nitems,
+                                               <int64_t *>b[B_OFFSETS].p + done + k)
         res[3 * k + 2] = done
         done += nitems
         p0 = p1
@@ -715,8 +711,7 @@ cdef inline void _copy_records(Buf *b, const uint64_t *res, size_t k, uint8_t *d
     """Batch k's records' bytes from the block buffer to ``dst`` (see
     _blocks_batch for ``res``)."""
     lib.tl_blocks_copy(<uint8_t *>b[B_BLOCKBUF].p, <uint64_t *>b[B_ISRC].p + res[3 * k + 2],
-                       <uint64_t *>b[B_ILEN].p + res[3 * k + 2], res[3 * k],
-                       <int64_t *>b[B_OFFSETS].p + res[3 * k + 2] + k, dst)
+                       <uint64_t *>b[B_ILEN].p + res[3 * k + 2], res[3 * k], dst)
 
 
 cdef object _block_corrupt(lib.tl_span_error *e, str index_path, str msb_path):

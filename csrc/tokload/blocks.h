@@ -38,7 +38,8 @@
  *      batch-level number of its record (or -1); the batch's
  *      distinct records (shard, id) in order of first appearance, with where
  *      their bytes lie in the blocks.
- *   4. tl_blocks_copy: the records' bytes into the batch's buffer.
+ *   4. tl_blocks_offsets, tl_blocks_copy: the records' offsets, and their
+ *      bytes into the batch's buffer.
  * Nothing here allocates or reads: every buffer comes from the caller.
  */
 #ifndef TOKLOAD_BLOCKS_H
@@ -602,27 +603,34 @@ TL_WIDE int tl_blocks_resolve(const tl_block_set *s, const tl_span_piece *pieces
     return 0;
 }
 
-/* Step 4: offsets (nitems + 1, int64) of the records in the batch's buffer;
- * with dst non-NULL, their bytes copied there: one copy for each stretch of
- * records that lie back to back in the blocks (a block's fresh records
- * usually do, in order).  Returns the bytes. */
-TL_INLINE uint64_t tl_blocks_copy(const uint8_t *blockbuf, const uint64_t *item_src,
-                                  const uint64_t *item_len, size_t nitems, int64_t *offsets,
-                                  uint8_t *dst)
+/* Step 4a: offsets (nitems + 1, int64) of the records in the batch's
+ * buffer.  Returns the bytes. */
+TL_INLINE uint64_t tl_blocks_offsets(const uint64_t *item_len, size_t nitems, int64_t *offsets)
 {
-    uint64_t total = 0, from = 0, to = 0, run = 0; /* the stretch: [from, from + run) to dst + to */
+    uint64_t total = 0;
     offsets[0] = 0;
     for (size_t i = 0; i < nitems; i++) {
-        if (dst && item_src[i] != from + run) {
-            if (run) memcpy(dst + to, blockbuf + from, run);
-            from = item_src[i], to = total, run = 0;
-        }
-        run += item_len[i];
         total += item_len[i];
         offsets[i + 1] = (int64_t)total;
     }
-    if (dst && run) memcpy(dst + to, blockbuf + from, run);
     return total;
+}
+
+/* Step 4b: the records' bytes back to back into dst: one copy for each
+ * stretch of records that lie back to back in the blocks (a block's fresh
+ * records usually do, in order). */
+TL_INLINE void tl_blocks_copy(const uint8_t *blockbuf, const uint64_t *item_src,
+                              const uint64_t *item_len, size_t nitems, uint8_t *dst)
+{
+    uint64_t from = 0, to = 0, run = 0; /* the stretch: [from, from + run) to dst + to */
+    for (size_t i = 0; i < nitems; i++) {
+        if (item_src[i] != from + run) {
+            if (run) memcpy(dst + to, blockbuf + from, run);
+            from = item_src[i], to += run, run = 0;
+        }
+        run += item_len[i];
+    }
+    if (run) memcpy(dst + to, blockbuf + from, run);
 }
 
 /*
