@@ -332,6 +332,30 @@ def test_damaged_record_index_names_the_file(tmp_path: Path) -> None:
         read_all(ds)
 
 
+@pytest.mark.parametrize("layout", ["blocks", "spans", "per_token"])
+def test_positions_given_to_read_are_filled_or_refused_whatever_the_layout(
+    tmp_path: Path, layout: str
+) -> None:
+    """``read(positions=...)`` fills the caller's int32 array in every layout,
+    and every layout refuses one that is not aligned to 4 bytes (the
+    compiled readers store 64 bytes at a time), naming how far off it is."""
+    docs = make_docs(3, ndocs=20)
+    view = StreamWithMetadata(write(tmp_path / layout, docs, layout), window=33, stride=32)
+    idx = np.arange(min(len(view), 6))
+    want = view.read(idx)
+    mine = np.full((len(idx), 33), -9, np.int32)
+    got = view.read(idx, positions=mine)
+    assert got.positions is mine
+    np.testing.assert_array_equal(mine, want.positions)
+    off = np.frombuffer(bytearray(4 * mine.size + 1), np.int32, count=mine.size, offset=1)
+    with pytest.raises(
+        ValueError,
+        match=r"^positions must be aligned to 4 bytes \(int32\); its address is 1 past a "
+        r"multiple of 4$",
+    ):
+        view.read(idx, positions=off.reshape(mine.shape))
+
+
 def test_per_token_ids_far_apart_read_each_record_alone(tmp_path: Path) -> None:
     """Version 1: a window whose ids are far apart in the index reads two index
     entries per record instead of the range between them; both kinds of segment

@@ -13,7 +13,7 @@ batch does not depend on the number of windows, runs or records.
 
 from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBuffer_Release,
                               PyObject_GetBuffer)
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, realloc
 from libc.string cimport memcmp, memcpy, memset
 
@@ -288,7 +288,7 @@ cdef struct Windows:
 cdef int _acquire(obj, Py_buffer *v, uint64_t nbytes, bint int32, str what) except -1:
     """Hold ``obj``'s memory in ``v`` (PyBuffer_Release gives it back): a
     writable C-contiguous buffer of at least ``nbytes`` bytes, exactly that
-    many of int32 items when ``int32``.  Held, it cannot move or shrink while
+    many of int32 items, aligned to 4 bytes, when ``int32``.  Held, it cannot move or shrink while
     C writes into it without the GIL; cheaper than a typed memoryview (a
     batch takes four).  ValueError (TypeError for an object that is no
     buffer) names ``what`` when it does not fit."""
@@ -300,14 +300,21 @@ cdef int _acquire(obj, Py_buffer *v, uint64_t nbytes, bint int32, str what) exce
                         f"got {type(obj).__name__}") from None
     except (BufferError, ValueError) as e:
         raise ValueError(f"{what} must be a writable C-contiguous buffer: {e}") from None
-    cdef bint ok = not int32 or (v.itemsize == 4 and v.format != NULL and v.format[0] == b"i"
-                                 and v.format[1] == 0)
+    cdef const char *f = v.format
+    if f != NULL and f[0] == b"=":  # NumPy's format of an int32 array off its alignment: "=i"
+        f += 1
+    cdef bint ok = not int32 or (v.itemsize == 4 and f != NULL and f[0] == b"i" and f[1] == 0)
+    cdef bint aligned = not int32 or (<uintptr_t>v.buf) % 4 == 0
     cdef uint64_t n = <uint64_t>v.len
-    if ok and n >= nbytes and (not int32 or n == nbytes):
+    if ok and aligned and n >= nbytes and (not int32 or n == nbytes):
         return 0
+    cdef uintptr_t addr = <uintptr_t>v.buf
     PyBuffer_Release(v)
     if not ok:
         raise ValueError(f"{what} must be int32, got {getattr(obj, 'dtype', type(obj))}")
+    if not aligned:
+        raise ValueError(f"{what} must be aligned to 4 bytes (int32); its address is "
+                         f"{addr % 4} past a multiple of 4")
     raise ValueError(f"{what} holds {n} bytes, need {nbytes}")
 
 
