@@ -446,7 +446,8 @@ def test_a_block_that_begins_with_two_runs_without_a_record(tmp_path: Path) -> N
 def test_runs_of_every_length_fill_exactly_their_rows(tmp_path: Path, order: str) -> None:
     """Runs of 1 to 70 rows, each cut by windows at every offset: the reader
     fills positions with 64- and 16-byte stores, the last one of a run
-    overlapping the one before, and element by element below 4 rows; no
+    overlapping the one before, and element by element below 4 rows; from 32
+    rows the stores between the first and the last are 64-byte aligned; no
     store may reach past its run. In order, the blocks' records are counted,
     except in the blocks next to the two runs without a record, whose ids
     (5 and 40) no run uses; dense, every block's records are first .. last,
@@ -472,17 +473,20 @@ def test_runs_of_every_length_fill_exactly_their_rows(tmp_path: Path, order: str
         view = StreamWithMetadata(ds, window=window, stride=stride)
         assert_batch(view, [shard], list(range(len(view))))
     # window by window into memory fenced by sentinels: a store past the last
-    # row (or before the first) of a window shows there
-    view = StreamWithMetadata(ds, window=37, stride=1)
-    backing = np.empty(37 + 32, np.int32)
-    _, expected, _ = reference_batch([shard], 37, 1, list(range(len(view))))
-    for i in range(len(view)):
-        backing[:] = -7
-        view.read([i], positions=backing[16:-16].reshape(1, 37))
-        assert (backing[:16] == -7).all() and (backing[-16:] == -7).all(), i
-        seen: dict[int, int] = {}  # read alone, a window numbers its records from 0
-        renumbered = [-1 if v < 0 else seen.setdefault(v, len(seen)) for v in expected[i]]
-        assert backing[16:-16].tolist() == renumbered, i
+    # row (or before the first) of a window shows there. Windows of 75 hold
+    # whole runs of 32 rows and more (aligned 64-byte stores between the
+    # first and the last), starting at every address modulo 64.
+    for window in (37, 75):
+        view = StreamWithMetadata(ds, window=window, stride=1)
+        backing = np.empty(window + 32, np.int32)
+        _, expected, _ = reference_batch([shard], window, 1, list(range(len(view))))
+        for i in range(len(view)):
+            backing[:] = -7
+            view.read([i], positions=backing[16:-16].reshape(1, window))
+            assert (backing[:16] == -7).all() and (backing[-16:] == -7).all(), (window, i)
+            seen: dict[int, int] = {}  # read alone, a window numbers its records from 0
+            renumbered = [-1 if v < 0 else seen.setdefault(v, len(seen)) for v in expected[i]]
+            assert backing[16:-16].tolist() == renumbered, (window, i)
 
 
 def test_reader_at_the_largest_block(tmp_path: Path) -> None:
@@ -631,6 +635,12 @@ def test_several_batches_fall_back_where_one_round_cannot_serve(tmp_path: Path) 
     [
         (None, np.empty((2, 9), np.uint32), ValueError, "positions must be int32, got uint32"),
         (None, np.empty((2, 8), np.int32), ValueError, "positions holds 64 bytes, need 72"),
+        (
+            None,
+            np.frombuffer(bytearray(74), np.int32, count=18, offset=2).reshape(2, 9),
+            ValueError,
+            "positions must be aligned to 4 bytes (int32); its address is 2 past a multiple of 4",
+        ),
         (None, np.empty((2, 10), np.int32), ValueError, "positions holds 80 bytes, need 72"),
         (
             None,
@@ -663,14 +673,24 @@ def test_several_batches_fall_back_where_one_round_cannot_serve(tmp_path: Path) 
             "out must be a writable C-contiguous buffer: ",
         ),
     ],
-    ids=["dtype", "short", "long", "strided", "read-only", "list", "out short", "out strided"],
+    ids=[
+        "dtype",
+        "short",
+        "unaligned",
+        "long",
+        "strided",
+        "read-only",
+        "list",
+        "out short",
+        "out strided",
+    ],
 )
 def test_read_windows_refuses_buffers_it_cannot_fill(
     tmp_path: Path, out: Any, positions: Any, error: type[Exception], message: str
 ) -> None:
     """The reader writes through the buffers' addresses: each must be a
-    writable C-contiguous buffer of the batch's size (positions int32, exactly),
-    or the call fails before anything is read, naming the argument."""
+    writable C-contiguous buffer of the batch's size (positions int32, exactly,
+    aligned to 4 bytes), or the call fails before anything is read, naming the argument."""
     shards_ = sample_shards(4)
     view = StreamWithMetadata(write_by_hand(tmp_path / "ds", shards_, 8), window=9, stride=4)
     bs = block_set(view)
