@@ -673,7 +673,9 @@ class StreamWithMetadata(_Windows):
         positions: np.ndarray | None = None,
         alloc: Alloc = np.empty,
     ) -> MetadataBatch:
-        """Observations ``indices``; ``out`` and ``positions`` may be preallocated,
+        """Observations ``indices``; ``out`` and ``positions`` may be preallocated
+        (``positions``: ``[B, window]`` int32, C-contiguous, writable and
+        aligned to 4 bytes, as ``np.empty`` makes it; ValueError otherwise),
         the records' buffer and offsets are made with ``alloc``."""
         idx = self._indices(indices)
         b, t = len(idx), self.window
