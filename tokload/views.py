@@ -696,7 +696,7 @@ class StreamWithMetadata(_Windows):
             positions = np.empty((b, t), dtype=np.int32)
         else:
             _check_out(positions, (b, t), np.dtype(np.int32), "positions")
-            if positions.ctypes.data % 4:  # every layout refuses it, not only the compiled ones
+            if not positions.flags.aligned:  # every layout refuses it, not only the compiled ones
                 raise ValueError(
                     "positions must be aligned to 4 bytes (int32); its address is "
                     f"{positions.ctypes.data % 4} past a multiple of 4"
