@@ -288,9 +288,9 @@ cdef struct Windows:
 cdef int _acquire(obj, Py_buffer *v, uint64_t nbytes, bint int32, str what) except -1:
     """Hold ``obj``'s memory in ``v`` (PyBuffer_Release gives it back): a
     writable C-contiguous buffer of at least ``nbytes`` bytes, exactly that
-    many of int32 items, aligned to 4 bytes, when ``int32``.  Held, it cannot move or shrink while
-    C writes into it without the GIL; cheaper than a typed memoryview (a
-    batch takes four).  ValueError (TypeError for an object that is no
+    many of int32 items, aligned to 4 bytes, when ``int32``.  Held, it cannot
+    move or shrink while C writes into it without the GIL; cheaper than a
+    typed memoryview (a batch takes four).  ValueError (TypeError for an object that is no
     buffer) names ``what`` when it does not fit."""
     try:
         PyObject_GetBuffer(obj, v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS
@@ -304,11 +304,11 @@ cdef int _acquire(obj, Py_buffer *v, uint64_t nbytes, bint int32, str what) exce
     if f != NULL and f[0] == b"=":  # NumPy's format of an int32 array off its alignment: "=i"
         f += 1
     cdef bint ok = not int32 or (v.itemsize == 4 and f != NULL and f[0] == b"i" and f[1] == 0)
-    cdef bint aligned = not int32 or (<uintptr_t>v.buf) % 4 == 0
+    cdef uintptr_t addr = <uintptr_t>v.buf
+    cdef bint aligned = not int32 or addr % 4 == 0
     cdef uint64_t n = <uint64_t>v.len
     if ok and aligned and n >= nbytes and (not int32 or n == nbytes):
         return 0
-    cdef uintptr_t addr = <uintptr_t>v.buf
     PyBuffer_Release(v)
     if not ok:
         raise ValueError(f"{what} must be int32, got {getattr(obj, 'dtype', type(obj))}")
