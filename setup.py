@@ -18,6 +18,7 @@ import os
 import sys
 from glob import glob
 
+import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
@@ -60,7 +61,7 @@ extensions = [
     Extension(
         f"tokload.{name}",
         [os.path.join("tokload", f"{name}.pyx")],
-        include_dirs=["csrc"],
+        include_dirs=["csrc", numpy.get_include()],
         depends=[*HEADERS, *glob(os.path.join("tokload", "*.pxd"))],
         define_macros=macros,
         extra_compile_args=compile_args,

@@ -625,9 +625,10 @@ def test_several_batches_fall_back_where_one_round_cannot_serve(tmp_path: Path) 
     rows = (0, len(view), 4, 9, None)
     flat = bs.read_windows(np.arange(4), *rows, pos1, np.empty, Scratch())
     square = bs.read_windows(np.arange(4).reshape(2, 2), *rows, pos2, np.empty, Scratch())
+    assert flat[0] is pos1 and square[0] is pos2  # the positions given come back
     np.testing.assert_array_equal(pos2, pos1)
-    np.testing.assert_array_equal(square[0], flat[0])
     np.testing.assert_array_equal(square[1], flat[1])
+    np.testing.assert_array_equal(square[2], flat[2])
 
 
 @pytest.mark.parametrize(
@@ -704,6 +705,44 @@ def test_read_windows_refuses_buffers_it_cannot_fill(
     np.testing.assert_array_equal(pos, positions_)
 
 
+@pytest.mark.parametrize("layout", ["blocks", "spans"])
+def test_read_windows_makes_the_positions_when_given_none(tmp_path: Path, layout: str) -> None:
+    """``positions=None``: the compiled reader makes them with ``alloc`` (NumPy's
+    C call for ``np.empty``, the allocator's own call otherwise) and returns
+    them first, filled as a given array would be; a batch too large to address
+    is refused before anything is made."""
+    toks = np.arange(400, dtype=np.uint16)
+    spans = [(a, a + 7, b"r%d" % a) for a in range(0, 400, 10)]
+    with Writer(tmp_path / "ds", "<u2", metadata=True, metadata_layout=layout) as w:
+        w.write(toks, spans=spans)
+    view = StreamWithMetadata(tmp_path / "ds", window=9, stride=4)
+    rs: Any = view.source.spans
+    idx = np.array([0, 5, 90, 5])
+    mine = np.empty((4, 9), np.int32)
+    want = rs.read_windows(idx, 0, len(view), 4, 9, None, mine, np.empty, Scratch())
+    assert want[0] is mine
+    made: list[tuple[tuple[int, ...], Any]] = []
+
+    def alloc(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        made.append((shape, np.dtype(dtype)))
+        return np.full(shape, 7, dtype)
+
+    for a in (np.empty, alloc):
+        got = rs.read_windows(idx, 0, len(view), 4, 9, None, None, a, Scratch())
+        pos = got[0]
+        assert isinstance(pos, np.ndarray) and pos.dtype == np.int32 and pos.shape == (4, 9)
+        assert pos.flags.c_contiguous and pos.flags.aligned and pos.flags.writeable
+        np.testing.assert_array_equal(pos, mine)
+        np.testing.assert_array_equal(got[1], want[1])
+        np.testing.assert_array_equal(got[2], want[2])
+    assert made[0] == ((4, 9), np.dtype(np.int32))  # the positions first, then the records
+    assert [d for _, d in made[1:]] == [np.dtype(np.int64), np.dtype(np.uint8)]
+    made.clear()
+    with pytest.raises(ValueError, match=r"^2 windows of 2305843009213693952 rows is too large"):
+        rs.read_windows(np.arange(2), 0, len(view), 4, 1 << 61, None, None, alloc, Scratch())
+    assert made == []
+
+
 def test_read_windows_gives_back_the_buffers_it_holds(tmp_path: Path) -> None:
     """The reader holds ``out``, ``positions`` and the records' buffer (buffer
     exports) while C writes into them without the GIL, and gives them back
@@ -733,8 +772,9 @@ def test_read_windows_gives_back_the_buffers_it_holds(tmp_path: Path) -> None:
             o.extend(o[:1])
             del o[-1:]
 
-    data, _ = read([0, 2])
+    got, data, _ = read([0, 2])
     tokens, positions, records = reference_batch(shards_, 8, 8, [0, 2])
+    assert got is pos
     assert bytes(out) == tokens.astype("<u2").tobytes()
     assert list(pos) == positions.reshape(-1).tolist()
     assert data is made[-1] and bytes(data) == b"".join(records)

@@ -35,8 +35,9 @@ class SpanSet:
         block: int,
     ) -> None: ...
     # Reads the rows of windows of observations `indices` into `out` (unless None),
-    # fills positions ([B, window] int32); returns (data uint8, offsets int64 [M + 1]),
-    # both made with alloc.  One call, without the GIL.
+    # fills positions ([B, window] int32; None: made with alloc); returns (positions,
+    # data uint8, offsets int64 [M + 1]), the last two made with alloc.  One call,
+    # without the GIL.
     def read_windows(
         self,
         indices: npt.ArrayLike,
@@ -45,10 +46,10 @@ class SpanSet:
         stride: int,
         window: int,
         out: np.ndarray[Any, Any] | None,
-        positions: npt.NDArray[np.int32],
+        positions: npt.NDArray[np.int32] | None,
         alloc: _Alloc,
         scratch: Scratch,
-    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]: ...
+    ) -> tuple[npt.NDArray[np.int32], np.ndarray[Any, Any], np.ndarray[Any, Any]]: ...
 
 def compact_records(
     blob: npt.ArrayLike, item_blob: npt.ArrayLike, item_len: npt.ArrayLike, alloc: _Alloc
@@ -82,10 +83,10 @@ class BlockSet:
         stride: int,
         window: int,
         out: np.ndarray[Any, Any] | None,
-        positions: npt.NDArray[np.int32],
+        positions: npt.NDArray[np.int32] | None,
         alloc: _Alloc,
         scratch: Scratch,
-    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]: ...
+    ) -> tuple[npt.NDArray[np.int32], np.ndarray[Any, Any], np.ndarray[Any, Any]]: ...
     # several batches (windows up to cuts[k]) in one round; records per batch
     def read_window_batches(
         self,

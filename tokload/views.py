@@ -705,7 +705,7 @@ class StreamWithMetadata(_Windows):
         if spans is not None:
             sc = self._scratch()
             if dt.fields is None:
-                data, offsets = spans.read_windows(
+                _, data, offsets = spans.read_windows(
                     idx,
                     self._lo,
                     self._hi - self._lo,
@@ -718,7 +718,7 @@ class StreamWithMetadata(_Windows):
                 )
             else:
                 scratch = np.empty((b, t), dtype=dt)
-                data, offsets = spans.read_windows(
+                _, data, offsets = spans.read_windows(
                     idx,
                     self._lo,
                     self._hi - self._lo,
