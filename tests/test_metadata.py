@@ -356,6 +356,49 @@ def test_positions_given_to_read_are_filled_or_refused_whatever_the_layout(
         view.read(idx, positions=off.reshape(mine.shape))
 
 
+@pytest.mark.parametrize("layout", ["blocks", "spans", "per_token"])
+def test_read_with_nothing_given_matches_read_into_given_arrays(
+    tmp_path: Path, layout: str
+) -> None:
+    """``read(indices)`` alone (the short path of a plain dtype: the compiled
+    reader checks the indices and makes the positions) gives what a read into
+    arrays the caller made gives, whatever form the indices take, and refuses
+    bad indices with the same errors."""
+    docs = make_docs(4, ndocs=30)
+    view = StreamWithMetadata(write(tmp_path / layout, docs, layout), window=33, stride=32)
+    n = len(view)
+    forms: list[Any] = [
+        [n - 1, 0, 3],
+        np.array([2, 2, 5], np.uint8),
+        np.array([[1, 4], [0, n - 1]]),
+        np.int64(3),
+        7,
+        [],
+        np.array([], np.uint64),
+    ]
+    for ix in forms:
+        got = view.read(ix)
+        b = int(np.asarray(ix).size)
+        mine = view.read(ix, out=view.empty(b), positions=np.empty((b, 33), np.int32))
+        assert got.positions.shape == (b, 33) and got.positions.dtype == np.int32
+        assert got.positions.flags.c_contiguous and got.positions.flags.writeable
+        np.testing.assert_array_equal(got.fields["tokens"], mine.fields["tokens"])
+        np.testing.assert_array_equal(got.positions, mine.positions)
+        assert list(got.metadata) == list(mine.metadata)
+        if b:
+            check_against_reference(view, docs, np.asarray(ix).reshape(-1).astype(np.int64))
+    bad: list[tuple[Any, type[Exception], str]] = [
+        (np.array([0.0, 1.0]), TypeError, "indices must be integers, got dtype float64"),
+        ([0, n], IndexError, "out of range"),
+        (np.array([0, 2**63], np.uint64), IndexError, "out of range"),
+    ]
+    for ix, error, message in bad:
+        with pytest.raises(error, match=message):
+            view.read(ix)
+        with pytest.raises(error, match=message):
+            view.read(ix, positions=np.empty((2, 33), np.int32))
+
+
 def test_per_token_ids_far_apart_read_each_record_alone(tmp_path: Path) -> None:
     """Version 1: a window whose ids are far apart in the index reads two index
     entries per record instead of the range between them; both kinds of segment
