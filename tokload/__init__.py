@@ -1,12 +1,12 @@
 """tokload: feeds tokens to large-scale LLM training.
 
-Global shuffling with nothing precomputed (:class:`Permutation`), computed per
+Global shuffling with nothing precomputed (``Permutation``), computed per
 index in O(1) time and memory and bit-compatible with the reference ``gfc``
-library; sharded datasets written by :class:`Writer` (FORMAT.md) or found in
+library; sharded datasets written by ``Writer`` (FORMAT.md) or found in
 Megatron and flat-token layouts, read in constant time per observation through
-the views :class:`TokenStream`, :class:`Documents` and
-:class:`StreamWithMetadata`.  See README.md for the whole picture and ARCHITECTURE.md for the
-invariants.
+the views ``TokenStream``, ``Documents`` and ``StreamWithMetadata``.  The
+documentation site (``docs/``: a guide, the on-disk format, the API reference built
+from these docstrings) has the whole picture; docs/ARCHITECTURE.md the invariants.
 """
 
 from tokload import errors, tools

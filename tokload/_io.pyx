@@ -312,7 +312,7 @@ cdef int _window_starts(const int64_t[::1] iv, uint64_t first, uint64_t count,
 cdef int _checked_window_starts(const int64_t[::1] iv, uint64_t first, uint64_t count,
                                 uint64_t stride, uint64_t window, uint64_t total,
                                 uint64_t *starts) except -1:
-    """:func:`_window_starts` for a view of ``count`` windows over ``total`` rows,
+    """``_window_starts`` for a view of ``count`` windows over ``total`` rows,
     once its last window is checked to end within them."""
     if count and (first + count - 1) * stride + window > total:
         raise IndexError(f"windows up to {first + count} run past the {total} rows")
@@ -585,7 +585,7 @@ cdef class RowSet:
     def hint_windows(self, indices, uint64_t first, uint64_t count, uint64_t stride,
                      uint64_t window):
         """Advise the kernel that the windows of observations ``indices`` (as for
-        :meth:`read_windows`) will be read soon: it reads them into the page cache
+        ``read_windows``) will be read soon: it reads them into the page cache
         in the background (``POSIX_FADV_WILLNEED``) and this returns at once, so
         a slow read is in flight long before it is needed.  Returns the number of
         hints given (files that cannot be opened are skipped: a hint is advice).
@@ -611,7 +611,7 @@ cdef class RowSet:
 
     def hint_ranges(self, starts, lengths):
         """Advise the kernel that rows ``[starts[i], starts[i] + lengths[i])``
-        (global row numbers, uint64) will be read soon, as :meth:`hint_windows`
+        (global row numbers, uint64) will be read soon, as ``hint_windows``
         does for windows.  Returns the number of hints given."""
         self.files.check_open()
         cdef const uint64_t[::1] sv = np.ascontiguousarray(starts, dtype=np.uint64)
@@ -787,7 +787,7 @@ def compressed_table_bytes(uint64_t n):
 
 
 cdef class CompressedTable:
-    """One table as :class:`ShardTables` holds it with ``compress=True``
+    """One table as ``ShardTables`` holds it with ``compress=True``
     (``csrc/tokload/ctab.h``), to check its decoding and measure its size.
 
     Args:
@@ -881,7 +881,7 @@ def split_fields(rows, uint64_t nrows, uint64_t row_bytes, offsets, sizes, outs)
 
 cdef class ExtentIndex:
     """What the document indexes share: each document's first global row and
-    length, read in one batch on the I/O engine (:func:`read_documents` uses
+    length, read in one batch on the I/O engine (``read_documents`` uses
     it without a Python call per document)."""
 
     cdef readonly uint64_t total
@@ -915,7 +915,7 @@ cdef class DocIndex(ExtentIndex):
     row offsets.  ``extents(ids)`` gives each document's first global row and
     its length, reading 16 bytes per document, or, with ``in_memory``, from
     each shard's whole index, read once when a batch first needs it
-    (:class:`ShardTables`)."""
+    (``ShardTables``)."""
 
     cdef readonly FileSet files
     cdef readonly ShardTables tables

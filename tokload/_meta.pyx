@@ -94,8 +94,8 @@ cdef enum:
 
 
 cdef class Scratch:
-    """Working memory of the span and block readers (:meth:`SpanSet.read_windows`,
-    :meth:`BlockSet.read_window_batches`, :meth:`BlockSet.hint_windows`), reused
+    """Working memory of the span and block readers (``SpanSet.read_windows``,
+    ``BlockSet.read_window_batches``, ``BlockSet.hint_windows``), reused
     across batches.
 
     One per thread: the loader's reader threads each keep their own.  It
@@ -855,7 +855,7 @@ cdef class BlockSet:
 
     def read_windows(self, indices, uint64_t first, uint64_t count, uint64_t stride,
                      uint64_t window, out, positions, alloc, Scratch scratch not None):
-        """As :meth:`SpanSet.read_windows`: rows into ``out`` (unless None),
+        """As ``SpanSet.read_windows``: rows into ``out`` (unless None),
         ``positions`` filled (made with ``alloc`` when None), returns
         ``(positions, data, offsets)``.
 
@@ -875,7 +875,7 @@ cdef class BlockSet:
     def read_window_batches(self, indices, uint64_t first, uint64_t count, uint64_t stride,
                             uint64_t window, out, positions, alloc, Scratch scratch not None,
                             cuts):
-        """:meth:`read_windows` of several batches in one round of reads: batch
+        """``read_windows`` of several batches in one round of reads: batch
         k is the windows up to ``cuts[k]`` (ascending, the last one
         ``len(indices)``; None: one batch).  Each batch's positions count its
         own records; returns one ``(data, offsets)`` per batch."""
@@ -908,7 +908,7 @@ cdef class BlockSet:
     cdef list _read(self, const int64_t[::1] iv, uint64_t first, uint64_t count,
                     uint64_t stride, uint64_t window, out, positions, alloc, Scratch scratch,
                     const uint64_t *cp, size_t nbatch):
-        """:meth:`read_window_batches` with its indices and cuts checked
+        """``read_window_batches`` with its indices and cuts checked
         (``cp``: the ``nbatch`` cuts); _window_args checks the rest."""
         self._check_open()
         cdef Buf *b = scratch.b
@@ -1053,11 +1053,11 @@ cdef class BlockSet:
                                 uint64_t window, Scratch scratch not None):
         """The read-ahead's second step where a shard's block index table is
         not in memory (not held, or not loaded by a read yet): read the block
-        index entries of the windows (the entries a :meth:`hint_windows` call
+        index entries of the windows (the entries a ``hint_windows`` call
         advised earlier, so usually in the page cache by now; this waits for
         them otherwise) and advise the kernel of the blocks they point to.
         Windows whose shard's table is in memory are skipped
-        (:meth:`hint_windows` gave their blocks).  Returns the hints given.
+        (``hint_windows`` gave their blocks).  Returns the hints given.
         A hint is advice: entries that fail to read or do not check give none
         (the read says why)."""
         cdef size_t npieces, rest
@@ -1172,7 +1172,7 @@ def encode_blocks(uint64_t block, uint64_t rows, starts, records, mdx, mdb, writ
 def decode_blocks(uint64_t block, uint64_t rows, uint64_t nrec, index, msb, str index_path,
                   str where, bint records=True):
     """A shard's runs and records from its metadata blocks (the inverse of
-    :func:`encode_blocks`, for ``tokload.convert``).
+    ``encode_blocks``, for ``tokload.convert``).
 
     Args:
         block, rows, nrec: the manifest's ``span_block`` and the shard's

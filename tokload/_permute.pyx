@@ -226,7 +226,8 @@ cdef class Permutation:
         """``[self[i] for i in range(start, stop)]`` as a 1-D array, in C.
 
         Args:
-            start, stop: ``0 <= start <= stop <= n``.
+            start: the first index, ``0 <= start <= stop``.
+            stop: one past the last index, ``stop <= n``.
             out: optional C-contiguous ``uint64`` (or, when ``n <= 2**63``,
                 ``int64``) array of length ``stop - start`` to fill.
 

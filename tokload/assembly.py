@@ -3,7 +3,7 @@
 The one job of this module is to turn the sample indices of one or several
 steps into raw arrays, by asking the view, and to say what a view must offer
 for the DataLoader to load it. The loader never looks at a view's type: every
-view, tokload's own and a user's, is read through :class:`BatchView`.
+view, tokload's own and a user's, is read through ``BatchView``.
 
 The view protocol
 -----------------
@@ -34,7 +34,7 @@ and, optionally,
   loader uses it for the steps of one task;
 - ``view.hint(indices)``: start reading observations ``indices`` in the
   background and return at once (tokload's windowed views advise the kernel with
-  ``POSIX_FADV_WILLNEED``); the loader's read-ahead (:mod:`tokload.readahead`)
+  ``POSIX_FADV_WILLNEED``); the loader's read-ahead (``tokload.readahead``)
   calls it for the tasks ahead of those being built. With
   ``view.storage_paths() -> list[str]`` too, the loader turns read-ahead on by
   itself where those files are on a network or FUSE filesystem;
@@ -104,7 +104,7 @@ class Assembly:
     """Sample indices -> raw batches, through the view protocol.
 
     Args:
-        view: any :class:`BatchView`.
+        view: any ``BatchView``.
         alloc: the transfer stage's allocator.
     """
 
@@ -119,7 +119,7 @@ class Assembly:
         return self._finish(self.view.read_batch(indices, self.alloc), indices, positions)
 
     def read_many(self, parts: list[tuple[np.ndarray, np.ndarray]]) -> list[dict[str, Any]]:
-        """:meth:`read` of each ``(indices, positions)``; one ``read_batches`` call
+        """``read`` of each ``(indices, positions)``; one ``read_batches`` call
         where the view has it."""
         many = getattr(self.view, "read_batches", None)
         if many is None or len(parts) < 2:

@@ -1,6 +1,6 @@
 """Deterministic blending of views by weight, random access, O(#stages + #components) memory.
 
-Position ``q`` of a :class:`Blend` is computed on demand, from ``q`` alone:
+Position ``q`` of a ``Blend`` is computed on demand, from ``q`` alone:
 
 1. **Blocks.** Positions are cut into blocks of ``M`` (``block_size``). In a
    block, component ``c`` gets ``k_c`` slots: its share ``M * w_c / sum(w)``
@@ -356,7 +356,7 @@ class Blend(View):
     """Each sample is one row of every array: the loader reads many steps at once."""
 
     def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, np.ndarray]:
-        """The view protocol (:mod:`tokload.assembly`), as the components' ``read_batch``."""
+        """The view protocol (``tokload.assembly``), as the components' ``read_batch``."""
         got = self.read(indices, out=self.empty(len(indices), alloc=alloc))
         return got if isinstance(got, dict) else {"tokens": got}
 
@@ -411,7 +411,7 @@ class Blend(View):
             v.close()
 
     def configure_io(self, io: str | None = None, queue_depth: int | None = None) -> None:
-        """:meth:`View.configure_io` for every component."""
+        """``View.configure_io`` for every component."""
         for v in self.views:
             v.configure_io(io, queue_depth)
 

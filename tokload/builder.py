@@ -127,7 +127,7 @@ class UsageError(ValueError):
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """What to extract from the inputs and how to tokenize it (see :func:`build`)."""
+    """What to extract from the inputs and how to tokenize it (see ``build``)."""
 
     text_field: str = "text"
     keep_fields: tuple[str, ...] = ()
@@ -287,11 +287,12 @@ def build(
             ``{"start": s, "end": e, ...}``; the other keys are kept.
         tokenizer: ``"bytes"`` (built in) or the path of a ``tokenizer.json``,
             which is copied to ``output/tokenizer.json``.
-        bos, eos: add the tokenizer's BOS / EOS token around each document.
+        bos: add the tokenizer's BOS token before each document.
+        eos: add the tokenizer's EOS token after each document.
         workers: processes building chunks in parallel (ignored with ``ray``).
         part: ``"k/N"``: build only the k-th of N contiguous slices of the
             chunks of all inputs (``tokload merge`` joins the parts).
-        on_error: ``"stop"`` raises :class:`BuildError` at the first bad
+        on_error: ``"stop"`` raises ``BuildError`` at the first bad
             record; ``"skip"`` skips it and counts it, per reason, in the summary.
         shard_bytes: shard size limit.
         chunk_bytes: the size of the chunks uncompressed JSONL and Parquet
@@ -728,7 +729,7 @@ def _run_ray(
     An instance this process already started (``ray.init`` before the build)
     is used as it is. Progress moves as chunks finish. On any error the
     remaining tasks are cancelled and the error of the chunk re-raised as it
-    was (a :class:`BuildError` naming the file and line, not Ray's wrapper).
+    was (a ``BuildError`` naming the file and line, not Ray's wrapper).
     """
     try:
         import ray

@@ -1,6 +1,6 @@
 """Deep verification: recompute the checksums the writer recorded (FORMAT.md).
 
-The one job of this module is :func:`verify_checksums`, which ``tokload verify
+The one job of this module is ``verify_checksums``, which ``tokload verify
 --deep`` runs. It reads every byte of a dataset once, in fixed-size chunks
 (memory stays bounded whatever the file sizes), so it costs a full pass over
 the data; opening a dataset never does this.
@@ -22,7 +22,7 @@ CHUNK = 8 << 20
 def file_checksum(path: str | os.PathLike[str], what: str = "file") -> str:
     """The xxh3_64 of a regular file's bytes, as 16 lowercase hex digits.
 
-    Reads in chunks of :data:`CHUNK` bytes into one reused buffer.
+    Reads in chunks of ``CHUNK`` bytes into one reused buffer.
     """
     fd = open_regular(path, what)
     try:

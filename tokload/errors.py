@@ -1,6 +1,6 @@
 """tokload's exceptions.
 
-Every problem with a dataset's files raises a subclass of :class:`TokloadError`
+Every problem with a dataset's files raises a subclass of ``TokloadError``
 whose message names the file and the offending value.  The classes also
 derive from the built-in exception a caller would expect (``ValueError``,
 ``OSError``, ``FileNotFoundError``), so generic handlers still work.

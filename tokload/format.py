@@ -1,7 +1,7 @@
 """The on-disk dataset format (FORMAT.md): manifest, validation, opening.
 
 The one job of this module is to turn a dataset directory (or a foreign format,
-see ``interop.py``) into a :class:`Source`: the open files of its shards with
+see ``interop.py``) into a ``Source``: the open files of its shards with
 their row counts, document index and metadata, validated from the manifest
 and file sizes alone, without reading any data.
 """
@@ -130,7 +130,7 @@ class Manifest:
         return 3 if self.blocks else 2 if self.spans else 1
 
     def files(self) -> tuple[str, ...]:
-        """The extensions of each shard's files, in :data:`SHARD_FILES` order."""
+        """The extensions of each shard's files, in ``SHARD_FILES`` order."""
         has = {
             "rows": True,
             "docs": self.documents,
@@ -175,7 +175,7 @@ class Manifest:
     def from_json(cls, data: Any, where: str) -> Manifest:
         """Parse the JSON of a manifest; ``where`` (its path) prefixes every error.
 
-        Everything FORMAT.md forbids is refused with a :class:`FormatError`
+        Everything FORMAT.md forbids is refused with a ``FormatError``
         naming the offending key; ``user`` (and any key this version does not
         know) is ignored, whatever its JSON type.
         """
@@ -502,7 +502,7 @@ def open_regular(path: str | os.PathLike[str], what: str) -> int:
 
 
 def read_regular(path: str | os.PathLike[str], what: str) -> bytes:
-    """All bytes of a regular file (see :func:`open_regular`)."""
+    """All bytes of a regular file (see ``open_regular``)."""
     fd = open_regular(path, what)
     with os.fdopen(fd, "rb") as f:
         return f.read()
@@ -661,13 +661,13 @@ def index_memory() -> int:
     """The most bytes of each kind of per-shard index (the document index, the
     metadata block index) an opened dataset holds in memory:
     ``TOKLOAD_INDEX_MEMORY`` (an integer number of bytes, 0 to never hold one),
-    else :data:`DEFAULT_INDEX_MEMORY`. An index that takes more is read entry
+    else ``DEFAULT_INDEX_MEMORY``. An index that takes more is read entry
     by entry instead, a round of small reads per batch before the rows; one
     that fits is read whole, a shard at a time, when a batch first needs it,
     and kept (in this process) until the opened dataset is garbage-collected.
     A document index takes its files' size (8 bytes a document); a metadata
     block index is held compressed and weighed at about 2.1 bytes a block
-    (:func:`tokload._io.compressed_table_bytes`; a group of 64 blocks that
+    (``tokload._io.compressed_table_bytes``; a group of 64 blocks that
     holds one of 64 KiB or more takes 512 bytes more once loaded), so a 4 TB
     corpus of ``uint16`` tokens holds its block index in about 1.04 GB."""
     env = os.environ.get("TOKLOAD_INDEX_MEMORY")

@@ -1,10 +1,10 @@
 """Foreign formats read in place, without conversion.
 
 - Megatron indexed datasets (``prefix.bin`` + ``prefix.idx``, as written by
-  megatron-core's ``IndexedDatasetBuilder``): :func:`open_megatron`.
+  megatron-core's ``IndexedDatasetBuilder``): ``open_megatron``.
 - Flat headerless token files (``.bin`` or ``.npy`` arrays of uint16/uint32,
   as OLMo-core/dolma, nanotron/datatrove and nanoGPT write them), one or
-  several files read as one stream: :func:`open_flat`. Document boundaries
+  several files read as one stream: ``open_flat``. Document boundaries
   come from an offsets index or from an end-of-document token.
 
 Opening reads headers only (the ``.idx`` header is 34 bytes; a ``.npy``
@@ -72,9 +72,9 @@ def open_megatron(prefix: str | os.PathLike[str]) -> Source:
     (u8), sequence count S (u64), document count D + 1 (u64), then int32
     lengths[S], int64 byte pointers[S], int64 document_indices[D + 1].
 
-    As :class:`~tokload.views.Documents`, observation ``i`` is sequence ``i``
+    As ``Documents``, observation ``i`` is sequence ``i``
     (what ``IndexedDataset[i]`` returns); as a
-    :class:`~tokload.views.TokenStream`, the stream is the ``.bin`` in order.
+    ``TokenStream``, the stream is the ``.bin`` in order.
     ``source.user["document_indices"]`` reads Megatron's document index on
     demand.
     """

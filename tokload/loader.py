@@ -2,11 +2,11 @@
 
 It composes three stages, one job each:
 
-- the **schedule** (:mod:`tokload.schedule`): cursor -> steps -> this rank's
+- the **schedule** (``tokload.schedule``): cursor -> steps -> this rank's
   positions -> sample indices, pure arithmetic (ARCHITECTURE.md, invariants 2-4);
-- the **assembly** (:mod:`tokload.assembly`): sample indices -> raw arrays,
+- the **assembly** (``tokload.assembly``): sample indices -> raw arrays,
   through the view protocol that every view implements (no type dispatch);
-- the **transfer** (:mod:`tokload.transfer`): host buffers with an explicit
+- the **transfer** (``tokload.transfer``): host buffers with an explicit
   lifetime, tensors, device copies on a side stream.
 
 This module owns the policy around them: the cursor (the first position not yet
@@ -62,20 +62,23 @@ class DataLoader:
     """Batches of a view, shuffled globally, split across ranks, resumable exactly.
 
     Args:
-        view: any view: :class:`~tokload.views.TokenStream`,
-            :class:`~tokload.views.Documents`,
-            :class:`~tokload.views.StreamWithMetadata`, :class:`~tokload.blend.Blend`
+        view: any view: ``TokenStream``,
+            ``Documents``,
+            ``StreamWithMetadata``, ``Blend``
             (or a subset of one), or your own object implementing the view
-            protocol of :mod:`tokload.assembly` (``len``, ``fingerprint``,
+            protocol of ``tokload.assembly`` (``len``, ``fingerprint``,
             ``read_batch``).
         batch_size: samples per rank per step (``B``).
         seed: the run seed; epoch ``e`` uses ``Permutation.for_epoch(n, seed, e)``.
         shuffle: False reads in order (evaluation: ``shuffle=False, epochs=1``).
-        rank, world_size: this rank and the number of ranks. Default: from
-            ``torch.distributed`` when it is initialized, else 0 and 1.
-        mesh, mesh_dim: a ``DeviceMesh`` and its data-parallel dimension (name
-            or index, default 0); ranks differing only in other dimensions get
-            identical batches.
+        rank: this rank. Default: from ``torch.distributed`` when it is
+            initialized, else 0.
+        world_size: the number of ranks. Default: from ``torch.distributed``
+            when it is initialized, else 1.
+        mesh: a ``DeviceMesh``: rank and world size come from its
+            data-parallel dimension; ranks differing only in other dimensions
+            get identical batches.
+        mesh_dim: the mesh's data-parallel dimension (name or index, default 0).
         prefetch: batches built ahead of the trainer (per rank); keep it at
             least twice ``steps_per_task`` so a task is always being built.
             Default (None): as many as ``prefetch_bytes`` of batches hold, at
@@ -101,7 +104,7 @@ class DataLoader:
             construction) when CUDA is available, else the host. A torch device
             or string (``"cuda:1"``) picks one; ``None`` or ``"cpu"`` keeps host
             batches. Copies run in the reader threads on a side stream; see
-            :mod:`tokload.transfer` for what a trainer may do with a batch.
+            ``tokload.transfer`` for what a trainer may do with a batch.
         collate: ``collate(raw)`` replaces the conversion to tensors and the
             device copy; ``raw`` is the dict of NumPy arrays the view gave, plus
             ``"index"`` and ``"position"``.
@@ -118,26 +121,27 @@ class DataLoader:
             full speed), and the I/O engine has a whole task's reads to keep in
             flight (16 steps of 8 windows: 128 reads, what cold storage needs).
             The batches are the same whatever this is.
-        io, io_depth: how the view's files are read: ``"auto"`` (io_uring where
-            the kernel allows it, else a pool of C threads), ``"uring"``,
-            ``"threads"`` or ``"sync"``, and the reads kept in flight per read
-            call. None (default) leaves the view's setting (``TOKLOAD_IO`` /
-            ``TOKLOAD_IO_DEPTH``, else ``"auto"`` and the default depth). Applied
-            with ``view.configure_io``, so it holds for every user of the dataset.
-        transfer: a :class:`~tokload.transfer.TransferBackend` to use instead of
+        io: how the view's files are read: ``"auto"`` (io_uring where the
+            kernel allows it, else a pool of C threads), ``"uring"``,
+            ``"threads"`` or ``"sync"``. None (default) leaves the view's setting
+            (``TOKLOAD_IO``, else ``"auto"``). Applied with
+            ``view.configure_io``, so it holds for every user of the dataset.
+        io_depth: the reads kept in flight per read call. None (default) leaves
+            the view's setting (``TOKLOAD_IO_DEPTH``, else the default depth).
+        transfer: a ``TransferBackend`` to use instead of
             the one ``pin_memory`` and ``device`` describe (tests use a fake
             device).
         readahead: while the reader threads build a task, ask the view (when it
             has ``hint``: token streams and streams with metadata) to start
             reading the samples of the tasks the prefetch will reach, so a read
             the storage delays is in flight long before it is needed
-            (:mod:`tokload.readahead`). None (default): on where the view's
+            (``tokload.readahead``). None (default): on where the view's
             files are on a network or FUSE filesystem (NFS, Lustre, s3fs, ...),
             off on local disks, where the kernel's read-ahead competes with the
             reader's own reads; True / False: always / never. ``self.readahead``
             says what was chosen.
 
-    Batches are :class:`~tokload.transfer.Batch` dicts of tensors: the view's
+    Batches are ``Batch`` dicts of tensors: the view's
     arrays (``"tokens"``, or one entry per field of a structured dtype, plus
     ``"lengths"``/``"cu_seqlens"`` for documents and ``"metadata_positions"``/
     ``"metadata"`` for a stream with metadata), ``"index"`` (int64, the view
@@ -306,7 +310,7 @@ class DataLoader:
         Refuses (StateError) a state computed for another dataset, view size,
         seed, rounds or shuffle setting, unless ``force=True``. Inside a running
         loop, the loop goes on from the state's cursor (as when setting
-        :attr:`cursor`).
+        ``cursor``).
         """
         if not isinstance(state, Mapping) or "cursor" not in state:
             raise StateError(f"not a tokload loader state: {state!r}")
@@ -420,7 +424,7 @@ class _LoaderIter:
 
     Reader task ``k`` builds steps ``[k * c, (k + 1) * c)`` after the cursor the
     threads started from (``c = steps_per_task``); the consumer takes them in
-    order. :meth:`restart` starts over from the loader's current cursor.
+    order. ``restart`` starts over from the loader's current cursor.
     """
 
     def __init__(self, loader: DataLoader) -> None:
@@ -578,7 +582,7 @@ def _task_builder(
     tails), so they are computed in task order under a lock, whichever thread
     asks first; each task is asked for once.  ``lead`` (when given) is
     ``[tasks to read ahead]``, kept current by the caller; the builder appends
-    its :class:`~tokload.readahead.ReadAhead` (or None) to it.
+    its ``ReadAhead`` (or None) to it.
     """
     per = loader.steps_per_task
     schedule = loader.schedule

@@ -30,8 +30,11 @@ class Schedule:
     Args:
         n: observations in the view (``len(view)``, >= 1).
         batch_size: samples per rank per step.
-        rank, world_size: this rank and the number of ranks.
-        seed, rounds, shuffle: the permutation of each epoch.
+        rank: this rank, ``0 <= rank < world_size``.
+        world_size: the number of ranks.
+        seed: the run seed (the permutation of each epoch).
+        rounds: Feistel rounds of the permutation.
+        shuffle: False reads in order.
         epochs: the run ends after ``epochs * n`` positions (None: endless,
             up to ``2**64`` positions).
         drop_last: global batches never straddle an epoch's end (its last

@@ -216,7 +216,7 @@ def load_tokenizer(spec: str | os.PathLike[str] | None) -> Tokenizer:
 
 def dataset_record(tok: Tokenizer) -> dict[str, Any]:
     """The tokenizer's description for a dataset's manifest: for a ``tokenizer.json``,
-    its copy's name relative to the dataset (:data:`TOKENIZER_FILE`), its SHA-256
+    its copy's name relative to the dataset (``TOKENIZER_FILE``), its SHA-256
     and where it was copied from."""
     desc = tok.describe()
     if desc["kind"] == "bytes":
@@ -238,7 +238,7 @@ def dataset_copy_is_current(tok: Tokenizer, root: str | os.PathLike[str]) -> boo
 
 def copy_tokenizer(tok: Tokenizer, root: str | os.PathLike[str]) -> None:
     """Make ``root/tokenizer.json`` the copy of ``tok``'s file (atomically), or
-    remove it for the byte tokenizer, so that :func:`from_description` finds it
+    remove it for the byte tokenizer, so that ``from_description`` finds it
     wherever the dataset moves."""
     dest = Path(root) / TOKENIZER_FILE
     if dataset_copy_is_current(tok, root):

@@ -85,7 +85,7 @@ def verify(
     metadata index starts at 0, never decreases and ends at the data size;
     every row's metadata id is a record of its shard (or none). With
     ``deep=True``, first recomputes every file's checksum against the one the
-    manifest records (:func:`tokload.checksum.verify_checksums`), which reads
+    manifest records (``tokload.checksum.verify_checksums``), which reads
     all the data and names the first damaged file.
     """
     if deep:
@@ -316,7 +316,7 @@ def process_age(at: float | None = None) -> float | None:
 
 
 def bench_table(path: str | os.PathLike[str], r: dict[str, Any]) -> str:
-    """The result of :func:`bench` (and ``startup_s``, if there) as a readable table."""
+    """The result of ``bench`` (and ``startup_s``, if there) as a readable table."""
 
     def ms(seconds: float) -> str:
         return f"{seconds * 1e3:10.1f} ms"

@@ -5,10 +5,10 @@ a trainer receives, and to move them to a device, without ever letting a host
 buffer be written while a copy from it may still be running.
 
 **Lifetime, by construction.** Every array the loader hands to a view comes from
-:meth:`Transfer.alloc`, which allocates a fresh tensor through the backend
+``Transfer.alloc``, which allocates a fresh tensor through the backend
 (``torch.empty(..., pin_memory=True)`` on a CUDA host) and gives the view its
 NumPy alias to fill. The tensors of a batch are then rebuilt as views of that
-same tensor storage (:meth:`Transfer.tensors`), never through
+same tensor storage (``Transfer.tensors``), never through
 ``torch.from_numpy``: PyTorch's pinned-memory allocator then sees every
 ``non_blocking`` copy from them, whoever starts it (the loader's side stream or
 the trainer's own ``.to("cuda", non_blocking=True)``), records an event for it,
@@ -18,7 +18,7 @@ itself, so nothing else can overwrite one.
 
 **Device copies.** With a device, the reader thread copies each batch on a side
 stream of that device (one stream per thread), records an event after the
-copies (:attr:`Batch.ready`), and the ``next()`` that delivers the batch makes
+copies (``Batch.ready``), and the ``next()`` that delivers the batch makes
 the trainer's current stream wait for that event and ``record_stream``s every
 device tensor on it, so the caching allocator never reuses their memory while
 the trainer's stream may still use them.
@@ -67,7 +67,7 @@ class TransferBackend(Protocol):
         """The batch with every tensor copied to the device, asynchronously; sets ``ready``.
 
         The loader may pass the batches of one reader task merged into one
-        (keys ``"<step>:<key>"``, :meth:`Transfer.copy_all`): a backend copies
+        (keys ``"<step>:<key>"``, ``Transfer.copy_all``): a backend copies
         every tensor whatever its key, and keeps other values as they are."""
         ...
 
@@ -227,7 +227,7 @@ class Transfer:
     def tensor(self, a: np.ndarray) -> torch.Tensor:
         """The tensor for array ``a``: a view of the storage ``a`` was allocated in.
 
-        Arrays that :meth:`alloc` did not make (a view computed a small array
+        Arrays that ``alloc`` did not make (a view computed a small array
         itself) are copied into a new host tensor, so every tensor of a batch
         lives in memory the backend tracks (pinned when it pins).
         """

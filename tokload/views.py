@@ -1,16 +1,16 @@
 """Observation views: a dataset read as a plain list, ``view[i]``, in constant time.
 
-- :class:`TokenStream`: observation ``i`` is rows ``[i*stride, i*stride + window)``
+- ``TokenStream``: observation ``i`` is rows ``[i*stride, i*stride + window)``
   of the concatenated stream (it may span shards).
-- :class:`Documents`: observation ``i`` is document ``i``.
-- :class:`StreamWithMetadata`: token windows plus, per token, the position of
+- ``Documents``: observation ``i`` is document ``i``.
+- ``StreamWithMetadata``: token windows plus, per token, the position of
   its metadata record in the list of distinct records of the window (or of the
   batch), and that list.
 
 Each view has ``len(view)``, ``view[i]`` and a bulk ``view.read(indices,
 out=...)`` that fills preallocated arrays in one call into the C core, without
 the GIL. Any view can be cut to a contiguous range of its observations with
-:meth:`subset` (or :func:`split`, Megatron's ``"969,30,1"`` style) at no cost.
+``subset`` (or ``split``, Megatron's ``"969,30,1"`` style) at no cost.
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ class _Windows(View):
         return list(self.source.rows.files.paths)
 
     def hint(self, indices: npt.ArrayLike) -> None:
-        """The view protocol's read-ahead (:mod:`tokload.assembly`): the kernel
+        """The view protocol's read-ahead (``tokload.assembly``): the kernel
         starts reading the rows of observations ``indices`` into the page cache
         in the background; this returns at once."""
         self.source.rows.hint_windows(indices, self._lo, len(self), self.stride, self.window)
@@ -234,7 +234,7 @@ class TokenStream(_Windows):
 
     Args:
         data: a tokload dataset directory, a Megatron ``.bin/.idx`` prefix, a
-            ``.npy`` token file, or a :class:`~tokload.format.Source`.
+            ``.npy`` token file, or a ``Source``.
         window: rows per observation (e.g. 4097 for 4096-token training with
             the next-token target).
         stride: rows between the starts of consecutive observations (default
@@ -254,7 +254,7 @@ class TokenStream(_Windows):
         super().__init__(data, window, stride)
 
     def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, np.ndarray]:
-        """The view protocol (:mod:`tokload.assembly`): ``"tokens"`` ``[B, window]``
+        """The view protocol (``tokload.assembly``): ``"tokens"`` ``[B, window]``
         (or one such array per field of a structured dtype)."""
         got = self.read(indices, out=self.empty(len(indices), alloc=alloc))
         return got if isinstance(got, dict) else {"tokens": got}
@@ -276,7 +276,7 @@ class TokenStream(_Windows):
     def read(self, indices: npt.ArrayLike, out: Fields | None = None) -> Fields:
         """Observations ``indices`` into ``out`` (new arrays when None).
 
-        ``out`` must match :meth:`empty` (dtype, shape ``[B, window]``,
+        ``out`` must match ``empty`` (dtype, shape ``[B, window]``,
         C-contiguous): the loader passes pinned buffers here.
         """
         idx = self._indices(indices)
@@ -336,7 +336,7 @@ class Documents(View):
         pad_value: the padding token.
 
     ``view[i]`` is the document's rows (an array, or a dict of per-field
-    arrays); ``read(indices)`` packs a batch into one :class:`DocumentBatch`;
+    arrays); ``read(indices)`` packs a batch into one ``DocumentBatch``;
     ``read_padded(indices, length)`` gives ``[B, length]`` arrays plus the
     lengths (longer documents are truncated). Each document costs one read of
     its index entries and one ``preadv`` of its rows.
@@ -364,7 +364,7 @@ class Documents(View):
         self._init_range()
 
     def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
-        """The view protocol (:mod:`tokload.assembly`), as the constructor's ``batch`` says.
+        """The view protocol (``tokload.assembly``), as the constructor's ``batch`` says.
 
         ``"pad"``: ``"tokens"`` ``[B, L]`` padded with ``pad_value`` (``L`` is
         ``pad_to``, or the batch's longest document) and ``"lengths"``;
@@ -394,7 +394,7 @@ class Documents(View):
         return starts, lengths
 
     def read(self, indices: npt.ArrayLike, alloc: Alloc = np.empty) -> DocumentBatch:
-        """The documents back to back (see :class:`DocumentBatch`)."""
+        """The documents back to back (see ``DocumentBatch``)."""
         docs = self.source.docs
         assert docs is not None
         if self.source.dtype.fields is None:
@@ -492,7 +492,7 @@ class MetadataBatch:
     (``"tokens"`` for a plain dtype); ``positions``: ``[B, T]`` int32, the
     index into ``metadata`` of each row's record, or -1; ``metadata``: the
     distinct records of the batch in order of first appearance, a
-    :class:`RecordList` that passes record ``k`` through the view's
+    ``RecordList`` that passes record ``k`` through the view's
     ``deserialize`` when ``metadata[k]`` is read.
     """
 
@@ -509,7 +509,9 @@ class StreamWithMetadata(_Windows):
             (FORMAT.md): metadata blocks per shard (version 3), a span table
             per shard (version 2) or a ``metadata_id`` field in every row
             (version 1).
-        window, stride: as for :class:`TokenStream`.
+        window: rows per window, as for ``TokenStream``.
+        stride: rows between the starts of windows ``i`` and ``i + 1`` (default:
+            ``window``), as for ``TokenStream``.
         deserialize: turns a record's bytes into what ``metadata[k]`` gives
             (default: the ``bytes`` themselves). Called only when a record is
             accessed, never per token, never per batch.
@@ -549,12 +551,12 @@ class StreamWithMetadata(_Windows):
         self._split_size = [ft.itemsize for _, ft, _ in self._lay]
 
     def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
-        """The view protocol (:mod:`tokload.assembly`): the fields (all but
+        """The view protocol (``tokload.assembly``): the fields (all but
         ``metadata_id``) ``[B, window]``, ``"metadata_positions"`` ``[B, window]``
         int32 (index into the batch's records, or -1), the records' bytes back to
         back (``"metadata_bytes"``, uint8) and their ``"metadata_offsets"``
         (int64, one more than the records), and ``"metadata"``, a
-        :class:`RecordList` over those two that deserializes a record when read."""
+        ``RecordList`` over those two that deserializes a record when read."""
         b = len(indices)
         res = self.read(
             indices,
@@ -570,7 +572,7 @@ class StreamWithMetadata(_Windows):
         return raw
 
     def read_batches(self, batches: list[np.ndarray], alloc: Alloc) -> list[dict[str, Any]]:
-        """:meth:`read_batch` of each index array of ``batches`` (the view
+        """``read_batch`` of each index array of ``batches`` (the view
         protocol's several-batches call). With metadata blocks, the windows
         and blocks of all of them are one round of reads (on cold storage, one
         wait instead of one per batch); each batch's positions count its own
@@ -622,7 +624,7 @@ class StreamWithMetadata(_Windows):
 
     def hint(self, indices: npt.ArrayLike) -> None:
         """The view protocol's read-ahead: the rows of observations ``indices``
-        (as :meth:`TokenStream.hint`) and, with metadata blocks, their blocks
+        (as ``TokenStream.hint``) and, with metadata blocks, their blocks
         where the shard's block index table is in memory, so the read that
         follows waits on neither. Where it is not (an index too large for
         ``TOKLOAD_INDEX_MEMORY``, or a shard no read has loaded the table of

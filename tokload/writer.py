@@ -1,4 +1,4 @@
-"""Writing datasets: :class:`Writer` appends documents; :func:`merge` joins datasets.
+"""Writing datasets: ``Writer`` appends documents; ``merge`` joins datasets.
 
 The writer keeps FORMAT.md's promise: the manifest is written last and
 atomically, and lists only shards whose files are complete and fsynced, so a
@@ -79,7 +79,7 @@ class Writer:
         user: free-form JSON stored in the manifest (tokenizer, source, ...).
         durable: fsync each shard and the directory before listing it.
 
-    Use as a context manager, or call :meth:`close`: nothing is visible to
+    Use as a context manager, or call ``close``: nothing is visible to
     readers until a shard is closed and the manifest rewritten.
     """
 
@@ -437,7 +437,7 @@ class _OpenShard:
     )
 
     def mark(self) -> tuple[list[int], list[Any], list[Any]]:
-        """Where every file, checksum and count stands now, for :meth:`rewind`."""
+        """Where every file, checksum and count stands now, for ``rewind``."""
         return (
             [f.tell() for f in self.files],
             [h.copy() for h in self.hashes],
@@ -460,7 +460,7 @@ class _OpenShard:
         self.hashes[k].update(data)
 
     def add_runs(self, starts: np.ndarray, records: np.ndarray, n: int) -> None:
-        """The span table entries of the next document (``n`` rows), before :meth:`add`.
+        """The span table entries of the next document (``n`` rows), before ``add``.
 
         ``starts`` are local to the document, ``records`` to its spans (or none).
         """
@@ -644,7 +644,7 @@ def convert(
     entry; converting to the same layout with another ``span_block`` re-blocks
     it). Shards, documents and records stay as they are (a record no row
     refers to keeps no bytes when the source is in blocks), so a
-    :class:`~tokload.StreamWithMetadata` of the copy gives the same batches,
+    ``StreamWithMetadata`` of the copy gives the same batches,
     bit for bit. Memory stays within a shard's metadata (the rows are
     streamed in chunks). ``dst`` may not hold a dataset.
 
