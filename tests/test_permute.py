@@ -20,7 +20,7 @@ DATA = Path(__file__).parent / "data"
 U64 = 2**64
 
 
-# ---- Speck64/128 and the round function (GFC.md sections 2-3) ----------------
+# ---- Speck64/128 and the round function (docs/permutation.md sections 2-3) ----------------
 
 
 def test_speck64_128_official_vector() -> None:
@@ -46,7 +46,7 @@ def test_round_function_known_values(seed: int, j: int, value: int, expected: in
     assert _round_function(seed, j - 1, value) == expected
 
 
-# ---- known permutation values (GFC.md sections 5 and 10) -----------------------
+# ---- known permutation values (docs/permutation.md sections 5 and 10) -----------------------
 
 
 @pytest.mark.parametrize(
@@ -70,7 +70,7 @@ def test_known_prefixes(n: int, rounds: int, seed: int, prefix: list[int]) -> No
 @pytest.mark.parametrize(
     ("n", "rounds", "seed", "index", "value"),
     [
-        (65536, 4, 1234, 42, 49644),  # the trace of GFC.md section 5
+        (65536, 4, 1234, 42, 49644),  # the trace of docs/permutation.md section 5
         (10**7, 6, 42, 42, 9485181),
         (U64 - 1, 6, 42, 0, 18347484005719705568),
         (U64 - 1, 6, 42, 1, 12626526404692144220),
@@ -88,13 +88,13 @@ def test_known_values(n: int, rounds: int, seed: int, index: int, value: int) ->
 def test_edge_cases_of_the_reference() -> None:
     assert list(Permutation(1, seed=99, rounds=6)) == [0]
     assert list(Permutation(10, seed=5, rounds=0)) == list(range(10))
-    # n = 2, rounds 6, seeds 0-9 (GFC.md section 6).
+    # n = 2, rounds 6, seeds 0-9 (docs/permutation.md section 6).
     two = [list(Permutation(2, seed=s, rounds=6)) for s in range(10)]
     assert two == [[0, 1], [1, 0], [1, 0], [0, 1], [1, 0], [0, 1], [0, 1], [0, 1], [0, 1], [1, 0]]
 
 
 def test_the_claimed_46430_is_not_the_reference_value() -> None:
-    # An article claims 46430; gfc 1.1.0 gives 49644 (GFC.md section 10.2).
+    # An article claims 46430; gfc 1.1.0 gives 49644 (docs/permutation.md section 10.2).
     assert Permutation(65536, 1234, 4)[42] == 49644
 
 
@@ -142,18 +142,18 @@ def test_matches_pygfc_live(n: int, rounds: int, seed: int, data: st.DataObject)
     idx = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=20))
     assert [p[i] for i in idx] == [ref[i] for i in idx]
     assert p.take(np.array(idx, dtype=np.uint64)).tolist() == [ref[i] for i in idx]
-    # pygfc's inverse is exact wherever its forward map does not wrap (GFC.md 7.2).
+    # pygfc's inverse is exact wherever its forward map does not wrap (docs/permutation.md 7.2).
     assert [p.inverse(i) for i in idx] == [ref.inv(i) for i in idx]
 
 
 @pytest.mark.parametrize(
     ("n", "rounds", "seed", "i", "j", "collides_at"),
     [
-        # GFC.md 7.1: a*a < n from the double square root.
+        # docs/permutation.md 7.1: a*a < n from the double square root.
         (2**52 + 1, 6, 42, 2**52, 32834122, 2391083209983088),
         (2**52 + 1, 4, 1234, 2**52, 53911948, 2090053040281422),
         ((2**32 - 1) ** 2 + 1, 6, 42, (2**32 - 1) ** 2, 1768393350, 5567727400342288451),
-        # GFC.md 7.2: the 64-bit wrap in the round addition.
+        # docs/permutation.md 7.2: the 64-bit wrap in the round addition.
         (2**63 - 25, 6, 42, 6987691741796505000, 6987691744542557116, 4674993765494921007),
     ],
 )

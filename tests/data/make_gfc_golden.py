@@ -61,7 +61,7 @@ def main() -> None:
     for n in ns:
         a = gfc_grid_side(n)
         if a * a < n:
-            continue  # gfc is not a bijection here (GFC.md 7.1)
+            continue  # gfc is not a bijection here (docs/permutation.md 7.1)
         for rounds, seed in [
             (6, 0),
             (6, 42),
