@@ -75,7 +75,7 @@ class FakeDevice:
         seed: the random delays.
         max_delay: the longest a copy takes, in seconds.
         copies: False for host batches (``device`` None): the trainer copies
-            with :meth:`to_device`, as in the README's ``non_blocking`` recipe.
+            with :meth:`to_device`, as in the GPU guide's ``non_blocking`` recipe.
     """
 
     pinned = True

@@ -2,7 +2,7 @@
 
 ``sys.setprofile`` counts every Python-level call (functions, and builtins called
 from Python) while a reader task is built, exactly as a reader thread builds it.
-The counts are deterministic, so they are asserted; the README quotes them.
+The counts are deterministic, so they are asserted (docs/guide/dataloader.md quotes them).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The transfer stage on a real CUDA device (skipped where there is none).
 
-Every batch delivered with ``device=`` and with the README's ``non_blocking``
+Every batch delivered with ``device=`` and with the GPU guide's ``non_blocking``
 recipe is compared bit for bit with a CPU reference while the host is busy
 (threads running NumPy and Python flat out, so reader threads and copies are
 descheduled at random moments), and while the trainer's stream is kept busy

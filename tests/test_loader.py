@@ -565,7 +565,7 @@ def test_setting_the_cursor_inside_a_loop_goes_on_from_there(threads: int, corpu
     for step, b in enumerate(ld):
         got.append(b["position"].tolist())
         if step == 2:
-            ld.cursor = 1000  # skip a bad stretch, as the README shows
+            ld.cursor = 1000  # skip a bad stretch, as the DataLoader guide shows
         if step == 4:
             ld.cursor = 8  # and back: prefetched batches for 1008.. are dropped
         if step == 7:
