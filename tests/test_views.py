@@ -376,6 +376,33 @@ def test_flat_files_npy_and_bin(tmp_path: Path) -> None:
         tokload.open_flat(tmp_path / "a.bin")
 
 
+def test_headerless_npy_files_as_olmo_core_writes_them(tmp_path: Path) -> None:
+    """OLMo-core and dolma name headerless token files ``.npy`` (np.memmap, no header)."""
+    tokens = np.random.default_rng(2).integers(0, 2**32, 5000, dtype=np.uint32)
+    mm = np.memmap(tmp_path / "part-0.npy", mode="w+", dtype=np.uint32, shape=tokens.shape)
+    mm[:] = tokens
+    mm.flush()
+    del mm
+    np.save(tmp_path / "saved.npy", tokens)
+    src = tokload.open_flat([tmp_path / "part-0.npy", tmp_path / "saved.npy"], np.uint32)
+    stream = TokenStream(src, window=5000, stride=5000)
+    assert len(stream) == 2
+    np.testing.assert_array_equal(stream[0], tokens)  # headerless: every byte a token
+    np.testing.assert_array_equal(stream[1], tokens)  # np.save's: the header skipped
+    # without dtype= there is no way to know its rows: the error says how to read it
+    with pytest.raises(tokload.FormatError, match=r"part-0\.npy: not a \.npy file: .*dtype="):
+        tokload.open_flat(tmp_path / "part-0.npy")
+    with pytest.raises(tokload.FormatError, match=r"part-0\.npy: not a \.npy file"):
+        TokenStream(tmp_path / "part-0.npy", window=8)
+    # a real .npy header still decides its dtype
+    with pytest.raises(tokload.FormatError, match=r"saved\.npy: holds uint32, but dtype=uint16"):
+        tokload.open_flat(tmp_path / "saved.npy", np.uint16)
+    # a headerless file must hold whole rows
+    (tmp_path / "odd.npy").write_bytes(b"\x01\x02\x03")
+    with pytest.raises(tokload.FormatError, match=r"odd\.npy: 3 bytes is not a whole number"):
+        tokload.open_flat(tmp_path / "odd.npy", np.uint16)
+
+
 def test_opening_is_independent_of_size(tmp_path: Path) -> None:
     """A 16 GiB sparse token file opens without reading it; reads at its end work."""
     big = tmp_path / "big.bin"

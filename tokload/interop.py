@@ -132,6 +132,12 @@ def open_megatron(prefix: str | os.PathLike[str]) -> Source:
     return src
 
 
+def _has_npy_magic(path: Path) -> bool:
+    """Whether ``path`` starts as NumPy's ``.npy`` format does (``\\x93NUMPY``)."""
+    with os.fdopen(open_regular(path, "token file"), "rb") as f:
+        return f.read(6) == b"\x93NUMPY"
+
+
 def _npy_layout(path: Path, what: str) -> tuple[np.dtype[Any], int, int]:
     """(dtype, rows, data offset) of a 1-D ``.npy`` file, from its header alone."""
     size = _size(path, what)
@@ -145,7 +151,13 @@ def _npy_layout(path: Path, what: str) -> tuple[np.dtype[Any], int, int]:
             )
             shape, _fortran, dtype = reader(f)
         except Exception as e:  # numpy's header parser raises ValueError, SyntaxError, ...
-            raise FormatError(f"{path}: not a .npy file: {e}") from None
+            hint = ""
+            if not _has_npy_magic(path):
+                hint = (
+                    "; a headerless token file named .npy (as OLMo-core and dolma write "
+                    "them) is read with tokload.open_flat(path, dtype=...)"
+                )
+            raise FormatError(f"{path}: not a .npy file: {e}{hint}") from None
         offset = f.tell()
     if len(shape) != 1:
         raise FormatError(f"{path}: a token file must be 1-D, got shape {shape}")
@@ -166,12 +178,15 @@ def open_flat(
     doc_index: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
     eos: int | None = None,
 ) -> Source:
-    """Open headerless token files (``.bin``) or 1-D ``.npy`` arrays as one stream.
+    """Open headerless token files (``.bin``, OLMo-core ``.npy``) or ``.npy`` arrays as one stream.
 
     Args:
         paths: one file or several (read in the order given, as shards).
-        dtype: row dtype of ``.bin`` files (``uint16``/``uint32``; little-endian);
-            ``.npy`` files carry their own.
+        dtype: row dtype of headerless files (``uint16``/``uint32``;
+            little-endian). A ``.npy`` file written by ``np.save`` carries its own
+            (``dtype``, if given, must match it); one without NumPy's header (as
+            OLMo-core and dolma write them, with ``np.memmap``) is read as headerless
+            when ``dtype`` is given.
         doc_index: per file, a ``.npy`` or raw little-endian ``uint64`` array of
             ``documents + 1`` row offsets (0 first, the file's rows last); gives
             the source documents.
@@ -190,13 +205,13 @@ def open_flat(
         raise ValueError("give doc_index or eos, not both")
     layouts = []
     for p in plist:
-        if p.suffix == ".npy":
+        if p.suffix == ".npy" and (dtype is None or _has_npy_magic(p)):
             dt, rows, base = _npy_layout(p, "token file")
             if dtype is not None and np.dtype(dtype) != dt:
                 raise FormatError(f"{p}: holds {dt}, but dtype={np.dtype(dtype)} was given")
         else:
             if dtype is None:
-                raise ValueError(f"{p}: a headerless .bin file needs dtype= (e.g. np.uint16)")
+                raise ValueError(f"{p}: a headerless file needs dtype= (e.g. np.uint16)")
             dt = np.dtype(dtype).newbyteorder("<")
             size = _size(p, "token file")
             if size % dt.itemsize:
