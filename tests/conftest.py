@@ -6,7 +6,8 @@ check the loader's logic on host batches and compare them with NumPy, so on a
 CUDA host ``device="auto"`` resolves to no device for them (pinning stays
 ``"auto"``: their host batches are pinned, as a trainer's would be). The device
 path is tested on every machine by ``tests/test_transfer.py`` (a fake device)
-and on a real GPU by ``tests/test_gpu.py``.
+and on a real GPU by ``tests/test_gpu.py`` (and the GPU guide's examples,
+``tests/test_docs.py``, which run on every host).
 """
 
 from __future__ import annotations

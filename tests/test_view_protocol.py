@@ -1,8 +1,9 @@
 """The public view protocol: user-written views through the whole loader.
 
-The README's own example view (``Pairs``) and a non-rowwise one (a filtered,
-remapped view of documents) run through the shared resume harness: rank split,
-exactly-once across resumes and rescales, threads, and the fake device.
+The guide's own example view (``Pairs``, in ``docs/guide/custom-views.md``) and a
+non-rowwise one (a filtered, remapped view of documents) run through the shared
+resume harness: rank split, exactly-once across resumes and rescales, threads, and
+the fake device.
 """
 
 from __future__ import annotations
@@ -21,17 +22,18 @@ import tokload
 from tokload import DataLoader, Documents, TokenStream, Writer
 from tokload.assembly import Alloc, BatchView, check_view
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "guide" / "custom-views.md"
 
 
-def readme_pairs() -> type:
-    """The ``Pairs`` class exactly as the README defines it."""
-    text = README.read_text()
+def guide_pairs() -> type:
+    """The ``Pairs`` class exactly as the guide's page on views of one's own defines it
+    (its block up to the line ``pairs = ...`` that uses it)."""
+    text = GUIDE.read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    block = next(b for b in blocks if "class Pairs" in b)
+    block = next(b for b in blocks if "\nclass Pairs:" in b)
     code = block.split("\npairs = ")[0]
     namespace: dict[str, Any] = {}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, str(GUIDE.relative_to(GUIDE.parents[2])), "exec"), namespace)
     cls: type = namespace["Pairs"]
     return cls
 
@@ -67,8 +69,8 @@ class Filtered:
         return raw
 
 
-def test_the_readme_view_satisfies_the_protocol(two: tuple[Path, Path]) -> None:
-    pairs_cls = readme_pairs()
+def test_the_guide_view_satisfies_the_protocol(two: tuple[Path, Path]) -> None:
+    pairs_cls = guide_pairs()
     pairs = pairs_cls(TokenStream(two[0], window=7), TokenStream(two[1], window=7))
     check_view(pairs)
     assert isinstance(pairs, BatchView)
@@ -77,8 +79,8 @@ def test_the_readme_view_satisfies_the_protocol(two: tuple[Path, Path]) -> None:
 
 
 @pytest.mark.parametrize("threads", [0, 2])
-def test_readme_pairs_through_resumes_and_rescales(threads: int, two: tuple[Path, Path]) -> None:
-    pairs_cls = readme_pairs()
+def test_guide_pairs_through_resumes_and_rescales(threads: int, two: tuple[Path, Path]) -> None:
+    pairs_cls = guide_pairs()
     a, b = TokenStream(two[0], window=7), TokenStream(two[1], window=7)
     pairs = pairs_cls(a, b)
     n = len(pairs)
