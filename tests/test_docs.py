@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from tests.timeouts import no_hang
+from timeouts import no_hang
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [
