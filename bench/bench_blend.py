@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import tokload
+from bench import _results
 
 N = int(os.environ.get("TOKLOAD_BENCH_BLEND_N", 100_000_000))
 WEIGHTS = [0.6, 0.3, 0.1]
@@ -78,6 +79,20 @@ def test_construction(views: list[tokload.TokenStream]) -> None:
     blend.locate(idx)
     t_lookup = time.perf_counter() - t0
     del arrays
+    for label, (seconds, peak) in RESULTS.items():
+        _results.record(
+            "bench_blend",
+            label=label,
+            positions=N,
+            construction_s=seconds,
+            peak_traced_bytes=peak,
+        )
+    _results.record(
+        "bench_blend",
+        label="tokload Blend.locate, 4096 random positions",
+        positions=N,
+        lookup_s=t_lookup,
+    )
     print(f"\nblend of 3 components over N = {N:,} positions:")
     print(f"  tokload Blend:               {t_blend * 1e3:10.2f} ms, {m_blend / 1e3:12.1f} KB")
     print(f"  NumPy Megatron-style arrays: {t_np * 1e3:10.2f} ms, {m_np / 1e6:12.1f} MB")

@@ -29,7 +29,7 @@ all measured in one run:
 
 It prints M tokens/s and the ratios of tokload against the device's best and
 against each peer.  Every run is serialized with ``flock
-/tmp/tokload-bench.lock`` when launched as documented in the README.
+/tmp/tokload-bench.lock`` (the lock the benchmarks share).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import tokload
+from bench import _results
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -95,6 +96,21 @@ def test_pinned_copy_throughput(corpus: Path) -> None:
     tl = rates["tokload batches"]
     print(f"  tokload / plain pinned: {tl / rates['plain pinned tensors']:.0%} (goal >= 90%)")
     print(f"  tokload / the limit: {tl / rates['one pinned copy of all (the limit)']:.0%}")
+    for k, v in rates.items():
+        _results.record(
+            "bench_gpu",
+            group=f"host-to-device copies, {len(batches)} batches of {tuple(batches[0].shape)}",
+            label=k,
+            gb_per_s=v / 1e9,
+            share_of_limit=v / rates["one pinned copy of all (the limit)"],
+        )
+    _results.goal(
+        "bench_gpu",
+        "host-to-device rate of tokload's batches over plain pinned tensors",
+        0.90,
+        tl / rates["plain pinned tensors"],
+        fmt="{:.0%}",
+    )
 
 
 class TinyLM(torch.nn.Module):
@@ -151,3 +167,19 @@ def test_training_loop_step_time(corpus: Path) -> None:
         print(f"  {k}: {v * 1e3:.2f} ms")
     ratio = med["tokload (device='auto')"] / med["pre-loaded on the GPU"]
     print(f"  tokload / pre-loaded: {ratio:.3f} (goal <= 1.02)")
+    for k, v in med.items():
+        _results.record(
+            "bench_gpu",
+            group=f"training step (median of 3 x {n} steps)",
+            label=k,
+            step_ms=v * 1e3,
+            runs_ms=[t * 1e3 for t in times[k]],
+        )
+    _results.goal(
+        "bench_gpu",
+        "training step fed by tokload over the step on batches already on the GPU",
+        1.02,
+        ratio,
+        higher_is_better=False,
+        fmt="{:.3f}",
+    )

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bench._results import make_goal
 from tokload import Permutation
 
 SIZES = {"1e6": 10**6, "2.7e8": 270_000_000, "1e12": 10**12}
@@ -80,6 +81,19 @@ def test_numpy_permutation(benchmark: Any, size: str) -> None:
     _info(benchmark, n, "numpy permutation")
     rounds = 1 if n > 10**8 else 3
     benchmark.pedantic(lambda: np.random.default_rng(7).permutation(n), rounds=rounds, iterations=1)
+
+
+def bench_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """tokload's range at least 20x pygfc's per-index rate where the table applies."""
+    rate = {(r["group"], r["label"]): r["rate"] for r in rows if "rate" in r}
+    goals = []
+    for size in ("1e6", "2.7e8"):
+        ours = rate.get((f"n={size}", "tokload range (table auto)"))
+        theirs = rate.get((f"n={size}", "pygfc p[i] loop"))
+        if ours and theirs:
+            what = f"n={size}: tokload range / pygfc p[i] loop (table applies)"
+            goals.append(make_goal(what, 20, ours / theirs, fmt="{:.1f}x"))
+    return goals
 
 
 def test_table_build(benchmark: Any) -> None:

@@ -8,6 +8,12 @@ with tokload (one call, C without the GIL), with ``np.memmap`` fancy indexing
 (``mm[starts[:, None] + arange(4097)]``) and with memmap slices stacked (the
 plain-loader recipe). The summary prints tokens/s and ratios measured in this
 run; ``test_syscalls_per_window`` counts them with strace.
+
+    python -m bench.bench_read
+
+measures every read kind on the same uint16 tokens, each metadata layout at
+several densities, as a share of TokenStream's rate (``measure_layouts``), and
+writes ``bench/results/bench_read_layouts.json``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import numpy as np
 import pytest
 
 import tokload
+from bench import _results
 
 WINDOW, BATCH = 4097, 8
 TOKENS = 64 << 20
@@ -105,7 +112,9 @@ def test_memmap_slices(benchmark: Any, corpus: tuple[Path, Path]) -> None:
 def test_tokload_stream_with_metadata(benchmark: Any, corpus: tuple[Path, Path]) -> None:
     view = tokload.StreamWithMetadata(corpus[0].parent / "meta", window=WINDOW, stride=WINDOW - 1)
     batches = _batches(len(view))
-    _info(benchmark, "tokload StreamWithMetadata.read")
+    # 8-byte rows (token, metadata_id) and a span every 700 tokens: not the layouts
+    # of the metadata goal, which ``python -m bench.bench_read`` measures.
+    _info(benchmark, "tokload StreamWithMetadata.read ((token, metadata_id) rows)")
     benchmark(lambda: view.read(next(batches)))
 
 
@@ -146,6 +155,13 @@ for _ in range(1000):
         f"other syscalls in the read loop: {len(lines) - len(half)}"
     )
     assert tokens_reads
+    _results.record(
+        "bench_read",
+        group="syscalls (strace, TOKLOAD_IO=sync)",
+        label="preadv calls per window (TokenStream and StreamWithMetadata)",
+        value=per_window,
+        other_syscalls=len(lines) - len(half),
+    )
 
 
 # ---- issue 13: one run, the same tokens, every read kind and every layout ------------
@@ -252,9 +268,32 @@ def measure_layouts(
     return res
 
 
+def layout_results(out: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Rows and goal of :func:`measure_layouts`'s figures, for ``bench/results``."""
+    rows: list[dict[str, Any]] = [
+        {
+            "group": "read kinds (warm cache, windows of 4097, batch 8)",
+            "label": k,
+            "tokens_per_s": v,
+            "share_of_token_stream": out["ratios"][k],
+        }
+        for k, v in out["rates"].items()
+    ]
+    tok = out["sizes"]["tokens only"]
+    rows += [
+        {"group": "size on disk", "label": k, "bytes": v, "over_tokens_only": (v - tok) / tok}
+        for k, v in out["sizes"].items()
+    ]
+    goal = _results.make_goal(
+        "StreamWithMetadata (metadata blocks, 1 record / 100 tokens) over TokenStream",
+        0.5,
+        out["ratios"]["StreamWithMetadata blocks 1/100"],
+        fmt="{:.1%}",
+    )
+    return rows, [goal]
+
+
 if __name__ == "__main__":
-    import json
-    import sys
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
@@ -264,4 +303,5 @@ if __name__ == "__main__":
     tok = out["sizes"]["tokens only"]
     for k, v in out["sizes"].items():
         print(f"{k:40s} {v / 1e6:9.2f} MB  +{100 * (v - tok) / tok:6.1f}%")
-    json.dump(out, sys.stderr)
+    rows, goals = layout_results(out)
+    _results.write("bench_read_layouts", rows, goals)

@@ -1,6 +1,6 @@
 """Cost curves: open time, time to first batch and RSS against dataset size.
 
-    python bench/cost_curves.py            # writes bench/cost_curves.png and .json
+    python bench/cost_curves.py              # writes bench/results/cost_curves.json and .png
     python bench/cost_curves.py --plot-only  # redraws the PNG from the .json
 
 Datasets of 10^6 to 10^12 uint32 tokens are sparse files (shards of at most
@@ -13,7 +13,7 @@ imports).
 
 Next to tokload: the plain recipe (``np.memmap`` of the token file, a NumPy
 permutation of the windows, ``torch.utils.data.DataLoader``, 0 workers), the
-fastest peer to first batch in PEERS.md, where it can run: its permutation
+fastest peer to first batch in docs/comparison.md, where it can run: its permutation
 grows with the data (8 bytes per window), so it is measured up to 10^11
 tokens (24M windows) and left out beyond.
 """
@@ -32,6 +32,7 @@ SIZES = [10**6, 10**7, 10**8, 10**9, 10**10, 10**11, 10**12]
 PLAIN_MAX = 10**11
 SHARD = 10**9
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
 
 _CHILD = r"""
 import json, sys, time
@@ -111,11 +112,19 @@ def measure(kind: str, path: Path, tokens: int) -> dict[str, float]:
 
 
 def main() -> None:
+    sys.path.insert(0, str(HERE.parent))
+    from bench import _results  # notes the load average now, at the start
+
     if "--plot-only" in sys.argv:  # redraw from the last measurement
-        raw = json.loads((HERE / "cost_curves.json").read_text())
-        plot(
-            {k: {int(t): v for t, v in d.items()} for k, d in raw.items()}, HERE / "cost_curves.png"
-        )
+        rows = json.loads((RESULTS / "cost_curves.json").read_text())["results"]
+        redraw: dict[str, dict[int, dict[str, float]]] = {}
+        for r in rows:
+            redraw.setdefault(r["loader"], {})[int(r["tokens"])] = {
+                "open_s": r["open_s"],
+                "ttfb_s": r["ttfb_s"],
+                "rss_growth": r["rss_growth_bytes"],
+            }
+        plot(redraw, RESULTS / "cost_curves.png")
         return
     results: dict[str, dict[int, dict[str, float]]] = {"tokload": {}, "plain": {}}
     with tempfile.TemporaryDirectory(prefix="tokload-curves-") as tmp:
@@ -133,9 +142,20 @@ def main() -> None:
                     f"RSS +{med['rss_growth'] / 2**20:8.1f} MiB",
                     flush=True,
                 )
-    (HERE / "cost_curves.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, HERE / "cost_curves.png")
-    print(f"wrote {HERE / 'cost_curves.png'}")
+    rows = [
+        {
+            "loader": kind,
+            "tokens": tokens,
+            "open_s": r["open_s"],
+            "ttfb_s": r["ttfb_s"],
+            "rss_growth_bytes": r["rss_growth"],
+        }
+        for kind, by_size in results.items()
+        for tokens, r in sorted(by_size.items())
+    ]
+    _results.write("cost_curves", rows)
+    plot(results, RESULTS / "cost_curves.png")
+    print(f"wrote {RESULTS / 'cost_curves.png'}")
 
 
 def plot(results: dict[str, dict[int, dict[str, float]]], out: Path) -> None:

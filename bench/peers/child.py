@@ -17,7 +17,7 @@ set tokload's.
 Prints one JSON line.
 
 Every loader delivers shuffled batches of 8 windows of 4097 tokens as torch
-tensors, configured as its own docs recommend for LLM pretraining (PEERS.md).
+tensors, configured as its own docs recommend for LLM pretraining (docs/comparison.md).
 """
 
 from __future__ import annotations

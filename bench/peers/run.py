@@ -4,7 +4,7 @@
     python bench/peers/run.py --tokens 20000000 --seconds 3   # a quick pass
 
 1. Creates a separate virtual environment (``bench/peers/.venv``, never the
-   test environment) and installs, as ../shared/PEERS.md says: torch==2.13.0
+   test environment) and installs, as docs/comparison.md says: torch==2.13.0
    first, then ``numpy<2.2`` megatron-core torchdata pygfc psutil with torch
    pinned by a constraints file, then mosaicml-streaming and litdata with
    ``--no-deps`` plus their light dependencies (both declare torchvision,
@@ -17,8 +17,9 @@
    RSS, shuffle-index cost, and the main-thread slowdown of a pure-Python loop
    while the loader is drained flat out. Median of 3 runs for the rates.
 4. Prints a Markdown table with tokload's ratio against each peer and writes
-   ``bench/peers/results.json``. A peer that cannot be installed or run is
-   reported as such, with the reason.
+   ``bench/peers/results.json`` (everything, the peers' versions included) and
+   ``bench/results/peers.json`` (one row per loader, for the benchmarks page).
+   A peer that cannot be installed or run is reported as such, with the reason.
 """
 
 from __future__ import annotations
@@ -120,6 +121,15 @@ def install() -> dict[str, str]:
     return versions
 
 
+# the package whose version each loader row names
+PACKAGES = {
+    "tokload-megatron": "tokload",
+    "memmap": "torch",
+    "megatron": "megatron-core",
+    "mosaic": "mosaicml-streaming",
+}
+
+
 def run_child(loader: str, workers: int, mode: str, seconds: float) -> dict[str, Any]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     res = sh(
@@ -186,7 +196,35 @@ def main() -> None:
         print(loader, json.dumps(entry), flush=True)
     results["seconds"] = time.perf_counter() - t_all
     (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_page_results(results)
     print(table(results))
+
+
+def write_page_results(results: dict[str, Any]) -> None:
+    """One row per loader in ``bench/results/peers.json``, for ``python -m bench.report``."""
+    sys.path.insert(0, str(HERE.parents[1]))
+    from bench import _results
+
+    rows = []
+    for name, label in LOADERS:
+        e = results["loaders"].get(name, {})
+        package = PACKAGES.get(name, name)
+        row: dict[str, Any] = {"label": label, "version": results["versions"].get(package)}
+        for workers in (0, 2):
+            got = e.get(f"w{workers}", {})
+            if "error" in got:
+                row["error"] = got["error"]
+                continue
+            row[f"tokens_per_s_{workers}_workers"] = got.get("tokens_per_s")
+        w0 = e.get("w0", {})
+        for key in ("ttfb_s", "import_s", "peak_rss_mb", "index_bytes"):
+            if key in w0:
+                row[key] = w0[key]
+        kept = e.get("slowdown", {}).get("loop_kept")
+        if kept is not None:
+            row["loop_kept"] = kept
+        rows.append(row)
+    _results.write("peers", rows)
 
 
 def table(results: dict[str, Any]) -> str:

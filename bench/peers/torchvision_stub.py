@@ -1,4 +1,4 @@
-"""A stand-in ``torchvision`` for MosaicML streaming (PEERS.md, step 3).
+"""A stand-in ``torchvision`` for MosaicML streaming (docs/comparison.md, installing the peers).
 
 ``import streaming`` imports ``torchvision.datasets.VisionDataset`` (and a few
 more names) through its vision package, and installing torchvision would

@@ -1,0 +1,724 @@
+"""Generate the benchmarks page and the README's headline table from ``bench/results/*.json``.
+
+    python -m bench.report            # rewrite docs/benchmarks.md and the README region
+    python -m bench.report --check    # exit 1 if either differs from what the JSON gives
+
+Every figure on the page comes from the JSON a benchmark wrote in its latest run
+(``bench/_results.py`` describes the envelope); a benchmark without JSON is listed
+as not run, with its command. Plots a benchmark saved next to its JSON
+(``bench/results/NAME.png``) are copied to ``docs/benchmarks/``. Standard library
+only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "bench" / "results"
+PAGE = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
+ASSETS = ROOT / "docs" / "benchmarks"
+BEGIN, END = "<!-- bench:headline -->", "<!-- /bench:headline -->"
+DASH = "—"
+
+Row = dict[str, Any]
+Doc = dict[str, Any]
+
+
+class ReportError(Exception):
+    """A results file that cannot be read, or a README without its headline markers."""
+
+
+# ---- formatting ---------------------------------------------------------------------
+
+
+def num(x: float | None, digits: int = 3) -> str:
+    """``x`` with ``digits`` significant digits, thousands separated; a dash for None."""
+    if x is None:
+        return DASH
+    if x == 0:
+        return "0"
+    mag = abs(x)
+    decimals = 0
+    while mag < 10 ** (digits - 1) and decimals < 6:
+        mag *= 10
+        decimals += 1
+    return f"{x:,.{decimals}f}"
+
+
+def mega(x: float | None, unit: str = "") -> str:
+    return DASH if x is None else f"{num(x / 1e6)} M{unit}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    if not a or not b:
+        return DASH
+    r = a / b
+    if r >= 100:
+        return f"{r:,.0f}×"  # noqa: RUF001
+    return f"{r:.1f}×" if r >= 1.5 else f"{r:.2f}×"  # noqa: RUF001
+
+
+def pct(x: float | None) -> str:
+    return DASH if x is None else f"{100 * x:.0f}%"
+
+
+def pct_1(x: float | None) -> str:
+    return DASH if x is None else f"{100 * x:.1f}%"
+
+
+def seconds(x: float | None) -> str:
+    if x is None:
+        return DASH
+    if x < 1e-3:
+        return f"{num(x * 1e6)} µs"
+    if x < 1:
+        return f"{num(x * 1e3)} ms"
+    return f"{num(x)} s"
+
+
+def nbytes(x: float | None) -> str:
+    if x is None:
+        return DASH
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(x) >= scale:
+            return f"{num(x / scale)} {unit}"
+    return f"{x:.0f} B"
+
+
+def cell(v: Any) -> str:
+    if v is None:
+        return DASH
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return num(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, list):
+        return ", ".join(cell(x) for x in v)
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# ---- reading -------------------------------------------------------------------------
+
+REQUIRED = ("benchmark", "command", "date", "machine", "results", "goals")
+
+
+def load(path: Path) -> Doc:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ReportError(f"{path}: cannot read it as JSON: {e}") from e
+    if not isinstance(doc, dict):
+        raise ReportError(f"{path}: expected a JSON object, found {type(doc).__name__}")
+    missing = [k for k in REQUIRED if k not in doc]
+    if missing:
+        raise ReportError(f"{path}: missing {', '.join(missing)}")
+    if not isinstance(doc["results"], list) or not isinstance(doc["goals"], list):
+        raise ReportError(f"{path}: 'results' and 'goals' must be lists")
+    return doc
+
+
+def load_all(results_dir: Path) -> dict[str, Doc]:
+    docs: dict[str, Doc] = {}
+    for path in sorted(results_dir.glob("*.json")):
+        docs[path.stem] = load(path)
+    return docs
+
+
+def _rate(rows: list[Row], label: str, group: str | None = None) -> float | None:
+    for r in rows:
+        if r.get("label") == label and (group is None or r.get("group") == group):
+            v = r.get("rate")
+            return float(v) if v is not None else None
+    return None
+
+
+def _find(rows: list[Row], **match: Any) -> Row | None:
+    for r in rows:
+        if all(r.get(k) == v for k, v in match.items()):
+            return r
+    return None
+
+
+# ---- per-benchmark tables --------------------------------------------------------------
+
+
+def generic(rows: list[Row]) -> str:
+    """Every row as it is, one column per key (in order of first appearance)."""
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys and not isinstance(r[k], dict)]
+    return table(keys, [[cell(r.get(k)) for k in keys] for r in rows])
+
+
+def rate_tables(rows: list[Row], base: str | None = None) -> str:
+    """pytest-benchmark rows: per group, rate and time per call, and the ratio to ``base``."""
+    out = []
+    groups: dict[str, list[Row]] = {}
+    for r in rows:
+        if "rate" in r:
+            groups.setdefault(r.get("group", ""), []).append(r)
+    for group, members in groups.items():
+        ref = _rate(members, base) if base else None
+        header = ["", "rate (median)", "time per call (median)"]
+        if ref:
+            header.append(f"vs {base}")
+        body = []
+        for r in sorted(members, key=lambda m: -float(m["rate"])):
+            line = [
+                cell(r["label"]),
+                mega(r["rate"], f"{r.get('unit', 'items')}/s"),
+                seconds(r.get("median_s")),
+            ]
+            if ref:
+                line.append(pct(r["rate"] / ref))
+            body.append(line)
+        out.append(f"**{group}**\n\n" + table(header, body))
+    return "\n\n".join(out)
+
+
+def permute_tables(rows: list[Row]) -> str:
+    labels = [
+        ("tokload range (table auto)", "tokload `range`"),
+        ("tokload range (table off)", "tokload `range`, no table"),
+        ("tokload take (random indices)", "tokload `take` (random)"),
+        ("pygfc p[i] loop", "pygfc `p[i]` loop"),
+        ("numpy permutation", "numpy `permutation` (amortized)"),
+    ]
+    sizes = []
+    for r in rows:
+        g = str(r.get("group", ""))
+        if g.startswith("n=") and g not in sizes:
+            sizes.append(g)
+    body = []
+    for g in sizes:
+        rates = {lab: _rate(rows, lab, g) for lab, _ in labels}
+        ours = rates["tokload range (table auto)"]
+        body.append(
+            [g.removeprefix("n=")]
+            + [mega(rates[lab], " idx/s") for lab, _ in labels]
+            + [
+                f"{num(1e9 / ours)} ns" if ours else DASH,
+                ratio(ours, rates["pygfc p[i] loop"]),
+                ratio(ours, rates["numpy permutation"]),
+            ]
+        )
+    header = ["n", *(h for _, h in labels), "`range` per index", "vs pygfc", "vs numpy"]
+    text = "Indices per second, one core (a dash: not measured, e.g. numpy cannot hold n).\n\n"
+    text += table(header, body)
+    build = _find(rows, group="table build")
+    if build:
+        text += (
+            f"\n\nBuilding the table of round outputs at n = 2.7e8 takes "
+            f"{seconds(build.get('median_s'))} (median)."
+        )
+    return text
+
+
+def read_tables(rows: list[Row]) -> str:
+    text = rate_tables(rows, base="tokload TokenStream.read")
+    sys_row = _find(rows, group="syscalls (strace, TOKLOAD_IO=sync)")
+    if sys_row:
+        text += (
+            f"\n\n`preadv` calls per window (strace, synchronous I/O, TokenStream then "
+            f"StreamWithMetadata): {num(sys_row.get('value'))}; other syscalls in the read "
+            f"loop: {cell(sys_row.get('other_syscalls'))}."
+        )
+    return text
+
+
+def layout_tables(rows: list[Row]) -> str:
+    rates = [r for r in rows if "tokens_per_s" in r]
+    sizes = [r for r in rows if "bytes" in r]
+    text = table(
+        ["read kind", "tokens/s (median)", "share of TokenStream"],
+        [
+            [
+                cell(r["label"]),
+                mega(r["tokens_per_s"], " tokens/s"),
+                pct_1(r["share_of_token_stream"]),
+            ]
+            for r in rates
+        ],
+    )
+    if sizes:
+        text += "\n\nThe same tokens on disk, by layout:\n\n" + table(
+            ["build", "size", "over tokens only"],
+            [
+                [cell(r["label"]), nbytes(r["bytes"]), f"+{pct_1(r['over_tokens_only'])}"]
+                for r in sizes
+            ],
+        )
+    return text
+
+
+def loader_tables(rows: list[Row]) -> str:
+    parts = []
+    rated = [r for r in rows if "rate" in r]
+    if rated:
+        ours = _rate(rated, "tokload (2 threads)")
+        body = [
+            [
+                cell(r["label"]),
+                mega(r["rate"], " tokens/s"),
+                ratio(ours, r["rate"]) if ours else DASH,
+            ]
+            for r in sorted(rated, key=lambda m: -float(m["rate"]))
+        ]
+        parts.append(
+            "**Throughput**: tokens delivered as tensors per second (median of 5 rounds of "
+            "200 batches).\n\n" + table(["loader", "tokens/s", "tokload (2 threads) vs it"], body)
+        )
+    kept = [r for r in rows if "loop_kept" in r]
+    if kept:
+        body = [
+            [
+                cell(r["label"]),
+                pct(r["loop_kept"]),
+                ", ".join(pct(x) for x in r.get("loop_kept_runs", [])),
+                mega(r.get("tokens_per_s_meanwhile"), " tokens/s"),
+            ]
+            for r in kept
+        ]
+        parts.append(
+            "**The training thread**: the speed a pure-Python loop on the main thread keeps "
+            "while another thread drains the loader flat out (median of 5 alternating "
+            "1.5 s phases).\n\n"
+            + table(["loader", "loop speed kept", "single runs", "delivered meanwhile"], body)
+        )
+    return "\n\n".join(parts)
+
+
+def blend_tables(rows: list[Row]) -> str:
+    built = [r for r in rows if "construction_s" in r]
+    text = ""
+    if built:
+        n = built[0].get("positions")
+        body = [
+            [cell(r["label"]), seconds(r["construction_s"]), nbytes(r.get("peak_traced_bytes"))]
+            for r in built
+        ]
+        text = f"A blend of 3 sources over N = {cell(n)} positions.\n\n" + table(
+            ["", "construction time", "peak traced memory"], body
+        )
+    look = _find(rows, label="tokload Blend.locate, 4096 random positions")
+    if look:
+        text += (
+            f"\n\nOnce built, locating 4,096 random positions takes {seconds(look['lookup_s'])}."
+        )
+    return text
+
+
+def cost_tables(rows: list[Row]) -> str:
+    sizes = sorted({int(r["tokens"]) for r in rows})
+    by = {(r["loader"], int(r["tokens"])): r for r in rows}
+    body = []
+    for n in sizes:
+        line = [f"{n:.0e}".replace("e+", "e")]
+        for kind in ("tokload", "plain"):
+            r = by.get((kind, n))
+            line += [
+                seconds(r["open_s"]) if r else DASH,
+                seconds(r["ttfb_s"]) if r else DASH,
+                nbytes(r["rss_growth_bytes"]) if r else DASH,
+            ]
+        body.append(line)
+    header = [
+        "tokens",
+        "tokload open",
+        "tokload first batch",
+        "tokload RSS growth",
+        "plain open",
+        "plain first batch",
+        "plain RSS growth",
+    ]
+    return (
+        "Plain: `np.memmap` + a NumPy permutation + `torch.utils.data.DataLoader` "
+        "(a dash: not measured, its permutation outgrows memory).\n\n" + table(header, body)
+    )
+
+
+# ---- the page --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    title: str
+    what: str
+    command: str
+    render: Callable[[list[Row]], str] = generic
+
+
+PYTEST = "python -m pytest bench/{} -o python_files='bench_*.py'"
+
+BENCHMARKS = [
+    Bench(
+        "bench_permute",
+        "Permutation",
+        "Indices per second of tokload's Feistel permutation filling a range and permuting "
+        "random indices (one call, in C, one core), against pygfc's per-index `p[i]` and "
+        "numpy's `permutation` amortized per index, for n = 10^6, 2.7·10^8 and 10^12.",
+        PYTEST.format("bench_permute.py"),
+        permute_tables,
+    ),
+    Bench(
+        "bench_read",
+        "Random window reads",
+        "Tokens per second of batches of 8 random windows of 4,097 `uint32` tokens from a "
+        "64M-token dataset in the page cache: tokload's views (one call, in C) against "
+        "`np.memmap` fancy indexing and memmap slices stacked, and a stream with metadata.",
+        PYTEST.format("bench_read.py"),
+        read_tables,
+    ),
+    Bench(
+        "bench_read_layouts",
+        "Read kinds and metadata layouts",
+        "Tokens per second of every read kind on the same 8M `uint16` tokens (documents of "
+        "2,048, windows of 4,097, batches of 8, page cache warm), as a share of "
+        "`TokenStream`'s measured in turns with it: metadata blocks, the span table and "
+        "per-token ids at 1 record per 10, 100 and 1,000 tokens, documents padded and "
+        "packed, and indexes read entry by entry (`TOKLOAD_INDEX_MEMORY=0`); and the size "
+        "of each build on disk.",
+        "python -m bench.bench_read",
+        layout_tables,
+    ),
+    Bench(
+        "bench_loader",
+        "DataLoader throughput and the training thread",
+        "End to end: tokens per second delivered as torch tensors by tokload's DataLoader and "
+        "by a plain `torch.utils.data.DataLoader` over `np.memmap` windows (64M `uint32` "
+        "tokens, page cache warm, windows of 4,097, batch 8, shuffled), and what each loader "
+        "costs a pure-Python loop on the main thread.",
+        PYTEST.format("bench_loader.py") + " -s",
+        loader_tables,
+    ),
+    Bench(
+        "bench_blend",
+        "Blending",
+        "Constructing a 3-source blend: tokload's `Blend` (nothing stored per sample) "
+        "against the per-sample index arrays Megatron-style blending precomputes (time and "
+        "peak traced memory), and a lookup once built.",
+        PYTEST.format("bench_blend.py") + " -s",
+        blend_tables,
+    ),
+    Bench(
+        "cost_curves",
+        "Cost against dataset size",
+        "Open time, time to first shuffled batch and resident memory growth against dataset "
+        "size (10^6 to 10^12 `uint32` tokens, sparse files), each point in a fresh process, "
+        "median of 3: tokload against the plain memmap + permutation recipe.",
+        "python bench/cost_curves.py",
+        cost_tables,
+    ),
+    Bench(
+        "bench_cold",
+        "Cold storage",
+        "Tokens per second with the page cache dropped before every measurement: the "
+        "device's own limit (a C probe with 1 to 64 reads in flight, io_uring), tokload's "
+        "DataLoader on each I/O path, the plain loader and peers; and the training thread "
+        "while tokload streams cold data. Needs root.",
+        "sudo " + PYTEST.format("bench_cold.py") + " -s",
+    ),
+    Bench(
+        "bench_read_cold",
+        "Streams with metadata, cold",
+        "Tokens per second of every metadata layout read cold (page cache dropped), one batch "
+        "after the other and through the DataLoader, as a share of TokenStream's. Needs root.",
+        "sudo python -m bench.bench_read_cold",
+    ),
+    Bench(
+        "bench_stall",
+        "Stalls on slow storage",
+        "How long a trainer's `next()` blocks (p50, p99, p99.9, max) when every read goes "
+        "through a FUSE filesystem that delays some of them, for tokload and the other "
+        "loaders. Needs root and FUSE.",
+        "sudo " + PYTEST.format("bench_stall.py") + " -s",
+    ),
+    Bench(
+        "bench_build",
+        "Building a dataset",
+        "`tokload build` in MB of text per second against the tokenizer's own `encode_batch` "
+        "on the same cores and Megatron-LM's preprocessing recipe, with and without metadata.",
+        "python -m bench.bench_build --mb 200",
+    ),
+    Bench(
+        "bench_gpu",
+        "GPU hosts",
+        "Host-to-device copy throughput of tokload's pinned batches against plain pinned "
+        "tensors, and a training step's time fed by tokload against batches already on the "
+        "device. Needs a CUDA device.",
+        PYTEST.format("bench_gpu.py") + " -s",
+    ),
+    Bench(
+        "peers",
+        "Against other loaders",
+        "tokload side by side with the loaders users pick today (plain memmap DataLoader, "
+        "torchdata, litdata, Megatron-core, MosaicML streaming) on one corpus: tokens per "
+        "second, time to first batch, peak memory, shuffle index cost, the training thread. "
+        "Installs the peers in a separate environment.",
+        "python bench/peers/run.py",
+    ),
+]
+
+HEADER = """\
+<!-- Generated by `python -m bench.report` from bench/results/*.json: do not edit. -->
+# Benchmarks
+
+Every figure on this page comes from the JSON the benchmark wrote in its latest run,
+kept in `bench/results/`, with the command, the machine and the date of that run.
+`python -m bench.report` regenerates the page; CI fails when the page and the JSON
+disagree. A benchmark's ratios compare figures measured in the same run on the same
+machine. Goals are checked against figures of the same run and stated as met or
+missed, with by how much.
+"""
+
+
+def machine_line(doc: Doc) -> str:
+    m = doc.get("machine") or {}
+    parts = [
+        f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {num(m.get('mem_gb'))} GB",
+        f"Linux {m.get('kernel', '?')}",
+        f"Python {m.get('python', '?')}",
+        f"torch {m.get('torch') or DASH}",
+        f"NumPy {m.get('numpy') or DASH}",
+        f"tokload {m.get('tokload', '?')}",
+        f"GPU: {m.get('gpu') or 'none'}",
+    ]
+    return "; ".join(parts)
+
+
+def goals_section(goals: list[Row]) -> str:
+    body = []
+    for g in goals:
+        status = "met" if g.get("met") else (g.get("missed_by") or "missed")
+        body.append([cell(g.get("what")), cell(g.get("target")), cell(g.get("measured")), status])
+    return "**Goals**\n\n" + table(["goal", "target", "measured", "result"], body)
+
+
+def section(bench: Bench, doc: Doc | None, assets: set[str]) -> str:
+    out = [f"## {bench.title}", "", bench.what, ""]
+    if doc is None:
+        out.append(f"Not run yet: `{bench.command}`")
+        return "\n".join(out)
+    load = doc.get("load")
+    out += [
+        f"- Command: `{doc['command']}`",
+        f"- Date: {doc['date']}",
+        f"- Machine: {machine_line(doc)}",
+        f"- Load average at start: {num(load) if load is not None else DASH}",
+        "",
+    ]
+    rows = doc["results"]
+    out.append(bench.render(rows) if rows else "The run recorded no results.")
+    if f"{bench.name}.png" in assets:
+        out += ["", f"![{bench.title}](benchmarks/{bench.name}.png)"]
+    if doc["goals"]:
+        out += ["", goals_section(doc["goals"])]
+    return "\n".join(out)
+
+
+def _assets(results_dir: Path) -> set[str]:
+    return {p.name for p in results_dir.glob("*.png")}
+
+
+def render_page(results_dir: Path) -> str:
+    docs = load_all(results_dir)
+    assets = _assets(results_dir)
+    known = {b.name for b in BENCHMARKS}
+    benches = BENCHMARKS + [
+        Bench(name, name, "A benchmark without a description in bench/report.py.", DASH)
+        for name in sorted(docs)
+        if name not in known
+    ]
+    parts = [HEADER]
+    parts += [section(b, docs.get(b.name), assets) for b in benches]
+    return "\n\n".join(p.rstrip("\n") for p in parts) + "\n"
+
+
+# ---- the README headline ---------------------------------------------------------------
+
+
+def headline_rows(docs: dict[str, Doc]) -> list[list[str]]:
+    rows: list[list[str]] = []
+    perm = docs.get("bench_permute", {}).get("results", [])
+    ours = _rate(perm, "tokload range (table auto)", "n=2.7e8")
+    if ours:
+        pygfc = _rate(perm, "pygfc p[i] loop", "n=2.7e8")
+        rows.append(
+            [
+                "Permutation, n = 2.7·10^8, one core",
+                f"{num(1e9 / ours)} ns per index",
+                f"{ratio(ours, pygfc)} pygfc's `p[i]`" if pygfc else DASH,
+            ]
+        )
+    read = docs.get("bench_read", {}).get("results", [])
+    ts = _rate(read, "tokload TokenStream.read")
+    if ts:
+        mm = _rate(read, "np.memmap slices + np.stack")
+        rows.append(
+            [
+                "`TokenStream` random windows, warm cache",
+                f"{num(ts * 4 / 1e9)} GB/s ({mega(ts, ' tokens/s')})",
+                f"{ratio(ts, mm)} memmap slices" if mm else DASH,
+            ]
+        )
+    loader = docs.get("bench_loader", {}).get("results", [])
+    tl = _rate(loader, "tokload (2 threads)")
+    if tl:
+        # against the faster of the plain loader's settings, whichever it was in this run
+        plain = [
+            (rate, label)
+            for label in (
+                "torch DataLoader + memmap, 0 workers",
+                "torch DataLoader + memmap, 2 workers",
+            )
+            if (rate := _rate(loader, label))
+        ]
+        best = max(plain) if plain else None
+        rows.append(
+            [
+                "DataLoader, shuffled, tensors",
+                mega(tl, " tokens/s"),
+                f"{ratio(tl, best[0])} {best[1]} (the faster setting)" if best else DASH,
+            ]
+        )
+    kept = _find(loader, label="tokload (1 thread)", group=_KEPT_GROUP)
+    if kept:
+        rows.append(
+            [
+                "Main-thread Python loop kept while tokload loads",
+                pct(kept["loop_kept"]),
+                f"while delivering {mega(kept.get('tokens_per_s_meanwhile'), ' tokens/s')} "
+                "(goal: 97%)",
+            ]
+        )
+    for g in docs.get("bench_cold", {}).get("goals", []):
+        if "device" in str(g.get("what")):
+            rows.append(["Cold storage, tokload defaults", cell(g["measured"]), "of the disk"])
+            break
+    blend = docs.get("bench_blend", {}).get("results", [])
+    b = _find(blend, label="tokload Blend")
+    n = _find(blend, label="NumPy Megatron-style arrays")
+    if b and n:
+        rows.append(
+            [
+                f"Blend construction, {cell(b.get('positions'))} positions",
+                seconds(b["construction_s"]),
+                f"{ratio(n['construction_s'], b['construction_s'])} faster than "
+                "Megatron-style index arrays",
+            ]
+        )
+    gpu = docs.get("bench_gpu", {})
+    fed = _find(gpu.get("results", []), label="tokload (device='auto')")
+    pre = _find(gpu.get("results", []), label="pre-loaded on the GPU")
+    if fed and pre:
+        rows.append(
+            [
+                f"Training step fed by tokload, {gpu['machine'].get('gpu') or 'GPU'}",
+                f"{num(fed['step_ms'])} ms",
+                f"{fed['step_ms'] / pre['step_ms']:.3f}× the step on batches already on the GPU",  # noqa: RUF001
+            ]
+        )
+    return rows[:7]
+
+
+_KEPT_GROUP = "main-thread Python loop while the loader is drained"
+
+
+def render_headline(results_dir: Path) -> str:
+    rows = headline_rows(load_all(results_dir))
+    lines = []
+    if rows:
+        lines += [table(["", "measured", "compared with"], rows), ""]
+    else:
+        lines += ["No benchmark has been run yet.", ""]
+    lines.append("Full results, machine and command: [benchmarks](docs/benchmarks.md)")
+    return "\n".join(lines)
+
+
+def replace_region(readme_text: str, body: str, where: str = "README.md") -> str:
+    start, end = readme_text.find(BEGIN), readme_text.find(END)
+    if start < 0 or end < start:
+        raise ReportError(f"{where}: no {BEGIN} ... {END} region")
+    return readme_text[: start + len(BEGIN)] + "\n" + body + "\n" + readme_text[end:]
+
+
+# ---- generate and check ------------------------------------------------------------------
+
+
+def expected(results_dir: Path, readme: Path) -> tuple[str, str]:
+    page = render_page(results_dir)
+    readme_text = replace_region(readme.read_text(), render_headline(results_dir), str(readme))
+    return page, readme_text
+
+
+def generate(results_dir: Path, page: Path, readme: Path, assets: Path) -> None:
+    page_text, readme_text = expected(results_dir, readme)
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(page_text)
+    readme.write_text(readme_text)
+    pngs = sorted(results_dir.glob("*.png"))
+    if pngs:
+        assets.mkdir(parents=True, exist_ok=True)
+    for p in pngs:
+        shutil.copyfile(p, assets / p.name)
+
+
+def check(results_dir: Path, page: Path, readme: Path, assets: Path) -> list[str]:
+    """What differs from what the JSON gives (empty when everything is up to date)."""
+    page_text, readme_text = expected(results_dir, readme)
+    problems = []
+    if not page.exists() or page.read_text() != page_text:
+        problems.append(f"{page} differs from what {results_dir}/*.json gives")
+    if readme.read_text() != readme_text:
+        problems.append(f"{readme}: the {BEGIN} region differs from what the JSON gives")
+    for p in sorted(results_dir.glob("*.png")):
+        copy = assets / p.name
+        if not copy.exists() or copy.read_bytes() != p.read_bytes():
+            problems.append(f"{copy} is not a copy of {p}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    ap.add_argument("--check", action="store_true", help="fail if the outputs are stale")
+    ap.add_argument("--results", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--page", type=Path, default=PAGE)
+    ap.add_argument("--readme", type=Path, default=README)
+    ap.add_argument("--assets", type=Path, default=ASSETS)
+    args = ap.parse_args(argv)
+    try:
+        if args.check:
+            problems = check(args.results, args.page, args.readme, args.assets)
+            for p in problems:
+                print(f"bench.report --check: {p}", file=sys.stderr)
+            if problems:
+                print("run `python -m bench.report` and commit the result", file=sys.stderr)
+                return 1
+            return 0
+        generate(args.results, args.page, args.readme, args.assets)
+    except ReportError as e:
+        print(f"bench.report: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
