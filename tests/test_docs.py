@@ -119,9 +119,7 @@ def _page_id(page: Path) -> str:
 
 # The GPU page shows the loader's defaults (batches on the GPU where CUDA is): marked
 # ``gpu`` so that tests/conftest.py leaves them as they are; it runs on every host.
-PAGE_PARAMS = [
-    pytest.param(p, marks=pytest.mark.gpu) if p.name == "gpu.md" else p for p in PAGES
-]
+PAGE_PARAMS = [pytest.param(p, marks=pytest.mark.gpu) if p.name == "gpu.md" else p for p in PAGES]
 
 
 @pytest.mark.parametrize("page", PAGE_PARAMS, ids=_page_id)
