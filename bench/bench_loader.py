@@ -199,3 +199,62 @@ def test_main_thread_slowdown(corpus: Path, name: str) -> None:
         f"{', '.join(f'{r:.0%}' for r in runs)}); the loader delivered {rate / 1e6:.1f} "
         "Mtok/s meanwhile"
     )
+
+
+def test_statistics_cost(corpus: Path) -> None:
+    """What ``DataLoader.stats()``'s counters cost per batch, against a batch's time.
+
+    The training thread pays, per batch, ``LoaderStats.delivered`` and a clock read
+    when it waits; a reader thread pays, per task of 16 steps, two clock reads, the
+    token count and ``LoaderStats.built``. Each is timed alone (best of 5 runs of
+    100,000 calls) and compared with the time per batch of tokload (1 thread)
+    drained flat out in the same run.
+    """
+    import timeit
+
+    from tokload.stats import LoaderStats, TokenCounter
+
+    stats, counter = LoaderStats(0, 1), TokenCounter()
+    raw = {"tokens": np.zeros((16 * BATCH, WINDOW), np.uint32), "index": np.zeros(16 * BATCH)}
+    cuts = [(k * BATCH, (k + 1) * BATCH) for k in range(16)]
+    n = 100_000
+    consumer = (
+        min(timeit.repeat(lambda: stats.delivered(0.0, BATCH, BATCH * WINDOW), number=n, repeat=5))
+        / n
+    )
+
+    def task() -> None:
+        t0 = time.perf_counter()
+        tokens = counter.rows(raw, cuts)
+        stats.built(time.perf_counter() - t0, sum(tokens))
+
+    reader = min(timeit.repeat(task, number=n // 10, repeat=5)) / (n // 10) / 16
+    it = tokload_loader(corpus, 1)
+    for _ in range(20):
+        next(it)
+    t0 = time.perf_counter()
+    for _ in range(500):
+        next(it)
+    per_batch = (time.perf_counter() - t0) / 500
+    share = (consumer + reader) / per_batch
+    _results.record(
+        "bench_loader",
+        group="statistics (stats()) cost per batch",
+        label="tokload (1 thread)",
+        consumer_s=consumer,
+        reader_s=reader,
+        batch_s=per_batch,
+        share=share,
+    )
+    _results.goal(
+        "bench_loader",
+        "statistics' cost per batch, share of a batch's time (tokload, 1 thread, flat out)",
+        0.01,
+        share,
+        higher_is_better=False,
+        fmt="{:.2%}",
+    )
+    print(
+        f"\nstatistics per batch: training thread {consumer * 1e9:.0f} ns, reader "
+        f"{reader * 1e9:.0f} ns; a batch takes {per_batch * 1e6:.1f} µs flat out: {share:.2%}"
+    )

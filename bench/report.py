@@ -302,6 +302,23 @@ def loader_tables(rows: list[Row]) -> str:
             "1.5 s phases).\n\n"
             + table(["loader", "loop speed kept", "single runs", "delivered meanwhile"], body)
         )
+    cost = [r for r in rows if "consumer_s" in r]
+    if cost:
+        body = [
+            [
+                cell(r["label"]),
+                seconds(r["consumer_s"]),
+                seconds(r["reader_s"]),
+                seconds(r["batch_s"]),
+                f"{100 * r['share']:.2f}%",
+            ]
+            for r in cost
+        ]
+        parts.append(
+            "**Statistics**: what the counters behind `DataLoader.stats()` cost per batch "
+            "(always on), each part timed alone, against a batch's time drained flat out.\n\n"
+            + table(["loader", "training thread", "reader threads", "a batch", "share"], body)
+        )
     return "\n\n".join(parts)
 
 

@@ -52,6 +52,7 @@ cdef lib.tl_fdcache _cache
 cdef lib.tl_pool _pool
 cdef lib.tl_io_faults _faults
 cdef bint _faults_on = False
+cdef lib.tl_io_counters _counters  # every engine call of the process adds to it
 cdef lib.tl_uring *_rings[64]
 cdef int _nrings = 0
 cdef int _uring_state = -1  # -1: not probed, 0: unavailable, 1: available
@@ -216,7 +217,10 @@ cdef void _put_ring(lib.tl_uring *r) noexcept:
 def _after_fork_in_child():
     # The child has none of the parent's pool threads, and its rings are the
     # parent's: start over with the descriptors (still valid) and nothing else.
-    global _nrings
+    # Its reads are its own: the totals start from zero.
+    global _nrings, _counters
+    _counters.calls = _counters.requests = _counters.bytes = _counters.failed = 0
+    _counters.ns = 0
     lib.tl_fdcache_after_fork(&_cache)
     lib.tl_pool_after_fork(&_pool)
     while _nrings:
@@ -226,6 +230,25 @@ def _after_fork_in_child():
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def io_counters():
+    """Process-wide totals of tokload's reads since the process started (a
+    forked child starts from zero): a dict
+    of ``calls`` (batches of requests run), ``requests`` (reads issued),
+    ``bytes`` (bytes read by calls that succeeded), ``failed`` (calls that
+    raised an I/O error) and ``seconds`` (time in those calls, summed over the
+    threads that made them). Every thread and dataset adds to the same totals;
+    read them twice and subtract for an interval."""
+    cdef lib.tl_io_counters c
+    lib.tl_io_counters_read(&_counters, &c)
+    return {
+        "calls": c.calls,
+        "requests": c.requests,
+        "bytes": c.bytes,
+        "failed": c.failed,
+        "seconds": c.ns / 1e9,
+    }
 
 
 def _pool_threads():
@@ -403,6 +426,7 @@ cdef class FileSet:
         e.pool = NULL
         e.ring = NULL
         e.faults = &_faults if _faults_on else NULL
+        e.counters = &_counters
         if e.backend == lib.TL_IO_THREADS:
             if _pool.nthreads + 1 < e.depth:
                 lib.tl_pool_grow(&_pool, e.depth - 1)

@@ -132,6 +132,13 @@ cdef extern from "tokload/engine.h" nogil:
     enum: TL_IO_THREADS
     enum: TL_IO_URING
 
+    ctypedef struct tl_io_counters:
+        uint64_t calls
+        uint64_t requests
+        uint64_t bytes
+        uint64_t failed
+        uint64_t ns
+
     ctypedef struct tl_engine:
         int backend
         unsigned depth
@@ -139,9 +146,11 @@ cdef extern from "tokload/engine.h" nogil:
         tl_pool *pool
         tl_uring *ring
         tl_io_faults *faults
+        tl_io_counters *counters
 
     int tl_engine_run(const tl_engine *e, const tl_ioreq *reqs, size_t n, tl_io_error *err,
                       size_t *failed) noexcept
+    void tl_io_counters_read(const tl_io_counters *c, tl_io_counters *out) noexcept
 
 
 cdef extern from "tokload/shards.h" nogil:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Self
@@ -30,6 +31,7 @@ from tokload.errors import StateError
 from tokload.prefetch import Prefetcher
 from tokload.readahead import ReadAhead, wanted
 from tokload.schedule import Schedule
+from tokload.stats import LoaderStats, TokenCounter, format_report, log
 from tokload.transfer import Batch, Transfer, TransferBackend, make_backend
 
 STATE_VERSION = 1
@@ -140,6 +142,10 @@ class DataLoader:
             off on local disks, where the kernel's read-ahead competes with the
             reader's own reads; True / False: always / never. ``self.readahead``
             says what was chosen.
+        log_every: seconds between log lines of ``stats()`` (logger
+            ``"tokload"``, level INFO), written by ``next()`` once that much
+            time has passed; None (default): none. The log keeps its own
+            interval: it does not reset the one ``stats()`` reports.
 
     Batches are ``Batch`` dicts of tensors: the view's
     arrays (``"tokens"``, or one entry per field of a structured dtype, plus
@@ -175,6 +181,7 @@ class DataLoader:
         io_depth: int | None = None,
         transfer: TransferBackend | None = None,
         readahead: bool | None = None,
+        log_every: float | None = None,
     ) -> None:
         check_view(view)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -218,6 +225,12 @@ class DataLoader:
         self.prefetch = None if prefetch is None else int(prefetch)
         self.prefetch_bytes, self.num_threads = int(prefetch_bytes), int(num_threads)
         self.steps_per_task = int(steps_per_task)
+        if log_every is not None and (
+            isinstance(log_every, bool) or not isinstance(log_every, (int, float)) or log_every <= 0
+        ):
+            raise ValueError(
+                f"log_every must be a positive number of seconds or None, got {log_every!r}"
+            )
         if readahead not in (None, True, False):
             raise ValueError(f"readahead must be None, True or False, got {readahead!r}")
         self.readahead = wanted(view) if readahead is None else bool(readahead)
@@ -245,6 +258,11 @@ class DataLoader:
         self.assembly = Assembly(view, self.transfer.alloc)
         self._cursor = 0
         self._iter: weakref.ref[_LoaderIter] | None = None
+        self._stats = LoaderStats(self.rank, self.world_size)
+        self._tokens = TokenCounter()
+        self._stats_mark = self._stats.mark()
+        self.log_every = None if log_every is None else float(log_every)
+        self._log_mark = self._stats_mark
 
     @property
     def pinned(self) -> bool:
@@ -354,26 +372,78 @@ class DataLoader:
         stream switch and an event is paid per task, not per step); a rowwise
         task's batches are slices of its device tensors.
         """
+        return self._build(spans)[0]
+
+    def _build(self, spans: list[tuple[int, int]]) -> tuple[list[Any], list[int]]:
+        """``build_steps``, and the tokens of each batch (for ``stats``), timed."""
+        t0 = time.perf_counter()
         sched, asm = self.schedule, self.assembly
         if not asm.rowwise:
             parts = [(sched.indices(p), p) for p in (sched.positions(*sp) for sp in spans)]
             raws = asm.read_many(parts)
+            tokens = [self._tokens.one(r) for r in raws]
             if self.collate is not None:
-                return [self.collate(r) for r in raws]
-            return self.transfer.copy_all([self.transfer.tensors(r) for r in raws])
+                out = [self.collate(r) for r in raws]
+            else:
+                out = self.transfer.copy_all([self.transfer.tensors(r) for r in raws])
+            self._stats.built(time.perf_counter() - t0, sum(tokens))
+            return out, tokens
         pos, ends = sched.task_positions(spans)
         raw = asm.read(sched.indices(pos), pos)
         asm.check_rows(raw, len(pos))
         collate = self.collate
         cuts = list(zip([0, *ends], ends, strict=False))
+        tokens = self._tokens.rows(raw, cuts)
         if collate is not None:
-            return [collate(_rows(list(raw.items()), a, e)) for a, e in cuts]
-        whole = self.transfer.copy(self.transfer.tensors(raw))
-        items = list(whole.items())
-        batches = [_rows(items, a, e) for a, e in cuts]
-        for b in batches:
-            b.ready = whole.ready
-        return batches
+            out = [collate(_rows(list(raw.items()), a, e)) for a, e in cuts]
+        else:
+            whole = self.transfer.copy(self.transfer.tensors(raw))
+            items = list(whole.items())
+            out = [_rows(items, a, e) for a, e in cuts]
+            for b in out:
+                b.ready = whole.ready
+        self._stats.built(time.perf_counter() - t0, sum(tokens))
+        return out, tokens
+
+    # ---- statistics ----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """What this rank's loader did since the last ``stats()`` (or since it was built).
+
+        A dict of numbers, cheap to take every few seconds (counters are kept
+        whatever you call):
+
+        - ``rank``, ``world_size``; ``seconds``: the interval's length;
+        - ``batches``, ``samples``, ``tokens`` delivered by ``next()`` and
+          ``tokens_per_s`` (documents count their lengths, not padding);
+        - ``wait_s``: the training thread's total wait in ``next()`` for batches
+          not yet built, ``wait_fraction`` of the interval, and ``wait_p50_s``,
+          ``wait_p99_s``, ``wait_max_s`` over its batches (the latest 65,536 at
+          most; a batch that was ready waited 0);
+        - ``tasks_built``, ``build_s`` (reader threads' time building batches,
+          summed over threads: reads, assembly, tensors, device copies) and
+          ``tokens_built``;
+        - ``io_calls``, ``io_requests``, ``io_bytes``, ``io_failed``, ``io_s``:
+          the reads tokload's I/O engine ran in the interval, for every loader
+          and view of this process (its totals are process-wide);
+        - ``batches_ready``: built batches waiting for ``next()`` now, and
+          ``prefetch_batches``: the most that can wait (the prefetch's tasks
+          of ``steps_per_task`` batches, and the task being handed out; 0
+          without reader threads).
+        """
+        report, self._stats_mark = self._stats.report(self._stats_mark, self._queue())
+        return report
+
+    def _queue(self) -> dict[str, int]:
+        it = self._iter() if self._iter is not None else None
+        if it is None:
+            return {"batches_ready": 0, "prefetch_batches": 0}
+        return it.queue()
+
+    def _log_stats(self) -> None:
+        if time.perf_counter() - self._log_mark["time"] >= self.log_every:
+            report, self._log_mark = self._stats.report(self._log_mark, self._queue())
+            log.info(format_report(report))
 
     def raw_batch(self, start: int, end: int) -> dict[str, Any]:
         """The NumPy arrays of this rank's part of the global batch ``[start, end)``.
@@ -430,7 +500,7 @@ class _LoaderIter:
     def __init__(self, loader: DataLoader) -> None:
         self._loader = loader
         self._closed = False
-        self._ready: list[tuple[tuple[int, int], Any]] = []
+        self._ready: list[tuple[tuple[int, int], Any, int]] = []
         self._pf: Prefetcher | None = None
         self._auto = False  # the automatic prefetch: sized by the batches it sees
         self._largest = 0  # bytes of the largest batch measured
@@ -475,32 +545,54 @@ class _LoaderIter:
         if self._closed:
             raise StopIteration
         loader = self._loader
+        wait = 0.0
         if self._pf is None:
             span = loader.schedule.span(loader.cursor)
             if span is None:
                 self.close()
                 raise StopIteration
-            item = loader.build_steps([span])[0]
+            t0 = time.perf_counter()
+            items, tokens = loader._build([span])
+            wait = time.perf_counter() - t0
+            item, ntok = items[0], tokens[0]
             end = span[1]
         else:
             if not self._ready:
+                t0 = time.perf_counter()
                 self._ready = self._pf.get()
+                wait = time.perf_counter() - t0
                 self._ready.reverse()
                 if self._auto and self._ready:
                     self._size_prefetch(self._ready[-1][1])
             if not self._ready:  # an empty task: the pass is over
                 self.close()
                 raise StopIteration
-            (_start, end), item = self._ready.pop()
+            (start, end), item, ntok = self._ready.pop()
             if isinstance(item, _Failed):
                 # The batch was not delivered: the cursor stays before it, and a new
                 # iterator (or a resume) builds it again.
                 self.close()
                 raise item.exc
+            span = (start, end)
         loader._cursor = end  # delivered: counts now, not when it was built
+        loader._stats.delivered(wait, loader.schedule.samples(*span), ntok)
+        if loader.log_every is not None:
+            loader._log_stats()
         if self._deliver is not None:
             self._deliver(item)
         return item
+
+    def queue(self) -> dict[str, int]:
+        """Built batches waiting for ``next()``, and the most that can wait: the
+        prefetch's tasks and the one being handed out."""
+        pf = self._pf
+        if pf is None:
+            return {"batches_ready": 0, "prefetch_batches": 0}
+        per = self._loader.steps_per_task
+        return {
+            "batches_ready": len(self._ready) + pf.ready * per,
+            "prefetch_batches": (pf.depth + 1) * per,
+        }
 
     def _size_prefetch(self, batch: Any) -> None:
         """The automatic prefetch depth, from the first batch of each task: sized
@@ -613,24 +705,26 @@ def _task_builder(
     if lead is not None:
         lead.append(ahead)
 
-    def build(task: int) -> list[tuple[tuple[int, int], Any]]:
+    def build(task: int) -> list[tuple[tuple[int, int], Any, int]]:
         spans = spans_of(task)
         try:
             if ahead is not None and lead:
                 ahead.ahead(task, lead[0])
-            return list(zip(spans, loader.build_steps(spans), strict=True))
+            items, tokens = loader._build(spans)
+            return list(zip(spans, items, tokens, strict=True))
         except Exception:
             pass  # rebuild one by one, so the failure lands on its own step
-        out: list[tuple[tuple[int, int], Any]] = []
+        out: list[tuple[tuple[int, int], Any, int]] = []
         for sp in spans:
             try:
-                out.append((sp, loader.build_steps([sp])[0]))
+                items, tokens = loader._build([sp])
+                out.append((sp, items[0], tokens[0]))
             except BaseException as e:
                 e.add_note(
                     f"(raised in a tokload reader thread while building the batch "
                     f"at cursor {sp[0]})"
                 )
-                out.append((sp, _Failed(e)))
+                out.append((sp, _Failed(e), 0))
                 break  # the consumer stops at the failure: nothing after it is needed
         return out
 

@@ -101,6 +101,11 @@ class Prefetcher:
             self._cond.notify_all()
 
     @property
+    def ready(self) -> int:
+        """Steps built and waiting for ``get`` (a snapshot)."""
+        return len(self._results)
+
+    @property
     def next_step(self) -> int:
         """The step the next ``get`` returns."""
         return self._next

@@ -138,9 +138,14 @@ class Schedule:
         if end - start == self.global_batch:
             out: np.ndarray = self._offsets + np.uint64(start)
             return out
+        return self._offsets[: self.samples(start, end)] + np.uint64(start)
+
+    def samples(self, start: int, end: int) -> int:
+        """How many of the global batch ``[start, end)`` are this rank's (O(1))."""
+        if end - start == self.global_batch:
+            return self.batch_size
         first = start + self.rank
-        count = max(0, min(self.batch_size, -(-(end - first) // self.world_size)))
-        return self._offsets[:count] + np.uint64(start)
+        return max(0, min(self.batch_size, -(-(end - first) // self.world_size)))
 
     def task_positions(self, spans: list[tuple[int, int]]) -> tuple[np.ndarray, list[int]]:
         """This rank's positions of consecutive steps, back to back, and where each ends."""
