@@ -234,12 +234,12 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def io_counters():
     """Process-wide totals of tokload's reads since the process started (a
-    forked child starts from zero): a dict
-    of ``calls`` (batches of requests run), ``requests`` (reads issued),
-    ``bytes`` (bytes read by calls that succeeded), ``failed`` (calls that
-    raised an I/O error) and ``seconds`` (time in those calls, summed over the
-    threads that made them). Every thread and dataset adds to the same totals;
-    read them twice and subtract for an interval."""
+    forked child starts from zero): a dict of ``calls`` (batches of requests
+    run), ``requests`` (reads issued), ``bytes`` (bytes read by calls that
+    succeeded), ``failed`` (calls that raised an I/O error) and ``seconds``
+    (time in those calls, summed over the threads that made them). Every thread
+    and dataset adds to the same totals; read them twice and subtract for an
+    interval."""
     cdef lib.tl_io_counters c
     lib.tl_io_counters_read(&_counters, &c)
     return {
