@@ -285,7 +285,7 @@ def loader_tables(rows: list[Row]) -> str:
             "**Throughput**: tokens delivered as tensors per second (median of 5 rounds of "
             "200 batches).\n\n" + table(["loader", "tokens/s", "tokload (2 threads) vs it"], body)
         )
-    kept = [r for r in rows if "loop_kept" in r]
+    kept = [r for r in rows if "loop_kept" in r and "rate_target" not in r]
     if kept:
         body = [
             [
@@ -301,6 +301,24 @@ def loader_tables(rows: list[Row]) -> str:
             "while another thread drains the loader flat out (median of 5 alternating "
             "1.5 s phases).\n\n"
             + table(["loader", "loop speed kept", "single runs", "delivered meanwhile"], body)
+        )
+    paced = [r for r in rows if "rate_target" in r]
+    if paced:
+        body = [
+            [
+                cell(r["label"]),
+                pct_1(r["loop_kept"]),
+                ", ".join(pct(x) for x in r.get("loop_kept_runs", [])),
+                seconds(r["wait_p999_s"]),
+                seconds(r["wait_max_s"]),
+            ]
+            for r in paced
+        ]
+        parts.append(
+            "**A trainer's loop at a fixed rate**: batches taken at a fixed cadence with "
+            "GIL-holding Python between them, against the same loop with no loader "
+            "(median of 3 alternating 3 s phases), and the waits in `next()`.\n\n"
+            + table(["rate", "loop speed kept", "single runs", "p99.9 wait", "max wait"], body)
         )
     cost = [r for r in rows if "consumer_s" in r]
     if cost:
