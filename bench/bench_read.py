@@ -55,6 +55,13 @@ def corpus() -> Iterator[tuple[Path, Path]]:
                 (s, s + 300, b"concept-%d" % (start + s)) for s in range(0, len(doc) - 300, 700)
             ]
             w.write({"token": doc}, spans=spans)
+    # the same tokens as documents of log-normal lengths (median 600), for boundaries
+    lengths = np.maximum(1, rng.lognormal(np.log(600), 1.0, TOKENS // 300)).astype(np.int64)
+    ends = np.cumsum(lengths)
+    ends = ends[ends < TOKENS]
+    with tokload.Writer(tmp / "docs", "<u4", shard_bytes=SHARD_TOKENS * 4) as w:
+        for a, e in zip(np.concatenate(([0], ends)), np.concatenate((ends, [TOKENS])), strict=True):
+            w.write(flat[a:e])
     for p in tmp.rglob("*"):  # warm the page cache
         if p.is_file():
             p.read_bytes()
@@ -116,6 +123,33 @@ def test_tokload_stream_with_metadata(benchmark: Any, corpus: tuple[Path, Path])
     # of the metadata goal, which ``python -m bench.bench_read`` measures.
     _info(benchmark, "tokload StreamWithMetadata.read ((token, metadata_id) rows)")
     benchmark(lambda: view.read(next(batches)))
+
+
+@pytest.mark.parametrize("boundaries", [False, True], ids=["plain", "boundaries"])
+def test_token_stream_with_boundaries(
+    benchmark: Any, corpus: tuple[Path, Path], boundaries: bool
+) -> None:
+    """A batch as the DataLoader reads it (``read_batch``) from documents of
+    log-normal lengths (median 600 tokens), without and with the attention metadata."""
+    view = tokload.TokenStream(
+        corpus[0].parent / "docs", window=WINDOW, stride=WINDOW - 1, boundaries=boundaries
+    )
+    batches = _batches(len(view))
+    label = "TokenStream.read_batch" + (", boundaries=True" if boundaries else "")
+    benchmark.group = "documents of ~600 tokens (4097 x uint32, batch 8)"
+    benchmark.extra_info.update(items=WINDOW * BATCH, unit="tok", label=label)
+    benchmark(lambda: view.read_batch(next(batches), np.empty))
+
+
+def bench_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The attention metadata costs at most 10% of a plain batch's time."""
+    t = {r["label"]: r["median_s"] for r in rows if "median_s" in r}
+    plain = t.get("TokenStream.read_batch")
+    both = t.get("TokenStream.read_batch, boundaries=True")
+    if not (plain and both):
+        return []
+    what = "boundaries=True: extra time per batch over a plain TokenStream batch"
+    return [_results.make_goal(what, 0.10, both / plain - 1, higher_is_better=False, fmt="{:.0%}")]
 
 
 def test_syscalls_per_window(corpus: tuple[Path, Path]) -> None:

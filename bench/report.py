@@ -232,7 +232,10 @@ def permute_tables(rows: list[Row]) -> str:
 
 
 def read_tables(rows: list[Row]) -> str:
-    text = rate_tables(rows, base="tokload TokenStream.read")
+    docs = [r for r in rows if str(r.get("group", "")).startswith("documents of")]
+    text = rate_tables([r for r in rows if r not in docs], base="tokload TokenStream.read")
+    if docs:
+        text += "\n\n" + rate_tables(docs, base="TokenStream.read_batch")
     sys_row = _find(rows, group="syscalls (strace, TOKLOAD_IO=sync)")
     if sys_row:
         text += (

@@ -155,6 +155,16 @@ class MegatronIndex(ExtentIndex):
 
 # Documents first + ids[b] as one batch, in one call: (values, lengths, offsets)
 # back to back when pack, else ([B, L] values, lengths) padded with the row `pad`.
+# Attention metadata of windows of `window` rows starting at `rows`: the
+# position/segment/loss-mask arrays [B, window] (made with alloc), cu_seqlens
+# (int32) and max_seqlen.
+def window_boundaries(
+    index: ExtentIndex,
+    rows: npt.ArrayLike,
+    window: int,
+    total_rows: int,
+    alloc: Callable[[tuple[int, ...], Any], np.ndarray[Any, Any]],
+) -> tuple[dict[str, np.ndarray[Any, Any]], npt.NDArray[np.int32], int]: ...
 def read_documents(
     index: ExtentIndex,
     rows: RowSet,

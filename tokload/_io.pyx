@@ -1070,6 +1070,118 @@ cdef class MegatronIndex(ExtentIndex):
         return 0
 
 
+def window_boundaries(ExtentIndex index not None, rows, uint64_t window, uint64_t total_rows,
+                      alloc):
+    """The attention metadata of windows of ``window`` rows starting at ``rows``.
+
+    Finds the documents that start inside each window with a batched search of
+    ``index`` (one ``fill`` of all active searches per round: a few rounds for
+    documents of similar sizes, at most ``2 log2(documents)``), fetches their
+    first rows with one more ``fill``, and computes the arrays in C without the
+    GIL. Returns ``(arrays, cu_seqlens, max_seqlen)``: ``arrays`` holds
+    ``"position_ids"`` (int64), ``"segment_ids"`` (int32) and ``"loss_mask"``
+    (bool), each ``[B, window]`` and allocated with ``alloc``;
+    ``cu_seqlens`` is int32 over the flattened batch. Document 0 must start at
+    row 0 and the index be sorted by row (checked where a window sees it).
+    """
+    cdef const uint64_t[::1] r = np.ascontiguousarray(rows, dtype=np.uint64).reshape(-1)
+    cdef size_t nwin = r.shape[0], ns = 2 * nwin, i, na, j
+    cdef uint64_t ndocs = index.total
+    if ndocs == 0:
+        raise ValueError("the source has no documents")
+    if nwin * window >= (<uint64_t>1 << 31):
+        raise ValueError(f"{nwin} windows of {window} rows: cu_seqlens (int32) cannot hold "
+                         f"{nwin * window} tokens")
+    cdef lib.tl_bsearch *srch = <lib.tl_bsearch *>PyMem_Malloc(max(ns, 1) * sizeof(lib.tl_bsearch))
+    cdef uint64_t *buf = <uint64_t *>PyMem_Malloc(max(ns, 1) * 4 * sizeof(uint64_t))
+    if srch is NULL or buf is NULL:
+        PyMem_Free(srch)
+        PyMem_Free(buf)
+        raise MemoryError()
+    cdef uint64_t *probe = buf
+    cdef uint64_t *first = buf + ns
+    cdef uint64_t *length = buf + 2 * ns
+    cdef uint64_t *act = buf + 3 * ns  # the searches still going, by number
+    cdef unsigned rnd = 0
+    cdef uint64_t total = 0, d
+    cdef uint64_t[::1] nw, iw
+    index._files().check_open()
+    try:
+        for i in range(nwin):
+            if r[i] + window > total_rows:
+                raise IndexError(f"a window at row {r[i]} runs past the {total_rows} rows")
+            lib.tl_bsearch_init(&srch[2 * i], r[i], ndocs, total_rows)
+            lib.tl_bsearch_init(&srch[2 * i + 1], r[i] + window - 1, ndocs, total_rows)
+        na = 0
+        for i in range(ns):
+            if srch[i].lo < srch[i].hi:
+                act[na] = i
+                na += 1
+        while na:
+            for j in range(na):
+                probe[j] = lib.tl_bsearch_probe(&srch[act[j]], rnd)
+            index.fill(probe, na, first, length)
+            i = 0
+            for j in range(na):
+                if lib.tl_bsearch_step(&srch[act[j]], probe[j], first[j]):
+                    act[i] = act[j]
+                    i += 1
+            na = i
+            rnd += 1
+        # the documents after each window's first, up to its last: their first rows
+        ncuts = np.empty(nwin, dtype=np.uint64)
+        nw = ncuts
+        for i in range(nwin):
+            nw[i] = srch[2 * i + 1].lo - srch[2 * i].lo
+            total += nw[i]
+        ids = np.empty(total, dtype=np.uint64)
+        iw = ids
+        j = 0
+        for i in range(nwin):
+            for d in range(srch[2 * i].lo + 1, srch[2 * i + 1].lo + 1):
+                iw[j] = d
+                j += 1
+        cuts = np.empty(total, dtype=np.uint64)
+        if total:
+            _fill_into(index, ids, cuts, np.empty(total, dtype=np.uint64))
+    finally:
+        PyMem_Free(srch)
+        PyMem_Free(buf)
+    posa = alloc((nwin, window), np.dtype(np.int64))
+    sega = alloc((nwin, window), np.dtype(np.int32))
+    maska = alloc((nwin, window), np.dtype(np.bool_))
+    cu = np.empty(total + nwin + 1, dtype=np.int32)
+    cdef const uint64_t[::1] cv = cuts, nv = ncuts
+    cdef int64_t[:, ::1] pv = posa
+    cdef int32_t[:, ::1] sv = sega
+    cdef uint8_t[:, ::1] mv = maska.view(np.uint8)
+    cdef int32_t[::1] cuv = cu
+    cdef uint64_t longest = 0
+    cdef size_t k = 0, bad = 0
+    cdef uint64_t zero = 0
+    if nwin:
+        with nogil:
+            k = lib.tl_bounds_fill(&r[0], &cv[0] if total else &zero, &nv[0], nwin, window,
+                                   &pv[0, 0], &sv[0, 0], &mv[0, 0], &cuv[0], &longest, &bad)
+        if k == 0:
+            raise CorruptDataError(
+                f"the document index is not sorted by row: the documents that start in "
+                f"the window at row {r[bad]} are out of order"
+            )
+    else:
+        cu[0] = 0
+        k = 1
+    return {"position_ids": posa, "segment_ids": sega, "loss_mask": maska}, cu[:k], int(longest)
+
+
+cdef int _fill_into(ExtentIndex index, ids, starts, lengths) except -1:
+    cdef const uint64_t[::1] i = ids
+    cdef uint64_t[::1] s = starts, l = lengths
+    index._files().check_open()
+    index.fill(&i[0], i.shape[0], &s[0], &l[0])
+    return 0
+
+
 def read_documents(ExtentIndex index not None, RowSet rows not None, ids, uint64_t first, uint64_t count, dtype,
                    bint pack, length, bytes pad, alloc):
     """Documents ``first + ids[b]`` of ``index`` as one batch, in one call.

@@ -153,6 +153,22 @@ cdef extern from "tokload/engine.h" nogil:
     void tl_io_counters_read(const tl_io_counters *c, tl_io_counters *out) noexcept
 
 
+cdef extern from "tokload/bounds.h" nogil:
+    ctypedef struct tl_bsearch:
+        uint64_t key
+        uint64_t lo
+        uint64_t hi
+        uint64_t lo_first
+        uint64_t end
+
+    void tl_bsearch_init(tl_bsearch *s, uint64_t key, uint64_t ndocs, uint64_t rows) noexcept
+    uint64_t tl_bsearch_probe(const tl_bsearch *s, unsigned round) noexcept
+    int tl_bsearch_step(tl_bsearch *s, uint64_t probe, uint64_t first) noexcept
+    size_t tl_bounds_fill(const uint64_t *rows, const uint64_t *cuts, const uint64_t *ncuts,
+                          size_t nwin, uint64_t W, int64_t *pos, int32_t *seg, uint8_t *mask,
+                          int32_t *cu, uint64_t *max_len, size_t *bad) noexcept
+
+
 cdef extern from "tokload/shards.h" nogil:
     size_t tl_shards_locate(const uint64_t *cum, size_t nshards, uint64_t pos) noexcept
     size_t tl_shards_locate_many(const uint64_t *cum, size_t nshards, const uint64_t *pos,

@@ -126,6 +126,11 @@ class Blend(View):
                 raise TypeError(
                     f"component {c} must be a TokenStream or a Blend, got {type(v).__name__}"
                 )
+            if getattr(v, "with_boundaries", False):
+                raise TypeError(
+                    f"component {c} is a TokenStream with boundaries=True: a Blend reads "
+                    "tokens only; blend plain token streams"
+                )
             if len(v) == 0:
                 raise ValueError(f"component {c} is empty: {v!r}")
             self.views.append(v)

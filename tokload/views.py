@@ -26,7 +26,7 @@ from typing import Any, Self, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from tokload._io import FileSet, read_documents, split_fields
+from tokload._io import FileSet, read_documents, split_fields, window_boundaries
 from tokload._meta import BlockSet, Scratch, compact_records
 from tokload.assembly import Alloc
 from tokload.errors import FormatError
@@ -240,6 +240,17 @@ class TokenStream(_Windows):
         stride: rows between the starts of consecutive observations (default
             ``window``: non-overlapping). ``len(view)`` is
             ``(rows - window) // stride + 1``.
+        boundaries: add, to each batch the DataLoader reads, where the
+            documents inside each window start (``boundaries(indices)``): per
+            token ``"position_ids"`` (int64, 0 at the start of each document
+            and of the window), ``"segment_ids"`` (int32, the document's number
+            in the window) and ``"loss_mask"`` (bool, False where a token starts
+            the window or a document: as a next-token target it would be
+            predicted across a boundary); per batch ``"cu_seqlens"`` (int32,
+            the segments' starts over the flattened ``[B * window]`` batch, then
+            ``B * window``) and ``"max_seqlen"`` (int). Needs a source with
+            documents (a tokload dataset, a Megatron prefix, flat files opened
+            with ``eos=`` or ``doc_index=``). The tokens are the same as without.
 
     ``view[i]`` and ``view.read(indices)`` give, for a plain dtype, arrays of
     shape ``[window]`` / ``[B, window]``; for a structured dtype a dict with
@@ -248,16 +259,67 @@ class TokenStream(_Windows):
     """
 
     rowwise = True
-    """Each observation is one row of every array: the loader reads many steps at once."""
+    """Each observation is one row of every array: the loader reads many steps at once
+    (False with ``boundaries``: ``cu_seqlens`` belongs to a batch, not to its rows)."""
 
-    def __init__(self, data: DataLike, window: int, stride: int | None = None) -> None:
+    def __init__(
+        self, data: DataLike, window: int, stride: int | None = None, *, boundaries: bool = False
+    ) -> None:
         super().__init__(data, window, stride)
+        if not isinstance(boundaries, bool):
+            raise TypeError(f"boundaries must be True or False, got {boundaries!r}")
+        self.with_boundaries = boundaries
+        if boundaries:
+            docs = self.source.docs
+            if docs is None or docs.total == 0:
+                raise ValueError(
+                    f"{self.source.description}: boundaries=True needs document boundaries, "
+                    "and this source has none (flat files: open them with "
+                    "tokload.open_flat(..., eos=...) or doc_index=)"
+                )
+            first, _ = docs.extents([0])
+            if int(first[0]) != 0:
+                raise FormatError(
+                    f"{self.source.description}: its first document starts at row "
+                    f"{int(first[0])}, not 0; boundaries=True needs documents that cover "
+                    "the stream in order"
+                )
+            self.rowwise = False
 
-    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, np.ndarray]:
+    def _config(self) -> str:
+        extra = " boundaries=True," if self.with_boundaries else ""
+        return f"window={self.window}, stride={self.stride},{extra}"
+
+    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
         """The view protocol (``tokload.assembly``): ``"tokens"`` ``[B, window]``
-        (or one such array per field of a structured dtype)."""
+        (or one such array per field of a structured dtype), and with
+        ``boundaries`` the arrays ``boundaries`` gives."""
         got = self.read(indices, out=self.empty(len(indices), alloc=alloc))
-        return got if isinstance(got, dict) else {"tokens": got}
+        out: dict[str, Any] = got if isinstance(got, dict) else {"tokens": got}
+        if self.with_boundaries:
+            out.update(self.boundaries(indices, alloc))
+        return out
+
+    def boundaries(self, indices: npt.ArrayLike, alloc: Alloc = np.empty) -> dict[str, Any]:
+        """Where documents start inside windows ``indices``, as attention metadata.
+
+        ``"position_ids"`` (int64), ``"segment_ids"`` (int32) and ``"loss_mask"``
+        (bool), each ``[B, window]`` (allocated with ``alloc``); ``"cu_seqlens"``
+        (int32, ``segments + 1`` offsets over the flattened batch) and
+        ``"max_seqlen"`` (int, the longest segment). Pure functions of the
+        windows' rows and the document index: found with a batched search of
+        the index (a few rounds of index reads per batch, at most
+        ``2 log2(documents)``), then computed in C without the GIL.
+        """
+        docs = self.source.docs
+        if docs is None:
+            raise ValueError(f"{self.source.description} has no document boundaries")
+        idx = self._global(indices)
+        rows = idx * np.uint64(self.stride)
+        arrays, cu, longest = window_boundaries(
+            docs, rows, self.window, self.source.num_rows, alloc
+        )
+        return {**arrays, "cu_seqlens": cu, "max_seqlen": longest}
 
     def __getitem__(self, i: int) -> Fields:
         out = self.read(self._index(i))

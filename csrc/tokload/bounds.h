@@ -1,0 +1,130 @@
+/*
+ * bounds.h -- document boundaries inside token windows: the attention
+ * metadata of packed training (position ids, segment ids, cu_seqlens).
+ *
+ * Cython mirror: tokload/_lib.pxd (must match).
+ *
+ * A window is rows [r, r + W) of the token stream.  Its cuts are the first rows
+ * of the documents that start inside it, r excluded (a document starting at r
+ * begins the window's first segment anyway).  Two parts, pure integer work:
+ *
+ *  - a batched search, one round at a time: search i looks for the last
+ *    document whose first row is <= key[i].  Each round the caller fetches the
+ *    first row of each active search's probe (tl_bsearch_probe) from the
+ *    document index and hands it back (tl_bsearch_step).  Probes alternate
+ *    between interpolation (documents of similar sizes: a few rounds) and
+ *    bisection (so no index takes more than 2 log2(documents) rounds);
+ *  - the per-window arrays from the cuts (tl_bounds_fill).
+ */
+#ifndef TOKLOAD_BOUNDS_H
+#define TOKLOAD_BOUNDS_H
+
+#include "common.h"
+
+/* Search state: the answer is in [lo, hi]; first(lo) <= key < end, where end
+ * is first(hi + 1) (or the stream's rows past the last document). */
+typedef struct tl_bsearch {
+    uint64_t key;
+    uint64_t lo, hi;
+    uint64_t lo_first, end;
+} tl_bsearch;
+
+TL_INLINE void tl_bsearch_init(tl_bsearch *s, uint64_t key, uint64_t ndocs, uint64_t rows)
+{
+    s->key = key;
+    s->lo = 0;
+    s->hi = ndocs - 1;
+    s->lo_first = 0;
+    s->end = rows;
+}
+
+/* The document to fetch this round, in (lo, hi]: lo < hi is required. */
+TL_INLINE uint64_t tl_bsearch_probe(const tl_bsearch *s, unsigned round)
+{
+    uint64_t span = s->hi - s->lo;
+    uint64_t off;
+    if ((round & 1u) == 0 && s->end > s->lo_first) {
+        /* where the key falls between first(lo) and end, if documents are alike */
+        unsigned __int128 num = (unsigned __int128)(s->key - s->lo_first) * (span + 1);
+        off = (uint64_t)(num / (s->end - s->lo_first));
+        if (off < 1) off = 1;
+        if (off > span) off = span;
+    } else {
+        off = (span + 1) / 2;
+    }
+    return s->lo + off;
+}
+
+/* The probe's first row is `first`.  Returns 1 while the search goes on. */
+TL_INLINE int tl_bsearch_step(tl_bsearch *s, uint64_t probe, uint64_t first)
+{
+    if (first <= s->key) {
+        s->lo = probe;
+        s->lo_first = first;
+    } else {
+        s->hi = probe - 1;
+        s->end = first;
+    }
+    return s->lo < s->hi;
+}
+
+/*
+ * The arrays of nwin windows of W rows.  Window b starts at row rows[b]; its
+ * candidate cuts are cuts[off .. off + ncuts[b]) (off: the sum of the earlier
+ * ncuts), ascending; repeated values (empty documents) count once.  Fills, at
+ * b * W + t for t < W:
+ *   pos[]  the position of token t in its segment (0 at each segment's start);
+ *   seg[]  its segment's number in the window (0 for the first);
+ *   mask[] 0 where token t is the first of the window or of a document (as a
+ *          next-token target it would be predicted across a boundary), else 1;
+ * and cu[0..k]: the segments' starts over the flattened batch, then nwin * W
+ * (k + 1 entries: the return value; at most total cuts + nwin + 1).  *max_len
+ * gets the longest segment.  A cut outside (rows[b], rows[b] + W) or out of
+ * order means the index is not sorted by row: returns 0 and *bad = b.
+ */
+TL_INLINE size_t tl_bounds_fill(const uint64_t *rows, const uint64_t *cuts, const uint64_t *ncuts,
+                                size_t nwin, uint64_t W, int64_t *pos, int32_t *seg,
+                                uint8_t *mask, int32_t *cu, uint64_t *max_len, size_t *bad)
+{
+    size_t k = 0, off = 0;
+    uint64_t longest = 0;
+    for (size_t b = 0; b < nwin; b++) {
+        const uint64_t r = rows[b];
+        int64_t *p = pos + b * W;
+        int32_t *sg = seg + b * W;
+        uint8_t *m = mask + b * W;
+        uint64_t start = 0; /* of the current segment, relative to r */
+        int32_t number = 0;
+        cu[k++] = (int32_t)(b * W);
+        for (uint64_t j = 0; j <= ncuts[b]; j++) {
+            uint64_t next = W;
+            if (j < ncuts[b]) {
+                uint64_t c = cuts[off + j];
+                if (c <= r || c >= r + W || c - r < start) {
+                    *bad = b;
+                    return 0;
+                }
+                if (c - r == start) continue; /* an empty document */
+                next = c - r;
+            }
+            for (uint64_t t = start; t < next; t++) {
+                p[t] = (int64_t)(t - start);
+                sg[t] = number;
+                m[t] = 1;
+            }
+            m[start] = 0;
+            if (next - start > longest) longest = next - start;
+            if (next < W) {
+                cu[k++] = (int32_t)(b * W + next);
+                number++;
+                start = next;
+            }
+        }
+        off += ncuts[b];
+    }
+    cu[k++] = (int32_t)(nwin * W);
+    *max_len = longest;
+    return k;
+}
+
+#endif /* TOKLOAD_BOUNDS_H */

@@ -1,0 +1,217 @@
+"""``TokenStream(..., boundaries=True)``: attention metadata of packed windows.
+
+Every output is checked against a pure-Python reference built from the documents'
+lengths (hypothesis: windows that start or end on a boundary, cross shards, hold one
+or hundreds of documents, empty documents), on tokload datasets, a Megatron-LM
+dataset and flat files with an end-of-document token; a block-diagonal attention
+built from the outputs equals attention over each document alone; and through the
+DataLoader every sample comes exactly once across a resume on another world size,
+with the extras of its batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import tokload
+
+MEGATRON = Path(__file__).resolve().parent / "data" / "megatron" / "tiny_uint16"
+
+
+def reference(doc_lengths: list[int], rows: list[int], window: int) -> dict[str, Any]:
+    """The extras of windows starting at ``rows``, one token at a time."""
+    starts = set(np.cumsum([0, *doc_lengths])[:-1].tolist())
+    pos, seg, mask, cu = [], [], [], []
+    longest = 0
+    for b, r in enumerate(rows):
+        p_row, s_row, m_row = [], [], []
+        p = s = run = 0
+        for t in range(window):
+            if t > 0 and r + t in starts:  # a document starts inside the window
+                cu.append(b * window + t - run)
+                s += 1
+                longest = max(longest, run)
+                p = run = 0
+            p_row.append(p)
+            s_row.append(s)
+            m_row.append(p != 0)
+            p += 1
+            run += 1
+        cu.append(b * window + window - run)
+        longest = max(longest, run)
+        pos.append(p_row)
+        seg.append(s_row)
+        mask.append(m_row)
+    # cu so far lists each segment's start when the next one begins: put in order
+    cu = [*sorted(cu), len(rows) * window]
+    return {
+        "position_ids": np.array(pos, dtype=np.int64).reshape(len(rows), window),
+        "segment_ids": np.array(seg, dtype=np.int32).reshape(len(rows), window),
+        "loss_mask": np.array(mask, dtype=bool).reshape(len(rows), window),
+        "cu_seqlens": np.array(cu, dtype=np.int32),
+        "max_seqlen": longest,
+    }
+
+
+def check(view: tokload.TokenStream, doc_lengths: list[int], indices: np.ndarray) -> None:
+    got = view.boundaries(indices)
+    rows = [int(i) * view.stride for i in indices]
+    want = reference(doc_lengths, rows, view.window)
+    for key in ("position_ids", "segment_ids", "loss_mask", "cu_seqlens"):
+        assert got[key].dtype == want[key].dtype, key
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    assert got["max_seqlen"] == want["max_seqlen"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=120),
+    window=st.integers(1, 300),
+    stride=st.integers(1, 50),
+    shard_bytes=st.sampled_from([64, 256, 1 << 20]),
+    data=st.data(),
+)
+def test_every_output_matches_the_reference(
+    lengths: list[int], window: int, stride: int, shard_bytes: int, data: st.DataObject
+) -> None:
+    rows = sum(lengths)
+    assume(rows > 0)
+    window = min(window, rows)
+    tokens = np.arange(rows, dtype=np.uint16)
+    with tempfile.TemporaryDirectory() as d:
+        with tokload.Writer(Path(d) / "ds", "<u2", shard_bytes=shard_bytes) as w:
+            at = 0
+            for n in lengths:
+                w.write(tokens[at : at + n])
+                at += n
+        view = tokload.TokenStream(Path(d) / "ds", window=window, stride=stride, boundaries=True)
+        plain = tokload.TokenStream(Path(d) / "ds", window=window, stride=stride)
+        n = len(view)
+        idx = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=9)))
+        check(view, lengths, idx)
+        check(view, lengths, np.arange(n))  # every window: starts and ends on boundaries
+        np.testing.assert_array_equal(view.read(idx), plain.read(idx))  # the same tokens
+        view.close()
+
+
+def test_windows_of_hundreds_of_documents_across_shards(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    lengths = [int(x) for x in rng.integers(0, 4, 20_000)]  # empty documents too
+    with tokload.Writer(tmp_path / "ds", "<u4", shard_bytes=4096) as w:
+        for n in lengths:
+            w.write(np.full(n, 7, dtype=np.uint32))
+    view = tokload.TokenStream(tmp_path / "ds", window=1024, stride=1000, boundaries=True)
+    assert len(view.source.rows.files.paths) > 5
+    check(view, lengths, rng.integers(0, len(view), 16))
+    got = view.boundaries([3])
+    assert got["segment_ids"].max() > 300  # hundreds of documents in one window
+
+
+def test_a_megatron_dataset_in_place() -> None:
+    docs = tokload.Documents(str(MEGATRON))
+    lengths = [len(docs[i]) for i in range(len(docs))]
+    view = tokload.TokenStream(str(MEGATRON), window=37, stride=11, boundaries=True)
+    check(view, lengths, np.arange(len(view)))
+
+
+def test_flat_files_with_an_end_of_document_token(tmp_path: Path) -> None:
+    eos = 0
+    rng = np.random.default_rng(1)
+    lengths = [int(x) for x in rng.integers(1, 30, 200)]
+    parts = [np.concatenate([rng.integers(1, 500, n - 1), [eos]]) for n in lengths]
+    np.concatenate(parts).astype(np.uint16).tofile(tmp_path / "train.bin")
+    src = tokload.open_flat(tmp_path / "train.bin", np.uint16, eos=eos)
+    view = tokload.TokenStream(src, window=64, stride=17, boundaries=True)
+    check(view, lengths, np.arange(len(view)))
+
+
+def test_a_view_without_documents_and_a_blend_refuse(tmp_path: Path) -> None:
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "flat.bin")
+    with pytest.raises(ValueError, match=r"flat\.bin: boundaries=True needs document boundaries"):
+        tokload.TokenStream(tokload.open_flat(tmp_path / "flat.bin", np.uint16), 8, boundaries=True)
+    with pytest.raises(TypeError, match=r"boundaries must be True or False, got 1"):
+        tokload.TokenStream(str(MEGATRON), 8, boundaries=1)  # type: ignore[arg-type]
+    view = tokload.TokenStream(str(MEGATRON), 8, boundaries=True)
+    with pytest.raises(TypeError, match=r"component 0 is a TokenStream with boundaries=True"):
+        tokload.Blend([(view, 1.0)])
+    assert "boundaries=True" in view.fingerprint
+    assert view.fingerprint != tokload.TokenStream(str(MEGATRON), 8).fingerprint
+
+
+def test_block_diagonal_attention_equals_attention_per_document(tmp_path: Path) -> None:
+    """What a trainer builds from a batch: a causal mask within segments. Each
+    segment's outputs equal attention over that segment alone."""
+    rng = np.random.default_rng(2)
+    with tokload.Writer(tmp_path / "ds", "<u2") as w:
+        for _ in range(300):
+            w.write(rng.integers(1, 1000, int(rng.integers(1, 40)), dtype=np.uint16))
+    view = tokload.TokenStream(tmp_path / "ds", window=64, boundaries=True)
+    batch = next(iter(tokload.DataLoader(view, 4, seed=5, num_threads=0, device=None)))
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(1000, 16)
+    x = emb(batch["tokens"].long())  # [B, W, 16]
+    seg, pos = batch["segment_ids"], batch["position_ids"]
+    same = seg[:, :, None] == seg[:, None, :]
+    causal = torch.ones(64, 64, dtype=torch.bool).tril()
+    mask = same & causal  # [B, W, W]
+    out = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+    cu = batch["cu_seqlens"].tolist()
+    assert batch["max_seqlen"] == max(b - a for a, b in itertools.pairwise(cu))
+    flat_x, flat_out = x.reshape(-1, 16), out.reshape(-1, 16)
+    for a, e in itertools.pairwise(cu):
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            flat_x[a:e], flat_x[a:e], flat_x[a:e], is_causal=True
+        )
+        torch.testing.assert_close(flat_out[a:e], alone)
+        b, t = divmod(a, 64)
+        assert pos[b, t] == 0 and (pos.reshape(-1)[a:e] == torch.arange(e - a)).all()
+    # the loss mask drops exactly the targets that start a segment
+    assert (~batch["loss_mask"]).sum() == len(cu) - 1
+
+
+def test_exactly_once_across_a_resume_on_another_world_size(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    with tokload.Writer(tmp_path / "ds", "<u2", shard_bytes=2048) as w:
+        for _ in range(400):
+            w.write(rng.integers(1, 1000, int(rng.integers(1, 90)), dtype=np.uint16))
+    view = tokload.TokenStream(tmp_path / "ds", window=50, boundaries=True)
+    seen: list[int] = []
+
+    def take(world: int, steps: int, state: dict[str, Any] | None) -> dict[str, Any]:
+        loaders = [
+            tokload.DataLoader(view, 6 // world, seed=9, rank=r, world_size=world, epochs=1)
+            for r in range(world)
+        ]
+        for ld in loaders:
+            if state is not None:
+                ld.load_state_dict(state)
+        its = [iter(ld) for ld in loaders]
+        for _ in range(steps):
+            for it in its:
+                try:
+                    b = next(it)
+                except StopIteration:
+                    continue
+                idx = b["index"].cpu().numpy()
+                want = view.boundaries(idx)
+                for key in ("position_ids", "segment_ids", "loss_mask", "cu_seqlens"):
+                    np.testing.assert_array_equal(b[key].cpu().numpy(), want[key])
+                assert b["max_seqlen"] == want["max_seqlen"]
+                seen.extend(idx.tolist())
+        out = loaders[0].state_dict()
+        for ld in loaders:
+            ld.close()
+        return out
+
+    state = take(2, 10, None)
+    take(3, 10_000, state)
+    assert sorted(seen) == list(range(len(view)))
