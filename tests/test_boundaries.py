@@ -12,9 +12,11 @@ with the extras of its batch.
 from __future__ import annotations
 
 import itertools
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -78,11 +80,19 @@ def check(view: tokload.TokenStream, doc_lengths: list[int], indices: np.ndarray
     window=st.integers(1, 300),
     stride=st.integers(1, 50),
     shard_bytes=st.sampled_from([64, 256, 1 << 20]),
+    held=st.booleans(),
     data=st.data(),
 )
 def test_every_output_matches_the_reference(
-    lengths: list[int], window: int, stride: int, shard_bytes: int, data: st.DataObject
+    lengths: list[int],
+    window: int,
+    stride: int,
+    shard_bytes: int,
+    held: bool,
+    data: st.DataObject,
 ) -> None:
+    """``held``: the document index in memory (searched table by table) or read entry
+    by entry (``TOKLOAD_INDEX_MEMORY=0``: the batched search of the index)."""
     rows = sum(lengths)
     assume(rows > 0)
     window = min(window, rows)
@@ -93,7 +103,12 @@ def test_every_output_matches_the_reference(
             for n in lengths:
                 w.write(tokens[at : at + n])
                 at += n
-        view = tokload.TokenStream(Path(d) / "ds", window=window, stride=stride, boundaries=True)
+        with mock.patch.dict(os.environ, {"TOKLOAD_INDEX_MEMORY": str(1 << 30 if held else 0)}):
+            view = tokload.TokenStream(
+                Path(d) / "ds", window=window, stride=stride, boundaries=True
+            )
+        index: Any = view.source.docs
+        assert index.tables.enabled == held
         plain = tokload.TokenStream(Path(d) / "ds", window=window, stride=stride)
         n = len(view)
         idx = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=9)))

@@ -1074,10 +1074,12 @@ def window_boundaries(ExtentIndex index not None, rows, uint64_t window, uint64_
                       alloc):
     """The attention metadata of windows of ``window`` rows starting at ``rows``.
 
-    Finds the documents that start inside each window with a batched search of
+    Finds the documents that start inside each window: where the index is a
+    tokload dataset's with its shards' tables held in memory, by a binary search
+    of each table a window spans, in C; otherwise with a batched search of
     ``index`` (one ``fill`` of all active searches per round: a few rounds for
-    documents of similar sizes, at most ``2 log2(documents)``), fetches their
-    first rows with one more ``fill``, and computes the arrays in C without the
+    documents of similar sizes, at most ``2 log2(documents)``) and one more
+    ``fill`` for their first rows. Then computes the arrays in C without the
     GIL. Returns ``(arrays, cu_seqlens, max_seqlen)``: ``arrays`` holds
     ``"position_ids"`` (int64), ``"segment_ids"`` (int32) and ``"loss_mask"``
     (bool), each ``[B, window]`` and allocated with ``alloc``;
@@ -1092,6 +1094,14 @@ def window_boundaries(ExtentIndex index not None, rows, uint64_t window, uint64_
     if nwin * window >= (<uint64_t>1 << 31):
         raise ValueError(f"{nwin} windows of {window} rows: cu_seqlens (int32) cannot hold "
                          f"{nwin * window} tokens")
+    index._files().check_open()
+    for i in range(nwin):
+        if r[i] + window > total_rows:
+            raise IndexError(f"a window at row {r[i]} runs past the {total_rows} rows")
+    if isinstance(index, DocIndex) and (<DocIndex>index).tables.enabled and nwin:
+        # the shards' indexes are held in memory: search them directly
+        ncuts, cuts = _cuts_from_tables(<DocIndex>index, r, window)
+        return _boundary_arrays(r, window, ncuts, cuts, alloc)
     cdef lib.tl_bsearch *srch = <lib.tl_bsearch *>PyMem_Malloc(max(ns, 1) * sizeof(lib.tl_bsearch))
     cdef uint64_t *buf = <uint64_t *>PyMem_Malloc(max(ns, 1) * 4 * sizeof(uint64_t))
     if srch is NULL or buf is NULL:
@@ -1105,11 +1115,8 @@ def window_boundaries(ExtentIndex index not None, rows, uint64_t window, uint64_
     cdef unsigned rnd = 0
     cdef uint64_t total = 0, d
     cdef uint64_t[::1] nw, iw
-    index._files().check_open()
     try:
         for i in range(nwin):
-            if r[i] + window > total_rows:
-                raise IndexError(f"a window at row {r[i]} runs past the {total_rows} rows")
             lib.tl_bsearch_init(&srch[2 * i], r[i], ndocs, total_rows)
             lib.tl_bsearch_init(&srch[2 * i + 1], r[i] + window - 1, ndocs, total_rows)
         na = 0
@@ -1147,6 +1154,62 @@ def window_boundaries(ExtentIndex index not None, rows, uint64_t window, uint64_
     finally:
         PyMem_Free(srch)
         PyMem_Free(buf)
+    return _boundary_arrays(r, window, ncuts, cuts, alloc)
+
+
+cdef tuple _cuts_from_tables(DocIndex index, const uint64_t[::1] r, uint64_t window):
+    """The cuts of the windows at rows ``r`` from the shards' document indexes held
+    in memory (loaded here for the shards the windows span): no search rounds."""
+    cdef size_t nwin = r.shape[0], nfiles = index.files.nfiles, i, m = 0
+    cdef const uint64_t *row_cum = &index._row_cum[0]
+    cdef uint32_t k, k1
+    # the shards every window spans (at most a few each)
+    shards = np.empty(0, dtype=np.uint32)
+    cdef uint32_t[::1] sv
+    cdef size_t cap = 0
+    for i in range(nwin):
+        k = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i])
+        k1 = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i] + window - 1)
+        if m + (k1 - k + 1) > cap:
+            cap = max(2 * cap, m + (k1 - k + 1), 16)
+            shards = np.resize(shards, cap)
+        sv = shards
+        while k <= k1:
+            sv[m] = k
+            m += 1
+            k += 1
+    cdef lib.tl_engine eng
+    cdef lib.tl_io_error err
+    cdef size_t failed = 0
+    cdef int rc
+    cdef ShardTables tables = index.tables
+    sv = shards
+    index.files.engine_begin(&eng)
+    with nogil:
+        rc = tables.need(&eng, &sv[0], m, &err, &failed)
+    index.files.engine_end(&eng)
+    if rc:
+        _raise_io(&err, index.files.paths, "a shard's document index")
+    ncuts = np.empty(nwin, dtype=np.uint64)
+    cdef uint64_t[::1] nv = ncuts
+    cdef const uint64_t *const *tabs = <const uint64_t *const *>tables.tabs
+    cdef uint64_t total
+    with nogil:
+        total = lib.tl_bounds_cuts_tables(row_cum, &index._doc_cum[0], nfiles, tabs, &r[0],
+                                          nwin, window, &nv[0], NULL)
+    cuts = np.empty(total, dtype=np.uint64)
+    cdef uint64_t[::1] cv = cuts
+    cdef uint64_t zero = 0
+    with nogil:
+        lib.tl_bounds_cuts_tables(row_cum, &index._doc_cum[0], nfiles, tabs, &r[0], nwin,
+                                  window, &nv[0], &cv[0] if total else &zero)
+    return ncuts, cuts
+
+
+cdef tuple _boundary_arrays(const uint64_t[::1] r, uint64_t window, ncuts, cuts, alloc):
+    """The arrays of ``window_boundaries`` from each window's cuts."""
+    cdef size_t nwin = r.shape[0]
+    cdef size_t total = cuts.shape[0]
     posa = alloc((nwin, window), np.dtype(np.int64))
     sega = alloc((nwin, window), np.dtype(np.int32))
     maska = alloc((nwin, window), np.dtype(np.bool_))

@@ -167,6 +167,10 @@ cdef extern from "tokload/bounds.h" nogil:
     size_t tl_bounds_fill(const uint64_t *rows, const uint64_t *cuts, const uint64_t *ncuts,
                           size_t nwin, uint64_t W, int64_t *pos, int32_t *seg, uint8_t *mask,
                           int32_t *cu, uint64_t *max_len, size_t *bad) noexcept
+    uint64_t tl_bounds_cuts_tables(const uint64_t *row_cum, const uint64_t *doc_cum,
+                                   size_t nfiles, const uint64_t *const *tables,
+                                   const uint64_t *rows, size_t nwin, uint64_t W,
+                                   uint64_t *ncuts, uint64_t *cuts) noexcept
 
 
 cdef extern from "tokload/shards.h" nogil:

@@ -20,6 +20,9 @@
 #define TOKLOAD_BOUNDS_H
 
 #include "common.h"
+#include "shards.h"
+
+#include <string.h>
 
 /* Search state: the answer is in [lo, hi]; first(lo) <= key < end, where end
  * is first(hi + 1) (or the stream's rows past the last document). */
@@ -107,11 +110,10 @@ TL_INLINE size_t tl_bounds_fill(const uint64_t *rows, const uint64_t *cuts, cons
                 if (c - r == start) continue; /* an empty document */
                 next = c - r;
             }
-            for (uint64_t t = start; t < next; t++) {
-                p[t] = (int64_t)(t - start);
-                sg[t] = number;
-                m[t] = 1;
-            }
+            /* three plain loops, each one the compiler vectorizes */
+            for (uint64_t t = start; t < next; t++) p[t] = (int64_t)(t - start);
+            for (uint64_t t = start; t < next; t++) sg[t] = number;
+            memset(m + start, 1, (size_t)(next - start));
             m[start] = 0;
             if (next - start > longest) longest = next - start;
             if (next < W) {
@@ -125,6 +127,53 @@ TL_INLINE size_t tl_bounds_fill(const uint64_t *rows, const uint64_t *cuts, cons
     cu[k++] = (int32_t)(nwin * W);
     *max_len = longest;
     return k;
+}
+
+/*
+ * The cuts of nwin windows of W rows from per-shard document indexes held in
+ * memory (plan.h's layout: tables[k] holds shard k's documents + 1 local row
+ * offsets, non-decreasing from 0), without the batched search: for each shard a
+ * window spans, a binary search of its table for the first document starting
+ * after the window's start, then its documents in order.  row_cum and doc_cum
+ * have nfiles + 1 cumulative counts; the tables of every shard the windows span
+ * must be loaded.  With cuts NULL, only ncuts[b] is set (the first pass);
+ * otherwise cuts gets them back to back (the second).  Returns the total.
+ */
+TL_INLINE uint64_t tl_bounds_cuts_tables(const uint64_t *row_cum, const uint64_t *doc_cum,
+                                         size_t nfiles, const uint64_t *const *tables,
+                                         const uint64_t *rows, size_t nwin, uint64_t W,
+                                         uint64_t *ncuts, uint64_t *cuts)
+{
+    uint64_t total = 0;
+    for (size_t b = 0; b < nwin; b++) {
+        const uint64_t r = rows[b], last = r + W - 1;
+        uint64_t count = 0;
+        size_t k = tl_shards_locate(row_cum, nfiles, r);
+        for (; k < nfiles && row_cum[k] <= last; k++) {
+            const uint64_t *t = tables[k];
+            uint64_t ndocs = doc_cum[k + 1] - doc_cum[k], base = row_cum[k];
+            if (ndocs == 0) continue;
+            /* first document of the shard whose start is > r */
+            uint64_t lo = 0, hi = ndocs; /* answer in [lo, hi] */
+            if (r >= base) {
+                uint64_t local = r - base;
+                while (lo < hi) {
+                    uint64_t mid = lo + (hi - lo) / 2;
+                    if (t[mid] <= local)
+                        lo = mid + 1;
+                    else
+                        hi = mid;
+                }
+            }
+            for (uint64_t j = lo; j < ndocs && base + t[j] <= last; j++) {
+                if (cuts) cuts[total + count] = base + t[j];
+                count++;
+            }
+        }
+        ncuts[b] = count;
+        total += count;
+    }
+    return total;
 }
 
 #endif /* TOKLOAD_BOUNDS_H */
