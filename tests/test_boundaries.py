@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -230,3 +231,46 @@ def test_exactly_once_across_a_resume_on_another_world_size(tmp_path: Path) -> N
     state = take(2, 10, None)
     take(3, 10_000, state)
     assert sorted(seen) == list(range(len(view)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 30), min_size=2, max_size=40),
+    order=st.randoms(use_true_random=False),
+    window=st.integers(1, 64),
+)
+def test_a_megatron_index_out_of_order_never_gives_wrong_windows(
+    lengths: list[int], order: Any, window: int
+) -> None:
+    """A damaged (unsorted) Megatron index: a named error, or extras that match what
+    its sequences' first rows say, never a crash or an out-of-range write."""
+    starts = np.cumsum([0, *lengths])[:-1]
+    ids = list(range(len(lengths)))
+    order.shuffle(ids)
+    rows = sum(lengths)
+    window = min(window, rows)
+    with tempfile.TemporaryDirectory() as d:
+        prefix = Path(d) / "bad"
+        nseq = len(lengths)
+        header = struct.pack("<9sQBQQ", b"MMIDIDX\x00\x00", 1, 8, nseq, nseq + 1)
+        with open(f"{prefix}.idx", "wb") as f:
+            f.write(header)
+            f.write(np.array([lengths[i] for i in ids], dtype=np.int32).tobytes())
+            f.write(np.array([starts[i] * 2 for i in ids], dtype=np.int64).tobytes())
+            f.write(np.arange(nseq + 1, dtype=np.int64).tobytes())
+        np.arange(rows, dtype=np.uint16).tofile(f"{prefix}.bin")
+        try:
+            view = tokload.TokenStream(str(prefix), window=window, boundaries=True)
+        except tokload.FormatError:
+            return  # the first sequence does not start at row 0
+        for i in range(len(view)):
+            try:
+                got = view.boundaries([i])
+            except tokload.CorruptDataError as e:
+                assert "not sorted by row" in str(e)
+                continue
+            r = i * window
+            cu = got["cu_seqlens"].tolist()
+            assert cu[0] == 0 and cu[-1] == window and cu == sorted(set(cu))
+            assert all(r + c in set(starts.tolist()) for c in cu[1:-1])
+            assert got["position_ids"].shape == (1, window)

@@ -1139,6 +1139,11 @@ def window_boundaries(ExtentIndex index not None, rows, uint64_t window, uint64_
         ncuts = np.empty(nwin, dtype=np.uint64)
         nw = ncuts
         for i in range(nwin):
+            if srch[2 * i + 1].lo < srch[2 * i].lo:  # first rows that decrease
+                raise CorruptDataError(
+                    f"the document index is not sorted by row: around row {r[i]}, document "
+                    f"{srch[2 * i].lo} starts after document {srch[2 * i + 1].lo}"
+                )
             nw[i] = srch[2 * i + 1].lo - srch[2 * i].lo
             total += nw[i]
         ids = np.empty(total, dtype=np.uint64)
