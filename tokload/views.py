@@ -307,9 +307,12 @@ class TokenStream(_Windows):
         (bool), each ``[B, window]`` (allocated with ``alloc``); ``"cu_seqlens"``
         (int32, ``segments + 1`` offsets over the flattened batch) and
         ``"max_seqlen"`` (int, the longest segment). Pure functions of the
-        windows' rows and the document index: found with a batched search of
-        the index (a few rounds of index reads per batch, at most
-        ``2 log2(documents)``), then computed in C without the GIL.
+        windows' rows and the document index, computed in C without the GIL.
+        The documents inside a window are found by a binary search of each
+        shard's document table a window spans, where a tokload dataset holds
+        them in memory (``TOKLOAD_INDEX_MEMORY``); otherwise (a Megatron index,
+        an index read entry by entry) by a batched search of the index: a few
+        rounds of index reads per batch, at most ``2 log2(documents)``.
         """
         docs = self.source.docs
         if docs is None:
