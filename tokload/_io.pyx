@@ -1153,9 +1153,7 @@ def window_boundaries(ExtentIndex index not None, rows, uint64_t window, uint64_
             for d in range(srch[2 * i].lo + 1, srch[2 * i + 1].lo + 1):
                 iw[j] = d
                 j += 1
-        cuts = np.empty(total, dtype=np.uint64)
-        if total:
-            _fill_into(index, ids, cuts, np.empty(total, dtype=np.uint64))
+        cuts = index.extents(ids)[0] if total else np.empty(0, dtype=np.uint64)
     finally:
         PyMem_Free(srch)
         PyMem_Free(buf)
@@ -1167,28 +1165,26 @@ cdef tuple _cuts_from_tables(DocIndex index, const uint64_t[::1] r, uint64_t win
     in memory (loaded here for the shards the windows span): no search rounds."""
     cdef size_t nwin = r.shape[0], nfiles = index.files.nfiles, i, m = 0
     cdef const uint64_t *row_cum = &index._row_cum[0]
-    cdef uint32_t k, k1
-    # the shards every window spans (at most a few each)
-    shards = np.empty(0, dtype=np.uint32)
-    cdef uint32_t[::1] sv
-    cdef size_t cap = 0
+    cdef uint32_t k
+    # the shards every window spans (at most a few each): first and last of each
+    spans = np.empty(2 * nwin, dtype=np.uint32)
+    cdef uint32_t[::1] ends = spans
     for i in range(nwin):
-        k = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i])
-        k1 = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i] + window - 1)
-        if m + (k1 - k + 1) > cap:
-            cap = max(2 * cap, m + (k1 - k + 1), 16)
-            shards = np.resize(shards, cap)
-        sv = shards
-        while k <= k1:
+        ends[2 * i] = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i])
+        ends[2 * i + 1] = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i] + window - 1)
+        m += ends[2 * i + 1] - ends[2 * i] + 1
+    shards = np.empty(m, dtype=np.uint32)
+    cdef uint32_t[::1] sv = shards
+    m = 0
+    for i in range(nwin):
+        for k in range(ends[2 * i], ends[2 * i + 1] + 1):
             sv[m] = k
             m += 1
-            k += 1
     cdef lib.tl_engine eng
     cdef lib.tl_io_error err
     cdef size_t failed = 0
     cdef int rc
     cdef ShardTables tables = index.tables
-    sv = shards
     index.files.engine_begin(&eng)
     with nogil:
         rc = tables.need(&eng, &sv[0], m, &err, &failed)
@@ -1240,14 +1236,6 @@ cdef tuple _boundary_arrays(const uint64_t[::1] r, uint64_t window, ncuts, cuts,
         cu[0] = 0
         k = 1
     return {"position_ids": posa, "segment_ids": sega, "loss_mask": maska}, cu[:k], int(longest)
-
-
-cdef int _fill_into(ExtentIndex index, ids, starts, lengths) except -1:
-    cdef const uint64_t[::1] i = ids
-    cdef uint64_t[::1] s = starts, l = lengths
-    index._files().check_open()
-    index.fill(&i[0], i.shape[0], &s[0], &l[0])
-    return 0
 
 
 def read_documents(ExtentIndex index not None, RowSet rows not None, ids, uint64_t first, uint64_t count, dtype,
