@@ -125,17 +125,23 @@ def test_tokload_stream_with_metadata(benchmark: Any, corpus: tuple[Path, Path])
     benchmark(lambda: view.read(next(batches)))
 
 
-@pytest.mark.parametrize("boundaries", [False, True], ids=["plain", "boundaries"])
-def test_token_stream_with_boundaries(
-    benchmark: Any, corpus: tuple[Path, Path], boundaries: bool
-) -> None:
+BOUNDARIES: dict[str, tuple[bool | list[str], str]] = {
+    "plain": (False, "TokenStream.read_batch"),
+    "varlen": (["cu_seqlens", "max_seqlen"], "TokenStream.read_batch, cu_seqlens and max_seqlen"),
+    "all": (True, "TokenStream.read_batch, boundaries=True"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BOUNDARIES))
+def test_token_stream_with_boundaries(benchmark: Any, corpus: tuple[Path, Path], kind: str) -> None:
     """A batch as the DataLoader reads it (``read_batch``) from documents of
-    log-normal lengths (median 600 tokens), without and with the attention metadata."""
+    log-normal lengths (median 600 tokens): without the attention metadata, with
+    only what a variable-length kernel takes, and with all of it."""
+    boundaries, label = BOUNDARIES[kind]
     view = tokload.TokenStream(
         corpus[0].parent / "docs", window=WINDOW, stride=WINDOW - 1, boundaries=boundaries
     )
     batches = _batches(len(view))
-    label = "TokenStream.read_batch" + (", boundaries=True" if boundaries else "")
     benchmark.group = "documents of ~600 tokens (4097 x uint32, batch 8)"
     benchmark.extra_info.update(items=WINDOW * BATCH, unit="tok", label=label)
     benchmark(lambda: view.read_batch(next(batches), np.empty))
@@ -144,12 +150,18 @@ def test_token_stream_with_boundaries(
 def bench_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The attention metadata costs at most 10% of a plain batch's time."""
     t = {r["label"]: r["median_s"] for r in rows if "median_s" in r}
-    plain = t.get("TokenStream.read_batch")
-    both = t.get("TokenStream.read_batch, boundaries=True")
-    if not (plain and both):
-        return []
-    what = "boundaries=True: time per batch over a plain TokenStream batch's"
-    return [_results.make_goal(what, 1.10, both / plain, higher_is_better=False, fmt="{:.2f}x")]
+    plain = t.get(BOUNDARIES["plain"][1])
+    goals = []
+    for kind in ("varlen", "all"):
+        with_extras = t.get(BOUNDARIES[kind][1])
+        if plain and with_extras:
+            what = f"{BOUNDARIES[kind][1]}: time per batch over a plain batch's"
+            goals.append(
+                _results.make_goal(
+                    what, 1.10, with_extras / plain, higher_is_better=False, fmt="{:.2f}x"
+                )
+            )
+    return goals
 
 
 def test_syscalls_per_window(corpus: tuple[Path, Path]) -> None:

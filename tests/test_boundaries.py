@@ -154,13 +154,43 @@ def test_a_view_without_documents_and_a_blend_refuse(tmp_path: Path) -> None:
     np.arange(1000, dtype=np.uint16).tofile(tmp_path / "flat.bin")
     with pytest.raises(ValueError, match=r"flat\.bin: boundaries=True needs document boundaries"):
         tokload.TokenStream(tokload.open_flat(tmp_path / "flat.bin", np.uint16), 8, boundaries=True)
-    with pytest.raises(TypeError, match=r"boundaries must be True or False, got 1"):
+    with pytest.raises(TypeError, match=r"boundaries must be True, False or a list of keys"):
         tokload.TokenStream(str(MEGATRON), 8, boundaries=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got 'cu_seqlens'"):
+        tokload.TokenStream(str(MEGATRON), 8, boundaries="cu_seqlens")
+    with pytest.raises(ValueError, match=r"unknown keys \['labels'\] \(valid: position_ids,"):
+        tokload.TokenStream(str(MEGATRON), 8, boundaries=["cu_seqlens", "labels"])
+    with pytest.raises(ValueError, match=r"an empty list of keys; give False for none"):
+        tokload.TokenStream(str(MEGATRON), 8, boundaries=[])
     view = tokload.TokenStream(str(MEGATRON), 8, boundaries=True)
     with pytest.raises(TypeError, match=r"component 0 is a TokenStream with boundaries=True"):
         tokload.Blend([(view, 1.0)])
-    assert "boundaries=True" in view.fingerprint
-    assert view.fingerprint != tokload.TokenStream(str(MEGATRON), 8).fingerprint
+    # the same samples: a checkpoint of one resumes on the other
+    assert view.fingerprint == tokload.TokenStream(str(MEGATRON), 8).fingerprint
+
+
+def test_only_the_keys_asked_for(tmp_path: Path) -> None:
+    rng = np.random.default_rng(4)
+    with tokload.Writer(tmp_path / "ds", "<u2") as w:
+        for _ in range(200):
+            w.write(rng.integers(1, 1000, int(rng.integers(1, 50)), dtype=np.uint16))
+    full = tokload.TokenStream(tmp_path / "ds", window=40, boundaries=True)
+    varlen = tokload.TokenStream(
+        tmp_path / "ds", window=40, boundaries=["max_seqlen", "cu_seqlens"]
+    )
+    assert varlen.boundary_keys == ("cu_seqlens", "max_seqlen")
+    idx = np.array([3, 0, 17, 5])
+    want, got = full.boundaries(idx), varlen.boundaries(idx)
+    assert sorted(got) == ["cu_seqlens", "max_seqlen"]
+    np.testing.assert_array_equal(got["cu_seqlens"], want["cu_seqlens"])
+    assert got["max_seqlen"] == want["max_seqlen"]
+    pos = tokload.TokenStream(tmp_path / "ds", window=40, boundaries=["position_ids"])
+    assert sorted(pos.boundaries(idx)) == ["position_ids"]
+    np.testing.assert_array_equal(pos.boundaries(idx)["position_ids"], want["position_ids"])
+    batch = next(iter(tokload.DataLoader(varlen, 4, num_threads=0, device=None)))
+    assert sorted(batch) == ["cu_seqlens", "index", "max_seqlen", "position", "tokens"]
+    assert sorted(full.boundaries([])) == sorted(tokload.views.BOUNDARY_KEYS)
+    assert full.boundaries([])["position_ids"].shape == (0, 40)
 
 
 def test_block_diagonal_attention_equals_attention_per_document(tmp_path: Path) -> None:

@@ -155,15 +155,21 @@ class MegatronIndex(ExtentIndex):
 
 # Documents first + ids[b] as one batch, in one call: (values, lengths, offsets)
 # back to back when pack, else ([B, L] values, lengths) padded with the row `pad`.
-# Attention metadata of windows of `window` rows starting at `rows`: the
-# position/segment/loss-mask arrays [B, window] (made with alloc), cu_seqlens
+# Attention metadata of observations `indices` of a view of `count` windows
+# (observation i at row (first + i) * stride), as read_windows checks them: the
+# position/segment/loss-mask arrays [B, window] that per_token names (made with
+# alloc), cu_seqlens
 # (int32) and max_seqlen.
 def window_boundaries(
     index: ExtentIndex,
-    rows: npt.ArrayLike,
+    indices: npt.ArrayLike,
+    first: int,
+    count: int,
+    stride: int,
     window: int,
     total_rows: int,
     alloc: Callable[[tuple[int, ...], Any], np.ndarray[Any, Any]],
+    per_token: Sequence[str] = ("position_ids", "segment_ids", "loss_mask"),
 ) -> tuple[dict[str, np.ndarray[Any, Any]], npt.NDArray[np.int32], int]: ...
 def read_documents(
     index: ExtentIndex,

@@ -1070,9 +1070,12 @@ cdef class MegatronIndex(ExtentIndex):
         return 0
 
 
-def window_boundaries(ExtentIndex index not None, rows, uint64_t window, uint64_t total_rows,
-                      alloc):
-    """The attention metadata of windows of ``window`` rows starting at ``rows``.
+def window_boundaries(ExtentIndex index not None, indices, uint64_t first, uint64_t count,
+                      uint64_t stride, uint64_t window, uint64_t total_rows, alloc,
+                      per_token=("position_ids", "segment_ids", "loss_mask")):
+    """The attention metadata of observations ``indices`` of a view of ``count``
+    windows of ``window`` rows, observation ``i`` starting at row
+    ``(first + i) * stride`` (checked as ``RowSet.read_windows`` checks them).
 
     Finds the documents that start inside each window: where the index is a
     tokload dataset's with its shards' tables held in memory, by a binary search
@@ -1080,14 +1083,20 @@ def window_boundaries(ExtentIndex index not None, rows, uint64_t window, uint64_
     ``index`` (one ``fill`` of all active searches per round: a few rounds for
     documents of similar sizes, at most ``2 log2(documents)``) and one more
     ``fill`` for their first rows. Then computes the arrays in C without the
-    GIL. Returns ``(arrays, cu_seqlens, max_seqlen)``: ``arrays`` holds
-    ``"position_ids"`` (int64), ``"segment_ids"`` (int32) and ``"loss_mask"``
-    (bool), each ``[B, window]`` and allocated with ``alloc``;
-    ``cu_seqlens`` is int32 over the flattened batch. Document 0 must start at
-    row 0 and the index be sorted by row (checked where a window sees it).
+    GIL. Returns ``(arrays, cu_seqlens, max_seqlen)``: ``arrays`` holds those
+    of ``"position_ids"`` (int64), ``"segment_ids"`` (int32) and
+    ``"loss_mask"`` (bool) that ``per_token`` names, each ``[B, window]`` and
+    allocated with ``alloc`` (the others are not computed); ``cu_seqlens`` is
+    int32 over the flattened batch. Document 0 must start at row 0 and the
+    index be sorted by row (checked where a window sees it).
     """
-    cdef const uint64_t[::1] r = np.ascontiguousarray(rows, dtype=np.uint64).reshape(-1)
-    cdef size_t nwin = r.shape[0], ns = 2 * nwin, i, na, j
+    cdef const int64_t[::1] iv = _indices(indices)
+    cdef size_t nwin = iv.shape[0], ns = 2 * nwin, i, na, j
+    starts = np.empty(nwin, dtype=np.uint64)
+    cdef uint64_t[::1] sw = starts
+    if nwin:
+        _checked_window_starts(iv, first, count, stride, window, total_rows, &sw[0])
+    cdef const uint64_t[::1] r = sw
     cdef uint64_t ndocs = index.total
     if ndocs == 0:
         raise ValueError("the source has no documents")
@@ -1095,13 +1104,10 @@ def window_boundaries(ExtentIndex index not None, rows, uint64_t window, uint64_
         raise ValueError(f"{nwin} windows of {window} rows: cu_seqlens (int32) cannot hold "
                          f"{nwin * window} tokens")
     index._files().check_open()
-    for i in range(nwin):
-        if r[i] + window > total_rows:
-            raise IndexError(f"a window at row {r[i]} runs past the {total_rows} rows")
     if isinstance(index, DocIndex) and (<DocIndex>index).tables.enabled and nwin:
         # the shards' indexes are held in memory: search them directly
         ncuts, cuts = _cuts_from_tables(<DocIndex>index, r, window)
-        return _boundary_arrays(r, window, ncuts, cuts, alloc)
+        return _boundary_arrays(r, window, ncuts, cuts, alloc, per_token)
     cdef lib.tl_bsearch *srch = <lib.tl_bsearch *>PyMem_Malloc(max(ns, 1) * sizeof(lib.tl_bsearch))
     cdef uint64_t *buf = <uint64_t *>PyMem_Malloc(max(ns, 1) * 4 * sizeof(uint64_t))
     if srch is NULL or buf is NULL:
@@ -1109,7 +1115,7 @@ def window_boundaries(ExtentIndex index not None, rows, uint64_t window, uint64_
         PyMem_Free(buf)
         raise MemoryError()
     cdef uint64_t *probe = buf
-    cdef uint64_t *first = buf + ns
+    cdef uint64_t *firsts = buf + ns
     cdef uint64_t *length = buf + 2 * ns
     cdef uint64_t *act = buf + 3 * ns  # the searches still going, by number
     cdef unsigned rnd = 0
@@ -1127,10 +1133,10 @@ def window_boundaries(ExtentIndex index not None, rows, uint64_t window, uint64_
         while na:
             for j in range(na):
                 probe[j] = lib.tl_bsearch_probe(&srch[act[j]], rnd)
-            index.fill(probe, na, first, length)
+            index.fill(probe, na, firsts, length)
             i = 0
             for j in range(na):
-                if lib.tl_bsearch_step(&srch[act[j]], probe[j], first[j]):
+                if lib.tl_bsearch_step(&srch[act[j]], probe[j], firsts[j]):
                     act[i] = act[j]
                     i += 1
             na = i
@@ -1157,7 +1163,7 @@ def window_boundaries(ExtentIndex index not None, rows, uint64_t window, uint64_
     finally:
         PyMem_Free(srch)
         PyMem_Free(buf)
-    return _boundary_arrays(r, window, ncuts, cuts, alloc)
+    return _boundary_arrays(r, window, ncuts, cuts, alloc, per_token)
 
 
 cdef tuple _cuts_from_tables(DocIndex index, const uint64_t[::1] r, uint64_t window):
@@ -1165,30 +1171,34 @@ cdef tuple _cuts_from_tables(DocIndex index, const uint64_t[::1] r, uint64_t win
     in memory (loaded here for the shards the windows span): no search rounds."""
     cdef size_t nwin = r.shape[0], nfiles = index.files.nfiles, i, m = 0
     cdef const uint64_t *row_cum = &index._row_cum[0]
-    cdef uint32_t k
-    # the shards every window spans (at most a few each): first and last of each
-    spans = np.empty(2 * nwin, dtype=np.uint32)
-    cdef uint32_t[::1] ends = spans
-    for i in range(nwin):
-        ends[2 * i] = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i])
-        ends[2 * i + 1] = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i] + window - 1)
-        m += ends[2 * i + 1] - ends[2 * i] + 1
-    shards = np.empty(m, dtype=np.uint32)
-    cdef uint32_t[::1] sv = shards
-    m = 0
-    for i in range(nwin):
-        for k in range(ends[2 * i], ends[2 * i + 1] + 1):
-            sv[m] = k
-            m += 1
+    cdef uint32_t k, k0, k1
     cdef lib.tl_engine eng
     cdef lib.tl_io_error err
     cdef size_t failed = 0
-    cdef int rc
+    cdef int rc = 0
     cdef ShardTables tables = index.tables
-    index.files.engine_begin(&eng)
-    with nogil:
-        rc = tables.need(&eng, &sv[0], m, &err, &failed)
-    index.files.engine_end(&eng)
+    # the shards every window spans (at most a few each), for loading their tables
+    for i in range(nwin):
+        k0 = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i])
+        k1 = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i] + window - 1)
+        m += k1 - k0 + 1
+    cdef uint32_t *sv = <uint32_t *>PyMem_Malloc(m * sizeof(uint32_t))
+    if sv is NULL:
+        raise MemoryError()
+    try:
+        m = 0
+        for i in range(nwin):
+            k0 = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i])
+            k1 = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i] + window - 1)
+            for k in range(k0, k1 + 1):
+                sv[m] = k
+                m += 1
+        index.files.engine_begin(&eng)
+        with nogil:
+            rc = tables.need(&eng, sv, m, &err, &failed)
+        index.files.engine_end(&eng)
+    finally:
+        PyMem_Free(sv)
     if rc:
         _raise_io(&err, index.files.paths, "a shard's document index")
     ncuts = np.empty(nwin, dtype=np.uint64)
@@ -1207,18 +1217,30 @@ cdef tuple _cuts_from_tables(DocIndex index, const uint64_t[::1] r, uint64_t win
     return ncuts, cuts
 
 
-cdef tuple _boundary_arrays(const uint64_t[::1] r, uint64_t window, ncuts, cuts, alloc):
+cdef tuple _boundary_arrays(const uint64_t[::1] r, uint64_t window, ncuts, cuts, alloc,
+                            per_token):
     """The arrays of ``window_boundaries`` from each window's cuts."""
     cdef size_t nwin = r.shape[0]
     cdef size_t total = cuts.shape[0]
-    posa = alloc((nwin, window), np.dtype(np.int64))
-    sega = alloc((nwin, window), np.dtype(np.int32))
-    maska = alloc((nwin, window), np.dtype(np.bool_))
+    arrays = {}
+    cdef int64_t *pp = NULL
+    cdef int32_t *sp = NULL
+    cdef uint8_t *mp = NULL
+    cdef int64_t[:, ::1] pv
+    cdef int32_t[:, ::1] sv
+    cdef uint8_t[:, ::1] mv
+    if nwin and "position_ids" in per_token:
+        arrays["position_ids"] = pv = alloc((nwin, window), np.dtype(np.int64))
+        pp = &pv[0, 0]
+    if nwin and "segment_ids" in per_token:
+        arrays["segment_ids"] = sv = alloc((nwin, window), np.dtype(np.int32))
+        sp = &sv[0, 0]
+    if nwin and "loss_mask" in per_token:
+        arrays["loss_mask"] = maska = alloc((nwin, window), np.dtype(np.bool_))
+        mv = maska.view(np.uint8)
+        mp = &mv[0, 0]
     cu = np.empty(total + nwin + 1, dtype=np.int32)
     cdef const uint64_t[::1] cv = cuts, nv = ncuts
-    cdef int64_t[:, ::1] pv = posa
-    cdef int32_t[:, ::1] sv = sega
-    cdef uint8_t[:, ::1] mv = maska.view(np.uint8)
     cdef int32_t[::1] cuv = cu
     cdef uint64_t longest = 0
     cdef size_t k = 0, bad = 0
@@ -1226,16 +1248,20 @@ cdef tuple _boundary_arrays(const uint64_t[::1] r, uint64_t window, ncuts, cuts,
     if nwin:
         with nogil:
             k = lib.tl_bounds_fill(&r[0], &cv[0] if total else &zero, &nv[0], nwin, window,
-                                   &pv[0, 0], &sv[0, 0], &mv[0, 0], &cuv[0], &longest, &bad)
+                                   pp, sp, mp, &cuv[0], &longest, &bad)
         if k == 0:
             raise CorruptDataError(
                 f"the document index is not sorted by row: the documents that start in "
                 f"the window at row {r[bad]} are out of order"
             )
     else:
+        for key, dt in (("position_ids", np.int64), ("segment_ids", np.int32),
+                        ("loss_mask", np.bool_)):
+            if key in per_token:
+                arrays[key] = alloc((0, window), np.dtype(dt))
         cu[0] = 0
         k = 1
-    return {"position_ids": posa, "segment_ids": sega, "loss_mask": maska}, cu[:k], int(longest)
+    return arrays, cu[:k], int(longest)
 
 
 def read_documents(ExtentIndex index not None, RowSet rows not None, ids, uint64_t first, uint64_t count, dtype,

@@ -229,6 +229,34 @@ class _Windows(View):
         return a.reshape(-1)
 
 
+BOUNDARY_KEYS = ("position_ids", "segment_ids", "loss_mask", "cu_seqlens", "max_seqlen")
+"""What ``TokenStream(..., boundaries=True)`` adds to a batch."""
+
+
+def _boundary_keys(boundaries: object) -> tuple[str, ...]:
+    """The keys ``boundaries=`` asks for, in ``BOUNDARY_KEYS`` order."""
+    if boundaries is True:
+        return BOUNDARY_KEYS
+    if boundaries is False:
+        return ()
+    if isinstance(boundaries, (str, bytes)) or not isinstance(
+        boundaries, (list, tuple, set, frozenset)
+    ):
+        raise TypeError(
+            f"boundaries must be True, False or a list of keys out of {', '.join(BOUNDARY_KEYS)}; "
+            f"got {boundaries!r}"
+        )
+    wanted = set(boundaries)
+    unknown = sorted(str(k) for k in wanted - set(BOUNDARY_KEYS))
+    if unknown or not wanted:
+        raise ValueError(
+            f"boundaries: unknown keys {unknown} (valid: {', '.join(BOUNDARY_KEYS)})"
+            if unknown
+            else "boundaries: an empty list of keys; give False for none"
+        )
+    return tuple(k for k in BOUNDARY_KEYS if k in wanted)
+
+
 class TokenStream(_Windows):
     """Windows of the concatenated token stream.
 
@@ -250,7 +278,10 @@ class TokenStream(_Windows):
             the segments' starts over the flattened ``[B * window]`` batch, then
             ``B * window``) and ``"max_seqlen"`` (int). Needs a source with
             documents (a tokload dataset, a Megatron prefix, flat files opened
-            with ``eos=`` or ``doc_index=``). The tokens are the same as without.
+            with ``eos=`` or ``doc_index=``). The tokens are the same as without,
+            and so is the fingerprint (a checkpoint resumes either way). A list
+            of those keys computes only them: ``["cu_seqlens", "max_seqlen"]``
+            for a variable-length attention kernel writes nothing per token.
 
     ``view[i]`` and ``view.read(indices)`` give, for a plain dtype, arrays of
     shape ``[window]`` / ``[B, window]``; for a structured dtype a dict with
@@ -263,13 +294,17 @@ class TokenStream(_Windows):
     (False with ``boundaries``: ``cu_seqlens`` belongs to a batch, not to its rows)."""
 
     def __init__(
-        self, data: DataLike, window: int, stride: int | None = None, *, boundaries: bool = False
+        self,
+        data: DataLike,
+        window: int,
+        stride: int | None = None,
+        *,
+        boundaries: bool | Sequence[str] = False,
     ) -> None:
         super().__init__(data, window, stride)
-        if not isinstance(boundaries, bool):
-            raise TypeError(f"boundaries must be True or False, got {boundaries!r}")
-        self.with_boundaries = boundaries
-        if boundaries:
+        self.boundary_keys = _boundary_keys(boundaries)
+        self.with_boundaries = bool(self.boundary_keys)
+        if self.with_boundaries:
             docs = self.source.docs
             if docs is None or docs.total == 0:
                 raise ValueError(
@@ -285,10 +320,6 @@ class TokenStream(_Windows):
                     "the stream in order"
                 )
             self.rowwise = False
-
-    def _config(self) -> str:
-        extra = " boundaries=True," if self.with_boundaries else ""
-        return f"window={self.window}, stride={self.stride},{extra}"
 
     def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
         """The view protocol (``tokload.assembly``): ``"tokens"`` ``[B, window]``
@@ -306,7 +337,8 @@ class TokenStream(_Windows):
         ``"position_ids"`` (int64), ``"segment_ids"`` (int32) and ``"loss_mask"``
         (bool), each ``[B, window]`` (allocated with ``alloc``); ``"cu_seqlens"``
         (int32, ``segments + 1`` offsets over the flattened batch) and
-        ``"max_seqlen"`` (int, the longest segment). Pure functions of the
+        ``"max_seqlen"`` (int, the longest segment): the keys the view's
+        ``boundaries`` names (all of them for a view without). Pure functions of the
         windows' rows and the document index, computed in C without the GIL.
         The documents inside a window are found by a binary search of each
         shard's document table a window spans, where a tokload dataset holds
@@ -317,12 +349,24 @@ class TokenStream(_Windows):
         docs = self.source.docs
         if docs is None:
             raise ValueError(f"{self.source.description} has no document boundaries")
-        idx = self._global(indices)
-        rows = idx * np.uint64(self.stride)
+        keys = self.boundary_keys or BOUNDARY_KEYS
         arrays, cu, longest = window_boundaries(
-            docs, rows, self.window, self.source.num_rows, alloc
+            docs,
+            self._indices(indices),
+            self._lo,
+            len(self),
+            self.stride,
+            self.window,
+            self.source.num_rows,
+            alloc,
+            keys,
         )
-        return {**arrays, "cu_seqlens": cu, "max_seqlen": longest}
+        if "cu_seqlens" in keys:
+            arrays["cu_seqlens"] = cu
+        out: dict[str, Any] = dict(arrays)
+        if "max_seqlen" in keys:
+            out["max_seqlen"] = longest
+        return out
 
     def __getitem__(self, i: int) -> Fields:
         out = self.read(self._index(i))

@@ -80,6 +80,7 @@ TL_INLINE int tl_bsearch_step(tl_bsearch *s, uint64_t probe, uint64_t first)
  *   seg[]  its segment's number in the window (0 for the first);
  *   mask[] 0 where token t is the first of the window or of a document (as a
  *          next-token target it would be predicted across a boundary), else 1;
+ * (each of pos, seg, mask may be NULL: not computed),
  * and cu[0..k]: the segments' starts over the flattened batch, then nwin * W
  * (k + 1 entries: the return value; at most total cuts + nwin + 1).  *max_len
  * gets the longest segment.  A cut outside (rows[b], rows[b] + W) or out of
@@ -93,9 +94,9 @@ TL_INLINE size_t tl_bounds_fill(const uint64_t *rows, const uint64_t *cuts, cons
     uint64_t longest = 0;
     for (size_t b = 0; b < nwin; b++) {
         const uint64_t r = rows[b];
-        int64_t *p = pos + b * W;
-        int32_t *sg = seg + b * W;
-        uint8_t *m = mask + b * W;
+        int64_t *p = pos ? pos + b * W : NULL;
+        int32_t *sg = seg ? seg + b * W : NULL;
+        uint8_t *m = mask ? mask + b * W : NULL;
         uint64_t start = 0; /* of the current segment, relative to r */
         int32_t number = 0;
         cu[k++] = (int32_t)(b * W);
@@ -111,10 +112,14 @@ TL_INLINE size_t tl_bounds_fill(const uint64_t *rows, const uint64_t *cuts, cons
                 next = c - r;
             }
             /* three plain loops, each one the compiler vectorizes */
-            for (uint64_t t = start; t < next; t++) p[t] = (int64_t)(t - start);
-            for (uint64_t t = start; t < next; t++) sg[t] = number;
-            memset(m + start, 1, (size_t)(next - start));
-            m[start] = 0;
+            if (pos)
+                for (uint64_t t = start; t < next; t++) p[t] = (int64_t)(t - start);
+            if (seg)
+                for (uint64_t t = start; t < next; t++) sg[t] = number;
+            if (mask) {
+                memset(m + start, 1, (size_t)(next - start));
+                m[start] = 0;
+            }
             if (next - start > longest) longest = next - start;
             if (next < W) {
                 cu[k++] = (int32_t)(b * W + next);
