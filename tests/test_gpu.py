@@ -127,6 +127,21 @@ def test_documents_and_other_streams(corpus: Path) -> None:
     ld.close()
 
 
+def test_token_stream_boundaries_on_the_device(corpus: Path) -> None:
+    """The attention metadata arrives on the device with its batch (max_seqlen, an
+    int, stays on the host), equal to the view's own."""
+    view = TokenStream(corpus, window=257, stride=200, boundaries=True)
+    ld = DataLoader(view, 8, seed=7, num_threads=2, prefetch=16, device="cuda")
+    for step, batch in zip(range(50), ld, strict=False):
+        busy_stream()
+        want = view.boundaries(batch["index"].cpu().numpy())
+        assert batch["max_seqlen"] == want.pop("max_seqlen")
+        for key, value in want.items():
+            assert batch[key].device == ld.device
+            np.testing.assert_array_equal(batch[key].cpu().numpy(), value, f"{key} {step}")
+    ld.close()
+
+
 @pytest.mark.usefixtures("host_load")
 def test_stream_with_metadata_on_the_device(tmp_path: Path) -> None:
     rng = np.random.default_rng(5)

@@ -99,6 +99,7 @@ def test_the_fake_device_reuses_a_block_only_after_its_copies() -> None:
 def _views(corpus: Path, meta_corpus: Path, blocks_corpus: Path) -> dict[str, Any]:
     return {
         "stream": TokenStream(corpus, window=9, stride=5),
+        "boundaries": TokenStream(corpus, window=9, stride=5, boundaries=True),
         "padded": Documents(corpus, pad_to=16, pad_value=9),
         "packed": Documents(corpus, batch="pack"),
         "metadata": StreamWithMetadata(meta_corpus, window=8, stride=3),
@@ -121,9 +122,16 @@ def _reference(view: Any, batch: Batch) -> None:
             np.testing.assert_array_equal(batch[k].numpy(), v)
     else:
         np.testing.assert_array_equal(batch["tokens"].numpy(), view.read(idx))
+        if getattr(view, "with_boundaries", False):  # the batch's extras, on the device
+            want = view.boundaries(idx)
+            assert batch["max_seqlen"] == want.pop("max_seqlen")  # an int: not copied
+            for k, v in want.items():
+                np.testing.assert_array_equal(batch[k].numpy(), v)
 
 
-@pytest.mark.parametrize("kind", ["stream", "padded", "packed", "metadata", "metadata-blocks"])
+@pytest.mark.parametrize(
+    "kind", ["stream", "boundaries", "padded", "packed", "metadata", "metadata-blocks"]
+)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_device_copies_under_randomized_timing(
     kind: str, seed: int, corpus: Path, meta_corpus: Path, blocks_corpus: Path
