@@ -312,6 +312,8 @@ def loader_tables(rows: list[Row]) -> str:
                 cell(r["label"]),
                 pct_1(r["loop_kept"]),
                 ", ".join(pct(x) for x in r.get("loop_kept_runs", [])),
+                pct_1(r.get("no_loader_again")),
+                ", ".join(pct(x) for x in r.get("no_loader_again_runs", [])),
                 seconds(r["wait_p999_s"]),
                 seconds(r["wait_max_s"]),
             ]
@@ -320,8 +322,20 @@ def loader_tables(rows: list[Row]) -> str:
         parts.append(
             "**A trainer's loop at a fixed rate**: batches taken at a fixed cadence with "
             "GIL-holding Python between them, against the same loop with no loader "
-            "(median of 3 alternating 3 s phases), and the waits in `next()`.\n\n"
-            + table(["rate", "loop speed kept", "single runs", "p99.9 wait", "max wait"], body)
+            "(medians of alternating 2 s phases), and the waits in `next()`. The "
+            "A/A columns run the loop without a loader twice: the machine's own noise.\n\n"
+            + table(
+                [
+                    "rate",
+                    "loop speed kept",
+                    "single runs",
+                    "A/A",
+                    "A/A runs",
+                    "p99.9 wait",
+                    "max wait",
+                ],
+                body,
+            )
         )
     cost = [r for r in rows if "consumer_s" in r]
     if cost:
