@@ -416,6 +416,7 @@ class Bench:
     what: str
     command: str
     render: Callable[[list[Row]], str] = generic
+    writes_json: bool = True  # False: it prints its figures but writes no results JSON yet
 
 
 PYTEST = "python -m pytest bench/{} -o python_files='bench_*.py'"
@@ -487,6 +488,7 @@ BENCHMARKS = [
         "DataLoader on each I/O path, the plain loader and peers; and the training thread "
         "while tokload streams cold data. Needs root.",
         "sudo " + PYTEST.format("bench_cold.py") + " -s",
+        writes_json=False,
     ),
     Bench(
         "bench_read_cold",
@@ -494,6 +496,7 @@ BENCHMARKS = [
         "Tokens per second of every metadata layout read cold (page cache dropped), one batch "
         "after the other and through the DataLoader, as a share of TokenStream's. Needs root.",
         "sudo python -m bench.bench_read_cold",
+        writes_json=False,
     ),
     Bench(
         "bench_stall",
@@ -502,6 +505,7 @@ BENCHMARKS = [
         "through a FUSE filesystem that delays some of them, for tokload and the other "
         "loaders. Needs root and FUSE.",
         "sudo " + PYTEST.format("bench_stall.py") + " -s",
+        writes_json=False,
     ),
     Bench(
         "bench_build",
@@ -509,6 +513,7 @@ BENCHMARKS = [
         "`tokload build` in MB of text per second against the tokenizer's own `encode_batch` "
         "on the same cores and Megatron-LM's preprocessing recipe, with and without metadata.",
         "python -m bench.bench_build --mb 200",
+        writes_json=False,
     ),
     Bench(
         "bench_gpu",
@@ -567,7 +572,13 @@ def goals_section(goals: list[Row]) -> str:
 def section(bench: Bench, doc: Doc | None, assets: set[str]) -> str:
     out = [f"## {bench.title}", "", bench.what, ""]
     if doc is None:
-        out.append(f"Not run yet: `{bench.command}`")
+        if bench.writes_json:
+            out.append(f"Not run yet: `{bench.command}`")
+        else:
+            out.append(
+                f"No results here yet: `{bench.command}` prints its figures but does not "
+                "write them to `bench/results/` yet, so this page cannot show them."
+            )
         return "\n".join(out)
     load = doc.get("load")
     out += [
