@@ -17,6 +17,7 @@ cdef class FileSet:
     cdef bint closed
     cdef int backend
     cdef unsigned depth
+    cdef readonly list remote
 
     cdef int check_open(self) except -1
     cdef int engine_begin(self, lib.tl_engine *e) except -1

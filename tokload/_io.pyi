@@ -49,6 +49,7 @@ def _set_fault_injection(
 class FileSet:
     paths: list[str]
     nfiles: int
+    remote: list[Any] | None
     def __init__(
         self,
         paths: Sequence[str | os.PathLike[str]],
@@ -56,6 +57,7 @@ class FileSet:
         *,
         io: str | None = None,
         queue_depth: int | None = None,
+        remote: Sequence[Any] | None = None,
     ) -> None: ...
     def configure(self, io: str | None = None, queue_depth: int | None = None) -> None: ...
     @property

@@ -26,6 +26,7 @@ from libc.errno cimport ENOMEM as _ENOMEM
 from libc.string cimport memcpy, strerror
 
 cimport tokload._lib as lib
+from tokload._remote cimport remote_run
 
 import errno as _errno
 import os
@@ -33,6 +34,7 @@ import resource
 
 import numpy as np
 
+from tokload._remote import take_error as _take_remote_error
 from tokload.errors import CorruptDataError, MissingShardError, TruncatedFileError
 
 META_NONE = 0xFFFFFFFF
@@ -42,7 +44,8 @@ DEFAULT_QUEUE_DEPTH = 64
 MAX_QUEUE_DEPTH = lib.TL_URING_MAX
 FAULTS_BUILT = bool(lib.TL_FAULTS_BUILT)
 
-_BACKEND_NAMES = {lib.TL_IO_SYNC: "sync", lib.TL_IO_THREADS: "threads", lib.TL_IO_URING: "uring"}
+_BACKEND_NAMES = {lib.TL_IO_SYNC: "sync", lib.TL_IO_THREADS: "threads", lib.TL_IO_URING: "uring",
+                  lib.TL_IO_REMOTE: "remote"}
 _BACKEND_CODES = {v: k for k, v in _BACKEND_NAMES.items()}
 
 # Process-wide engine state: one descriptor cache, one thread pool, a free
@@ -285,6 +288,13 @@ def _set_fault_injection(seed=0, rate=0.0, kinds=("short", "eintr", "eagain", "e
 cdef object _raise_io(lib.tl_io_error *err, list paths, str what):
     """Raise the exception for a failed read of paths[err.file]."""
     path = paths[err.file] if 0 <= err.file < len(paths) else "?"
+    if err.code == lib.TL_ERR_REMOTE:  # named by tokload.remote: URL, range, cause
+        e = _take_remote_error()
+        if e is None:
+            e = OSError(f"{path}: a remote read failed while reading {what}")
+        elif hasattr(e, "add_note"):
+            e.add_note(f"while reading {what} of {path}")
+        raise e
     if err.code == lib.TL_IO_EOF:
         raise TruncatedFileError(
             f"{path}: file ended at byte {err.offset + err.done} while reading {what} "
@@ -357,9 +367,12 @@ cdef class FileSet:
             ``TOKLOAD_IO``, else ``"auto"``).
         queue_depth: reads in flight per batch, 1 to MAX_QUEUE_DEPTH
             (default: ``TOKLOAD_IO_DEPTH``, else DEFAULT_QUEUE_DEPTH).
+        remote: for objects in an object store, one ``tokload.remote.RemoteObject``
+            per path: every read is then a ranged GET (the ``"remote"``
+            backend, ``tokload/_remote.pyx``), and ``io`` is ignored.
     """
 
-    def __cinit__(self, paths, bases=None, *, io=None, queue_depth=None):
+    def __cinit__(self, paths, bases=None, *, io=None, queue_depth=None, remote=None):
         global _max_explicit
         self.files = NULL
         self.nfiles = 0
@@ -370,7 +383,11 @@ cdef class FileSet:
         bases = [0] * n if bases is None else list(bases)
         if len(bases) != n:
             raise ValueError(f"{n} files but {len(bases)} bases")
-        self.backend = _BACKEND_CODES[resolve_io(io)]
+        self.remote = None if remote is None else list(remote)
+        if self.remote is not None and len(self.remote) != n:
+            raise ValueError(f"{n} files but {len(self.remote)} remote objects")
+        self.backend = (lib.TL_IO_REMOTE if self.remote is not None
+                        else _BACKEND_CODES[resolve_io(io)])
         self.depth = (default_queue_depth() if queue_depth is None
                       else _checked_depth(queue_depth, "queue_depth"))
         if not _max_explicit:
@@ -382,19 +399,23 @@ cdef class FileSet:
         cdef size_t i
         for i in range(n):
             lib.tl_fent_init(&self.files[i], PyBytes_AS_STRING(self._cpaths[i]), bases[i], i)
+            if self.remote is not None:
+                self.files[i].remote = <void *>self.remote[i]
         self.nfiles = n
 
     def configure(self, io=None, queue_depth=None):
         """Choose the I/O backend and/or the reads in flight per batch
-        (``None`` leaves a setting as it is).  Takes effect at the next read."""
-        if io is not None:
+        (``None`` leaves a setting as it is).  Takes effect at the next read.
+        Objects in an object store always use the remote backend."""
+        if io is not None and self.remote is None:
             self.backend = _BACKEND_CODES[resolve_io(io)]
         if queue_depth is not None:
             self.depth = _checked_depth(queue_depth, "queue_depth")
 
     @property
     def io(self):
-        """The backend reads use: ``"uring"``, ``"threads"`` or ``"sync"``."""
+        """The backend reads use: ``"uring"``, ``"threads"``, ``"sync"`` or
+        ``"remote"`` (objects in an object store)."""
         return _BACKEND_NAMES[self.backend]
 
     @property
@@ -427,7 +448,11 @@ cdef class FileSet:
         e.ring = NULL
         e.faults = &_faults if _faults_on else NULL
         e.counters = &_counters
-        if e.backend == lib.TL_IO_THREADS:
+        e.remote = NULL
+        e.remote_ctx = NULL
+        if e.backend == lib.TL_IO_REMOTE:
+            e.remote = remote_run
+        elif e.backend == lib.TL_IO_THREADS:
             if _pool.nthreads + 1 < e.depth:
                 lib.tl_pool_grow(&_pool, e.depth - 1)
             e.pool = &_pool
@@ -617,7 +642,7 @@ cdef class RowSet:
         self.files.check_open()
         cdef const int64_t[::1] iv = _indices(indices)
         cdef size_t n = iv.shape[0], nreq, m = 0
-        if n == 0 or window == 0:
+        if n == 0 or window == 0 or self.files.remote is not None:  # no page cache to warm
             return 0
         cdef uint64_t *starts = <uint64_t *>PyMem_Malloc(n * sizeof(uint64_t))
         if starts is NULL:
@@ -647,7 +672,7 @@ cdef class RowSet:
             if sv[i] > self.total or lv[i] > self.total - sv[i]:
                 raise IndexError(f"rows [{sv[i]}, {sv[i] + lv[i]}) run past the "
                                  f"{self.total} rows")
-        if n == 0:
+        if n == 0 or self.files.remote is not None:
             return 0
         nreq = lib.tl_rows_count_reqs(&self.rs, &sv[0], &lv[0], 0, n)
         cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>PyMem_Malloc((nreq + 1) * sizeof(lib.tl_ioreq))

@@ -74,6 +74,7 @@ cdef extern from "tokload/fdcache.h" nogil:
         uint64_t base
         int32_t index
         int fd
+        void *remote
 
     ctypedef struct tl_fdcache:
         size_t open
@@ -131,6 +132,11 @@ cdef extern from "tokload/engine.h" nogil:
     enum: TL_IO_SYNC
     enum: TL_IO_THREADS
     enum: TL_IO_URING
+    enum: TL_IO_REMOTE
+    int TL_ERR_REMOTE
+
+    ctypedef int (*tl_remote_fn)(void *ctx, const tl_ioreq *reqs, size_t n, unsigned depth,
+                                 tl_io_error *err, size_t *failed) noexcept nogil
 
     ctypedef struct tl_io_counters:
         uint64_t calls
@@ -147,6 +153,8 @@ cdef extern from "tokload/engine.h" nogil:
         tl_uring *ring
         tl_io_faults *faults
         tl_io_counters *counters
+        tl_remote_fn remote
+        void *remote_ctx
 
     int tl_engine_run(const tl_engine *e, const tl_ioreq *reqs, size_t n, tl_io_error *err,
                       size_t *failed) noexcept

@@ -32,6 +32,42 @@ class TruncatedFileError(TokloadError, OSError):
     the dataset was opened, or was never fully written)."""
 
 
+class RemoteError(TokloadError, OSError):
+    """A read from an object store failed: after its retries (throttling,
+    timeouts, dropped connections), or at once where a retry cannot help (no
+    credentials, access denied, an unreachable endpoint once its retries are
+    spent).  The message gives the URL, the byte range and the cause;
+    ``url``, ``start``, ``end`` (``None`` for a whole object) and ``attempts``
+    are attributes too."""
+
+    def __init__(
+        self,
+        message: str,
+        url: str = "",
+        start: int | None = None,
+        end: int | None = None,
+        attempts: int = 1,
+    ) -> None:
+        super().__init__(message)
+        self.url = url
+        self.start = start
+        self.end = end
+        self.attempts = attempts
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class RemoteAccessError(RemoteError, PermissionError):
+    """The object store refused the request: no credentials, credentials it
+    does not accept, or access denied to the bucket or object."""
+
+
+class ObjectChangedError(RemoteError):
+    """An object changed (another ETag or size) since the dataset was opened:
+    its bytes could belong to other data, so tokload refuses to read them."""
+
+
 class StateError(TokloadError, ValueError):
     """A saved loader state does not belong to this dataset or configuration."""
 
@@ -40,6 +76,9 @@ __all__ = [
     "CorruptDataError",
     "FormatError",
     "MissingShardError",
+    "ObjectChangedError",
+    "RemoteAccessError",
+    "RemoteError",
     "StateError",
     "TokloadError",
     "TruncatedFileError",

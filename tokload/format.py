@@ -527,19 +527,32 @@ def sample_digest(path: str | os.PathLike[str], what: str, block: int = 4096) ->
     return h.hexdigest()
 
 
-def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """Read and check ``path/manifest.json``.
+def read_manifest(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> Manifest:
+    """Read and check ``path/manifest.json`` (``path`` a directory or an
+    object-store URL prefix).
 
     Raises:
         MissingShardError: there is no manifest.
         FormatError: it is not a regular file, not UTF-8, not JSON, or not what
             FORMAT.md allows; the message names the manifest and the key.
     """
-    mpath = Path(path) / MANIFEST
+    return manifest_at(Location(path, storage_options))
+
+
+def manifest_at(loc: Location) -> Manifest:
+    """``read_manifest`` of a Location."""
+    mpath = loc.join(MANIFEST)
     try:
-        raw = read_regular(mpath, "tokload manifest")
+        raw = loc.read(mpath, "tokload manifest")
     except MissingShardError:
         raise MissingShardError(2, "no tokload manifest here", str(mpath)) from None
+    return parse_manifest(raw, str(mpath))
+
+
+def parse_manifest(raw: bytes, mpath: str) -> Manifest:
+    """Check the bytes of a manifest read from ``mpath`` (named in errors)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -552,7 +565,108 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
         raise FormatError(f"{mpath}: JSON nested too deeply to read") from None
     except ValueError as e:  # e.g. an integer of more than sys.get_int_max_str_digits() digits
         raise FormatError(f"{mpath}: not valid JSON: {e}") from None
-    return Manifest.from_json(data, str(mpath))
+    return Manifest.from_json(data, mpath)
+
+
+class Location:
+    """Where a dataset's files are: a local directory, or an object-store URL
+    prefix (``s3://bucket/prefix``; see ``tokload.remote``).  One interface
+    for both, so opening code has one path: names joined, sizes checked,
+    small files read, FileSets made.  A remote location lists its prefix once
+    (sizes and ETags) and reads files through the remote backend.
+
+    Args:
+        root: the directory or URL prefix (``file://`` is local).
+        storage_options: the object store's options (remote only).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        listed: bool = True,
+    ) -> None:
+        from tokload import remote
+
+        self.remote = remote.is_url(root)
+        self.options = storage_options
+        self.listed = listed  # remote: one LIST of the prefix (else a HEAD per object)
+        self._heads: dict[str, Any] = {}
+        self.root: str = (
+            os.fspath(root).rstrip("/") if self.remote else str(Path(remote.local_path(root)))
+        )
+        self._objects: dict[str, Any] | None = None
+
+    def join(self, name: str) -> str:
+        return self.root + "/" + name if self.remote else os.path.join(self.root, name)
+
+    def _object(self, path: str, what: str) -> Any:
+        from tokload import remote
+
+        if not self.listed or not path.startswith(self.root + "/"):
+            if path not in self._heads:
+                self._heads[path] = remote.head(path, what, self.options)
+            return self._heads[path]
+        if self._objects is None:
+            self._objects = remote.listing(self.root, self.options)
+        obj = self._objects.get(path)
+        if obj is None:
+            raise MissingShardError(2, f"missing {what}", path)
+        return obj
+
+    def size(self, path: str, what: str) -> int:
+        """The size of a regular file or object (MissingShardError when absent)."""
+        if self.remote:
+            return int(self._object(path, what).size)
+        return regular_size(path, what)
+
+    def exists(self, path: str) -> bool:
+        if not self.remote:
+            return os.path.isfile(path)
+        try:
+            self._object(path, "object")
+        except MissingShardError:
+            return False
+        return True
+
+    def read(self, path: str, what: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of a file or object (all of it by default)."""
+        if self.remote:
+            from tokload import remote
+
+            return remote.read_object(self._object(path, what), what, start, end)
+        if start == 0 and end is None:
+            return read_regular(path, what)
+        fd = open_regular(path, what)
+        try:
+            size = os.fstat(fd).st_size
+            end = size if end is None else end
+            data = os.pread(fd, end - start, start)
+        finally:
+            os.close(fd)
+        if len(data) != end - start:
+            raise FormatError(f"{path}: {what}: {size} bytes, not the {end} it needs")
+        return data
+
+    def sample_digest(self, path: str, what: str, block: int = 4096) -> str:
+        """``sample_digest`` of a file or object: SHA-256 of its size, first and
+        last ``block`` bytes (the same value for a local copy and a remote one)."""
+        if not self.remote:
+            return sample_digest(path, what, block)
+        size = self.size(path, what)
+        h = hashlib.sha256(size.to_bytes(8, "little"))
+        h.update(self.read(path, what, 0, min(block, size)))
+        if size > block:
+            h.update(self.read(path, what, max(block, size - block), size))
+        return h.hexdigest()
+
+    def fileset(self, paths: Sequence[str], bases: Sequence[int] | None = None) -> FileSet:
+        """A FileSet of ``paths`` (objects keep the ETag they were listed with)."""
+        if self.remote:
+            objs = [self._object(p, "file") for p in paths]
+            return FileSet(paths, bases, remote=objs)
+        return FileSet(paths, bases)
 
 
 def create_unique(directory: str | os.PathLike[str], prefix: str) -> tuple[int, str]:
@@ -647,8 +761,8 @@ class Source:
             c.close()
 
 
-def _expect_size(path: Path, what: str, expected: int) -> None:
-    size = regular_size(path, what)
+def _expect_size(loc: Location, path: str, what: str, expected: int) -> None:
+    size = loc.size(path, what)
     if size != expected:
         raise FormatError(f"{path}: {what} is {size} bytes but the manifest implies {expected}")
 
@@ -682,61 +796,70 @@ def index_memory() -> int:
     return value
 
 
-def open_dataset(path: str | os.PathLike[str]) -> Source:
-    """Open a tokload dataset directory: reads the manifest and ``stat``s each file.
+def open_dataset(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> Source:
+    """Open a tokload dataset: a directory, or an object-store URL prefix
+    (``s3://bucket/prefix``, ``gs://``, ``az://``; see ``tokload.remote``).
 
-    No data is read; the time taken depends on the number of shards only.
+    Reads the manifest and ``stat``s each file (lists the prefix once, for a
+    URL). No data is read; the time taken depends on the number of shards only.
+
+    Args:
+        path: the dataset.
+        storage_options: the object store's options (URLs only): endpoint,
+            credentials, retries; the environment's by default.
 
     Raises:
         MissingShardError: the manifest or a file it lists is missing.
         FormatError: unknown version, bad dtype, a file whose size disagrees.
     """
-    root = Path(path)
-    m = read_manifest(root)
+    loc = Location(path, storage_options)
+    m = manifest_at(loc)
     item = m.dtype.itemsize
     rows_paths, docs_paths, mdx_paths, mdb_paths, mds_paths, msx_paths = [], [], [], [], [], []
     msb_paths, mbx_paths = [], []
     block = m.span_block
     index_bytes = 0
     for s in m.shards:
-        rp = root / (s.name + ".rows")
-        _expect_size(rp, "shard rows", s.rows * item)
+        rp = loc.join(s.name + ".rows")
+        _expect_size(loc, rp, "shard rows", s.rows * item)
         rows_paths.append(rp)
         if m.documents:
-            dp = root / (s.name + ".docs")
-            _expect_size(dp, "document index", (s.documents + 1) * 8)
+            dp = loc.join(s.name + ".docs")
+            _expect_size(loc, dp, "document index", (s.documents + 1) * 8)
             docs_paths.append(dp)
         if m.blocks:
-            bp = root / (s.name + ".msb")
-            kp = root / (s.name + ".mbx")
-            _expect_size(bp, "metadata blocks", s.metadata_bytes)
+            bp = loc.join(s.name + ".msb")
+            kp = loc.join(s.name + ".mbx")
+            _expect_size(loc, bp, "metadata blocks", s.metadata_bytes)
             entries = -(-s.rows // block) + 1
-            _expect_size(kp, "metadata block index", entries * 8)
+            _expect_size(loc, kp, "metadata block index", entries * 8)
             index_bytes += compressed_table_bytes(entries)  # as held (ctab.h)
             msb_paths.append(bp)
             mbx_paths.append(kp)
         elif m.metadata:
-            xp = root / (s.name + ".mdx")
-            bp = root / (s.name + ".mdb")
-            _expect_size(xp, "metadata index", (s.metadata_records + 1) * 8)
-            _expect_size(bp, "metadata records", s.metadata_bytes)
+            xp = loc.join(s.name + ".mdx")
+            bp = loc.join(s.name + ".mdb")
+            _expect_size(loc, xp, "metadata index", (s.metadata_records + 1) * 8)
+            _expect_size(loc, bp, "metadata records", s.metadata_bytes)
             mdx_paths.append(xp)
             mdb_paths.append(bp)
         if m.spans:
-            sp = root / (s.name + ".mds")
-            kp = root / (s.name + ".msx")
-            _expect_size(sp, "span table", s.metadata_runs * SPAN_ENTRY)
-            _expect_size(kp, "span block index", (-(-s.rows // block) + 1) * 8)
+            sp = loc.join(s.name + ".mds")
+            kp = loc.join(s.name + ".msx")
+            _expect_size(loc, sp, "span table", s.metadata_runs * SPAN_ENTRY)
+            _expect_size(loc, kp, "span block index", (-(-s.rows // block) + 1) * 8)
             mds_paths.append(sp)
             msx_paths.append(kp)
     closers: list[Any] = []
     try:
-        files = FileSet(rows_paths)
+        files = loc.fileset(rows_paths)
         closers.append(files)
         rows = RowSet(files, [s.rows for s in m.shards], item)
         docs = None
         if m.documents:
-            dfiles = FileSet(docs_paths)
+            dfiles = loc.fileset(docs_paths)
             closers.append(dfiles)
             docs_bytes = sum((s.documents + 1) * 8 for s in m.shards)
             docs = DocIndex(
@@ -745,7 +868,7 @@ def open_dataset(path: str | os.PathLike[str]) -> Source:
         meta = None
         spans: SpanSet | BlockSet | None = None
         if m.blocks:
-            kfiles, bfiles = FileSet(mbx_paths), FileSet(msb_paths)
+            kfiles, bfiles = loc.fileset(mbx_paths), loc.fileset(msb_paths)
             closers += [kfiles, bfiles]
             spans = BlockSet(
                 rows,
@@ -757,8 +880,8 @@ def open_dataset(path: str | os.PathLike[str]) -> Source:
                 index_bytes <= index_memory(),
             )
         elif m.spans:
-            xfiles, bfiles = FileSet(mdx_paths), FileSet(mdb_paths)
-            sfiles, kfiles = FileSet(mds_paths), FileSet(msx_paths)
+            xfiles, bfiles = loc.fileset(mdx_paths), loc.fileset(mdb_paths)
+            sfiles, kfiles = loc.fileset(mds_paths), loc.fileset(msx_paths)
             closers += [xfiles, bfiles, sfiles, kfiles]
             spans = SpanSet(
                 rows,
@@ -772,7 +895,7 @@ def open_dataset(path: str | os.PathLike[str]) -> Source:
                 block,
             )
         elif m.metadata:
-            xfiles, bfiles = FileSet(mdx_paths), FileSet(mdb_paths)
+            xfiles, bfiles = loc.fileset(mdx_paths), loc.fileset(mdb_paths)
             closers += [xfiles, bfiles]
             meta = MetaSet(
                 xfiles,
@@ -795,7 +918,7 @@ def open_dataset(path: str | os.PathLike[str]) -> Source:
         docs=docs,
         meta=meta,
         fingerprint=m.fingerprint(),
-        description=str(root),
+        description=loc.root,
         manifest=m,
         spans=spans,
         _closers=closers,

@@ -16,28 +16,28 @@ before it is opened.
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 import tempfile
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from tokload._io import DocIndex, FileSet, MegatronIndex, RowSet
+from tokload._io import DocIndex, MegatronIndex, RowSet
 from tokload.errors import FormatError, TokloadError
 from tokload.format import (
+    Location,
     Source,
     check_dtype,
     create_unique,
     fingerprint,
     index_memory,
     open_regular,
-    regular_size,
-    sample_digest,
 )
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
@@ -53,19 +53,13 @@ MEGATRON_DTYPES: dict[int, np.dtype[Any]] = {
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents + 1
 
 
-def _size(path: Path, what: str) -> int:
-    return regular_size(path, what)
+def _read_head(loc: Location, path: str, what: str, size: int) -> bytes:
+    return loc.read(path, what, 0, min(size, loc.size(path, what)))
 
 
-def _read_head(path: Path, what: str, size: int) -> bytes:
-    fd = open_regular(path, what)
-    try:
-        return os.pread(fd, size, 0)
-    finally:
-        os.close(fd)
-
-
-def open_megatron(prefix: str | os.PathLike[str]) -> Source:
+def open_megatron(
+    prefix: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> Source:
     """Open ``prefix.bin``/``prefix.idx`` (Megatron ``MMapIndexedDataset`` layout).
 
     The ``.idx`` holds: the magic ``MMIDIDX\\0\\0``, version (u64, 1), dtype code
@@ -77,12 +71,17 @@ def open_megatron(prefix: str | os.PathLike[str]) -> Source:
     ``TokenStream``, the stream is the ``.bin`` in order.
     ``source.user["document_indices"]`` reads Megatron's document index on
     demand.
+
+    ``prefix`` may be an object-store URL (``s3://bucket/path/prefix``;
+    ``storage_options`` as for ``open_dataset``).
     """
     prefix = os.fspath(prefix)
-    idx_path, bin_path = Path(prefix + ".idx"), Path(prefix + ".bin")
-    idx_size = _size(idx_path, "Megatron index")
-    bin_size = _size(bin_path, "Megatron data")
-    head = _read_head(idx_path, "Megatron index", _HEADER.size)
+    loc = Location(prefix, storage_options, listed=False)
+    prefix = loc.root
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+    idx_size = loc.size(idx_path, "Megatron index")
+    bin_size = loc.size(bin_path, "Megatron data")
+    head = _read_head(loc, idx_path, "Megatron index", _HEADER.size)
     if len(head) < _HEADER.size:
         raise FormatError(f"{idx_path}: {len(head)} bytes is too short for a Megatron index header")
     magic, version, code, nseq, ndoc1 = _HEADER.unpack(head)
@@ -105,8 +104,8 @@ def open_megatron(prefix: str | os.PathLike[str]) -> Source:
     if bin_size % dtype.itemsize:
         raise FormatError(f"{bin_path}: {bin_size} bytes is not a multiple of {dtype} rows")
     rows = bin_size // dtype.itemsize
-    bin_files = FileSet([bin_path])
-    idx_files = FileSet([idx_path])
+    bin_files = loc.fileset([bin_path])
+    idx_files = loc.fileset([idx_path])
     rowset = RowSet(bin_files, [rows], dtype.itemsize)
     seq_index = MegatronIndex(idx_files, nseq, len_off, ptr_off, dtype.itemsize, rows)
     src = Source(
@@ -120,28 +119,31 @@ def open_megatron(prefix: str | os.PathLike[str]) -> Source:
                 (
                     rows,
                     nseq,
-                    sample_digest(bin_path, "Megatron data"),
-                    sample_digest(idx_path, "Megatron index"),
+                    loc.sample_digest(bin_path, "Megatron data"),
+                    loc.sample_digest(idx_path, "Megatron index"),
                 )
             ],
         ),
         description=str(prefix),
         _closers=[bin_files, idx_files],
     )
-    src.user = {"document_indices": lambda: np.fromfile(idx_path, "<i8", ndoc1, offset=doc_off)}
+    src.user = {
+        "document_indices": lambda: np.frombuffer(
+            loc.read(idx_path, "Megatron index", doc_off, doc_off + 8 * ndoc1), "<i8"
+        ).copy()
+    }
     return src
 
 
-def _has_npy_magic(path: Path) -> bool:
+def _has_npy_magic(loc: Location, path: str) -> bool:
     """Whether ``path`` starts as NumPy's ``.npy`` format does (``\\x93NUMPY``)."""
-    with os.fdopen(open_regular(path, "token file"), "rb") as f:
-        return f.read(6) == b"\x93NUMPY"
+    return _read_head(loc, path, "token file", 6) == b"\x93NUMPY"
 
 
-def _npy_layout(path: Path, what: str) -> tuple[np.dtype[Any], int, int]:
+def _npy_layout(loc: Location, path: str, what: str) -> tuple[np.dtype[Any], int, int]:
     """(dtype, rows, data offset) of a 1-D ``.npy`` file, from its header alone."""
-    size = _size(path, what)
-    with os.fdopen(open_regular(path, what), "rb") as f:
+    size = loc.size(path, what)
+    with io.BytesIO(_read_head(loc, path, what, 1 << 16)) as f:
         try:
             version = np.lib.format.read_magic(f)
             reader = (
@@ -152,7 +154,7 @@ def _npy_layout(path: Path, what: str) -> tuple[np.dtype[Any], int, int]:
             shape, _fortran, dtype = reader(f)
         except Exception as e:  # numpy's header parser raises ValueError, SyntaxError, ...
             hint = ""
-            if not _has_npy_magic(path):
+            if not _has_npy_magic(loc, path):
                 hint = (
                     "; a headerless token file named .npy (as OLMo-core and dolma write "
                     "them) is read with tokload.open_flat(path, dtype=...)"
@@ -177,6 +179,7 @@ def open_flat(
     *,
     doc_index: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
     eos: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Source:
     """Open headerless token files (``.bin``, OLMo-core ``.npy``) or ``.npy`` arrays as one stream.
 
@@ -195,25 +198,36 @@ def open_flat(
             chunks) and cached next to it as ``<file>.eos<token>.docs``, which
             later opens read without scanning. A document ends with its eos
             token; trailing tokens after the last eos form a last document.
+            Local files only.
+        storage_options: for object-store URLs (``s3://...``), as for
+            ``open_dataset``.
 
     Without either, the source has a token stream but no documents.
     """
-    plist = [Path(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
-    if not plist:
+    given = [paths] if isinstance(paths, (str, os.PathLike)) else paths
+    if not given:
         raise ValueError("open_flat needs at least one file")
+    loc = Location(os.fspath(given[0]), storage_options, listed=False)
+    plist = [os.fspath(p) if loc.remote else Location(p).root for p in given]
     if doc_index is not None and eos is not None:
         raise ValueError("give doc_index or eos, not both")
+    if eos is not None and loc.remote:
+        raise ValueError(
+            f"{plist[0]}: eos= finds document boundaries with a pass over the files, which "
+            "tokload does not do on an object store; give doc_index= (an offsets file next "
+            "to the tokens) or build a tokload dataset (tokload build ... -o s3://...)"
+        )
     layouts = []
     for p in plist:
-        if p.suffix == ".npy" and (dtype is None or _has_npy_magic(p)):
-            dt, rows, base = _npy_layout(p, "token file")
+        if p.endswith(".npy") and (dtype is None or _has_npy_magic(loc, p)):
+            dt, rows, base = _npy_layout(loc, p, "token file")
             if dtype is not None and np.dtype(dtype) != dt:
                 raise FormatError(f"{p}: holds {dt}, but dtype={np.dtype(dtype)} was given")
         else:
             if dtype is None:
                 raise ValueError(f"{p}: a headerless file needs dtype= (e.g. np.uint16)")
             dt = np.dtype(dtype).newbyteorder("<")
-            size = _size(p, "token file")
+            size = loc.size(p, "token file")
             if size % dt.itemsize:
                 raise FormatError(f"{p}: {size} bytes is not a whole number of {dt} rows")
             rows, base = size // dt.itemsize, 0
@@ -223,8 +237,8 @@ def open_flat(
     for p, (dt, _, _) in zip(plist, layouts, strict=True):
         if dt != dt0:
             raise FormatError(f"{p}: dtype {dt} differs from {plist[0]}'s {dt0}")
-    samples = [sample_digest(p, "token file") for p in plist]
-    files = FileSet(plist, [b for _, _, b in layouts])
+    samples = [loc.sample_digest(p, "token file") for p in plist]
+    files = loc.fileset(plist, [b for _, _, b in layouts])
     closers: list[Any] = [files]
     rowset = RowSet(files, [r for _, r, _ in layouts], dt0.itemsize)
     docs = None
@@ -233,24 +247,24 @@ def open_flat(
     try:
         if eos is not None:
             doc_index = [
-                _eos_index(p, r, b, dt0, eos, private)
+                _eos_index(Path(p), r, b, dt0, eos, private)
                 for p, (_, r, b) in zip(plist, layouts, strict=True)
             ]
         if doc_index is not None:
             ilist = [
-                Path(p)
+                os.fspath(p) if loc.remote else Location(p).root
                 for p in ([doc_index] if isinstance(doc_index, (str, os.PathLike)) else doc_index)
             ]
             if len(ilist) != len(plist):
                 raise ValueError(f"{len(plist)} token files but {len(ilist)} document indexes")
             bases = []
             for k, ip in enumerate(ilist):
-                if ip.suffix == ".npy":
-                    idt, entries, ibase = _npy_layout(ip, "document index")
+                if ip.endswith(".npy"):
+                    idt, entries, ibase = _npy_layout(loc, ip, "document index")
                     if idt != np.dtype("<u8") and idt != np.dtype("<i8"):
                         raise FormatError(f"{ip}: a document index must be int64/uint64, got {idt}")
                 else:
-                    size = _size(ip, "document index")
+                    size = loc.size(ip, "document index")
                     if size % 8:
                         raise FormatError(f"{ip}: {size} bytes is not a whole number of uint64")
                     entries, ibase = size // 8, 0
@@ -258,8 +272,8 @@ def open_flat(
                     raise FormatError(f"{ip}: a document index needs at least one entry")
                 doc_counts[k] = entries - 1
                 bases.append(ibase)
-                samples[k] += ":" + sample_digest(ip, "document index")
-            ifiles = FileSet(ilist, bases)
+                samples[k] += ":" + loc.sample_digest(ip, "document index")
+            ifiles = loc.fileset(ilist, bases)
             closers.append(ifiles)
             in_memory = 8 * (sum(doc_counts) + len(doc_counts)) <= index_memory()
             docs = DocIndex(ifiles, doc_counts, rowset, in_memory)

@@ -19,7 +19,7 @@ import itertools
 import operator
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self, TypeVar
 
@@ -29,7 +29,7 @@ import numpy.typing as npt
 from tokload._io import FileSet, read_documents, split_fields, window_boundaries
 from tokload._meta import BlockSet, Scratch, compact_records
 from tokload.assembly import Alloc
-from tokload.errors import FormatError
+from tokload.errors import FormatError, MissingShardError
 from tokload.format import MANIFEST, METADATA_FIELD, Source, open_dataset
 
 DataLike = str | os.PathLike[str] | Source
@@ -37,13 +37,22 @@ Fields = np.ndarray | dict[str, np.ndarray]
 V = TypeVar("V", bound="View")
 
 
-def open_source(data: DataLike) -> Source:
-    """A Source from a tokload dataset directory, a Megatron prefix, or a Source."""
+def open_source(data: DataLike, storage_options: Mapping[str, Any] | None = None) -> Source:
+    """A Source from a tokload dataset directory, a Megatron prefix, a ``.npy``
+    token file, or a Source.
+
+    Each may be an object-store URL (``s3://bucket/prefix``, ``gs://``,
+    ``az://``), read in place with ranged GETs; ``storage_options`` overrides
+    the store's settings from the environment (see ``tokload.remote``).
+    """
     if isinstance(data, Source):
         return data
-    from tokload import interop
+    from tokload import interop, remote
 
     path = os.fspath(data)
+    if remote.is_url(path):
+        return _open_remote(path, storage_options)
+    path = remote.local_path(path)
     if os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST)):
         return open_dataset(path)
     prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
@@ -61,13 +70,33 @@ def open_source(data: DataLike) -> Source:
     )
 
 
+def _open_remote(url: str, options: Mapping[str, Any] | None) -> Source:
+    """``open_source`` of an object-store URL: a HEAD or two find what is there."""
+    from tokload import interop, remote
+
+    url = url.rstrip("/")
+    if remote.exists(url + "/" + MANIFEST, options):
+        return open_dataset(url, options)
+    prefix = url[:-4] if url.endswith((".idx", ".bin")) else url
+    if remote.exists(prefix + ".idx", options):
+        return interop.open_megatron(prefix, options)
+    if url.endswith(".npy") and remote.exists(url, options):
+        return interop.open_flat(url, storage_options=options)
+    raise MissingShardError(
+        2,
+        f"no tokload dataset ({MANIFEST}), Megatron .idx or .npy token file at this URL "
+        "(flat .bin objects need tokload.open_flat(url, dtype=...))",
+        url,
+    )
+
+
 class View:
     """What every view shares: a Source and a contiguous range of observations."""
 
     _total: int
 
-    def __init__(self, data: DataLike) -> None:
-        self.source = open_source(data)
+    def __init__(self, data: DataLike, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.source = open_source(data, storage_options)
         self._lo = 0
         self._hi = -1  # set by subclasses once _total is known
 
@@ -191,8 +220,14 @@ def _check_out(arr: Any, shape: tuple[int, ...], dtype: np.dtype[Any], what: str
 class _Windows(View):
     """Shared by the two windowed views: windows of a row stream."""
 
-    def __init__(self, data: DataLike, window: int, stride: int | None) -> None:
-        super().__init__(data)
+    def __init__(
+        self,
+        data: DataLike,
+        window: int,
+        stride: int | None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(data, storage_options)
         stride = window if stride is None else stride
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive integer, got {window!r}")
@@ -262,7 +297,8 @@ class TokenStream(_Windows):
 
     Args:
         data: a tokload dataset directory, a Megatron ``.bin/.idx`` prefix, a
-            ``.npy`` token file, or a ``Source``.
+            ``.npy`` token file, or a ``Source``; any of them may be an
+            object-store URL (``s3://bucket/prefix``, ``gs://``, ``az://``).
         window: rows per observation (e.g. 4097 for 4096-token training with
             the next-token target).
         stride: rows between the starts of consecutive observations (default
@@ -282,6 +318,9 @@ class TokenStream(_Windows):
             and so is the fingerprint (a checkpoint resumes either way). A list
             of those keys computes only them: ``["cu_seqlens", "max_seqlen"]``
             for a variable-length attention kernel writes nothing per token.
+        storage_options: for an object-store URL, what overrides the
+            environment's settings (endpoint, credentials, retries, requests
+            merged; see ``tokload.remote``).
 
     ``view[i]`` and ``view.read(indices)`` give, for a plain dtype, arrays of
     shape ``[window]`` / ``[B, window]``; for a structured dtype a dict with
@@ -300,8 +339,9 @@ class TokenStream(_Windows):
         stride: int | None = None,
         *,
         boundaries: bool | Sequence[str] = False,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(data, window, stride)
+        super().__init__(data, window, stride, storage_options)
         self.boundary_keys = _boundary_keys(boundaries)
         self.with_boundaries = bool(self.boundary_keys)
         if self.with_boundaries:
@@ -437,12 +477,16 @@ class Documents(View):
     Args:
         data: a tokload dataset (with documents), a Megatron prefix (a
             document is a Megatron *sequence*, as ``IndexedDataset[i]``), or a
-            flat token file opened with a document index.
+            flat token file opened with a document index; local or an
+            object-store URL.
         batch: how the DataLoader batches documents: ``"pad"`` (``[B, L]`` plus
             ``lengths``) or ``"pack"`` (back to back plus ``cu_seqlens``).
         pad_to: with ``"pad"``, a fixed ``L`` (longer documents are truncated);
             None pads to the longest document of each batch.
         pad_value: the padding token.
+        storage_options: for an object-store URL, what overrides the
+            environment's settings (endpoint, credentials, retries; see
+            ``tokload.remote``).
 
     ``view[i]`` is the document's rows (an array, or a dict of per-field
     arrays); ``read(indices)`` packs a batch into one ``DocumentBatch``;
@@ -458,8 +502,9 @@ class Documents(View):
         batch: str = "pad",
         pad_to: int | None = None,
         pad_value: int = 0,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(data)
+        super().__init__(data, storage_options)
         if self.source.docs is None:
             raise FormatError(f"{self.source.description} has no document index")
         if batch not in ("pad", "pack"):
@@ -617,13 +662,14 @@ class StreamWithMetadata(_Windows):
         data: a tokload dataset written with ``metadata=True``, in any layout
             (FORMAT.md): metadata blocks per shard (version 3), a span table
             per shard (version 2) or a ``metadata_id`` field in every row
-            (version 1).
+            (version 1); local or an object-store URL.
         window: rows per window, as for ``TokenStream``.
         stride: rows between the starts of windows ``i`` and ``i + 1`` (default:
             ``window``), as for ``TokenStream``.
         deserialize: turns a record's bytes into what ``metadata[k]`` gives
             (default: the ``bytes`` themselves). Called only when a record is
             accessed, never per token, never per batch.
+        storage_options: as for ``TokenStream``.
 
     A batch costs a fixed number of Python calls whatever its number of records:
     the rows, the per-row positions, the records' bytes and their offsets come
@@ -642,8 +688,10 @@ class StreamWithMetadata(_Windows):
         window: int,
         stride: int | None = None,
         deserialize: Callable[[bytes], Any] | None = None,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(data, window, stride)
+        super().__init__(data, window, stride, storage_options)
         if self.source.meta is None and self.source.spans is None:
             raise FormatError(f"{self.source.description} has no metadata")
         self.deserialize = deserialize or bytes

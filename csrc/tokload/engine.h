@@ -6,7 +6,10 @@
  * Three backends read the same bytes and report the same errors:
  *   TL_IO_SYNC     one request after the other (ioreq.h; the reference);
  *   TL_IO_THREADS  a pool of C threads, up to `depth` preadv in flight (pool.h);
- *   TL_IO_URING    io_uring, up to `depth` reads in flight (uring.h).
+ *   TL_IO_URING    io_uring, up to `depth` reads in flight (uring.h);
+ *   TL_IO_REMOTE   objects in an object store: the whole batch is handed to
+ *                  `remote(remote_ctx, ...)`, a function the caller supplies
+ *                  (tokload/_remote.pyx: ranged GETs, up to `depth` in flight).
  * The caller (tokload/_io.pyx) owns the process-wide descriptor cache and
  * pool, hands a ring to one call at a time, and picks the backend.
  */
@@ -23,6 +26,16 @@
 #define TL_IO_SYNC 0
 #define TL_IO_THREADS 1
 #define TL_IO_URING 2
+#define TL_IO_REMOTE 3
+
+/* A remote backend's failure: err->file/offset/length name the request; the
+ * backend keeps the cause for the caller to raise (tokload/_remote.pyx). */
+#define TL_ERR_REMOTE (-100003)
+
+/* Runs reqs[0..n) (each request's `file->index` names the object), the same
+ * contract as tl_ioreq_run_sync: 0, or an error code with err and *failed. */
+typedef int (*tl_remote_fn)(void *ctx, const tl_ioreq *reqs, size_t n, unsigned depth,
+                            tl_io_error *err, size_t *failed);
 
 /* Totals of the tl_engine_run calls given them (the caller owns the struct;
  * many threads add to one at once, with relaxed atomic adds: each total is
@@ -43,6 +56,8 @@ typedef struct tl_engine {
     tl_uring *ring;       /* TL_IO_URING: used by this call only */
     tl_io_faults *faults; /* NULL: none (always NULL in release builds) */
     tl_io_counters *counters; /* NULL: not counted */
+    tl_remote_fn remote;  /* TL_IO_REMOTE */
+    void *remote_ctx;
 } tl_engine;
 
 /* A copy of the totals (each read atomically). */
@@ -65,6 +80,7 @@ TL_INLINE uint64_t tl_now_ns(void)
 TL_INLINE int tl_engine_dispatch(const tl_engine *e, const tl_ioreq *reqs, size_t n,
                                  tl_io_error *err, size_t *failed)
 {
+    if (e->backend == TL_IO_REMOTE) return e->remote(e->remote_ctx, reqs, n, e->depth, err, failed);
     /* One request gains nothing from a queue: the synchronous loop is the
      * cheapest path to the same result. */
     if (e->backend == TL_IO_URING && e->ring && n > 1)

@@ -41,6 +41,8 @@ typedef struct tl_fent {
     int pins;          /* reads that may use fd now */
     int retired;       /* the set was closed: close fd when unpinned, never reopen */
     struct tl_fent *prev, *next; /* LRU links while open and unpinned */
+    void *remote;      /* an object in an object store (read by engine.h's TL_IO_REMOTE,
+                        * never opened here), owned by the caller; NULL: a local file */
 } tl_fent;
 
 typedef struct tl_fdcache {
@@ -71,6 +73,7 @@ TL_INLINE void tl_fent_init(tl_fent *e, const char *path, uint64_t base, int32_t
     e->pins = 0;
     e->retired = 0;
     e->prev = e->next = NULL;
+    e->remote = NULL;
 }
 
 TL_INLINE void tl_fdcache_unlink_(tl_fent *e)

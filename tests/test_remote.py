@@ -1,0 +1,369 @@
+"""Datasets in an object store: every view reads the same bytes from ``s3://`` as
+from the local copy, and faults are retried or named.
+
+Offline: a moto S3 server on 127.0.0.1 behind the fault-injecting proxy of
+``bench/s3local.py`` (latency, 503/429/403 answers, dropped connections,
+truncated and short bodies). Skipped where ``moto`` or ``obstore`` (the
+``tokload[cloud]`` extra) is not installed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("obstore")
+pytest.importorskip("moto")
+pytest.importorskip("boto3")
+
+from harness import Segment, assert_exactly_once, run_segments
+
+import tokload
+from bench.s3local import LocalS3
+from tokload import (
+    Blend,
+    DataLoader,
+    Documents,
+    MissingShardError,
+    ObjectChangedError,
+    RemoteAccessError,
+    RemoteError,
+    StreamWithMetadata,
+    TokenStream,
+    Writer,
+    remote,
+)
+
+MEGATRON = Path(__file__).parent / "data" / "megatron"
+BUCKET = "tokload-test"
+FAST = {"retries": 4, "retry_seconds": 20}  # tests' retries: few, quick
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[LocalS3]:
+    with LocalS3() as server:
+        server.create_bucket(BUCKET)
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def _env(s3: LocalS3, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The standard AWS variables point at the proxy; the proxy starts clean."""
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    assert s3.proxy is not None
+    s3.proxy.clear()
+    yield
+    s3.proxy.clear()
+
+
+def _upload(s3: LocalS3, local: Path, prefix: str) -> str:
+    s3.upload_dir(str(local), BUCKET, prefix)
+    return f"s3://{BUCKET}/{prefix}"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory, s3: LocalS3) -> tuple[Path, str]:
+    """Documents of 1..700 tokens over many small shards, local and in the bucket."""
+    path = tmp_path_factory.mktemp("remote") / "ds"
+    rng = np.random.default_rng(3)
+    with Writer(path, "<u4", shard_bytes=40_000) as w:
+        for _ in range(250):
+            w.write(rng.integers(0, 2**32, int(rng.integers(1, 700)), dtype=np.uint32))
+    return path, _upload(s3, path, "ds")
+
+
+@pytest.fixture(scope="module", params=["blocks", "spans", "per_token"])
+def meta_corpus(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, s3: LocalS3
+) -> tuple[Path, str]:
+    layout = request.param
+    path = tmp_path_factory.mktemp("remote") / f"meta-{layout}"
+    dtype = [("token", "<u4"), ("metadata_id", "<u4")] if layout == "per_token" else "<u4"
+    kw: dict[str, Any] = {} if layout == "per_token" else {"metadata_layout": layout}
+    with Writer(path, dtype, metadata=True, shard_bytes=3000, **kw) as w:
+        for k in range(60):
+            toks = np.arange(k * 100, k * 100 + 30, dtype=np.uint32)
+            rows: Any = {"token": toks} if layout == "per_token" else toks
+            w.write(rows, spans=[(0, 7, b"head-%d" % k), (12, 30, b"tail-%d" % k * (k % 4))])
+    return path, _upload(s3, path, f"meta-{layout}")
+
+
+def test_token_stream_and_documents_read_the_same_bytes(corpus: tuple[Path, str]) -> None:
+    local, url = corpus
+    a, b = TokenStream(local, 257, stride=100), TokenStream(url, 257, stride=100)
+    assert b.source.rows.files.io == "remote"
+    assert len(a) == len(b) and a.fingerprint == b.fingerprint
+    idx = np.random.default_rng(0).permutation(len(a))[:40]
+    np.testing.assert_array_equal(a.read(idx), b.read(idx))
+    np.testing.assert_array_equal(a[len(a) - 1], b[len(b) - 1])
+    da, db = Documents(local), Documents(url)
+    got_a, got_b = da.read(np.arange(len(da))), db.read(np.arange(len(db)))
+    np.testing.assert_array_equal(got_a.values, got_b.values)
+    np.testing.assert_array_equal(got_a.lengths, got_b.lengths)
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_windows_with_boundaries_match_local(corpus: tuple[Path, str], data: Any) -> None:
+    local, url = corpus
+    window = data.draw(st.integers(1, 3000), label="window")
+    a = TokenStream(local, window, boundaries=True)
+    b = TokenStream(url, window, boundaries=True)
+    idx = np.asarray(data.draw(st.lists(st.integers(0, len(a) - 1), min_size=1, max_size=12)))
+    alloc = np.empty
+    got_a, got_b = a.read_batch(idx, alloc), b.read_batch(idx, alloc)
+    assert got_a.keys() == got_b.keys()
+    for k in got_a:
+        np.testing.assert_array_equal(np.asarray(got_a[k]), np.asarray(got_b[k]), err_msg=k)
+
+
+def test_stream_with_metadata_reads_the_same(meta_corpus: tuple[Path, str]) -> None:
+    local, url = meta_corpus
+    a, b = StreamWithMetadata(local, 20, stride=7), StreamWithMetadata(url, 20, stride=7)
+    idx = np.arange(len(a))[::-1].copy()
+    ra, rb = a.read(idx), b.read(idx)
+    for k in ra.fields:
+        np.testing.assert_array_equal(ra.fields[k], rb.fields[k])
+    np.testing.assert_array_equal(ra.positions, rb.positions)
+    assert list(ra.metadata) == list(rb.metadata)
+
+
+def test_megatron_prefix_and_flat_files_in_place(
+    s3: LocalS3, tmp_path: Path, corpus: tuple[Path, str]
+) -> None:
+    for name in ("tiny_int32", "tiny_uint16"):
+        c = s3.client()
+        for ext in (".bin", ".idx"):
+            c.upload_file(str(MEGATRON / (name + ext)), BUCKET, f"mega/{name}{ext}")
+        a = Documents(str(MEGATRON / name))
+        b = Documents(f"s3://{BUCKET}/mega/{name}")
+        assert a.fingerprint == b.fingerprint
+        ra, rb = a.read(np.arange(len(a))), b.read(np.arange(len(b)))
+        np.testing.assert_array_equal(ra.values, rb.values)
+        np.testing.assert_array_equal(
+            a.source.user["document_indices"](), b.source.user["document_indices"]()
+        )
+    tokens = np.arange(10_000, dtype=np.uint16)
+    np.save(tmp_path / "toks.npy", tokens)
+    offsets = np.array([0, 10, 4000, 10_000], dtype=np.uint64)
+    offsets.tofile(tmp_path / "toks.docs")
+    tokens.tofile(tmp_path / "raw.bin")
+    _upload(s3, tmp_path, "flat")
+    ts = TokenStream(f"s3://{BUCKET}/flat/toks.npy", 100)
+    np.testing.assert_array_equal(ts[7], tokens[700:800])
+    src = tokload.open_flat(
+        f"s3://{BUCKET}/flat/raw.bin", np.uint16, doc_index=f"s3://{BUCKET}/flat/toks.docs"
+    )
+    docs = Documents(src)
+    np.testing.assert_array_equal(docs[1], tokens[10:4000])
+    with pytest.raises(ValueError, match="eos= finds document boundaries"):
+        tokload.open_flat(f"s3://{BUCKET}/flat/raw.bin", np.uint16, eos=0)
+
+
+def test_blend_of_local_and_remote_sources(corpus: tuple[Path, str]) -> None:
+    local, url = corpus
+    same = Blend(
+        [(TokenStream(local, 64), 1.0), (TokenStream(local, 64, stride=9), 2.0)], seed=4, length=500
+    )
+    mixed = Blend(
+        [(TokenStream(url, 64), 1.0), (TokenStream(local, 64, stride=9), 2.0)], seed=4, length=500
+    )
+    idx = np.arange(0, len(same), 3)
+    a, b = same.read_batch(idx, np.empty), mixed.read_batch(idx, np.empty)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
+
+
+def test_dataloader_exactly_once_across_a_resume_on_another_world_size(
+    corpus: tuple[Path, str],
+) -> None:
+    local, url = corpus
+    view = TokenStream(url, 129)
+    n = len(view)
+
+    def make(**kw: Any) -> DataLoader:
+        return DataLoader(view, seed=11, epochs=1, prefetch=2, **kw)
+
+    got = run_segments(make, [Segment(2, 4, 5, num_threads=2), Segment(3, 3, None, num_threads=1)])
+    assert_exactly_once(got, n, n)
+    ref = TokenStream(local, 129)
+    for b in got.batches.values():
+        np.testing.assert_array_equal(b["tokens"].numpy(), ref.read(b["index"].numpy()))
+
+
+def test_gets_in_flight_are_bounded_by_the_queue_depth(
+    s3: LocalS3, corpus: tuple[Path, str]
+) -> None:
+    local, url = corpus
+    assert s3.proxy is not None
+    view = TokenStream(url, 300, storage_options={"merge_gap": 0})
+    view.source.rows.files.configure(queue_depth=4)
+    s3.proxy.latency = 0.05
+    s3.proxy.max_in_flight = 0
+    idx = np.arange(0, len(view), 7)  # windows far apart: a GET each
+    np.testing.assert_array_equal(view.read(idx), TokenStream(local, 300).read(idx))
+    assert 2 <= s3.proxy.max_in_flight <= 4
+
+
+def test_nearby_ranges_are_merged_into_one_get() -> None:
+    class FakeStore:
+        def __init__(self, gap: int) -> None:
+            self.settings = remote.Settings(merge_gap=gap)
+
+        def url(self, key: str) -> str:
+            return "s3://b/" + key
+
+    st_ = FakeStore(100)
+    a = remote.RemoteObject(st_, "a", 10**9, None)  # type: ignore[arg-type]
+    b = remote.RemoteObject(st_, "b", 10**9, None)  # type: ignore[arg-type]
+    objs = [a, a, b, a, a, a]
+    offs = [1000, 0, 0, 1150, 5000, 20]
+    lens = [100, 10, 8, 10, 1, 0]
+    gets = remote.plan(objs, offs, lens)
+    # a: [0,10) alone (gap 990 > 100); [1000,1100) + [1150,1160) merged; [5000,5001) alone;
+    # the empty request needs no GET; b: one GET
+    got = sorted((o.key, s, e, sorted(r)) for o, s, e, r in gets)
+    assert got == [
+        ("a", 0, 10, [1]),
+        ("a", 1000, 1160, [0, 3]),
+        ("a", 5000, 5001, [4]),
+        ("b", 0, 8, [2]),
+    ]
+    big = remote.plan([a, a], [0, remote.MAX_MERGED], [remote.MAX_MERGED, 10])
+    assert len(big) == 2  # merged ranges stay at most MAX_MERGED bytes
+
+
+@pytest.mark.parametrize("kind", ["503", "429", "500", "drop", "truncate", "short"])
+def test_transient_faults_are_retried(s3: LocalS3, corpus: tuple[Path, str], kind: str) -> None:
+    local, url = corpus
+    assert s3.proxy is not None
+    view = TokenStream(url, 1000, storage_options=FAST)
+    idx = np.array([3, 1, 4, 1, 5])
+    before = remote.counters()["retries"]
+    s3.proxy.inject(kind, times=2, match="GET")
+    np.testing.assert_array_equal(view.read(idx), TokenStream(local, 1000).read(idx))
+    assert s3.proxy.faults_done[kind] == 2
+    assert remote.counters()["retries"] - before >= 2
+
+
+def test_persistent_throttling_names_the_url_range_and_cause(
+    s3: LocalS3, corpus: tuple[Path, str]
+) -> None:
+    _, url = corpus
+    assert s3.proxy is not None
+    view = TokenStream(url, 1000, storage_options={"retries": 2, "retry_seconds": 10})
+    s3.proxy.inject("503", times=-1, match="GET")
+    with pytest.raises(RemoteError) as ei:
+        view.read([2])
+    e = ei.value
+    assert e.url.startswith(url + "/") and e.url.endswith(".rows")
+    assert e.attempts == 3 and e.start is not None and e.end is not None and e.end > e.start
+    msg = str(e)
+    assert f"bytes [{e.start}, {e.end})" in msg and "after 3 attempts" in msg
+    assert "HTTP 503" in msg and "SlowDown" in msg
+    assert any("while reading rows [2000, 3000)" in n for n in e.__notes__)
+    assert s3.proxy.faults_done["503"] == 3
+
+
+def test_a_short_body_is_never_data(s3: LocalS3, corpus: tuple[Path, str]) -> None:
+    _, url = corpus
+    assert s3.proxy is not None
+    view = TokenStream(url, 1000, storage_options={"retries": 1, "retry_seconds": 10})
+    s3.proxy.inject("short", times=-1, match="GET")
+    with pytest.raises(RemoteError, match=r"short body: \d+ of \d+ bytes after 2 attempts"):
+        view.read([0])
+
+
+def test_access_denied_fails_at_once(s3: LocalS3, corpus: tuple[Path, str]) -> None:
+    _, url = corpus
+    assert s3.proxy is not None
+    view = TokenStream(url, 1000, storage_options=FAST)
+    s3.proxy.inject("403", times=-1, match="GET")
+    with pytest.raises(RemoteAccessError, match=r"access denied .*HTTP 403.*AccessDenied"):
+        view.read([0])
+    assert s3.proxy.faults_done["403"] == 1  # not retried
+    assert isinstance(RemoteAccessError("x"), PermissionError)
+
+
+def test_an_object_changed_since_open_is_refused(
+    s3: LocalS3, tmp_path: Path, corpus: tuple[Path, str]
+) -> None:
+    local, _ = corpus
+    shutil.copytree(local, tmp_path / "ds")
+    url = _upload(s3, tmp_path / "ds", "changing")
+    view = TokenStream(url, 100)
+    first = view.read([0])
+    shard = sorted(p.name for p in (tmp_path / "ds").glob("*.rows"))[0]
+    body = (tmp_path / "ds" / shard).read_bytes()
+    s3.client().put_object(Bucket=BUCKET, Key=f"changing/{shard}", Body=body[::-1])
+    with pytest.raises(ObjectChangedError, match=f"changing/{shard} bytes .*changed since"):
+        view.read([0])
+    reopened = TokenStream(url, 100)  # the new bytes, consistently
+    assert not np.array_equal(np.asarray(reopened.read([0])), np.asarray(first))
+
+
+def test_missing_objects_buckets_and_endpoints_are_named(
+    s3: LocalS3, corpus: tuple[Path, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(MissingShardError, match="no tokload dataset") as ei:
+        TokenStream(f"s3://{BUCKET}/nothing-here", 10)
+    assert ei.value.filename == f"s3://{BUCKET}/nothing-here"
+    with pytest.raises(MissingShardError, match="nothing-here"):
+        tokload.open_dataset(f"s3://{BUCKET}/nothing-here")
+    with pytest.raises(MissingShardError):
+        TokenStream("s3://no-such-bucket-tl/ds", 10)
+    # a shard the manifest lists is gone
+    s3.client().copy_object(
+        Bucket=BUCKET, Key="partial/manifest.json", CopySource=f"{BUCKET}/ds/manifest.json"
+    )
+    with pytest.raises(MissingShardError, match="missing shard rows") as ei:
+        TokenStream(f"s3://{BUCKET}/partial", 10)
+    assert ei.value.filename.startswith(f"s3://{BUCKET}/partial/")
+    # nothing listens on the endpoint
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    with pytest.raises(RemoteError, match="endpoint unreachable after 2 attempts"):
+        tokload.open_dataset(f"s3://{BUCKET}/ds", {"retries": 1})
+
+
+def test_no_credentials_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    with pytest.raises(RemoteAccessError, match="no credentials"):
+        tokload.open_dataset(f"s3://{BUCKET}/ds", {"retries": 0, "connect_timeout": 1})
+
+
+def test_storage_options_override_the_environment(
+    s3: LocalS3, corpus: tuple[Path, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    local, url = corpus
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # wrong on purpose
+    view = TokenStream(url, 50, storage_options={"endpoint": s3.endpoint})
+    np.testing.assert_array_equal(view[3], TokenStream(local, 50)[3])
+    with pytest.raises(ValueError, match="storage_options"):
+        TokenStream(url, 50, storage_options={"endpoint": s3.endpoint, "no_such_key": 1})
+    with pytest.raises(ValueError, match=r"'retries'.*expected a number"):
+        TokenStream(url, 50, storage_options={"retries": "many"})
+
+
+def test_urls_that_are_not_object_stores() -> None:
+    with pytest.raises(ValueError, match="unsupported URL scheme 'ftp'"):
+        TokenStream("ftp://host/ds", 10)
+    assert not remote.is_url("file:///tmp/x") and remote.local_path("file:///tmp/x") == "/tmp/x"

@@ -1,0 +1,668 @@
+"""Object-store URLs (``s3://``, ``gs://``, ``az://``): the policy of the I/O engine's
+remote backend.
+
+A dataset whose path is a URL is opened here (its manifest or index headers are
+fetched, its objects listed with their sizes and ETags) and read through the
+same I/O engine as local files: the engine hands each batch's read requests
+(object, offset, length, destination) to ``tokload/_remote.pyx``, which calls
+``fetch`` below once per batch and copies the ranges it returns into the batch
+buffers.  ``fetch`` merges requests for nearby bytes of one object, keeps up to
+``queue_depth`` ranged GETs in flight, retries what a retry can help, and checks
+every answer:
+
+- every GET names the ETag the object had when the dataset was opened
+  (``If-Match``): an object replaced since then is refused
+  (``ObjectChangedError``), never mixed with the old one;
+- a body shorter than the range asked for is retried, then refused;
+- throttling (HTTP 429, 503 SlowDown), server errors (500, 502, 504), timeouts
+  and dropped or refused connections are retried with exponential backoff and
+  full jitter, at most ``retries`` times and ``retry_seconds`` seconds per
+  range; then ``RemoteError`` names the URL, the byte range and the cause;
+- no credentials, access denied (``RemoteAccessError``) and a missing bucket
+  or object (``MissingShardError``) fail at once, in one line.
+
+The client is obstore (Rust ``object_store``): one library for S3 and
+S3-compatible stores, GCS and Azure, with credentials from the standard
+environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_SESSION_TOKEN``, ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL``;
+``GOOGLE_APPLICATION_CREDENTIALS``; ``AZURE_STORAGE_ACCOUNT_NAME``, ...), web
+identity and instance metadata, and bodies handed over without a copy.  It is the
+optional extra ``tokload[cloud]``.  A plain ``http://`` endpoint (a local or
+on-premises S3-compatible server) is allowed.
+
+``storage_options`` (a dict, on every view, ``open_source``, ``tokload.build``)
+overrides the environment: the store's own keys (``endpoint``, ``region``,
+``access_key_id``, ``secret_access_key``, ``session_token``,
+``skip_signature``, ... as obstore names them for the scheme) and these of
+tokload's: ``retries`` (default 10), ``retry_seconds`` (120), ``timeout`` (one
+request, seconds, 30), ``connect_timeout`` (seconds, 5) and ``merge_gap``
+(bytes between two requested ranges of one object up to which they are read as
+one GET, 65536).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tokload.errors import (
+    FormatError,
+    MissingShardError,
+    ObjectChangedError,
+    RemoteAccessError,
+    RemoteError,
+)
+
+SCHEMES = ("s3", "gs", "az", "abfs", "abfss")
+"""The URL schemes read from an object store (``file://`` is a local path)."""
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_STATUS = re.compile(r"status code: (\d{3})")
+_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_TRANSPORT = re.compile(
+    r"kind: (Connect|Timeout|Request|Body|Decode|Interrupted)|error sending request"
+    r"|connection (reset|closed)|IncompleteMessage|operation timed out",
+    re.I,
+)
+MAX_MERGED = 16 << 20
+"""The largest range one GET reads when it merges requests."""
+
+
+def scheme_of(path: object) -> str | None:
+    """The lower-case scheme of a URL string (``None`` for a path)."""
+    if not isinstance(path, str):
+        return None
+    m = _SCHEME.match(path)
+    return m.group(1).lower() if m else None
+
+
+def is_url(path: object) -> bool:
+    """Whether ``path`` names an object in an object store (``s3://``, ``gs://``,
+    ``az://``, ``abfs[s]://``).  ``file://`` URLs and paths are local.
+
+    Raises:
+        ValueError: another scheme (``http://`` and the like are not datasets).
+    """
+    scheme = scheme_of(path)
+    if scheme is None or scheme == "file":
+        return False
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"{path}: unsupported URL scheme {scheme!r}; tokload reads "
+            f"{', '.join(s + '://' for s in SCHEMES)}, file:// and local paths"
+        )
+    return True
+
+
+def local_path(path: str | os.PathLike[str]) -> str:
+    """A local path, with a ``file://`` prefix removed."""
+    p = os.fspath(path)
+    return p[len("file://") :] if p.startswith("file://") else p
+
+
+def join(url: str, name: str) -> str:
+    """``url/name`` (one slash between)."""
+    return url.rstrip("/") + "/" + name
+
+
+def split_url(url: str) -> tuple[str, str, str]:
+    """``(scheme, bucket, key)`` of ``scheme://bucket/key``."""
+    scheme = scheme_of(url)
+    if scheme is None:
+        raise ValueError(f"{url}: not a URL")
+    rest = url[len(scheme) + 3 :]
+    bucket, _, key = rest.partition("/")
+    if not bucket:
+        raise ValueError(f"{url}: no bucket in the URL")
+    return scheme, bucket, key
+
+
+@dataclass(frozen=True)
+class Settings:
+    """tokload's own ``storage_options`` (see the module's docstring)."""
+
+    retries: int = 10
+    retry_seconds: float = 120.0
+    timeout: float = 30.0
+    connect_timeout: float = 5.0
+    merge_gap: int = 1 << 16
+    backoff: float = 0.1
+    max_backoff: float = 10.0
+
+    def delay(self, attempt: int) -> float:
+        """Full-jitter exponential backoff before retry ``attempt`` (1, 2, ...)."""
+        cap = min(self.max_backoff, self.backoff * (2 ** (attempt - 1)))
+        return random.uniform(0.0, cap)
+
+
+_OWN = {
+    "retries": int,
+    "retry_seconds": float,
+    "timeout": float,
+    "connect_timeout": float,
+    "merge_gap": int,
+}
+
+
+def _split_options(options: Mapping[str, Any] | None) -> tuple[Settings, dict[str, Any]]:
+    own: dict[str, Any] = {}
+    store: dict[str, Any] = {}
+    for k, v in (options or {}).items():
+        if k in _OWN:
+            try:
+                own[k] = _OWN[k](v)
+            except (TypeError, ValueError):
+                raise ValueError(f"storage_options[{k!r}]={v!r}: expected a number") from None
+            if own[k] < 0:
+                raise ValueError(f"storage_options[{k!r}]={v!r}: expected a number >= 0")
+        else:
+            store[k] = v
+    return Settings(**own), store
+
+
+def _obstore() -> Any:
+    try:
+        import obstore
+        import obstore.store
+    except ImportError:
+        raise ImportError(
+            "reading s3://, gs:// or az:// URLs needs obstore: pip install 'tokload[cloud]'"
+        ) from None
+    return obstore
+
+
+class Store:
+    """One bucket (or container) and the options it was opened with."""
+
+    def __init__(self, scheme: str, bucket: str, options: Mapping[str, Any] | None) -> None:
+        obs = _obstore()
+        self.scheme, self.bucket = scheme, bucket
+        self.settings, config = _split_options(options)
+        endpoint = str(
+            config.get("endpoint")
+            or config.get("aws_endpoint")
+            or config.get("endpoint_url")
+            or (os.environ.get("AWS_ENDPOINT_URL_S3") if scheme == "s3" else None)
+            or (os.environ.get("AWS_ENDPOINT_URL") if scheme == "s3" else None)
+            or ""
+        )
+        if "endpoint_url" in config:
+            config["endpoint"] = config.pop("endpoint_url")
+        if (
+            scheme == "s3"
+            and endpoint
+            and "endpoint" not in config
+            and "aws_endpoint" not in config
+        ):
+            config["endpoint"] = endpoint
+        client = {
+            "timeout": f"{self.settings.timeout}s",
+            "connect_timeout": f"{self.settings.connect_timeout}s",
+        }
+        if endpoint.startswith("http://"):
+            client["allow_http"] = True  # type: ignore[assignment]
+        try:
+            # tokload retries itself (counted, and with the error it names):
+            # obstore's own retries are off.
+            self.store = obs.store.from_url(
+                f"{scheme}://{bucket}",
+                config=config,
+                client_options=client,
+                retry_config={"max_retries": 0},
+            )
+        except Exception as e:  # an unknown option, a malformed endpoint
+            raise ValueError(f"{scheme}://{bucket}: storage_options: {_first_line(e)}") from None
+
+    def url(self, key: str) -> str:
+        return f"{self.scheme}://{self.bucket}/{key}"
+
+
+_stores: dict[tuple[str, str, tuple[tuple[str, str], ...]], Store] = {}
+_stores_lock = threading.Lock()
+
+
+def store_for(url: str, options: Mapping[str, Any] | None = None) -> tuple[Store, str]:
+    """The (shared) Store of ``url``'s bucket and the object key."""
+    scheme, bucket, key = split_url(url)
+    ident = (scheme, bucket, tuple(sorted((str(k), repr(v)) for k, v in (options or {}).items())))
+    with _stores_lock:
+        st = _stores.get(ident)
+        if st is None:
+            st = _stores[ident] = Store(scheme, bucket, options)
+    return st, key
+
+
+class RemoteObject:
+    """One object as the dataset saw it when opened: URL, size, ETag.
+
+    The engine's requests carry a pointer to it (``tl_fent.remote``); the
+    FileSet that lists it keeps it alive."""
+
+    __slots__ = ("etag", "key", "size", "store", "url")
+
+    def __init__(self, store: Store, key: str, size: int, etag: str | None) -> None:
+        self.store, self.key, self.size, self.etag = store, key, size, etag
+        self.url = store.url(key)
+
+    def __repr__(self) -> str:
+        return f"RemoteObject({self.url!r}, size={self.size}, etag={self.etag!r})"
+
+
+# ---- errors -------------------------------------------------------------------------
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _cause(e: BaseException) -> str:
+    """What went wrong, in a few words: ``HTTP 503 Service Unavailable
+    (SlowDown)``, ``connect error: ...``, or the first line of the message."""
+    text = str(e)
+    m = re.search(r"status code: (\d{3}) ?([^:\n]*)", text)
+    if m:
+        code = re.search(r"<Code>([^<]+)</Code>", text)
+        return f"HTTP {m.group(1)} {m.group(2).strip()}".strip() + (
+            f" ({code.group(1)})" if code else ""
+        )
+    line = _first_line(e)
+    line = re.sub(r"^.*? in [0-9.]+\S*s - ", "", line)  # "Error performing GET <url> in 3ms - "
+    kind = re.search(r"kind: (\w+)", text)
+    return f"{kind.group(1).lower()} error: {line}" if kind else line
+
+
+def _status(e: BaseException) -> int | None:
+    m = _STATUS.search(str(e))
+    return int(m.group(1)) if m else None
+
+
+class _ShortBody(Exception):
+    def __init__(self, got: int, want: int) -> None:
+        super().__init__(f"short body: {got} of {want} bytes")
+
+
+def _retryable(e: BaseException) -> bool:
+    if isinstance(e, (_ShortBody, TimeoutError, ConnectionError)):
+        return True
+    obs = _obstore()
+    if not isinstance(e, obs.exceptions.GenericError):
+        return False
+    if "169.254.169.254" in str(e):  # no credentials: the instance metadata service
+        return False
+    status = _status(e)
+    if status is not None:
+        return status in _RETRY_STATUS
+    return bool(_TRANSPORT.search(str(e)))
+
+
+def _span(start: int | None, end: int | None) -> str:
+    return "" if start is None else f" bytes [{start}, {end})"
+
+
+def _named(
+    e: BaseException, url: str, start: int | None, end: int | None, attempts: int, what: str
+) -> BaseException:
+    """The tokload exception for a failed request (one line, URL and range)."""
+    obs = _obstore()
+    ex = obs.exceptions
+    where = f"{url}{_span(start, end)}"
+    tries = f" after {attempts} attempts" if attempts > 1 else ""
+    cause = _cause(e)
+    if isinstance(e, (ex.PreconditionError, ex.NotModifiedError)):
+        return ObjectChangedError(
+            f"{where}: the object changed since the dataset was opened (its ETag is no "
+            "longer the one listed then); tokload does not mix old and new bytes: reopen the "
+            "dataset to read the new data",
+            url,
+            start,
+            end,
+            attempts,
+        )
+    if isinstance(e, ex.NotFoundError) or _status(e) == 404:
+        if "NoSuchBucket" in str(e):
+            return MissingShardError(2, f"no such bucket ({what})", url)
+        return MissingShardError(2, f"missing {what}", url)
+    if isinstance(e, (ex.PermissionDeniedError, ex.UnauthenticatedError)) or _status(e) in (
+        401,
+        403,
+    ):
+        if "169.254.169.254" in str(e):
+            return RemoteAccessError(
+                f"{where}: no credentials for {url.split('/')[0]}//: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or the store's own variables), or pass "
+                "storage_options={'skip_signature': True} for a public bucket",
+                url,
+                start,
+                end,
+                attempts,
+            )
+        return RemoteAccessError(
+            f"{where}: access denied ({what}): {cause}", url, start, end, attempts
+        )
+    if "169.254.169.254" in str(e):
+        return RemoteAccessError(
+            f"{where}: no credentials found for this store (tried the environment and the "
+            "instance metadata service); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+            "pass storage_options={'skip_signature': True} for a public bucket",
+            url,
+            start,
+            end,
+            attempts,
+        )
+    if isinstance(e, _ShortBody):
+        return RemoteError(
+            f"{where}: {what}: {e}{tries}; the connection kept ending early",
+            url,
+            start,
+            end,
+            attempts,
+        )
+    if re.search(r"kind: Connect|error sending request", str(e)):
+        return RemoteError(
+            f"{where}: endpoint unreachable{tries} ({what}): {cause}", url, start, end, attempts
+        )
+    return RemoteError(f"{where}: {what} failed{tries}: {cause}", url, start, end, attempts)
+
+
+# ---- the event loop the GETs run on ---------------------------------------------------
+
+
+class _Counters:
+    """Process-wide totals of the remote backend (read with ``counters()``)."""
+
+    def __init__(self) -> None:
+        self.gets = 0
+        self.retries = 0
+        self.bytes = 0
+
+
+_counts = _Counters()
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_pid = -1
+_loop_lock = threading.Lock()
+
+
+def counters() -> dict[str, int]:
+    """Process-wide totals since start: ``gets`` (ranged GETs that succeeded),
+    ``retries`` (attempts repeated after a retryable failure) and ``bytes``."""
+    return {"gets": _counts.gets, "retries": _counts.retries, "bytes": _counts.bytes}
+
+
+def _get_loop() -> asyncio.AbstractEventLoop:
+    """The process's event loop thread (a new one in a forked child)."""
+    global _loop, _loop_pid
+    with _loop_lock:
+        if _loop is None or _loop_pid != os.getpid():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="tokload-remote", daemon=True).start()
+            _loop, _loop_pid = loop, os.getpid()
+        return _loop
+
+
+def _run(coro: Any) -> Any:
+    fut = asyncio.run_coroutine_threadsafe(coro, _get_loop())
+    try:
+        return fut.result()
+    except BaseException:
+        fut.cancel()
+        raise
+
+
+async def _retrying(call: Any, settings: Settings) -> Any:
+    """``await call()`` until it succeeds or fails for good; returns
+    ``(result, attempts)`` or raises ``(exception, attempts)`` as a tuple in
+    ``_Failed``."""
+    attempt = 0
+    t0 = time.monotonic()
+    while True:
+        attempt += 1
+        try:
+            return await call(), attempt
+        except Exception as e:
+            if attempt > settings.retries or not _retryable(e):
+                raise _Failed(e, attempt) from None
+            delay = settings.delay(attempt)
+            if time.monotonic() - t0 + delay > settings.retry_seconds:
+                raise _Failed(e, attempt) from None
+            _counts.retries += 1
+            await asyncio.sleep(delay)
+
+
+class _Failed(Exception):
+    def __init__(self, cause: BaseException, attempts: int) -> None:
+        super().__init__()
+        self.cause, self.attempts = cause, attempts
+
+
+async def _get_range(obj: RemoteObject, start: int, end: int) -> Any:
+    obs = _obstore()
+    opts: dict[str, Any] = {"range": (start, end)}
+    if obj.etag:
+        opts["if_match"] = obj.etag
+
+    async def once() -> Any:
+        r = await obs.get_async(obj.store.store, obj.key, options=opts)
+        body = await r.bytes_async()
+        if len(body) != end - start:
+            raise _ShortBody(len(body), end - start)
+        return body
+
+    body, _ = await _retrying(once, obj.store.settings)
+    _counts.gets += 1
+    _counts.bytes += end - start
+    return body
+
+
+# ---- a batch's reads ------------------------------------------------------------------
+
+
+def plan(
+    objs: Sequence[RemoteObject], offsets: Sequence[int], lengths: Sequence[int]
+) -> list[tuple[RemoteObject, int, int, list[int]]]:
+    """The GETs of a batch: per object, requested ranges sorted and merged
+    where the gap between them is at most the store's ``merge_gap`` (and the
+    merged range at most MAX_MERGED bytes).  Each GET is ``(object, start, end,
+    requests)``; empty requests need none."""
+    by_obj: dict[int, list[int]] = {}
+    for i, o in enumerate(objs):
+        if lengths[i]:
+            by_obj.setdefault(id(o), []).append(i)
+    gets: list[tuple[RemoteObject, int, int, list[int]]] = []
+    for idx in by_obj.values():
+        obj = objs[idx[0]]
+        gap = obj.store.settings.merge_gap
+        idx.sort(key=lambda i: offsets[i])
+        cur: list[int] = []
+        start = end = 0
+        for i in idx:
+            lo, hi = offsets[i], offsets[i] + lengths[i]
+            if cur and lo <= end + gap and max(end, hi) - start <= MAX_MERGED:
+                end = max(end, hi)
+                cur.append(i)
+            else:
+                if cur:
+                    gets.append((obj, start, end, cur))
+                cur, start, end = [i], lo, hi
+        gets.append((obj, start, end, cur))
+    return gets
+
+
+def fetch(
+    objs: Sequence[RemoteObject], offsets: Sequence[int], lengths: Sequence[int], depth: int
+) -> list[memoryview | None]:
+    """The bytes of each request (``None`` for an empty one), read as the
+    merged GETs of ``plan`` with up to ``depth`` in flight.
+
+    A request past its object's end (as opened) is refused before any GET.  On
+    failure the exception carries ``request``: the lowest-numbered request of
+    the GETs that failed."""
+    n = len(objs)
+    for i in range(n):
+        if offsets[i] + lengths[i] > objs[i].size:
+            e = RemoteError(
+                f"{objs[i].url}{_span(offsets[i], offsets[i] + lengths[i])}: past the object's "
+                f"end ({objs[i].size} bytes when opened)",
+                objs[i].url,
+                offsets[i],
+                offsets[i] + lengths[i],
+            )
+            e.request = i  # type: ignore[attr-defined]
+            raise e
+    gets = plan(objs, offsets, lengths)
+    bodies = _run(_fetch_all(gets, max(1, depth)))
+    out: list[memoryview | None] = [None] * n
+    for (_, start, _end, reqs), body in zip(gets, bodies, strict=True):
+        mv = memoryview(body)
+        for i in reqs:
+            out[i] = mv[offsets[i] - start : offsets[i] - start + lengths[i]]
+    return out
+
+
+async def _fetch_all(gets: list[tuple[RemoteObject, int, int, list[int]]], depth: int) -> list[Any]:
+    sem = asyncio.Semaphore(depth)
+
+    async def one(obj: RemoteObject, start: int, end: int) -> Any:
+        async with sem:
+            return await _get_range(obj, start, end)
+
+    tasks = [asyncio.ensure_future(one(o, s, e)) for o, s, e, _ in gets]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+    failed = [k for k, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception()]
+    if failed:
+        k = min(failed, key=lambda k: min(gets[k][3]))
+        f = tasks[k].exception()
+        obj, start, end, reqs = gets[k]
+        assert isinstance(f, _Failed)
+        err = _named(f.cause, obj.url, start, end, f.attempts, "a range")
+        err.request = min(reqs)  # type: ignore[attr-defined]
+        raise err
+    return [t.result() for t in tasks]
+
+
+# ---- opening ------------------------------------------------------------------------
+
+
+def head(url: str, what: str, options: Mapping[str, Any] | None = None) -> RemoteObject:
+    """The object at ``url`` as it is now (size, ETag).
+
+    Raises:
+        MissingShardError: no such object (or bucket).
+        RemoteAccessError, RemoteError: as ``fetch``.
+    """
+    st, key = store_for(url, options)
+    obs = _obstore()
+    try:
+        meta, _ = _run(_retrying(lambda: obs.head_async(st.store, key), st.settings))
+    except _Failed as f:
+        raise _named(f.cause, url, None, None, f.attempts, what) from None
+    return RemoteObject(st, key, int(meta["size"]), meta.get("e_tag"))
+
+
+def exists(url: str, options: Mapping[str, Any] | None = None) -> bool:
+    """Whether there is an object at ``url``."""
+    try:
+        head(url, "object", options)
+    except MissingShardError:
+        return False
+    return True
+
+
+def listing(prefix_url: str, options: Mapping[str, Any] | None = None) -> dict[str, RemoteObject]:
+    """Every object under ``prefix_url/`` (recursively), by URL, in one paginated LIST."""
+    st, key = store_for(prefix_url, options)
+    obs = _obstore()
+    prefix = key.rstrip("/") + "/" if key else ""
+
+    async def collect() -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        async for batch in obs.list(st.store, prefix or None):
+            out.extend(batch)
+        return out
+
+    try:
+        metas, _ = _run(_retrying(collect, st.settings))
+    except _Failed as f:
+        raise _named(f.cause, prefix_url, None, None, f.attempts, "the listing") from None
+    objs = {}
+    for m in metas:
+        o = RemoteObject(st, m["path"], int(m["size"]), m.get("e_tag"))
+        objs[o.url] = o
+    return objs
+
+
+def read_object(obj: RemoteObject, what: str, start: int = 0, end: int | None = None) -> bytes:
+    """Bytes ``[start, end)`` of an object opened with ``head``/``listing`` (its
+    ETag checked), the whole object by default."""
+    end = obj.size if end is None else end
+    if not 0 <= start <= end <= obj.size:
+        raise FormatError(
+            f"{obj.url}: {what}: bytes [{start}, {end}) are not within its {obj.size} bytes"
+        )
+    if start == end:
+        return b""
+    try:
+        body = _run(_get_range(obj, start, end))
+    except _Failed as f:
+        raise _named(f.cause, obj.url, start, end, f.attempts, what) from None
+    return bytes(body)
+
+
+def read_url(url: str, what: str, options: Mapping[str, Any] | None = None) -> bytes:
+    """All bytes of the object at ``url``."""
+    return read_object(head(url, what, options), what)
+
+
+def put(url: str, data: bytes | memoryview, options: Mapping[str, Any] | None = None) -> None:
+    """Write ``data`` as the object at ``url`` (retried as reads are)."""
+    st, key = store_for(url, options)
+    obs = _obstore()
+    try:
+        _run(_retrying(lambda: obs.put_async(st.store, key, data), st.settings))
+    except _Failed as f:
+        raise _named(f.cause, url, None, None, f.attempts, "an upload") from None
+
+
+def put_file(
+    url: str, path: str | os.PathLike[str], options: Mapping[str, Any] | None = None
+) -> None:
+    """Upload the local file ``path`` as the object at ``url`` (multipart for
+    large files, by obstore)."""
+    st, key = store_for(url, options)
+    obs = _obstore()
+
+    async def once() -> Any:
+        from pathlib import Path
+
+        return await obs.put_async(st.store, key, Path(path))
+
+    try:
+        _run(_retrying(once, st.settings))
+    except _Failed as f:
+        raise _named(
+            f.cause, url, None, None, f.attempts, f"the upload of {os.fspath(path)}"
+        ) from None
+
+
+def delete(urls: Iterable[str], options: Mapping[str, Any] | None = None) -> None:
+    """Delete objects (a missing one is no error)."""
+    obs = _obstore()
+    for url in urls:
+        st, key = store_for(url, options)
+        try:
+            _run(_retrying(lambda st=st, key=key: obs.delete_async(st.store, key), st.settings))
+        except _Failed as f:
+            if not isinstance(f.cause, obs.exceptions.NotFoundError):
+                raise _named(f.cause, url, None, None, f.attempts, "a delete") from None
