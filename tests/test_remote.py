@@ -9,6 +9,7 @@ truncated and short bodies). Skipped where ``moto`` or ``obstore`` (the
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 from collections.abc import Iterator
@@ -367,3 +368,44 @@ def test_urls_that_are_not_object_stores() -> None:
     with pytest.raises(ValueError, match="unsupported URL scheme 'ftp'"):
         TokenStream("ftp://host/ds", 10)
     assert not remote.is_url("file:///tmp/x") and remote.local_path("file:///tmp/x") == "/tmp/x"
+
+
+def test_build_to_s3_is_published_manifest_last_and_resumes(s3: LocalS3, tmp_path: Path) -> None:
+    assert s3.proxy is not None
+    inputs = tmp_path / "in.jsonl"
+    rng = np.random.default_rng(5)
+    with open(inputs, "w") as f:
+        for k in range(400):
+            f.write(json.dumps({"text": f"doc {k} " * int(rng.integers(1, 30))}) + "\n")
+    url = f"s3://{BUCKET}/built"
+    kw: dict[str, Any] = {"chunk_bytes": 8000, "staging": tmp_path / "staging", "progress": False}
+    # every upload succeeds but the top-level manifest's: the URL must not be a dataset
+    s3.proxy.inject("503", times=-1, match="PUT built/manifest.json")
+    with pytest.raises(RemoteError, match=r"built/manifest.json.*upload.*HTTP 503"):
+        tokload.build([inputs], url, storage_options={"retries": 1}, **kw)
+    with pytest.raises(MissingShardError, match="no tokload dataset"):
+        TokenStream(url, 16)
+    s3.proxy.clear()
+    done = tokload.build([inputs], url, **kw)
+    assert done.built == 0 and done.published.skipped == done.chunks > 2
+    assert done.published.uploaded == 1  # the manifest alone
+    # a chunk interrupted mid-upload (its manifest not there yet) is uploaded again
+    chunk = sorted(p.name for p in (tmp_path / "staging" / "parts").iterdir())[1]
+    s3.client().delete_object(Bucket=BUCKET, Key=f"built/parts/{chunk}/manifest.json")
+    done = tokload.build([inputs], url, **kw)
+    assert done.published.skipped == done.chunks - 1
+    local = TokenStream(tmp_path / "staging", 16)
+    remote_view = TokenStream(url, 16)
+    assert local.fingerprint == remote_view.fingerprint
+    np.testing.assert_array_equal(
+        local.read(np.arange(len(local))), remote_view.read(np.arange(len(local)))
+    )
+    text = tokload.tools.inspect(url)
+    assert f"dataset     {url}" in text and "documents   400" in text
+    assert tokload.tools.verify(url, deep=True) == []
+    rows = next(k for k in sorted(remote.listing(url)) if k.endswith(".rows"))
+    key = rows[len(f"s3://{BUCKET}/") :]
+    body = s3.client().get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    s3.client().put_object(Bucket=BUCKET, Key=key, Body=body[:-4] + b"\0\0\0\0")
+    (problem,) = tokload.tools.verify(url, deep=True)
+    assert problem.startswith(f"{rows}: damaged")

@@ -162,7 +162,18 @@ def _parser() -> argparse.ArgumentParser:
         "tokload merge corpus part-{0..15}",
     )
     b.add_argument("inputs", nargs="+", help="files, globs or directories")
-    b.add_argument("-o", "--output", required=True, help="the dataset directory")
+    b.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="the dataset directory, or an object-store URL (s3://bucket/prefix: built in "
+        "--staging, then uploaded, the manifest last)",
+    )
+    b.add_argument(
+        "--staging",
+        help="with a URL --output, the local build directory "
+        "(default ~/.cache/tokload/build/<hash of the URL>)",
+    )
     b.add_argument("--text-field", default="text", help="the field holding the text")
     b.add_argument(
         "--keep-field",
@@ -383,6 +394,7 @@ def _run(args: argparse.Namespace, started: float) -> int:
             chunk_bytes=args.chunk_bytes,
             ray=args.ray,
             progress=args.progress,
+            staging=args.staging,
         )
         print(f"tokload build: {summary}")
         return 0

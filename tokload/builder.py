@@ -60,7 +60,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -205,11 +205,18 @@ class BuildSummary:
     bytes: int = 0
     seconds: float = 0.0
     skipped: dict[str, int] = field(default_factory=dict)
+    published: Any = None  # a tokload.publish.Published, for a URL output
 
     def __str__(self) -> str:
         skipped = sum(self.skipped.values())
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items()))
         extra = f", skipped {skipped} ({reasons})" if skipped else ""
+        p = self.published
+        if p is not None:
+            extra += (
+                f"; uploaded {p.uploaded} objects ({p.bytes / 1e6:.1f} MB), "
+                f"{p.skipped} chunks already in the store"
+            )
         removed = f", {self.removed} stale chunks removed" if self.removed else ""
         return (
             f"{self.documents:,} documents, {self.tokens:,} tokens in {self.shards} shards "
@@ -273,8 +280,18 @@ def build(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ray: bool | str | None = None,
     progress: bool | None = None,
+    staging: str | os.PathLike[str] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> BuildSummary:
     """Tokenize a corpus into a tokload dataset at ``output``.
+
+    ``output`` may be an object-store URL (``s3://bucket/prefix``): the build
+    runs in the local directory ``staging`` (default
+    ``~/.cache/tokload/build/<hash of the URL>``; it needs the dataset's size
+    and may be removed afterwards), then ``tokload.publish`` uploads it, each
+    chunk's shards before its manifest and the top-level manifest last, so a
+    reader never sees half a dataset. A re-run rebuilds nothing that is
+    current and uploads only the chunks the store lacks.
 
     Args:
         inputs: files, globs or directories: ``*.jsonl`` (also ``.gz``, ``.bz2``,
@@ -302,6 +319,9 @@ def build(
             cluster address. Inputs and ``output`` must be on a filesystem
             every node sees.
         progress: show a progress bar (default: when stderr is a terminal).
+        staging: with a URL ``output``, the local build directory.
+        storage_options: with a URL ``output``, the object store's options
+            (see ``tokload.remote``; the environment's by default).
 
     The output files depend only on the inputs and the options, never on
     ``workers``, ``part`` or ``ray``. Re-running on the same ``output``
@@ -329,7 +349,17 @@ def build(
     if chunk_bytes < 1:
         raise UsageError(f"chunk_bytes must be positive, got {chunk_bytes}")
     k, n = parse_part(part)
-    out = Path(output)
+    from tokload import remote
+
+    url = os.fspath(output) if remote.is_url(output) else None
+    if url is not None:
+        if ray is not None and ray is not False:
+            raise UsageError(f"{url}: --ray builds need an output every node sees, not a URL")
+        if staging is None:
+            digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+            staging = Path.home() / ".cache" / "tokload" / "build" / digest
+        output = staging
+    out = Path(remote.local_path(output))
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out}: the output must be a directory (or not exist yet); it is a file")
     tok = load_tokenizer(tokenizer)  # fail early on a bad tokenizer
@@ -408,6 +438,10 @@ def build(
     summary.shards = len(manifest.shards)
     summary.bytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     summary.skipped = dict(skipped)
+    if url is not None:
+        from tokload.publish import publish
+
+        summary.published = publish(out, url, PARTS, [c.name for c in mine], storage_options)
     summary.seconds = time.perf_counter() - t0
     return summary
 

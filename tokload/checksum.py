@@ -12,18 +12,26 @@ import os
 
 import xxhash
 
+from tokload import remote
 from tokload.errors import TokloadError
-from tokload.format import CHECKSUM_KEY, MANIFEST, open_regular, read_manifest
+from tokload.format import CHECKSUM_KEY, MANIFEST, Location, manifest_at, open_regular
 
 CHUNK = 8 << 20
 """Bytes read per call while hashing."""
 
 
 def file_checksum(path: str | os.PathLike[str], what: str = "file") -> str:
-    """The xxh3_64 of a regular file's bytes, as 16 lowercase hex digits.
+    """The xxh3_64 of a regular file's (or object's) bytes, as 16 lowercase hex digits.
 
-    Reads in chunks of ``CHUNK`` bytes into one reused buffer.
+    Reads in chunks of ``CHUNK`` bytes into one reused buffer (an object in an
+    object store: one ranged GET per chunk).
     """
+    if remote.is_url(path):
+        obj = remote.head(os.fspath(path), what)
+        h = xxhash.xxh3_64()
+        for start in range(0, obj.size, CHUNK):
+            h.update(remote.read_object(obj, what, start, min(obj.size, start + CHUNK)))
+        return h.hexdigest()
     fd = open_regular(path, what)
     try:
         h = xxhash.xxh3_64()
@@ -40,7 +48,7 @@ def verify_checksums(path: str | os.PathLike[str]) -> list[str]:
     """Recompute every shard file's xxh3_64 and compare it with the manifest.
 
     Args:
-        path: a tokload dataset directory.
+        path: a tokload dataset directory or object-store URL prefix.
 
     Returns:
         The problems found, each a line naming the file; empty when every
@@ -53,7 +61,8 @@ def verify_checksums(path: str | os.PathLike[str]) -> list[str]:
     Raises:
         MissingShardError, FormatError: the manifest itself is missing or bad.
     """
-    m = read_manifest(path)
+    loc = Location(path)
+    m = manifest_at(loc)
     exts = m.files()
     problems: list[str] = []
     unchecked = 0
@@ -66,7 +75,7 @@ def verify_checksums(path: str | os.PathLike[str]) -> list[str]:
             want = sums.get(ext)
             if want is None:
                 continue
-            file = os.path.join(os.fspath(path), f"{s.name}.{ext}")
+            file = loc.join(f"{s.name}.{ext}")
             try:
                 got = file_checksum(file, f"shard .{ext} file")
             except (OSError, TokloadError) as e:
@@ -76,7 +85,7 @@ def verify_checksums(path: str | os.PathLike[str]) -> list[str]:
                     f"{file}: damaged: its {CHECKSUM_KEY} is {got}, the manifest records {want}",
                 ]
     if unchecked:
-        where = os.path.join(os.fspath(path), MANIFEST)
+        where = loc.join(MANIFEST)
         if unchecked == len(m.shards):
             problems.append(
                 f"{where}: no checksums recorded (written before tokload recorded them); "

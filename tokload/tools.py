@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tokload.errors import TokloadError
-from tokload.format import METADATA_FIELD, open_dataset
+from tokload.format import METADATA_FIELD, Location, open_dataset
 from tokload.tokenizer import from_description
 
 
@@ -48,7 +47,8 @@ def inspect(path: str | os.PathLike[str], sample: int | None = 0, tokens: int = 
             f"document {sample % len(docs)}: {len(toks)} rows; first {min(tokens, len(toks))}:"
         )
         lines.append("  ids     " + " ".join(map(str, toks[:tokens].tolist())))
-        tok = from_description(tok_desc, root=path) if isinstance(tok_desc, dict) else None
+        root = None if Location(path).remote else path  # a tokenizer file is read locally
+        tok = from_description(tok_desc, root=root) if isinstance(tok_desc, dict) else None
         if tok is not None:
             lines.append("  text    " + repr(tok.decode([int(t) for t in toks[:tokens]])))
         elif isinstance(tok_desc, dict):
@@ -104,47 +104,52 @@ def verify(
         return [error_message(e)]
     m = src.manifest
     assert m is not None
-    root = Path(path)
+    loc = Location(path)
     for s in m.shards:
-        base = root / s.name
+        base = loc.join(s.name)
         if m.documents:
-            p = base.with_name(base.name + ".docs")
-            bad = _first_bad_offset(np.fromfile(p, "<u8"), s.rows)
+            p = base + ".docs"
+            bad = _first_bad_offset(_array(loc, p, "<u8", "document index"), s.rows)
             if bad is not None:
                 problems.append(
                     f"{p}: document index entry {bad[0]} = {bad[1]} breaks "
                     f"0 = first <= ... <= last = {s.rows} (the shard's rows)"
                 )
         if m.blocks:
-            problem = _check_blocks(base, s.rows, s.metadata_records, m.span_block)
+            problem = _check_blocks(loc, base, s.rows, s.metadata_records, m.span_block)
             if problem is not None:
                 problems.append(problem)
                 break
             continue
         if m.metadata:
-            p = base.with_name(base.name + ".mdx")
-            bad = _first_bad_offset(np.fromfile(p, "<u8"), s.metadata_bytes)
+            p = base + ".mdx"
+            bad = _first_bad_offset(_array(loc, p, "<u8", "metadata index"), s.metadata_bytes)
             if bad is not None:
                 problems.append(
                     f"{p}: metadata index entry {bad[0]} = {bad[1]} breaks 0 = "
                     f"first <= ... <= last = {s.metadata_bytes} (the data size)"
                 )
             if m.spans:
-                problem = _check_spans(base, s.rows, s.metadata_records, m.span_block, chunk_rows)
+                problem = _check_spans(
+                    loc, base, s.rows, s.metadata_records, m.span_block, chunk_rows
+                )
                 if problem is not None:
                     problems.append(problem)
                     break
                 continue
-            rows_path = base.with_name(base.name + ".rows")
-            mm = np.memmap(rows_path, dtype=m.dtype, mode="r") if s.rows else None
+            rows_path = base + ".rows"
             for start in range(0, s.rows, chunk_rows):
-                assert mm is not None
-                ids = np.asarray(mm[METADATA_FIELD][start : start + chunk_rows])
+                stop = min(s.rows, start + chunk_rows)
+                item = m.dtype.itemsize
+                rows = np.frombuffer(
+                    loc.read(rows_path, "shard rows", start * item, stop * item), m.dtype
+                )
+                ids = rows[METADATA_FIELD]
                 bad_rows = np.flatnonzero((ids != 0xFFFFFFFF) & (ids >= s.metadata_records))
                 if len(bad_rows):
-                    r = int(bad_rows[0]) + start
+                    r = int(bad_rows[0])
                     problems.append(
-                        f"{rows_path}: row {r} has metadata id {int(mm[METADATA_FIELD][r])}"
+                        f"{rows_path}: row {r + start} has metadata id {int(ids[r])}"
                         f", but the shard has {s.metadata_records} records"
                     )
                     break
@@ -154,21 +159,26 @@ def verify(
     return problems
 
 
-def _check_blocks(base: Path, rows: int, records: int, block: int) -> str | None:
+def _array(loc: Location, path: str, dtype: Any, what: str) -> np.ndarray:
+    """A whole file (or object) as an array."""
+    return np.frombuffer(loc.read(path, what), dtype)
+
+
+def _check_blocks(loc: Location, base: str, rows: int, records: int, block: int) -> str | None:
     """The first problem of a shard's metadata blocks (FORMAT.md, version 3), or
     None: the block index, and every block's counts, run starts, records and
     record ends, checked by decoding the shard's blocks."""
     from tokload._meta import decode_blocks
 
-    index = base.with_name(base.name + ".mbx")
-    msb = base.with_name(base.name + ".msb")
+    index = base + ".mbx"
+    msb = base + ".msb"
     try:
         decode_blocks(
             block,
             rows,
             records,
-            np.fromfile(index, "<u8"),
-            np.fromfile(msb, np.uint8),
+            _array(loc, index, "<u8", "metadata block index"),
+            _array(loc, msb, np.uint8, "metadata blocks"),
             str(index),
             str(msb),
             records=False,
@@ -181,15 +191,20 @@ def _check_blocks(base: Path, rows: int, records: int, block: int) -> str | None
 _RUN = np.dtype([("start", "<u8"), ("record", "<u4")])  # one .mds entry, 12 bytes packed
 
 
-def _check_spans(base: Path, rows: int, records: int, block: int, chunk_rows: int) -> str | None:
+def _check_spans(
+    loc: Location, base: str, rows: int, records: int, block: int, chunk_rows: int
+) -> str | None:
     """The first problem of a shard's span table (FORMAT.md, version 2), or None.
 
     ``.mds``: starts begin at 0, strictly increase, stay below ``rows``; records
     are below ``records`` or none. ``.msx``: value ``b`` is the run holding row
     ``b * block``, the last value is the number of runs. Read in chunks.
     """
-    mds = base.with_name(base.name + ".mds")
-    runs = np.memmap(mds, dtype=_RUN, mode="r") if mds.stat().st_size else np.zeros(0, _RUN)
+    mds = base + ".mds"
+    if loc.remote:
+        runs = _array(loc, mds, _RUN, "span table")
+    else:
+        runs = np.memmap(mds, dtype=_RUN, mode="r") if os.path.getsize(mds) else np.zeros(0, _RUN)
     n = len(runs)
     if rows and (n == 0 or int(runs[0]["start"]) != 0):
         return f"{mds}: the first run must start at row 0 (the shard has {rows} rows)"
@@ -214,8 +229,8 @@ def _check_spans(base: Path, rows: int, records: int, block: int, chunk_rows: in
                 f"{records} records"
             )
         prev = int(starts[-1])
-    msx = base.with_name(base.name + ".msx")
-    index = np.fromfile(msx, "<u8")
+    msx = base + ".msx"
+    index = _array(loc, msx, "<u8", "span block index")
     want = -(-rows // block)
     if len(index) != want + 1 or (len(index) and int(index[-1]) != n):
         return f"{msx}: {len(index)} values, need {want + 1} ending with the {n} runs"
