@@ -224,14 +224,22 @@ class Store:
         return f"{self.scheme}://{self.bucket}/{key}"
 
 
-_stores: dict[tuple[str, str, tuple[tuple[str, str], ...]], Store] = {}
+_ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_", "OBJECT_STORE_")
+_stores: dict[tuple[Any, ...], Store] = {}
 _stores_lock = threading.Lock()
 
 
 def store_for(url: str, options: Mapping[str, Any] | None = None) -> tuple[Store, str]:
     """The (shared) Store of ``url``'s bucket and the object key."""
     scheme, bucket, key = split_url(url)
-    ident = (scheme, bucket, tuple(sorted((str(k), repr(v)) for k, v in (options or {}).items())))
+    # the environment the store reads its settings from is part of what it is
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)))
+    ident = (
+        scheme,
+        bucket,
+        tuple(sorted((str(k), repr(v)) for k, v in (options or {}).items())),
+        env,
+    )
     with _stores_lock:
         st = _stores.get(ident)
         if st is None:
