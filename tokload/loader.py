@@ -122,7 +122,8 @@ class DataLoader:
             instead of per batch (which is what keeps the training thread at
             full speed), and the I/O engine has a whole task's reads to keep in
             flight (16 steps of 8 windows: 128 reads, what cold storage needs).
-            The batches are the same whatever this is.
+            The first task is one step, so the first batch waits only for its
+            own reads. The batches are the same whatever this is.
         io: how the view's files are read: ``"auto"`` (io_uring where the
             kernel allows it, else a pool of C threads), ``"uring"``,
             ``"threads"`` or ``"sync"``. None (default) leaves the view's setting
@@ -492,9 +493,9 @@ class DataLoader:
 class _LoaderIter:
     """One pass of iteration: owns the reader threads; advances the loader's cursor.
 
-    Reader task ``k`` builds steps ``[k * c, (k + 1) * c)`` after the cursor the
-    threads started from (``c = steps_per_task``); the consumer takes them in
-    order. ``restart`` starts over from the loader's current cursor.
+    Reader task 0 builds the first step after the cursor the threads started
+    from, task ``k > 0`` the ``c = steps_per_task`` steps after task ``k - 1``'s;
+    the consumer takes them in order. ``restart`` starts over from the loader's current cursor.
     """
 
     def __init__(self, loader: DataLoader) -> None:
@@ -686,9 +687,12 @@ def _task_builder(
         with lock:
             while chain["next"] <= task:
                 c = chain["cursor"]
-                spans = [] if c is None else schedule.spans(c, per)
+                # The first task is one step: the first batch waits for its own reads
+                # only, not for a whole task's (on an object store, round trips of 100 ms).
+                size = 1 if chain["next"] == 0 else per
+                spans = [] if c is None else schedule.spans(c, size)
                 computed[chain["next"]] = spans
-                chain["cursor"] = spans[-1][1] if len(spans) == per else None
+                chain["cursor"] = spans[-1][1] if len(spans) == size else None
                 chain["next"] += 1
             if keep:  # a look ahead: the task is built later
                 return computed.get(task, [])
