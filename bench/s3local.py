@@ -121,8 +121,20 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
+    def _control(self) -> None:
+        """``/__proxy__/latency/MS`` sets the latency (for a proxy in another process)."""
+        parts = self.path.strip("/").split("/")
+        if len(parts) == 3 and parts[1] == "latency":
+            self.server.latency = float(parts[2]) / 1e3
+            self._answer(200, b"ok")
+        else:
+            self._answer(404, b"unknown control path")
+
     def _forward(self) -> None:
         srv = self.server
+        if self.path.startswith("/__proxy__/"):
+            self._control()
+            return
         body = b""
         n = int(self.headers.get("Content-Length") or 0)
         if n:
@@ -292,3 +304,18 @@ class LocalS3:
                 p = os.path.join(root, f)
                 key = f"{prefix}/{os.path.relpath(p, local)}".lstrip("/")
                 c.upload_file(p, bucket, key)
+
+
+def serve() -> None:
+    """``python -m bench.s3local``: a LocalS3 in its own process (so its Python
+    threads do not share the measured process's GIL). Prints ``ENDPOINT DIRECT``
+    on one line, then serves until stdin closes."""
+    import sys
+
+    with LocalS3() as s3:
+        print(s3.endpoint, s3.direct, flush=True)
+        sys.stdin.read()
+
+
+if __name__ == "__main__":
+    serve()
