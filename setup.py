@@ -22,7 +22,17 @@ import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-MODULES = ["_permute", "_remote", "_io", "_meta"]
+MODULES = [
+    "_permute",
+    "_remote",
+    "_io",
+    "_rows",
+    "_tables",
+    "_docindex",
+    "_megatron",
+    "_metaids",
+    "_meta",
+]
 
 DEBUG = os.environ.get("TOKLOAD_DEBUG") == "1"
 SANITIZE = os.environ.get("TOKLOAD_SANITIZE", "")

@@ -40,8 +40,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokload import StreamWithMetadata, Writer
-from tokload._io import CompressedTable, compressed_table_bytes, uring_available
+from tokload._io import uring_available
 from tokload._meta import SPAN_NONE, BlockSet, Scratch, decode_blocks, encode_blocks
+from tokload._tables import CompressedTable, compressed_table_bytes
 from tokload.checksum import verify_checksums
 from tokload.errors import CorruptDataError, FormatError, TruncatedFileError
 from tokload.format import DEFAULT_INDEX_MEMORY, read_manifest

@@ -1,4 +1,4 @@
-"""Document indexes held in memory (``TOKLOAD_INDEX_MEMORY``, ``_io.ShardTables``).
+"""Document indexes held in memory (``TOKLOAD_INDEX_MEMORY``, ``_tables.ShardTables``).
 
 An opened dataset whose document index fits the budget reads each shard's
 index whole, once, when a batch first needs it; one that does not reads two
@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from tokload import Documents, Writer
-from tokload._io import DocIndex, ShardTables
+from tokload._docindex import DocIndex
+from tokload._tables import ShardTables
 from tokload.errors import CorruptDataError, TruncatedFileError
 from tokload.format import DEFAULT_INDEX_MEMORY, index_memory
 

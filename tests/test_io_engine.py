@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tokload
-from tokload import _io
+from tokload import _docindex, _io, _rows
 from tokload.errors import MissingShardError, TruncatedFileError
 
 BACKENDS = ["sync", "threads", "uring"]
@@ -62,8 +62,8 @@ def _shards(
 
 def _rowset(
     paths: list[Path], sizes: list[int], itemsize: int, io: str, depth: int = 8
-) -> _io.RowSet:
-    return _io.RowSet(_io.FileSet(paths, io=io, queue_depth=depth), sizes, itemsize)
+) -> _rows.RowSet:
+    return _rows.RowSet(_io.FileSet(paths, io=io, queue_depth=depth), sizes, itemsize)
 
 
 # ---- same bytes on every path ----------------------------------------------------
@@ -166,7 +166,7 @@ def test_documents_and_metadata_read_the_same_on_every_backend(tmp_path: Path) -
         if io == "uring" and not _io.uring_available():
             continue
         view = tokload.Documents(tmp_path / "d")
-        assert isinstance(view.source.docs, _io.DocIndex)
+        assert isinstance(view.source.docs, _docindex.DocIndex)
         view.source.docs.files.configure(io=io)
         view.source.rows.files.configure(io=io)
         _, lengths = view.source.docs.extents(ids)
@@ -212,7 +212,7 @@ def test_a_token_stream_never_opens_the_document_index(tmp_path: Path) -> None:
             w.write(np.arange(k, k + 30, dtype=np.uint32))
     view = tokload.TokenStream(tmp_path / "d", window=64)
     view.read(np.arange(len(view)), out=view.empty(len(view)))
-    assert isinstance(view.source.docs, _io.DocIndex)
+    assert isinstance(view.source.docs, _docindex.DocIndex)
     assert view.source.docs.files.fds() == [-1] * view.source.docs.files.nfiles
     assert not any(
         os.readlink(f"/proc/self/fd/{fd}").endswith(".docs")

@@ -1,10 +1,11 @@
-# The compiled interface of tokload/_io.pyx, for the other modules that read
-# through the I/O engine (tokload/_meta.pyx): the file and row sets' C state,
-# engine set-up, index conversion and the error translation.  A must-match
-# contract: the attributes are declared here only, and _meta.pyx compiles
-# against this layout (rebuild both when it changes).
+# The compiled interface of tokload/_io.pyx (files and the I/O engine), for the
+# modules that read through the engine (_rows, _tables, _docindex, _megatron,
+# _metaids, _meta): the file set's C state, engine set-up, index conversion and
+# the error translation.  A must-match contract: the attributes are declared
+# here only, and those modules compile against this layout (rebuild them all
+# when it changes).
 
-from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint64_t
 
 cimport tokload._lib as lib
 
@@ -24,30 +25,12 @@ cdef class FileSet:
     cdef void engine_end(self, lib.tl_engine *e) noexcept
 
 
-cdef class RowSet:
-    cdef readonly FileSet files
-    cdef uint64_t[::1] _cum
-    cdef lib.tl_rowset rs
-    cdef readonly uint64_t total
-
-    cdef lib.tl_ioreq *_window_reqs(self, const int64_t[::1] iv, uint64_t first, uint64_t count,
-                                    uint64_t stride, uint64_t window,
-                                    uint64_t *starts) except NULL
-
-
-cdef class ShardTables:
-    cdef readonly RowSet rs
-    cdef void **tabs
-    cdef readonly bint enabled
-    cdef readonly bint compress
-    cdef size_t n
-
-    cdef int need(self, const lib.tl_engine *eng, const uint32_t *shards, size_t count,
-                  lib.tl_io_error *err, size_t *failed) noexcept nogil
-
-
 cdef const int64_t[::1] _indices(indices) except *
+cdef int _window_starts(const int64_t[::1] iv, uint64_t first, uint64_t count,
+                        uint64_t stride, uint64_t *starts) except -1
 cdef int _checked_window_starts(const int64_t[::1] iv, uint64_t first, uint64_t count,
                                 uint64_t stride, uint64_t window, uint64_t total,
                                 uint64_t *starts) except -1
 cdef object _raise_io(lib.tl_io_error *err, list paths, str what)
+cdef int _nomem(lib.tl_io_error *err, size_t file, size_t *failed) noexcept nogil
+cdef lib.tl_fdcache *_fdcache() noexcept nogil

@@ -4,7 +4,9 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from tokload._io import FileSet, RowSet, ShardTables
+from tokload._io import FileSet
+from tokload._rows import RowSet
+from tokload._tables import ShardTables
 
 SPAN_NONE: int
 SPAN_ENTRY: int

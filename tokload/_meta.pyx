@@ -20,7 +20,9 @@ from libc.string cimport memcmp, memcpy, memset
 cimport numpy as cnp
 
 cimport tokload._lib as lib
-from tokload._io cimport RowSet, ShardTables, _checked_window_starts, _indices, _raise_io
+from tokload._io cimport _checked_window_starts, _indices, _raise_io
+from tokload._rows cimport RowSet
+from tokload._tables cimport ShardTables
 
 import numpy as np
 

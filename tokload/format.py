@@ -20,15 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from tokload._io import (
-    DocIndex,
-    ExtentIndex,
-    FileSet,
-    MetaSet,
-    RowSet,
-    compressed_table_bytes,
-)
+from tokload._docindex import DocIndex, ExtentIndex
+from tokload._io import FileSet
 from tokload._meta import SPAN_ENTRY, BlockSet, SpanSet
+from tokload._metaids import MetaSet
+from tokload._rows import RowSet
+from tokload._tables import compressed_table_bytes
 from tokload.errors import FormatError, MissingShardError
 
 FORMAT_NAME = "tokload"
@@ -781,7 +778,7 @@ def index_memory() -> int:
     and kept (in this process) until the opened dataset is garbage-collected.
     A document index takes its files' size (8 bytes a document); a metadata
     block index is held compressed and weighed at about 2.1 bytes a block
-    (``tokload._io.compressed_table_bytes``; a group of 64 blocks that
+    (``tokload._tables.compressed_table_bytes``; a group of 64 blocks that
     holds one of 64 KiB or more takes 512 bytes more once loaded), so a 4 TB
     corpus of ``uint16`` tokens holds its block index in about 1.04 GB."""
     env = os.environ.get("TOKLOAD_INDEX_MEMORY")

@@ -28,7 +28,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from tokload._io import DocIndex, MegatronIndex, RowSet
+from tokload._docindex import DocIndex
+from tokload._megatron import MegatronIndex
+from tokload._rows import RowSet
 from tokload.errors import FormatError, TokloadError
 from tokload.format import (
     Location,

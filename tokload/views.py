@@ -26,8 +26,10 @@ from typing import Any, Self, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from tokload._io import FileSet, read_documents, split_fields, window_boundaries
+from tokload._docindex import read_documents, window_boundaries
+from tokload._io import FileSet
 from tokload._meta import BlockSet, Scratch, compact_records
+from tokload._rows import split_fields
 from tokload.assembly import Alloc
 from tokload.errors import FormatError, MissingShardError
 from tokload.format import MANIFEST, METADATA_FIELD, Source, open_dataset

@@ -3,7 +3,7 @@
  *
  * Cython mirror: tokload/_lib.pxd (must match).
  *
- * A table (a whole per-shard index file, tokload/_io.pyx ShardTables) is read
+ * A table (a whole per-shard index file, tokload/_tables.pyx ShardTables) is read
  * by whichever thread first needs it, without the GIL, and published with
  * one atomic compare-and-swap: a thread that loses the race frees its copy
  * and uses the winner's.  A published table never changes until the object

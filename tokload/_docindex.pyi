@@ -1,0 +1,55 @@
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from tokload._io import FileSet
+from tokload._rows import RowSet
+from tokload._tables import ShardTables
+
+# Each document's first global row and length, read in one batch.
+class ExtentIndex:
+    total: int
+    def extents(
+        self, ids: npt.ArrayLike
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]: ...
+
+class DocIndex(ExtentIndex):
+    files: FileSet
+    tables: ShardTables
+    def __init__(
+        self, files: FileSet, docs: npt.ArrayLike, rows: RowSet, in_memory: bool = False
+    ) -> None: ...
+
+# Attention metadata of observations `indices` of a view of `count` windows
+# (observation i at row (first + i) * stride), as read_windows checks them: the
+# position/segment/loss-mask arrays [B, window] that per_token names (made with
+# alloc), cu_seqlens
+# (int32) and max_seqlen.
+def window_boundaries(
+    index: ExtentIndex,
+    indices: npt.ArrayLike,
+    first: int,
+    count: int,
+    stride: int,
+    window: int,
+    total_rows: int,
+    alloc: Callable[[tuple[int, ...], Any], np.ndarray[Any, Any]],
+    per_token: Sequence[str] = ("position_ids", "segment_ids", "loss_mask"),
+) -> tuple[dict[str, np.ndarray[Any, Any]], npt.NDArray[np.int32], int]: ...
+
+# Documents first + ids[b] as one batch, in one call: (values, lengths, offsets)
+# back to back when pack, else ([B, L] values, lengths) padded with the row `pad`.
+def read_documents(
+    index: ExtentIndex,
+    rows: RowSet,
+    ids: npt.ArrayLike,
+    first: int,
+    count: int,
+    dtype: Any,
+    pack: bool,
+    length: int | None,
+    pad: bytes,
+    alloc: Callable[[tuple[int, ...], Any], np.ndarray[Any, Any]],
+) -> tuple[np.ndarray[Any, Any], ...]: ...

@@ -1,0 +1,427 @@
+"""The document index: each document's first row and length, and what is built
+from it per batch without the GIL: documents read back to back or padded
+(``read_documents``) and the document boundaries inside token windows
+(``window_boundaries``: ``csrc/tokload/bounds.h``)."""
+
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memcpy
+
+cimport tokload._lib as lib
+from tokload._io cimport FileSet, _indices, _raise_io, _window_starts, _checked_window_starts
+from tokload._rows cimport RowSet
+from tokload._tables cimport ShardTables
+
+import numpy as np
+
+from tokload.errors import CorruptDataError
+
+
+cdef class ExtentIndex:
+    """What the document indexes share: each document's first global row and
+    length, read in one batch on the I/O engine (``read_documents`` uses
+    it without a Python call per document)."""
+
+    cdef FileSet _files(self):
+        raise NotImplementedError
+
+    cdef int fill(self, const uint64_t *ids, size_t n, uint64_t *starts,
+                  uint64_t *lengths) except -1:
+        """Extents of ids (checked: < total) into starts/lengths; raises on error."""
+        raise NotImplementedError
+
+    def extents(self, ids):
+        """``(starts, lengths)``, uint64 arrays, for ids in ``[0, total)``."""
+        self._files().check_open()
+        cdef const uint64_t[::1] i = _checked_ids(ids, self.total, self._what())
+        cdef size_t n = i.shape[0]
+        starts = np.empty(n, dtype=np.uint64)
+        lengths = np.empty(n, dtype=np.uint64)
+        cdef uint64_t[::1] s = starts, l = lengths
+        if n:
+            self.fill(&i[0], n, &s[0], &l[0])
+        return starts, lengths
+
+    def _what(self):
+        return "document"
+
+
+cdef class DocIndex(ExtentIndex):
+    """Per-shard document indexes: shard k's file holds ``docs_k + 1`` uint64
+    row offsets.  ``extents(ids)`` gives each document's first global row and
+    its length, reading 16 bytes per document, or, with ``in_memory``, from
+    each shard's whole index, read once when a batch first needs it
+    (``ShardTables``)."""
+
+    cdef readonly FileSet files
+    cdef readonly ShardTables tables
+    cdef uint64_t[::1] _doc_cum
+    cdef uint64_t[::1] _row_cum
+
+    def __cinit__(self, FileSet files, docs, RowSet rows, bint in_memory=False):
+        counts = np.asarray(docs, dtype=np.uint64)
+        if len(counts) != files.nfiles or files.nfiles != rows.files.nfiles:
+            raise ValueError("one document index per shard is needed")
+        cum = np.zeros(len(counts) + 1, dtype=np.uint64)
+        np.cumsum(counts, out=cum[1:])
+        self.files = files
+        self._doc_cum = cum
+        self._row_cum = np.array(rows.cum)
+        self.total = cum[len(counts)]
+        self.tables = ShardTables(RowSet(files, counts + np.uint64(1), 8), in_memory)
+
+    cdef FileSet _files(self):
+        return self.files
+
+    cdef int fill(self, const uint64_t *ids, size_t n, uint64_t *starts,
+                  uint64_t *lengths) except -1:
+        cdef lib.tl_io_error err
+        cdef lib.tl_engine eng
+        cdef size_t failed = 0
+        cdef int rc = 0
+        # one allocation: the requests, two index entries and a shard per document
+        cdef char *mem = <char *>PyMem_Malloc(n * (sizeof(lib.tl_ioreq) + 16 + 4))
+        if mem is NULL:
+            raise MemoryError()
+        cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>mem
+        cdef uint64_t *ent = <uint64_t *>(mem + n * sizeof(lib.tl_ioreq))
+        cdef uint32_t *shards = <uint32_t *>(mem + n * (sizeof(lib.tl_ioreq) + 16))
+        cdef ShardTables tables = self.tables
+        try:
+            self.files.engine_begin(&eng)
+            with nogil:
+                if tables.enabled:
+                    lib.tl_docs_shards(&self._doc_cum[0], self.files.nfiles, ids, n, shards)
+                    rc = tables.need(&eng, shards, n, &err, &failed)
+                    if rc == 0:
+                        lib.tl_docs_copy(&self._doc_cum[0], shards,
+                                         <const uint64_t *const *>tables.tabs, ids, n, ent)
+                    else:  # name a document of the shard whose index failed
+                        for failed in range(n):
+                            if shards[failed] == <uint32_t>err.file:
+                                break
+                else:
+                    lib.tl_docs_plan(self.files.files, &self._doc_cum[0], self.files.nfiles, ids,
+                                     n, ent, reqs)
+                    rc = lib.tl_engine_run(&eng, reqs, n, &err, &failed)
+                if rc == 0:
+                    rc = lib.tl_docs_finish(self.files.files, &self._doc_cum[0],
+                                            &self._row_cum[0], self.files.nfiles, ids, n,
+                                            ent, starts, lengths, &err, &failed)
+            self.files.engine_end(&eng)
+            if rc:
+                _raise_io(&err, self.files.paths,
+                          f"the document index entry of document {ids[failed]}")
+        finally:
+            PyMem_Free(mem)
+        return 0
+
+
+cdef const uint64_t[::1] _checked_ids(ids, uint64_t total, str what) except *:
+    a = np.asarray(ids)
+    if a.dtype.kind not in "iu" and a.size:
+        raise TypeError(f"{what} ids must be integers, got dtype {a.dtype}")
+    a = np.ascontiguousarray(a.reshape(-1))
+    if a.size and (a.min() < 0 or a.max() >= total):
+        bad = a[(a < 0) | (a >= total)][0]
+        raise IndexError(f"{what} {bad} is out of range [0, {total})")
+    return a.astype(np.uint64, copy=False)
+
+
+
+def window_boundaries(ExtentIndex index not None, indices, uint64_t first, uint64_t count,
+                      uint64_t stride, uint64_t window, uint64_t total_rows, alloc,
+                      per_token=("position_ids", "segment_ids", "loss_mask")):
+    """The attention metadata of observations ``indices`` of a view of ``count``
+    windows of ``window`` rows, observation ``i`` starting at row
+    ``(first + i) * stride`` (checked as ``RowSet.read_windows`` checks them).
+
+    Finds the documents that start inside each window: where the index is a
+    tokload dataset's with its shards' tables held in memory, by a binary search
+    of each table a window spans, in C; otherwise with a batched search of
+    ``index`` (one ``fill`` of all active searches per round: a few rounds for
+    documents of similar sizes, at most ``2 log2(documents)``) and one more
+    ``fill`` for their first rows. Then computes the arrays in C without the
+    GIL. Returns ``(arrays, cu_seqlens, max_seqlen)``: ``arrays`` holds those
+    of ``"position_ids"`` (int64), ``"segment_ids"`` (int32) and
+    ``"loss_mask"`` (bool) that ``per_token`` names, each ``[B, window]`` and
+    allocated with ``alloc`` (the others are not computed); ``cu_seqlens`` is
+    int32 over the flattened batch. Document 0 must start at row 0 and the
+    index be sorted by row (checked where a window sees it).
+    """
+    cdef const int64_t[::1] iv = _indices(indices)
+    cdef size_t nwin = iv.shape[0], ns = 2 * nwin, i, na, j
+    starts = np.empty(nwin, dtype=np.uint64)
+    cdef uint64_t[::1] sw = starts
+    if nwin:
+        _checked_window_starts(iv, first, count, stride, window, total_rows, &sw[0])
+    cdef const uint64_t[::1] r = sw
+    cdef uint64_t ndocs = index.total
+    if ndocs == 0:
+        raise ValueError("the source has no documents")
+    if nwin * window >= (<uint64_t>1 << 31):
+        raise ValueError(f"{nwin} windows of {window} rows: cu_seqlens (int32) cannot hold "
+                         f"{nwin * window} tokens")
+    index._files().check_open()
+    if isinstance(index, DocIndex) and (<DocIndex>index).tables.enabled and nwin:
+        # the shards' indexes are held in memory: search them directly
+        ncuts, cuts = _cuts_from_tables(<DocIndex>index, r, window)
+        return _boundary_arrays(r, window, ncuts, cuts, alloc, per_token)
+    cdef lib.tl_bsearch *srch = <lib.tl_bsearch *>PyMem_Malloc(max(ns, 1) * sizeof(lib.tl_bsearch))
+    cdef uint64_t *buf = <uint64_t *>PyMem_Malloc(max(ns, 1) * 4 * sizeof(uint64_t))
+    if srch is NULL or buf is NULL:
+        PyMem_Free(srch)
+        PyMem_Free(buf)
+        raise MemoryError()
+    cdef uint64_t *probe = buf
+    cdef uint64_t *firsts = buf + ns
+    cdef uint64_t *length = buf + 2 * ns
+    cdef uint64_t *act = buf + 3 * ns  # the searches still going, by number
+    cdef unsigned rnd = 0
+    cdef uint64_t total = 0, d
+    cdef uint64_t[::1] nw, iw
+    try:
+        for i in range(nwin):
+            lib.tl_bsearch_init(&srch[2 * i], r[i], ndocs, total_rows)
+            lib.tl_bsearch_init(&srch[2 * i + 1], r[i] + window - 1, ndocs, total_rows)
+        na = 0
+        for i in range(ns):
+            if srch[i].lo < srch[i].hi:
+                act[na] = i
+                na += 1
+        while na:
+            for j in range(na):
+                probe[j] = lib.tl_bsearch_probe(&srch[act[j]], rnd)
+            index.fill(probe, na, firsts, length)
+            i = 0
+            for j in range(na):
+                if lib.tl_bsearch_step(&srch[act[j]], probe[j], firsts[j]):
+                    act[i] = act[j]
+                    i += 1
+            na = i
+            rnd += 1
+        # the documents after each window's first, up to its last: their first rows
+        ncuts = np.empty(nwin, dtype=np.uint64)
+        nw = ncuts
+        for i in range(nwin):
+            if srch[2 * i + 1].lo < srch[2 * i].lo:  # first rows that decrease
+                raise CorruptDataError(
+                    f"the document index is not sorted by row: around row {r[i]}, document "
+                    f"{srch[2 * i].lo} starts after document {srch[2 * i + 1].lo}"
+                )
+            nw[i] = srch[2 * i + 1].lo - srch[2 * i].lo
+            total += nw[i]
+        ids = np.empty(total, dtype=np.uint64)
+        iw = ids
+        j = 0
+        for i in range(nwin):
+            for d in range(srch[2 * i].lo + 1, srch[2 * i + 1].lo + 1):
+                iw[j] = d
+                j += 1
+        cuts = index.extents(ids)[0] if total else np.empty(0, dtype=np.uint64)
+    finally:
+        PyMem_Free(srch)
+        PyMem_Free(buf)
+    return _boundary_arrays(r, window, ncuts, cuts, alloc, per_token)
+
+
+cdef tuple _cuts_from_tables(DocIndex index, const uint64_t[::1] r, uint64_t window):
+    """The cuts of the windows at rows ``r`` from the shards' document indexes held
+    in memory (loaded here for the shards the windows span): no search rounds."""
+    cdef size_t nwin = r.shape[0], nfiles = index.files.nfiles, i, m = 0
+    cdef const uint64_t *row_cum = &index._row_cum[0]
+    cdef uint32_t k, k0, k1
+    cdef lib.tl_engine eng
+    cdef lib.tl_io_error err
+    cdef size_t failed = 0
+    cdef int rc = 0
+    cdef ShardTables tables = index.tables
+    # the shards every window spans (at most a few each), for loading their tables
+    for i in range(nwin):
+        k0 = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i])
+        k1 = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i] + window - 1)
+        m += k1 - k0 + 1
+    cdef uint32_t *sv = <uint32_t *>PyMem_Malloc(m * sizeof(uint32_t))
+    if sv is NULL:
+        raise MemoryError()
+    try:
+        m = 0
+        for i in range(nwin):
+            k0 = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i])
+            k1 = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i] + window - 1)
+            for k in range(k0, k1 + 1):
+                sv[m] = k
+                m += 1
+        index.files.engine_begin(&eng)
+        with nogil:
+            rc = tables.need(&eng, sv, m, &err, &failed)
+        index.files.engine_end(&eng)
+    finally:
+        PyMem_Free(sv)
+    if rc:
+        _raise_io(&err, index.files.paths, "a shard's document index")
+    ncuts = np.empty(nwin, dtype=np.uint64)
+    cdef uint64_t[::1] nv = ncuts
+    cdef const uint64_t *const *tabs = <const uint64_t *const *>tables.tabs
+    cdef uint64_t total
+    with nogil:
+        total = lib.tl_bounds_cuts_tables(row_cum, &index._doc_cum[0], nfiles, tabs, &r[0],
+                                          nwin, window, &nv[0], NULL)
+    cuts = np.empty(total, dtype=np.uint64)
+    cdef uint64_t[::1] cv = cuts
+    cdef uint64_t zero = 0
+    with nogil:
+        lib.tl_bounds_cuts_tables(row_cum, &index._doc_cum[0], nfiles, tabs, &r[0], nwin,
+                                  window, &nv[0], &cv[0] if total else &zero)
+    return ncuts, cuts
+
+
+cdef tuple _boundary_arrays(const uint64_t[::1] r, uint64_t window, ncuts, cuts, alloc,
+                            per_token):
+    """The arrays of ``window_boundaries`` from each window's cuts."""
+    cdef size_t nwin = r.shape[0]
+    cdef size_t total = cuts.shape[0]
+    arrays = {}
+    cdef int64_t *pp = NULL
+    cdef int32_t *sp = NULL
+    cdef uint8_t *mp = NULL
+    cdef int64_t[:, ::1] pv
+    cdef int32_t[:, ::1] sv
+    cdef uint8_t[:, ::1] mv
+    if nwin and "position_ids" in per_token:
+        arrays["position_ids"] = pv = alloc((nwin, window), np.dtype(np.int64))
+        pp = &pv[0, 0]
+    if nwin and "segment_ids" in per_token:
+        arrays["segment_ids"] = sv = alloc((nwin, window), np.dtype(np.int32))
+        sp = &sv[0, 0]
+    if nwin and "loss_mask" in per_token:
+        arrays["loss_mask"] = maska = alloc((nwin, window), np.dtype(np.bool_))
+        mv = maska.view(np.uint8)
+        mp = &mv[0, 0]
+    cu = np.empty(total + nwin + 1, dtype=np.int32)
+    cdef const uint64_t[::1] cv = cuts, nv = ncuts
+    cdef int32_t[::1] cuv = cu
+    cdef uint64_t longest = 0
+    cdef size_t k = 0, bad = 0
+    cdef uint64_t zero = 0
+    if nwin:
+        with nogil:
+            k = lib.tl_bounds_fill(&r[0], &cv[0] if total else &zero, &nv[0], nwin, window,
+                                   pp, sp, mp, &cuv[0], &longest, &bad)
+        if k == 0:
+            raise CorruptDataError(
+                f"the document index is not sorted by row: the documents that start in "
+                f"the window at row {r[bad]} are out of order"
+            )
+    else:
+        for key, dt in (("position_ids", np.int64), ("segment_ids", np.int32),
+                        ("loss_mask", np.bool_)):
+            if key in per_token:
+                arrays[key] = alloc((0, window), np.dtype(dt))
+        cu[0] = 0
+        k = 1
+    return arrays, cu[:k], int(longest)
+
+
+def read_documents(ExtentIndex index not None, RowSet rows not None, ids, uint64_t first, uint64_t count, dtype,
+                   bint pack, length, bytes pad, alloc):
+    """Documents ``first + ids[b]`` of ``index`` as one batch, in one call.
+
+    Ids are checked (``0 <= ids[b] < count``) in a compiled loop; the index
+    entries are read in one batch, the outputs are made with ``alloc``, and
+    the padding and the rows' reads run without the GIL.
+
+    ``pack``: returns ``(values, lengths, offsets)``: the documents back to
+    back (``[sum of lengths]``), their lengths (int64, ``B``) and offsets
+    (int64, ``B + 1``).  Otherwise returns ``(values, lengths)``: ``[B, L]``
+    rows, ``L`` = ``length``, or the longest document (at least 1) when
+    ``length`` is None; longer documents are truncated, rows past a
+    document's length hold ``pad`` (one row's bytes, repeated).
+    """
+    index._files().check_open()
+    rows.files.check_open()
+    cdef const int64_t[::1] iv = _indices(ids)
+    cdef size_t n = iv.shape[0], b
+    cdef uint64_t rb = rows.rs.row_bytes, L = 0, total = 0, longest = 0
+    if not pack:
+        if length is not None and length < 1:
+            raise ValueError(f"length must be positive, got {length}")
+        if <uint64_t>len(pad) != rb:
+            raise ValueError(f"pad must be one row ({rb} bytes), got {len(pad)}")
+    if count and first + count > index.total:
+        raise IndexError(f"documents up to {first + count} are past the {index.total} documents")
+    # per document: global id, first row, length, destination byte
+    cdef uint64_t *mem = <uint64_t *>PyMem_Malloc(max(n, 1) * 4 * sizeof(uint64_t))
+    if mem is NULL:
+        raise MemoryError()
+    cdef uint64_t *gid = mem
+    cdef uint64_t *st = mem + n
+    cdef uint64_t *ln = mem + 2 * n
+    cdef uint64_t *dof = mem + 3 * n
+    cdef lib.tl_ioreq *reqs = NULL
+    cdef lib.tl_engine eng
+    cdef lib.tl_io_error err
+    cdef size_t failed = 0, nreq, m
+    cdef int rc
+    cdef int64_t[::1] lv, ov
+    cdef uint8_t[::1] dst
+    cdef uint8_t *dptr = NULL
+    cdef const uint8_t *pp = pad
+    try:
+        _window_starts(iv, first, count, 1, gid)
+        if n:
+            index.fill(gid, n, st, ln)
+        for b in range(n):  # the index and the rows are checked against each other
+            if st[b] > rows.total or ln[b] > rows.total - st[b]:
+                raise CorruptDataError(
+                    f"{index._files().paths[0] if index._files().paths else '?'}: document "
+                    f"{gid[b]} spans rows [{st[b]}, {st[b] + ln[b]}), past the {rows.total} rows")
+        lengths = alloc((n,), np.int64)
+        lv = lengths
+        if pack:
+            offsets = alloc((n + 1,), np.int64)
+            ov = offsets
+            ov[0] = 0
+            for b in range(n):
+                dof[b] = total * rb
+                total += ln[b]
+                lv[b] = <int64_t>ln[b]
+                ov[b + 1] = <int64_t>total
+            values = alloc((total,), dtype)
+        else:
+            for b in range(n):
+                if ln[b] > longest:
+                    longest = ln[b]
+            L = <uint64_t>length if length is not None else (longest if longest else 1)
+            for b in range(n):
+                if ln[b] > L:
+                    ln[b] = L
+                lv[b] = <int64_t>ln[b]
+                dof[b] = b * L * rb
+            total = n * L
+            values = alloc((n, L), dtype)
+        if total:
+            dst = values.reshape(-1).view(np.uint8)
+            dptr = &dst[0]
+        nreq = lib.tl_rows_count_reqs(&rows.rs, st, ln, 0, n)
+        reqs = <lib.tl_ioreq *>PyMem_Malloc(max(nreq, 1) * sizeof(lib.tl_ioreq))
+        if reqs is NULL:
+            raise MemoryError()
+        rows.files.engine_begin(&eng)
+        with nogil:
+            if not pack:
+                for b in range(n):
+                    lib.tl_fill_rows(dptr + dof[b] + ln[b] * rb, L - ln[b], pp, rb)
+            m = lib.tl_rows_plan_many(&rows.rs, st, ln, 0, dof, n, dptr, reqs)
+            rc = lib.tl_engine_run(&eng, reqs, m, &err, &failed)
+        rows.files.engine_end(&eng)
+        if rc:
+            b = reqs[failed].item
+            _raise_io(&err, rows.files.paths, f"rows [{st[b]}, {st[b] + ln[b]})")
+    finally:
+        PyMem_Free(reqs)
+        PyMem_Free(mem)
+    if pack:
+        return values, lengths, offsets
+    return values, lengths

@@ -1,0 +1,14 @@
+from tokload._docindex import ExtentIndex
+from tokload._io import FileSet
+
+class MegatronIndex(ExtentIndex):
+    file: FileSet
+    def __init__(
+        self,
+        file: FileSet,
+        nseq: int,
+        len_off: int,
+        ptr_off: int,
+        itemsize: int,
+        bin_rows: int,
+    ) -> None: ...

@@ -1,0 +1,48 @@
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from tokload._io import FileSet
+
+class RowSet:
+    files: FileSet
+    total: int
+    def __init__(self, files: FileSet, rows: npt.ArrayLike, row_bytes: int) -> None: ...
+    @property
+    def cum(self) -> npt.NDArray[np.uint64]: ...
+    @property
+    def row_bytes(self) -> int: ...
+    def locate(self, row: int) -> int: ...
+    def plan(self, start: int, count: int) -> list[tuple[int, int, int, int]]: ...
+    def read(
+        self,
+        starts: npt.ArrayLike,
+        lengths: npt.ArrayLike,
+        dst_offsets: npt.ArrayLike,
+        out: np.ndarray[Any, Any] | bytearray | memoryview,
+    ) -> None: ...
+    def read_windows(
+        self,
+        indices: npt.ArrayLike,
+        first: int,
+        count: int,
+        stride: int,
+        window: int,
+        out: np.ndarray[Any, Any],
+    ) -> None: ...
+    def hint_windows(
+        self, indices: npt.ArrayLike, first: int, count: int, stride: int, window: int
+    ) -> int: ...
+    # WILLNEED hints for rows [starts[i], starts[i] + lengths[i]); the hints given
+    def hint_ranges(self, starts: npt.ArrayLike, lengths: npt.ArrayLike) -> int: ...
+
+def split_fields(
+    rows: np.ndarray[Any, Any] | bytes | bytearray | memoryview,
+    nrows: int,
+    row_bytes: int,
+    offsets: Sequence[int],
+    sizes: Sequence[int],
+    outs: Sequence[np.ndarray[Any, Any]],
+) -> None: ...

@@ -1,0 +1,268 @@
+"""Fixed-size rows across the files of a FileSet, read as one sequence.
+
+``RowSet`` plans the reads of windows and row ranges (``csrc/tokload/plan.h``)
+and runs each batch's reads on the I/O engine (``_io.pyx``) inside one
+``with nogil`` block; ``split_fields`` de-interleaves the rows of a structured
+dtype into one array per field without the GIL."""
+
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memcpy
+
+cimport tokload._lib as lib
+from tokload._io cimport FileSet, _checked_window_starts, _fdcache, _indices, _raise_io, _window_starts
+
+import numpy as np
+
+
+cdef class RowSet:
+    """Fixed-size rows stored across the files of a FileSet, read as one sequence.
+
+    Args:
+        files: the shards' FileSet (rows of shard k start at its base).
+        rows: rows in each shard.
+        row_bytes: bytes per row (the dtype's itemsize).
+    """
+
+    def __cinit__(self, FileSet files, rows, uint64_t row_bytes):
+        counts = np.asarray(rows, dtype=np.uint64)
+        if len(counts) != files.nfiles:
+            raise ValueError(f"{files.nfiles} files but {len(counts)} row counts")
+        if row_bytes == 0:
+            raise ValueError("row_bytes must be positive")
+        cum = np.zeros(len(counts) + 1, dtype=np.uint64)
+        np.cumsum(counts, out=cum[1:])
+        self.files = files
+        self._cum = cum
+        self.total = cum[len(counts)]
+        self.rs.files = files.files
+        self.rs.cum = &self._cum[0]
+        self.rs.nfiles = files.nfiles
+        self.rs.row_bytes = row_bytes
+
+    @property
+    def cum(self):
+        """Cumulative row counts, ``nfiles + 1`` entries (read-only view)."""
+        a = np.asarray(self._cum)
+        a.flags.writeable = False
+        return a
+
+    @property
+    def row_bytes(self):
+        return self.rs.row_bytes
+
+    def locate(self, row):
+        """The shard holding global row ``row``."""
+        if not 0 <= row < self.total:
+            raise IndexError(f"row {row} is out of range [0, {self.total})")
+        return lib.tl_shards_locate(&self._cum[0], self.rs.nfiles, row)
+
+    def plan(self, start, count):
+        """The read requests for rows [start, start + count): a list of
+        ``(shard, byte offset, byte length, destination offset)``."""
+        if not (0 <= start and 0 <= count and start + count <= self.total):
+            raise IndexError(f"rows [{start}, {start + count}) are not within [0, {self.total})")
+        cdef lib.tl_read_req *reqs = <lib.tl_read_req *>PyMem_Malloc(
+            (self.rs.nfiles + 1) * sizeof(lib.tl_read_req))
+        if reqs is NULL:
+            raise MemoryError()
+        try:
+            n = lib.tl_plan_rows(&self.rs, start, count, 0, reqs, self.rs.nfiles + 1)
+            return [(reqs[i].file, reqs[i].offset, reqs[i].length, reqs[i].dst) for i in range(n)]
+        finally:
+            PyMem_Free(reqs)
+
+    def read(self, starts, lengths, dst_offsets, out):
+        """Read row ranges into ``out`` (a writable C-contiguous buffer).
+
+        Range i is rows ``[starts[i], starts[i] + lengths[i])``, written at byte
+        ``dst_offsets[i]`` of ``out``.  Ranges may span shards.  Every range and
+        destination is checked here; the reads then run in C without the GIL.
+        """
+        self.files.check_open()
+        cdef const uint64_t[::1] s = np.ascontiguousarray(starts, dtype=np.uint64)
+        cdef const uint64_t[::1] l = np.ascontiguousarray(lengths, dtype=np.uint64)
+        cdef const uint64_t[::1] d = np.ascontiguousarray(dst_offsets, dtype=np.uint64)
+        cdef uint8_t[::1] dst = np.frombuffer(out, dtype=np.uint8) if not isinstance(
+            out, np.ndarray) else out.reshape(-1).view(np.uint8)
+        cdef size_t n = s.shape[0]
+        if l.shape[0] != n or d.shape[0] != n:
+            raise ValueError("starts, lengths and dst_offsets must have the same length")
+        if n == 0:
+            return
+        sa, la, da = np.asarray(s), np.asarray(l), np.asarray(d)
+        end = sa + la
+        if (end < sa).any() or (end > self.total).any():
+            i = int(np.flatnonzero((end < sa) | (end > self.total))[0])
+            raise IndexError(f"rows [{sa[i]}, {sa[i] + la[i]}) are not within [0, {self.total})")
+        nbytes = la * np.uint64(self.rs.row_bytes)
+        if ((da + nbytes) > dst.shape[0]).any():
+            raise ValueError("a destination range runs past the end of out")
+        cdef uint8_t *dptr = &dst[0] if dst.shape[0] else NULL
+        cdef size_t nreq = lib.tl_rows_count_reqs(&self.rs, &s[0], &l[0], 0, n), m
+        cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>PyMem_Malloc(max(nreq, 1) * sizeof(lib.tl_ioreq))
+        if reqs is NULL:
+            raise MemoryError()
+        cdef lib.tl_engine eng
+        cdef lib.tl_io_error err
+        cdef size_t failed = 0
+        cdef int rc
+        try:
+            self.files.engine_begin(&eng)
+            with nogil:
+                m = lib.tl_rows_plan_many(&self.rs, &s[0], &l[0], 0, &d[0], n, dptr, reqs)
+                rc = lib.tl_engine_run(&eng, reqs, m, &err, &failed)
+            self.files.engine_end(&eng)
+            if rc:
+                i = reqs[failed].item
+                _raise_io(&err, self.files.paths, f"rows [{sa[i]}, {sa[i] + la[i]})")
+        finally:
+            PyMem_Free(reqs)
+
+    def read_windows(self, indices, uint64_t first, uint64_t count, uint64_t stride,
+                     uint64_t window, out):
+        """Read windows of observations ``indices`` into ``out``, in one call.
+
+        Observation ``i`` (``0 <= i < count``) is rows ``[(first + i) * stride,
+        (first + i) * stride + window)``; window ``b`` lands at byte
+        ``b * window * row_bytes`` of ``out``.  Indices are checked in a
+        compiled loop (no per-batch NumPy calls); the reads run without the GIL.
+        """
+        self.files.check_open()
+        cdef const int64_t[::1] iv = _indices(indices)
+        cdef uint8_t[::1] dst = out.reshape(-1).view(np.uint8)
+        cdef size_t n = iv.shape[0]
+        if n == 0:
+            return
+        if <uint64_t>dst.shape[0] < n * window * self.rs.row_bytes:
+            raise ValueError(f"out holds {dst.shape[0]} bytes, need {n * window * self.rs.row_bytes}")
+        cdef uint64_t *starts = <uint64_t *>PyMem_Malloc(n * sizeof(uint64_t))
+        if starts is NULL:
+            raise MemoryError()
+        cdef lib.tl_ioreq *reqs = NULL
+        cdef lib.tl_engine eng
+        cdef lib.tl_io_error err
+        cdef size_t failed = 0, m
+        cdef uint8_t *dptr = &dst[0] if dst.shape[0] else NULL
+        cdef int rc
+        try:
+            reqs = self._window_reqs(iv, first, count, stride, window, starts)
+            self.files.engine_begin(&eng)
+            with nogil:
+                m = lib.tl_rows_plan_many(&self.rs, starts, NULL, window, NULL, n, dptr, reqs)
+                rc = lib.tl_engine_run(&eng, reqs, m, &err, &failed)
+            self.files.engine_end(&eng)
+            if rc:
+                s0 = starts[reqs[failed].item]
+                _raise_io(&err, self.files.paths, f"rows [{s0}, {s0 + window})")
+        finally:
+            PyMem_Free(reqs)
+            PyMem_Free(starts)
+
+
+    cdef lib.tl_ioreq *_window_reqs(self, const int64_t[::1] iv, uint64_t first, uint64_t count,
+                                    uint64_t stride, uint64_t window,
+                                    uint64_t *starts) except NULL:
+        """Check the windows of observations ``iv``, put their first rows in
+        ``starts``, and return room (PyMem_Malloc) for their read requests."""
+        _checked_window_starts(iv, first, count, stride, window, self.total, starts)
+        cdef size_t nreq = lib.tl_rows_count_reqs(&self.rs, starts, NULL, window, iv.shape[0])
+        cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>PyMem_Malloc(max(nreq, 1) * sizeof(lib.tl_ioreq))
+        if reqs is NULL:
+            raise MemoryError()
+        return reqs
+
+    def hint_windows(self, indices, uint64_t first, uint64_t count, uint64_t stride,
+                     uint64_t window):
+        """Advise the kernel that the windows of observations ``indices`` (as for
+        ``read_windows``) will be read soon: it reads them into the page cache
+        in the background (``POSIX_FADV_WILLNEED``) and this returns at once, so
+        a slow read is in flight long before it is needed.  Returns the number of
+        hints given (files that cannot be opened are skipped: a hint is advice).
+        """
+        self.files.check_open()
+        cdef const int64_t[::1] iv = _indices(indices)
+        cdef size_t n = iv.shape[0], nreq, m = 0
+        if n == 0 or window == 0 or self.files.remote is not None:  # no page cache to warm
+            return 0
+        cdef uint64_t *starts = <uint64_t *>PyMem_Malloc(n * sizeof(uint64_t))
+        if starts is NULL:
+            raise MemoryError()
+        cdef lib.tl_ioreq *reqs = NULL
+        try:
+            reqs = self._window_reqs(iv, first, count, stride, window, starts)
+            with nogil:
+                nreq = lib.tl_rows_plan_many(&self.rs, starts, NULL, window, NULL, n, NULL, reqs)
+                m = lib.tl_ioreq_hint(reqs, nreq, _fdcache())
+        finally:
+            PyMem_Free(reqs)
+            PyMem_Free(starts)
+        return m
+
+    def hint_ranges(self, starts, lengths):
+        """Advise the kernel that rows ``[starts[i], starts[i] + lengths[i])``
+        (global row numbers, uint64) will be read soon, as ``hint_windows``
+        does for windows.  Returns the number of hints given."""
+        self.files.check_open()
+        cdef const uint64_t[::1] sv = np.ascontiguousarray(starts, dtype=np.uint64)
+        cdef const uint64_t[::1] lv = np.ascontiguousarray(lengths, dtype=np.uint64)
+        cdef size_t n = sv.shape[0], i, nreq, m = 0
+        if <size_t>lv.shape[0] != n:
+            raise ValueError(f"{n} starts but {lv.shape[0]} lengths")
+        for i in range(n):
+            if sv[i] > self.total or lv[i] > self.total - sv[i]:
+                raise IndexError(f"rows [{sv[i]}, {sv[i] + lv[i]}) run past the "
+                                 f"{self.total} rows")
+        if n == 0 or self.files.remote is not None:
+            return 0
+        nreq = lib.tl_rows_count_reqs(&self.rs, &sv[0], &lv[0], 0, n)
+        cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>PyMem_Malloc((nreq + 1) * sizeof(lib.tl_ioreq))
+        if reqs is NULL:
+            raise MemoryError()
+        try:
+            with nogil:
+                nreq = lib.tl_rows_plan_many(&self.rs, &sv[0], &lv[0], 0, NULL, n, NULL, reqs)
+                m = lib.tl_ioreq_hint(reqs, nreq, _fdcache())
+        finally:
+            PyMem_Free(reqs)
+        return m
+
+
+
+def split_fields(rows, uint64_t nrows, uint64_t row_bytes, offsets, sizes, outs):
+    """De-interleave ``nrows`` rows of a structured dtype into one array per field.
+
+    ``rows`` is a C-contiguous buffer of ``nrows * row_bytes`` bytes; field f
+    (``offsets[f]``, ``sizes[f]`` bytes) of each row goes to ``outs[f]``, a
+    C-contiguous array of ``nrows * sizes[f]`` bytes.  Runs without the GIL.
+    """
+    cdef const uint8_t[::1] src = np.frombuffer(rows, dtype=np.uint8) if not isinstance(
+        rows, np.ndarray) else rows.reshape(-1).view(np.uint8)
+    cdef const uint64_t[::1] off = np.ascontiguousarray(offsets, dtype=np.uint64)
+    cdef const uint64_t[::1] siz = np.ascontiguousarray(sizes, dtype=np.uint64)
+    cdef size_t nf = off.shape[0], f
+    if src.shape[0] < nrows * row_bytes:
+        raise ValueError(f"rows holds {src.shape[0]} bytes, need {nrows * row_bytes}")
+    if siz.shape[0] != nf or len(outs) != nf:
+        raise ValueError("offsets, sizes and outs must have the same length")
+    if nf == 0 or nrows == 0:
+        return
+    cdef uint8_t **dst = <uint8_t **>PyMem_Malloc(nf * sizeof(uint8_t *))
+    if dst is NULL:
+        raise MemoryError()
+    cdef uint8_t[::1] view
+    keep = []
+    try:
+        for f in range(nf):
+            if off[f] + siz[f] > row_bytes:
+                raise ValueError(f"field {f} ({off[f]}+{siz[f]} bytes) overruns a {row_bytes}-byte row")
+            view = outs[f].reshape(-1).view(np.uint8)
+            if view.shape[0] < nrows * siz[f]:
+                raise ValueError(f"out {f} holds {view.shape[0]} bytes, need {nrows * siz[f]}")
+            keep.append(view)
+            dst[f] = &view[0]
+        with nogil:
+            lib.tl_split_fields(&src[0], nrows, row_bytes, nf, &off[0], &siz[0], dst)
+    finally:
+        PyMem_Free(dst)

@@ -1,0 +1,17 @@
+# The compiled interface of tokload/_tables.pyx (see tokload/_io.pxd).
+
+from libc.stdint cimport uint32_t
+
+cimport tokload._lib as lib
+from tokload._rows cimport RowSet
+
+
+cdef class ShardTables:
+    cdef readonly RowSet rs
+    cdef void **tabs
+    cdef readonly bint enabled
+    cdef readonly bint compress
+    cdef size_t n
+
+    cdef int need(self, const lib.tl_engine *eng, const uint32_t *shards, size_t count,
+                  lib.tl_io_error *err, size_t *failed) noexcept nogil
