@@ -259,6 +259,23 @@ def test_transient_faults_are_retried(s3: LocalS3, corpus: tuple[Path, str], kin
     assert remote.counters()["retries"] - before >= 2
 
 
+def test_loader_stats_count_gets_and_retries(s3: LocalS3, corpus: tuple[Path, str]) -> None:
+    _, url = corpus
+    assert s3.proxy is not None
+    loader = DataLoader(TokenStream(url, 100, storage_options=FAST), 4, num_threads=1)
+    loader.stats()
+    s3.proxy.inject("503", times=3, match="GET")
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    st = loader.stats()
+    loader.close()
+    assert st["remote_gets"] >= 5 and st["remote_retries"] >= 3
+    assert f"{st['remote_gets']} GETs, {st['remote_retries']} retried" in (
+        tokload.stats.format_report(st)
+    )
+
+
 def test_persistent_throttling_names_the_url_range_and_cause(
     s3: LocalS3, corpus: tuple[Path, str]
 ) -> None:

@@ -427,6 +427,9 @@ class DataLoader:
         - ``io_calls``, ``io_requests``, ``io_bytes``, ``io_failed``, ``io_s``:
           the reads tokload's I/O engine ran in the interval, for every loader
           and view of this process (its totals are process-wide);
+        - ``remote_gets``, ``remote_retries``: for datasets in an object store,
+          the ranged GETs that succeeded and the attempts repeated after a
+          throttled, failed or cut-short request (process-wide too);
         - ``batches_ready``: built batches waiting for ``next()`` now, and
           ``prefetch_batches``: the most that can wait (the prefetch's tasks
           of ``steps_per_task`` batches, and the task being handed out; 0

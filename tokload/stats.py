@@ -9,7 +9,8 @@ and the interval reports ``DataLoader.stats()`` and the periodic log line give.
   the tokens they read.
 - The I/O engine (C) keeps process-wide totals of its read requests, bytes and
   time (``tokload._io.io_counters``); a report gives their growth over its
-  interval, so they include every loader and view of the process.
+  interval, so they include every loader and view of the process; so does the
+  remote backend of its GETs and retries (``tokload.remote.counters``).
 
 Counters only grow; each report subtracts the totals it last saw (its mark), so
 ``stats()`` and the log line keep separate intervals. Waits are kept in a ring
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from tokload import _io
+from tokload import _io, remote
 
 WAIT_RING = 1 << 16
 """Batches whose wait a report's percentiles can see (the latest ones)."""
@@ -81,6 +82,7 @@ class LoaderStats:
             "wait_s": self.wait_s,
             "reader": reader,
             "io": _io.io_counters(),
+            "remote": remote.counters(),
         }
 
     def report(
@@ -101,6 +103,7 @@ class LoaderStats:
             p50 = p99 = wmax = 0.0
         tasks, build_s, built = (a - b for a, b in zip(now["reader"], since["reader"], strict=True))
         io = {k: now["io"][k] - since["io"][k] for k in now["io"]}
+        rem = {k: now["remote"][k] - since["remote"][k] for k in now["remote"]}
         tokens = now["tokens"] - since["tokens"]
         wait = now["wait_s"] - since["wait_s"]
         report = {
@@ -124,6 +127,8 @@ class LoaderStats:
             "io_bytes": int(io["bytes"]),
             "io_failed": int(io["failed"]),
             "io_s": io["seconds"],
+            "remote_gets": int(rem["gets"]),
+            "remote_retries": int(rem["retries"]),
             **queue,
         }
         return report, now
@@ -139,8 +144,13 @@ def format_report(r: dict[str, Any]) -> str:
         f"p99 {1e3 * r['wait_p99_s']:.2f} ms, max {1e3 * r['wait_max_s']:.2f} ms); "
         f"readers {r['build_s']:.2f} s over {r['tasks_built']} tasks; I/O "
         f"{r['io_bytes'] / 2**20:.1f} MiB in {r['io_requests']} requests, "
-        f"{r['io_s']:.2f} s, {r['io_failed']} failed; "
-        f"{r['batches_ready']} of {r['prefetch_batches']} batches ready"
+        f"{r['io_s']:.2f} s, {r['io_failed']} failed"
+        + (
+            f" ({r['remote_gets']} GETs, {r['remote_retries']} retried)"
+            if r["remote_gets"] or r["remote_retries"]
+            else ""
+        )
+        + f"; {r['batches_ready']} of {r['prefetch_batches']} batches ready"
     )
 
 
