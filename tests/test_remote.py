@@ -426,3 +426,31 @@ def test_build_to_s3_is_published_manifest_last_and_resumes(s3: LocalS3, tmp_pat
     s3.client().put_object(Bucket=BUCKET, Key=key, Body=body[:-4] + b"\0\0\0\0")
     (problem,) = tokload.tools.verify(url, deep=True)
     assert problem.startswith(f"{rows}: damaged")
+
+
+def test_a_forked_child_is_refused_not_hung(corpus: tuple[Path, str]) -> None:
+    """obstore's runtime does not survive fork(): a child forked after the parent read
+    from the store gets a RemoteError at its first read instead of hanging."""
+    import multiprocessing as mp
+
+    _, url = corpus
+    view = TokenStream(url, 100)
+    view.read([0])  # the parent has used the client
+
+    def child(q: Any) -> None:
+        try:
+            view.read([0])
+            q.put("read")
+        except RemoteError as e:
+            q.put(str(e))
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    p.join(30)
+    alive = p.is_alive()
+    if alive:
+        p.kill()
+    assert not alive, "the child hung"
+    assert "does not survive fork()" in q.get(timeout=5)

@@ -415,7 +415,32 @@ def _get_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
+_used_pid: int | None = None  # the process whose object-store client has done I/O
+
+
+def _check_fork() -> None:
+    """obstore's runtime (Rust tokio threads) does not survive ``fork()``: in a
+    child forked after the parent read from a store, every request would hang.
+    Refuse at once instead."""
+    global _used_pid
+    pid = os.getpid()
+    if _used_pid is None:
+        _used_pid = pid
+    elif _used_pid != pid:
+        raise RemoteError(
+            "tokload cannot read an object store in a process forked after its parent "
+            "read from one: the client's runtime (obstore) does not survive fork(). Use the "
+            "DataLoader's reader threads (num_threads=) instead of worker processes, or start "
+            "worker processes with the 'spawn' or 'forkserver' method"
+        )
+
+
 def _run(coro: Any) -> Any:
+    try:
+        _check_fork()
+    except RemoteError:
+        coro.close()
+        raise
     fut = asyncio.run_coroutine_threadsafe(coro, _get_loop())
     try:
         return fut.result()
