@@ -170,6 +170,8 @@ def test_megatron_prefix_and_flat_files_in_place(
     np.testing.assert_array_equal(docs[1], tokens[10:4000])
     with pytest.raises(ValueError, match="eos= finds document boundaries"):
         tokload.open_flat(f"s3://{BUCKET}/flat/raw.bin", np.uint16, eos=0)
+    with pytest.raises(ValueError, match="local files or object-store URLs, not both"):
+        tokload.open_flat([f"s3://{BUCKET}/flat/raw.bin", tmp_path / "raw.bin"], np.uint16)
 
 
 def test_blend_of_local_and_remote_sources(corpus: tuple[Path, str]) -> None:

@@ -210,6 +210,12 @@ def open_flat(
     if not given:
         raise ValueError("open_flat needs at least one file")
     loc = Location(os.fspath(given[0]), storage_options, listed=False)
+    for p in given:
+        if Location(os.fspath(p), storage_options, listed=False).remote != loc.remote:
+            raise ValueError(
+                f"{os.fspath(p)}: open_flat takes local files or object-store URLs, not both "
+                "in one source (open each kind apart and Blend them)"
+            )
     plist = [os.fspath(p) if loc.remote else Location(p).root for p in given]
     if doc_index is not None and eos is not None:
         raise ValueError("give doc_index or eos, not both")
