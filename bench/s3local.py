@@ -82,6 +82,14 @@ class FaultProxy(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         return f"http://{host!s}:{port}"
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away mid-answer (a loader closed, a probe ended) is no error."""
+        import sys
+
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            return
+        super().handle_error(request, client_address)
+
     def inject(self, kind: str, times: int = 1, match: str = "GET", seconds: float = 0.0) -> None:
         """Apply ``kind`` to the next ``times`` requests that match (method and,
         after a space, a substring of the path): ``"503"`` (SlowDown), ``"429"``,

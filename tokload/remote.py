@@ -37,7 +37,8 @@ overrides the environment: the store's own keys (``endpoint``, ``region``,
 tokload's: ``retries`` (default 10), ``retry_seconds`` (120), ``timeout`` (one
 request, seconds, 30), ``connect_timeout`` (seconds, 5) and ``merge_gap``
 (bytes between two requested ranges of one object up to which they are read as
-one GET, 65536).
+one GET, 1048576: as object_store's own ``get_ranges``; a store's first byte
+takes far longer than a mebibyte's transfer).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class Settings:
     retry_seconds: float = 120.0
     timeout: float = 30.0
     connect_timeout: float = 5.0
-    merge_gap: int = 1 << 16
+    merge_gap: int = 1 << 20
     backoff: float = 0.1
     max_backoff: float = 10.0
 
