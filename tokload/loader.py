@@ -122,8 +122,9 @@ class DataLoader:
             instead of per batch (which is what keeps the training thread at
             full speed), and the I/O engine has a whole task's reads to keep in
             flight (16 steps of 8 windows: 128 reads, what cold storage needs).
-            The first task is one step, so the first batch waits only for its
-            own reads. The batches are the same whatever this is.
+            The first task is one step, and the other tasks start when it is
+            done (or after half a second), so the first batch waits only for
+            its own reads. The batches are the same whatever this is.
         io: how the view's files are read: ``"auto"`` (io_uring where the
             kernel allows it, else a pool of C threads), ``"uring"``,
             ``"threads"`` or ``"sync"``. None (default) leaves the view's setting
@@ -669,6 +670,10 @@ class _Failed:
         self.exc = exc
 
 
+FIRST_ALONE_S = 0.5
+"""How long the other reader tasks wait for the first one (see ``_task_builder``)."""
+
+
 def _task_builder(
     loader: DataLoader, base: int, lead: list[Any] | None = None
 ) -> Callable[[int], Any]:
@@ -712,7 +717,21 @@ def _task_builder(
     if lead is not None:
         lead.append(ahead)
 
+    first_done = threading.Event()
+
     def build(task: int) -> list[tuple[tuple[int, int], Any, int]]:
+        if task == 0:
+            try:
+                return _build(task)
+            finally:
+                first_done.set()
+        # The first batch's reads go alone (on an object store the other tasks' hundreds
+        # of requests would queue beside them): the others wait for it, half a second
+        # at most.
+        first_done.wait(FIRST_ALONE_S)
+        return _build(task)
+
+    def _build(task: int) -> list[tuple[tuple[int, int], Any, int]]:
         spans = spans_of(task)
         try:
             if ahead is not None and lead:
