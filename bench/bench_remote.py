@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch  # noqa: F401 - imported before any timing: a trainer has it loaded already
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
