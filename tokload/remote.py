@@ -451,9 +451,11 @@ def _run(coro: Any) -> Any:
 
 
 async def _retrying(call: Any, settings: Settings) -> Any:
-    """``await call()`` until it succeeds or fails for good; returns
-    ``(result, attempts)`` or raises ``(exception, attempts)`` as a tuple in
-    ``_Failed``."""
+    """``await call()`` until it succeeds or fails for good: returns ``(result,
+    attempts)``, or raises ``_Failed`` holding the last exception and the
+    attempts made. Retryable failures wait ``settings.delay(attempt)`` first,
+    while the attempts stay within ``retries + 1`` and the time within
+    ``retry_seconds``."""
     attempt = 0
     t0 = time.monotonic()
     while True:
