@@ -288,9 +288,10 @@ def build(
     ``output`` may be an object-store URL (``s3://bucket/prefix``): the build
     runs in the local directory ``staging`` (default
     ``~/.cache/tokload/build/<hash of the URL>``; it needs the dataset's size
-    and may be removed afterwards), then ``tokload.publish`` uploads it, each
-    chunk's shards before its manifest and the top-level manifest last, so a
-    reader never sees half a dataset. A re-run rebuilds nothing that is
+    and may be removed afterwards); ``tokload.publish`` uploads each chunk
+    as soon as it is complete (its shards before its manifest) while the
+    others are built, and the top-level manifest last, so a reader never sees
+    half a dataset. A re-run rebuilds nothing that is
     current and uploads only the chunks the store lacks.
 
     Args:
@@ -407,6 +408,13 @@ def build(
     for c in todo:
         _remove_dir(out / PARTS / f"{c.name}.tmp")
         _remove_dir(out / PARTS / c.name)
+    publisher = None
+    if url is not None:  # upload each chunk as it completes, while the others are built
+        from tokload.publish import Publisher
+
+        publisher = Publisher(out, url, PARTS, [c.name for c in mine], storage_options).start(
+            changing=bool(todo or stale)
+        )
     bar = _progress(progress, sum(c.size for c in todo))
     touched = sorted({c.input for c in mine})
     summary = BuildSummary(inputs=len(touched), chunks=len(mine), built=len(todo))
@@ -424,11 +432,18 @@ def build(
     except BaseException:
         for c in todo:  # a worker stopped mid-chunk leaves its temporary directory
             _remove_dir(out / PARTS / f"{c.name}.tmp")
+        if publisher is not None:
+            publisher.finish(ok=False)
         raise
     finally:
         bar.close()
-    manifest = _assemble(out, opts, tok_record, tok.vocab_size, files, mine)
-    open_dataset(out).close()  # the manifest agrees with the files (sizes only: cheap)
+    try:
+        manifest = _assemble(out, opts, tok_record, tok.vocab_size, files, mine)
+        open_dataset(out).close()  # the manifest agrees with the files (sizes only: cheap)
+    except BaseException:
+        if publisher is not None:
+            publisher.finish(ok=False)
+        raise
     skipped: Counter[str] = Counter()
     for c in mine:
         stats = read_manifest(out / PARTS / c.name).user.get("stats", {})
@@ -438,10 +453,8 @@ def build(
     summary.shards = len(manifest.shards)
     summary.bytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     summary.skipped = dict(skipped)
-    if url is not None:
-        from tokload.publish import publish
-
-        summary.published = publish(out, url, PARTS, [c.name for c in mine], storage_options)
+    if publisher is not None:
+        summary.published = publisher.finish()
     summary.seconds = time.perf_counter() - t0
     return summary
 
