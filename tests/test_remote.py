@@ -456,3 +456,23 @@ def test_a_forked_child_is_refused_not_hung(corpus: tuple[Path, str]) -> None:
         p.kill()
     assert not alive, "the child hung"
     assert "does not survive fork()" in q.get(timeout=5)
+
+
+def test_the_command_line_takes_urls(
+    s3: LocalS3, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokload.__main__ import main
+
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text("".join(json.dumps({"text": f"line {k} " * 9}) + "\n" for k in range(50)))
+    url = f"s3://{BUCKET}/cli"
+    staging = tmp_path / "staging"
+    assert main(["build", str(inputs), "-o", url, "--staging", str(staging)]) == 0
+    assert (staging / "manifest.json").exists()
+    capsys.readouterr()
+    assert main(["inspect", url]) == 0
+    assert f"dataset     {url}" in capsys.readouterr().out
+    assert main(["verify", "--deep", url]) == 0
+    assert f"tokload verify: {url}: ok" in capsys.readouterr().out
+    assert main(["bench", url, "--seconds", "0.3", "--window", "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens_per_s"] > 0
