@@ -298,13 +298,19 @@ class _ShortBody(Exception):
         super().__init__(f"short body: {got} of {want} bytes")
 
 
+def _no_credentials(e: BaseException) -> bool:
+    """The client found no credentials and fell back to (and failed at) the
+    instance metadata service."""
+    return "169.254.169.254" in str(e)
+
+
 def _retryable(e: BaseException) -> bool:
     if isinstance(e, (_ShortBody, TimeoutError, ConnectionError)):
         return True
     obs = _obstore()
     if not isinstance(e, obs.exceptions.GenericError):
         return False
-    if "169.254.169.254" in str(e):  # no credentials: the instance metadata service
+    if _no_credentials(e):
         return False
     status = _status(e)
     if status is not None:
@@ -339,24 +345,7 @@ def _named(
         if "NoSuchBucket" in str(e):
             return MissingShardError(2, f"no such bucket ({what})", url)
         return MissingShardError(2, f"missing {what}", url)
-    if isinstance(e, (ex.PermissionDeniedError, ex.UnauthenticatedError)) or _status(e) in (
-        401,
-        403,
-    ):
-        if "169.254.169.254" in str(e):
-            return RemoteAccessError(
-                f"{where}: no credentials for {url.split('/')[0]}//: set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY (or the store's own variables), or pass "
-                "storage_options={'skip_signature': True} for a public bucket",
-                url,
-                start,
-                end,
-                attempts,
-            )
-        return RemoteAccessError(
-            f"{where}: access denied ({what}): {cause}", url, start, end, attempts
-        )
-    if "169.254.169.254" in str(e):
+    if _no_credentials(e):
         return RemoteAccessError(
             f"{where}: no credentials found for this store (tried the environment and the "
             "instance metadata service); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
@@ -365,6 +354,13 @@ def _named(
             start,
             end,
             attempts,
+        )
+    if isinstance(e, (ex.PermissionDeniedError, ex.UnauthenticatedError)) or _status(e) in (
+        401,
+        403,
+    ):
+        return RemoteAccessError(
+            f"{where}: access denied ({what}): {cause}", url, start, end, attempts
         )
     if isinstance(e, _ShortBody):
         return RemoteError(
@@ -654,21 +650,6 @@ def read_object(obj: RemoteObject, what: str, start: int = 0, end: int | None = 
     except _Failed as f:
         raise _named(f.cause, obj.url, start, end, f.attempts, what) from None
     return bytes(body)
-
-
-def read_url(url: str, what: str, options: Mapping[str, Any] | None = None) -> bytes:
-    """All bytes of the object at ``url``."""
-    return read_object(head(url, what, options), what)
-
-
-def put(url: str, data: bytes | memoryview, options: Mapping[str, Any] | None = None) -> None:
-    """Write ``data`` as the object at ``url`` (retried as reads are)."""
-    st, key = store_for(url, options)
-    obs = _obstore()
-    try:
-        _run(_retrying(lambda: obs.put_async(st.store, key, data), st.settings))
-    except _Failed as f:
-        raise _named(f.cause, url, None, None, f.attempts, "an upload") from None
 
 
 def put_file(
