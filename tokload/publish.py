@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,9 +45,13 @@ def publish(
     parts: str,
     chunks: Sequence[str],
     options: Mapping[str, Any] | None = None,
+    stored: Collection[str] = (),
 ) -> Published:
     """Upload the dataset at ``local`` (built with chunk directories
     ``local/parts/<chunk>``, ``chunks`` in order) to ``url``.
+
+    ``stored``: chunks known to be in the store already (a ``Publisher``'s),
+    not compared again.
 
     Raises:
         RemoteError, RemoteAccessError: an upload failed after its retries
@@ -58,16 +62,7 @@ def publish(
     done = Published()
     have = remote.listing(url, options)
     top = remote.join(url, MANIFEST)
-
-    def same(path: Path, key_url: str) -> bool:
-        obj = have.get(key_url)
-        if obj is None or obj.size != path.stat().st_size:
-            return False
-        return remote.read_object(obj, "a manifest") == path.read_bytes()
-
-    todo = [
-        c for c in chunks if not same(root / parts / c / MANIFEST, f"{url}/{parts}/{c}/{MANIFEST}")
-    ]
+    todo = {c for c in chunks if c not in stored and not _chunk_stored(have, root, url, parts, c)}
     keep = {f"{url}/{parts}/{c}/" for c in chunks}
     stale = [
         u
@@ -75,8 +70,8 @@ def publish(
         if u.startswith(f"{url}/{parts}/") and not any(u.startswith(k) for k in keep)
     ]
     extras = [p for p in sorted(root.iterdir()) if p.is_file() and p.name != MANIFEST]
-    changed_extras = [p for p in extras if not same(p, remote.join(url, p.name))]
-    if not todo and not stale and not changed_extras and same(root / MANIFEST, top):
+    changed_extras = [p for p in extras if not _same(have, p, remote.join(url, p.name))]
+    if not todo and not stale and not changed_extras and _same(have, root / MANIFEST, top):
         done.skipped = len(chunks)
         return done
     if top in have:
@@ -85,21 +80,50 @@ def publish(
     remote.delete(stale, options)
     done.deleted += len(stale)
     for c in chunks:
-        if c not in todo:
+        if c in todo:
+            _upload_chunk(have, root, url, parts, c, options, done)
+        else:
             done.skipped += 1
-            continue
-        cdir = root / parts / c
-        cman = f"{url}/{parts}/{c}/{MANIFEST}"
-        if cman in have:  # being replaced: incomplete until its manifest is back
-            remote.delete([cman], options)
-        for f in sorted(cdir.iterdir()):
-            if f.is_file() and f.name != MANIFEST:
-                _put(f, f"{url}/{parts}/{c}/{f.name}", options, done)
-        _put(cdir / MANIFEST, cman, options, done)
     for p in changed_extras:
         _put(p, remote.join(url, p.name), options, done)
     _put(root / MANIFEST, top, options, done)
     return done
+
+
+def _same(have: Mapping[str, Any], path: Path, url: str) -> bool:
+    """Whether the store (as ``have`` lists it) holds the bytes of the local file
+    ``path`` at ``url`` (a manifest or another small file: read and compared)."""
+    obj = have.get(url)
+    if obj is None or obj.size != path.stat().st_size:
+        return False
+    return bool(remote.read_object(obj, "a manifest") == path.read_bytes())
+
+
+def _chunk_stored(have: Mapping[str, Any], root: Path, url: str, parts: str, c: str) -> bool:
+    """Whether the store holds chunk ``c`` whole: its manifest (uploaded last), as
+    the local one."""
+    return _same(have, root / parts / c / MANIFEST, f"{url}/{parts}/{c}/{MANIFEST}")
+
+
+def _upload_chunk(
+    have: Mapping[str, Any],
+    root: Path,
+    url: str,
+    parts: str,
+    c: str,
+    options: Mapping[str, Any] | None,
+    done: Published,
+) -> None:
+    """Upload chunk ``c``: its shards, then its manifest (an older manifest in the
+    store is deleted first: the chunk is incomplete until the new one is there)."""
+    cdir = root / parts / c
+    cman = f"{url}/{parts}/{c}/{MANIFEST}"
+    if cman in have:
+        remote.delete([cman], options)
+    for f in sorted(cdir.iterdir()):
+        if f.is_file() and f.name != MANIFEST:
+            _put(f, f"{url}/{parts}/{c}/{f.name}", options, done)
+    _put(cdir / MANIFEST, cman, options, done)
 
 
 class Publisher:
@@ -130,56 +154,41 @@ class Publisher:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._have: dict[str, Any] = {}
+        self._stored: set[str] = set()  # chunks the store holds whole (checked or uploaded)
         self._chunks_sent = 0  # chunks this thread uploaded (publish then finds them there)
+
+    def _complete(self, c: str) -> bool:
+        return (self.local / self.parts / c / MANIFEST).exists()
 
     def start(self, changing: bool) -> Publisher:
         """Delete the top-level manifest if the dataset will change (``changing``:
         chunks to build or remove) or the store lacks a chunk built already, then
         start uploading."""
         self._have = remote.listing(self.url, self.options)
-        lacking = [
-            c
-            for c in self.chunks
-            if (self.local / self.parts / c / MANIFEST).exists() and not self._stored(c)
-        ]
+        built = [c for c in self.chunks if self._complete(c)]
+        self._stored = {
+            c for c in built if _chunk_stored(self._have, self.local, self.url, self.parts, c)
+        }
         top = remote.join(self.url, MANIFEST)
-        if (changing or lacking) and top in self._have:
+        if (changing or len(self._stored) < len(built)) and top in self._have:
             remote.delete([top], self.options)  # the URL stops being a dataset until the end
         self._thread = threading.Thread(target=self._run, name="tokload-publish", daemon=True)
         self._thread.start()
         return self
 
-    def _stored(self, c: str) -> bool:
-        """Whether the store holds chunk ``c`` whole: its manifest, as the local one."""
-        obj = self._have.get(f"{self.url}/{self.parts}/{c}/{MANIFEST}")
-        local = self.local / self.parts / c / MANIFEST
-        return (
-            obj is not None
-            and obj.size == local.stat().st_size
-            and (remote.read_object(obj, "a manifest") == local.read_bytes())
-        )
-
     def _run(self) -> None:
-        sent: set[str] = set()
         try:
             while True:
                 last = self._stop.is_set()
                 for c in self.chunks:
-                    cdir = self.local / self.parts / c
-                    if c in sent or not (cdir / MANIFEST).exists():
+                    if c in self._stored or not self._complete(c):
                         continue
-                    if not self._stored(c):
-                        cman = f"{self.url}/{self.parts}/{c}/{MANIFEST}"
-                        if cman in self._have:  # being replaced: incomplete until it is back
-                            remote.delete([cman], self.options)
-                        for f in sorted(cdir.iterdir()):
-                            if f.is_file() and f.name != MANIFEST:
-                                url = f"{self.url}/{self.parts}/{c}/{f.name}"
-                                _put(f, url, self.options, self.done)
-                        _put(cdir / MANIFEST, cman, self.options, self.done)
-                        self._chunks_sent += 1
-                    sent.add(c)
-                if last or len(sent) == len(self.chunks):
+                    _upload_chunk(
+                        self._have, self.local, self.url, self.parts, c, self.options, self.done
+                    )
+                    self._chunks_sent += 1
+                    self._stored.add(c)
+                if last or len(self._stored) == len(self.chunks):
                     return
                 self._stop.wait(self.poll)
         except BaseException as e:
@@ -195,7 +204,9 @@ class Publisher:
             raise self._error
         if not ok:
             return self.done
-        rest = publish(self.local, self.url, self.parts, self.chunks, self.options)
+        rest = publish(
+            self.local, self.url, self.parts, self.chunks, self.options, stored=self._stored
+        )
         rest.uploaded += self.done.uploaded
         rest.bytes += self.done.bytes
         rest.skipped -= self._chunks_sent
