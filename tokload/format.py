@@ -13,7 +13,7 @@ import json
 import os
 import secrets
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -514,13 +514,17 @@ def sample_digest(path: str | os.PathLike[str], what: str, block: int = 4096) ->
     """
     fd = open_regular(path, what)
     try:
-        size = os.fstat(fd).st_size
-        h = hashlib.sha256(size.to_bytes(8, "little"))
-        h.update(os.pread(fd, block, 0))
-        if size > block:
-            h.update(os.pread(fd, block, max(block, size - block)))
+        return _digest(os.fstat(fd).st_size, lambda a, b: os.pread(fd, b - a, a), block)
     finally:
         os.close(fd)
+
+
+def _digest(size: int, read: Callable[[int, int], bytes], block: int) -> str:
+    """``sample_digest`` of ``size`` bytes that ``read(start, end)`` returns."""
+    h = hashlib.sha256(size.to_bytes(8, "little"))
+    h.update(read(0, min(block, size)))
+    if size > block:
+        h.update(read(max(block, size - block), size))
     return h.hexdigest()
 
 
@@ -651,12 +655,7 @@ class Location:
         last ``block`` bytes (the same value for a local copy and a remote one)."""
         if not self.remote:
             return sample_digest(path, what, block)
-        size = self.size(path, what)
-        h = hashlib.sha256(size.to_bytes(8, "little"))
-        h.update(self.read(path, what, 0, min(block, size)))
-        if size > block:
-            h.update(self.read(path, what, max(block, size - block), size))
-        return h.hexdigest()
+        return _digest(self.size(path, what), lambda a, b: self.read(path, what, a, b), block)
 
     def fileset(self, paths: Sequence[str], bases: Sequence[int] | None = None) -> FileSet:
         """A FileSet of ``paths`` (objects keep the ETag they were listed with)."""
