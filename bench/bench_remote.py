@@ -34,11 +34,8 @@ import asyncio
 import os
 import random
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +49,7 @@ pytest.importorskip("moto")
 
 import tokload
 from bench import _results
+from bench.s3local import LocalS3Process
 
 WINDOW = 4097
 BATCH = 8
@@ -62,40 +60,8 @@ BUCKET = "bench"
 NAME = "bench_remote"
 
 
-class Server:
-    """A LocalS3 in a child process (``python -m bench.s3local``): its Python
-    threads (moto, the proxy) must not share the GIL of the process measured."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.s3local"],
-            cwd=Path(__file__).resolve().parents[1],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        self.endpoint, self.direct = self.proc.stdout.readline().split()
-
-    def set_latency(self, ms: float) -> None:
-        urllib.request.urlopen(f"{self.endpoint}/__proxy__/latency/{ms}").read()
-
-    def env(self) -> dict[str, str]:
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_REGION": "us-east-1",
-        }
-
-    def stop(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(30)
-
-
 @pytest.fixture(scope="module")
-def server() -> Iterator[tuple[Server, str]]:
+def server() -> Iterator[tuple[LocalS3Process, str]]:
     from bench.peers.corpus import documents
 
     tmp = Path(tempfile.mkdtemp(prefix="tokload-bench-remote-"))
@@ -107,26 +73,15 @@ def server() -> Iterator[tuple[Server, str]]:
         for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
             w.write(stream[a:b])
     del stream, bounds
-    srv = Server()
+    srv = LocalS3Process()
     try:
-        import boto3
-
-        c = boto3.client("s3", endpoint_url=srv.direct, **_KEYS)
-        c.create_bucket(Bucket=BUCKET)
-        for p in sorted((tmp / "ds").iterdir()):
-            c.upload_file(str(p), BUCKET, f"ds/{p.name}")
+        srv.create_bucket(BUCKET)
+        srv.upload_dir(str(tmp / "ds"), BUCKET, "ds")
         os.environ.update(srv.env())
         yield srv, f"s3://{BUCKET}/ds"
     finally:
         srv.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-_KEYS = {
-    "aws_access_key_id": "testing",
-    "aws_secret_access_key": "testing",
-    "region_name": "us-east-1",
-}
 
 
 def _write_bytes() -> int:
@@ -207,7 +162,7 @@ def _tokload(url: str, seconds: float) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("latency_ms", [20, 100])
-def test_shuffled_windows_from_s3(server: tuple[Server, str], latency_ms: int) -> None:
+def test_shuffled_windows_from_s3(server: tuple[LocalS3Process, str], latency_ms: int) -> None:
     srv, url = server
     srv.set_latency(latency_ms)
     probes = {n: _probe(url, n, SECONDS / 2) for n in (16, 64, 256)}

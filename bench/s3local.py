@@ -237,45 +237,19 @@ class _Handler(BaseHTTPRequestHandler):
     do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
 
-class LocalS3:
-    """moto's S3 server on 127.0.0.1 behind a ``FaultProxy`` (``proxy``)."""
-
-    def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self.proxy: FaultProxy | None = None
-
-    def start(self) -> Self:
-        self.server.start()
-        self.proxy = FaultProxy(self.server.get_host_and_port())
-        threading.Thread(target=self.proxy.serve_forever, name="s3-proxy", daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        if self.proxy is not None:
-            self.proxy.shutdown()
-            self.proxy.server_close()
-        self.server.stop()
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+class _Clients:
+    """What a local server gives its clients, from its ``endpoint`` (the proxy)
+    and ``direct`` (moto itself) URLs."""
 
     @property
     def endpoint(self) -> str:
         """The proxy's URL: what clients should talk to."""
-        assert self.proxy is not None
-        return self.proxy.url
+        raise NotImplementedError
 
     @property
     def direct(self) -> str:
         """moto's own URL (no latency, no faults)."""
-        host, port = self.server.get_host_and_port()
-        return f"http://{host}:{port}"
+        raise NotImplementedError
 
     def env(self) -> dict[str, str]:
         """The standard AWS variables that point a client at the proxy."""
@@ -312,6 +286,84 @@ class LocalS3:
                 p = os.path.join(root, f)
                 key = f"{prefix}/{os.path.relpath(p, local)}".lstrip("/")
                 c.upload_file(p, bucket, key)
+
+
+class LocalS3(_Clients):
+    """moto's S3 server on 127.0.0.1 behind a ``FaultProxy`` (``proxy``)."""
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.proxy: FaultProxy | None = None
+
+    def start(self) -> Self:
+        self.server.start()
+        self.proxy = FaultProxy(self.server.get_host_and_port())
+        threading.Thread(target=self.proxy.serve_forever, name="s3-proxy", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.shutdown()
+            self.proxy.server_close()
+        self.server.stop()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def endpoint(self) -> str:
+        assert self.proxy is not None
+        return self.proxy.url
+
+    @property
+    def direct(self) -> str:
+        host, port = self.server.get_host_and_port()
+        return f"http://{host}:{port}"
+
+
+class LocalS3Process(_Clients):
+    """A LocalS3 in a child process (``python -m bench.s3local``), for benchmarks:
+    its Python threads (moto, the proxy) must not share the GIL of the process
+    measured. The latency is set through the proxy's control path."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.s3local"],
+            cwd=Path(__file__).resolve().parents[1],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self._endpoint, self._direct = self.proc.stdout.readline().split()
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @property
+    def direct(self) -> str:
+        return self._direct
+
+    def set_latency(self, ms: float) -> None:
+        import urllib.request
+
+        urllib.request.urlopen(f"{self.endpoint}/__proxy__/latency/{ms}").read()
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(30)
 
 
 def serve() -> None:
