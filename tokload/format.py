@@ -810,7 +810,11 @@ def open_dataset(
         MissingShardError: the manifest or a file it lists is missing.
         FormatError: unknown version, bad dtype, a file whose size disagrees.
     """
-    loc = Location(path, storage_options)
+    return open_dataset_at(Location(path, storage_options))
+
+
+def open_dataset_at(loc: Location) -> Source:
+    """``open_dataset`` of a Location (a remote one reuses its listing)."""
     m = manifest_at(loc)
     item = m.dtype.itemsize
     rows_paths, docs_paths, mdx_paths, mdb_paths, mds_paths, msx_paths = [], [], [], [], [], []

@@ -32,7 +32,14 @@ from tokload._meta import BlockSet, Scratch, compact_records
 from tokload._rows import split_fields
 from tokload.assembly import Alloc
 from tokload.errors import FormatError, MissingShardError
-from tokload.format import MANIFEST, METADATA_FIELD, Source, open_dataset
+from tokload.format import (
+    MANIFEST,
+    METADATA_FIELD,
+    Location,
+    Source,
+    open_dataset,
+    open_dataset_at,
+)
 
 DataLike = str | os.PathLike[str] | Source
 Fields = np.ndarray | dict[str, np.ndarray]
@@ -73,12 +80,14 @@ def open_source(data: DataLike, storage_options: Mapping[str, Any] | None = None
 
 
 def _open_remote(url: str, options: Mapping[str, Any] | None) -> Source:
-    """``open_source`` of an object-store URL: a HEAD or two find what is there."""
+    """``open_source`` of an object-store URL: one LIST of the prefix finds a
+    tokload dataset (and is the one its opening uses), else a HEAD or two."""
     from tokload import interop, remote
 
     url = url.rstrip("/")
-    if remote.exists(url + "/" + MANIFEST, options):
-        return open_dataset(url, options)
+    loc = Location(url, options)
+    if loc.exists(loc.join(MANIFEST)):
+        return open_dataset_at(loc)
     prefix = url[:-4] if url.endswith((".idx", ".bin")) else url
     if remote.exists(prefix + ".idx", options):
         return interop.open_megatron(prefix, options)
