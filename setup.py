@@ -24,6 +24,7 @@ from setuptools import Extension, setup
 
 MODULES = [
     "_permute",
+    "_pack",
     "_remote",
     "_io",
     "_rows",

@@ -471,7 +471,7 @@ def test_bad_arguments(corpus: Path) -> None:
         DataLoader(view, 1000, rank=0, world_size=8, drop_last=True)
     with pytest.raises(ValueError, match="the view is empty"):
         DataLoader(view.subset(0, 0), 2)
-    with pytest.raises(ValueError, match="batch must be 'pad' or 'pack', got 'ragged'"):
+    with pytest.raises(ValueError, match="batch must be 'pad', 'pack' or 'fill', got 'ragged'"):
         Documents(view.source, batch="ragged")
     with pytest.raises(ValueError, match="past the end"):
         DataLoader(view, 2, epochs=1).cursor = len(view) + 1

@@ -181,6 +181,18 @@ cdef extern from "tokload/bounds.h" nogil:
                                    uint64_t *ncuts, uint64_t *cuts) noexcept
 
 
+cdef extern from "tokload/pack.h" nogil:
+    uint64_t TL_PACK_MAX_WINDOW
+    size_t TL_PACK_MAX_DOCS
+    size_t tl_pack_scratch_bytes(size_t n, uint64_t W) noexcept
+    size_t tl_pack_best_fit(const uint64_t *len, size_t n, uint64_t W, void *scratch,
+                            uint32_t *order, uint32_t *starts) noexcept
+    uint64_t tl_pack_greedy(const uint64_t *len, size_t n, uint64_t W) noexcept
+    size_t tl_pack_bounds(const uint64_t *len, const int64_t *counts, size_t nrows, uint64_t W,
+                          int64_t *pos, int32_t *seg, uint8_t *mask, int32_t *cu,
+                          uint64_t *max_len, size_t *bad) noexcept
+
+
 cdef extern from "tokload/shards.h" nogil:
     size_t tl_shards_locate(const uint64_t *cum, size_t nshards, uint64_t pos) noexcept
     size_t tl_shards_locate_many(const uint64_t *cum, size_t nshards, const uint64_t *pos,

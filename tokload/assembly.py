@@ -38,6 +38,13 @@ and, optionally,
   calls it for the tasks ahead of those being built. With
   ``view.storage_paths() -> list[str]`` too, the loader turns read-ahead on by
   itself where those files are on a network or FUSE filesystem;
+- ``view.packing``: a ``tokload.packing.Packing`` (or None): the view's
+  observations are documents the loader packs into rows of ``packing.window``
+  tokens (``tokload.packing``); it then needs ``view.extents(indices) ->
+  (first_rows, lengths)`` for the packer and reads each step with
+  ``view.read_rows(rows, alloc)`` (``rows``: a ``PackedRows``), whose arrays
+  have one row per packed row or per document; the loader sets ``"index"`` to
+  the documents' indices and ``"position"`` to the rows' positions;
 - ``view.fingerprint_upto(stop) -> str``: what observations ``[0, stop)``
   depend on (a blend, whose later stages may be added during a run). The loader
   records and compares it instead of ``fingerprint``, for ``stop`` the first
@@ -86,6 +93,8 @@ def check_view(view: object) -> None:
         )
         if not ok
     ]
+    if getattr(view, "packing", None) is not None:
+        missing += [m for m in ("extents", "read_rows") if not callable(getattr(view, m, None))]
     if missing:
         raise TypeError(
             f"{type(view).__name__} is not a view: it lacks {', '.join(missing)} "
@@ -154,6 +163,26 @@ class Assembly:
         both[1] = positions.view(np.int64)
         raw["index"] = both[0]
         raw["position"] = both[1]
+        return raw
+
+    def read_rows(self, rows: Any) -> dict[str, Any]:
+        """The raw batch of packed ``rows`` (a ``tokload.packing.PackedRows``)."""
+        raw = self.view.read_rows(rows, self.alloc)
+        if not isinstance(raw, dict):
+            raise TypeError(
+                f"{type(self.view).__name__}.read_rows returned {type(raw).__name__}, not a dict"
+            )
+        for key in RESERVED_KEYS:
+            if key in raw:
+                raise ValueError(
+                    f"{type(self.view).__name__}.read_rows returned the key {key!r}, "
+                    "which the loader sets"
+                )
+        index = self.alloc((len(rows.ids),), np.int64)
+        index[:] = rows.ids
+        position = self.alloc((len(rows.positions),), np.int64)
+        position[:] = rows.positions.view(np.int64)
+        raw["index"], raw["position"] = index, position
         return raw
 
     def check_rows(self, raw: dict[str, Any], rows: int) -> None:

@@ -28,6 +28,7 @@ import numpy as np
 
 from tokload.assembly import Assembly, check_view, fingerprint_upto
 from tokload.errors import StateError
+from tokload.packing import PackedSchedule
 from tokload.prefetch import Prefetcher
 from tokload.readahead import ReadAhead, wanted
 from tokload.schedule import Schedule
@@ -70,7 +71,8 @@ class DataLoader:
             (or a subset of one), or your own object implementing the view
             protocol of ``tokload.assembly`` (``len``, ``fingerprint``,
             ``read_batch``).
-        batch_size: samples per rank per step (``B``).
+        batch_size: samples per rank per step (``B``); for a view that packs
+            documents into rows (``Documents(batch="fill")``), rows.
         seed: the run seed; epoch ``e`` uses ``Permutation.for_epoch(n, seed, e)``.
         shuffle: False reads in order (evaluation: ``shuffle=False, epochs=1``).
         rank: this rank. Default: from ``torch.distributed`` when it is
@@ -237,9 +239,7 @@ class DataLoader:
             raise ValueError(f"readahead must be None, True or False, got {readahead!r}")
         self.readahead = wanted(view) if readahead is None else bool(readahead)
         self.collate = collate
-        self.schedule = Schedule(
-            n,
-            batch_size,
+        order: dict[str, Any] = dict(
             rank=self.rank,
             world_size=self.world_size,
             seed=self.seed,
@@ -247,6 +247,13 @@ class DataLoader:
             shuffle=self.shuffle,
             epochs=epochs,
             drop_last=self.drop_last,
+        )
+        # A view that packs documents into rows: the schedule packs, the view reads rows.
+        self.packing = getattr(view, "packing", None)
+        self.schedule: Schedule = (
+            Schedule(n, batch_size, **order)
+            if self.packing is None
+            else PackedSchedule(n, batch_size, extents=view.extents, packing=self.packing, **order)
         )
         if transfer is None:
             explicit = device is not None and not (isinstance(device, str) and device == "auto")
@@ -381,8 +388,11 @@ class DataLoader:
         t0 = time.perf_counter()
         sched, asm = self.schedule, self.assembly
         if not asm.rowwise:
-            parts = [(sched.indices(p), p) for p in (sched.positions(*sp) for sp in spans)]
-            raws = asm.read_many(parts)
+            if isinstance(sched, PackedSchedule):
+                raws = [asm.read_rows(sched.rows(*sp)) for sp in spans]
+            else:
+                parts = [(sched.indices(p), p) for p in (sched.positions(*sp) for sp in spans)]
+                raws = asm.read_many(parts)
             tokens = [self._tokens.one(r) for r in raws]
             if self.collate is not None:
                 out = [self.collate(r) for r in raws]
@@ -456,8 +466,11 @@ class DataLoader:
         This is what ``collate`` gets: the view's ``read_batch`` result plus
         ``"index"`` and ``"position"``.
         """
-        pos = self.schedule.positions(start, end)
-        return self.assembly.read(self.schedule.indices(pos), pos)
+        sched = self.schedule
+        if isinstance(sched, PackedSchedule):
+            return self.assembly.read_rows(sched.rows(start, end))
+        pos = sched.positions(start, end)
+        return self.assembly.read(sched.indices(pos), pos)
 
     # ---- iteration -----------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ import numpy.typing as npt
 from tokload._docindex import read_documents, window_boundaries
 from tokload._io import FileSet
 from tokload._meta import BlockSet, Scratch, compact_records
+from tokload._pack import row_boundaries
 from tokload._rows import split_fields
 from tokload.assembly import Alloc
 from tokload.errors import FormatError, MissingShardError
@@ -40,6 +41,7 @@ from tokload.format import (
     open_dataset,
     open_dataset_at,
 )
+from tokload.packing import DEFAULT_LOOKAHEAD, PackedRows, Packing
 
 DataLike = str | os.PathLike[str] | Source
 Fields = np.ndarray | dict[str, np.ndarray]
@@ -491,10 +493,20 @@ class Documents(View):
             flat token file opened with a document index; local or an
             object-store URL.
         batch: how the DataLoader batches documents: ``"pad"`` (``[B, L]`` plus
-            ``lengths``) or ``"pack"`` (back to back plus ``cu_seqlens``).
+            ``lengths``), ``"pack"`` (back to back plus ``cu_seqlens``) or
+            ``"fill"`` (rows of ``window`` tokens filled with whole documents,
+            best-fit: see ``tokload.packing``).
         pad_to: with ``"pad"``, a fixed ``L`` (longer documents are truncated);
             None pads to the longest document of each batch.
         pad_value: the padding token.
+        window: with ``"fill"`` (and only then), the tokens of a row.
+        lookahead: with ``"fill"``, how many consecutive documents of the
+            shuffle are packed together (default 1024): more packs tighter, and
+            each rank packs that many documents' lengths at a time.
+        boundaries: with ``"fill"``, the attention metadata added to each
+            batch, as for ``TokenStream(boundaries=...)``: True (default) for
+            all of ``"position_ids"``, ``"segment_ids"``, ``"loss_mask"``,
+            ``"cu_seqlens"``, ``"max_seqlen"``; a list of them; False for none.
         storage_options: for an object-store URL, what overrides the
             environment's settings (endpoint, credentials, retries; see
             ``tokload.remote``).
@@ -513,15 +525,29 @@ class Documents(View):
         batch: str = "pad",
         pad_to: int | None = None,
         pad_value: int = 0,
+        window: int | None = None,
+        lookahead: int = DEFAULT_LOOKAHEAD,
+        boundaries: bool | Sequence[str] = True,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
+        if batch not in ("pad", "pack", "fill"):
+            raise ValueError(f"batch must be 'pad', 'pack' or 'fill', got {batch!r}")
+        if pad_to is not None and (isinstance(pad_to, bool) or pad_to < 1):
+            raise ValueError(f"pad_to must be a positive integer or None, got {pad_to!r}")
+        self.packing: Packing | None = None
+        self.boundary_keys: tuple[str, ...] = ()
+        if batch == "fill":
+            if window is None:
+                raise ValueError("batch='fill' needs window= (the tokens of a row)")
+            if pad_to is not None:
+                raise ValueError("batch='fill' fills rows of window= tokens; pad_to is for 'pad'")
+            self.packing = Packing(window, lookahead)
+            self.boundary_keys = _boundary_keys(boundaries)
+        elif window is not None:
+            raise ValueError(f"window= is for batch='fill', not {batch!r} (see pad_to)")
         super().__init__(data, storage_options)
         if self.source.docs is None:
             raise FormatError(f"{self.source.description} has no document index")
-        if batch not in ("pad", "pack"):
-            raise ValueError(f"batch must be 'pad' or 'pack', got {batch!r}")
-        if pad_to is not None and (isinstance(pad_to, bool) or pad_to < 1):
-            raise ValueError(f"pad_to must be a positive integer or None, got {pad_to!r}")
         self.batch, self.pad_to, self.pad_value = batch, pad_to, pad_value
         # Padded to a fixed length, every document is one row of every array.
         self.rowwise = batch == "pad" and pad_to is not None
@@ -535,9 +561,14 @@ class Documents(View):
         ``pad_to``, or the batch's longest document) and ``"lengths"``;
         ``"pack"``: ``"tokens"`` ``[sum of lengths]`` back to back, ``"lengths"``
         and ``"cu_seqlens"`` (``B + 1`` offsets). A structured dtype gives one
-        array per field instead of ``"tokens"``.
+        array per field instead of ``"tokens"``. ``"fill"``: each document alone
+        in a row (``read_rows``); the DataLoader packs several into each row.
         """
         raw: dict[str, Any]
+        if self.packing is not None:
+            ids = np.asarray(indices).reshape(-1)
+            window = self.packing.window
+            return self.read_rows(PackedRows.one_per_row(ids, self.extents(ids), window), alloc)
         if self.batch == "pad":
             values, lengths = self.read_padded(indices, self.pad_to, self.pad_value, alloc)
             raw = dict(values) if isinstance(values, dict) else {"tokens": values}
@@ -547,6 +578,57 @@ class Documents(View):
         raw = dict(got.values) if isinstance(got.values, dict) else {"tokens": got.values}
         raw["lengths"] = got.lengths
         raw["cu_seqlens"] = got.offsets
+        return raw
+
+    def _config(self) -> str:
+        # A cursor counts rows of a packing: another window or look-ahead is another run.
+        p = self.packing
+        return "" if p is None else f"fill:{p.window}:{p.lookahead}"
+
+    def read_rows(self, rows: PackedRows, alloc: Alloc = np.empty) -> dict[str, Any]:
+        """Rows of ``window`` tokens holding the documents ``rows`` says (``"fill"``).
+
+        ``"tokens"`` ``[B, window]``: each row's documents back to back, then
+        ``pad_value`` (for a structured dtype, one array per field);
+        ``"lengths"`` (int64, ``[D]``): the tokens of each document, row
+        by row (a document longer than ``window`` gives its first ``window``);
+        ``"doc_counts"`` (int64, ``[B]``): the documents of each row; and the
+        attention metadata ``boundaries`` names (computed in C by
+        ``tokload._pack.row_boundaries``: the padding is its row's last segment,
+        where ``loss_mask`` is False). The documents are read in one compiled
+        call, without the GIL.
+        """
+        if self.packing is None:
+            raise ValueError(f"read_rows is for batch='fill', this view has batch={self.batch!r}")
+        w = self.packing.window
+        counts = np.asarray(rows.counts, dtype=np.int64)
+        lengths = np.asarray(rows.lengths, dtype=np.uint64)
+        b = len(counts)
+        # where each document goes: its row's start, plus the tokens before it in the row
+        row = np.repeat(np.arange(b, dtype=np.uint64), counts)
+        before = np.cumsum(lengths) - lengths
+        first = (np.cumsum(counts) - counts)[row.view(np.int64)]
+        dst = row * np.uint64(w) + before - before[first]
+        dt = self.source.dtype
+        raw: dict[str, Any]
+        if dt.fields is None:
+            tokens = alloc((b, w), dt)
+            tokens[...] = self.pad_value
+            self.source.rows.read(rows.starts, lengths, dst * np.uint64(dt.itemsize), tokens)
+            raw = {"tokens": tokens}
+        else:
+            fields = self._read_fields(rows.starts, lengths, dst, b * w, self.pad_value, alloc)
+            raw = {k: v.reshape(b, w) for k, v in fields.items()}
+        raw["lengths"] = lengths.astype(np.int64)
+        raw["doc_counts"] = counts
+        keys = self.boundary_keys
+        if keys:
+            arrays, cu, longest = row_boundaries(lengths, counts, w, alloc, keys)
+            raw.update(arrays)
+            if "cu_seqlens" in keys:
+                raw["cu_seqlens"] = cu
+            if "max_seqlen" in keys:
+                raw["max_seqlen"] = longest
         return raw
 
     def __getitem__(self, i: int) -> Fields:

@@ -1,0 +1,226 @@
+/*
+ * pack.h -- whole documents into rows of W tokens: best-fit decreasing, the
+ * greedy packing it is compared with, and the attention metadata of such rows.
+ *
+ * Cython mirror: tokload/_lib.pxd (must match).
+ *
+ * Pure integer work on the caller's memory.  A group of n documents (lengths
+ * capped at W: a longer document is truncated to fill a row of its own) is
+ * packed best-fit decreasing: documents by decreasing length (ties: in
+ * order), each into the open row with the least room that holds it, else a new
+ * row.  The open rows are kept in buckets by their room (0..W), and a two-level
+ * bitset of the non-empty buckets finds the least room >= a length in a few
+ * word operations (W / 4096 summary words at most).  The rows are then
+ * numbered by their first document, and each row lists its documents in order:
+ * the group's order survives everywhere but in which documents share a row.
+ */
+#ifndef TOKLOAD_PACK_H
+#define TOKLOAD_PACK_H
+
+#include "common.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define TL_PACK_NONE UINT32_MAX
+/* The largest W: cu_seqlens are int32, and a length and an index share a key. */
+#define TL_PACK_MAX_WINDOW ((uint64_t)1 << 30)
+#define TL_PACK_MAX_DOCS ((size_t)1 << 31)
+
+/* Bytes of scratch tl_pack_best_fit needs for n documents and rows of W. */
+TL_INLINE size_t tl_pack_scratch_bytes(size_t n, uint64_t W)
+{
+    size_t nw = (size_t)(W / 64 + 1), ns = nw / 64 + 1;
+    return n * sizeof(uint64_t)            /* sort keys */
+           + 3 * n * sizeof(uint32_t)      /* row of each document, room, bucket links */
+           + (size_t)(W + 1) * sizeof(uint32_t) /* bucket heads */
+           + (nw + ns) * sizeof(uint64_t);  /* the bitset and its summary */
+}
+
+static int tl_pack_key_cmp(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The least set bit >= from, or UINT64_MAX. */
+TL_INLINE uint64_t tl_pack_find(const uint64_t *words, const uint64_t *summ, size_t nw, size_t ns,
+                                uint64_t from)
+{
+    size_t w = (size_t)(from >> 6);
+    if (w >= nw) return UINT64_MAX;
+    uint64_t m = words[w] & (~(uint64_t)0 << (from & 63));
+    if (m) return ((uint64_t)w << 6) + (uint64_t)__builtin_ctzll(m);
+    size_t next = w + 1, s = next >> 6;
+    if (s >= ns) return UINT64_MAX;
+    uint64_t sm = summ[s] & (~(uint64_t)0 << (next & 63));
+    while (!sm) {
+        if (++s >= ns) return UINT64_MAX;
+        sm = summ[s];
+    }
+    size_t w2 = (s << 6) + (size_t)__builtin_ctzll(sm);
+    return ((uint64_t)w2 << 6) + (uint64_t)__builtin_ctzll(words[w2]);
+}
+
+TL_INLINE void tl_pack_set(uint64_t *words, uint64_t *summ, uint64_t c)
+{
+    words[c >> 6] |= (uint64_t)1 << (c & 63);
+    summ[c >> 12] |= (uint64_t)1 << ((c >> 6) & 63);
+}
+
+TL_INLINE void tl_pack_clear(uint64_t *words, uint64_t *summ, uint64_t c)
+{
+    words[c >> 6] &= ~((uint64_t)1 << (c & 63));
+    if (!words[c >> 6]) summ[c >> 12] &= ~((uint64_t)1 << ((c >> 6) & 63));
+}
+
+/*
+ * Best-fit decreasing of documents 0..n-1 (lengths len[], capped at W) into
+ * rows of W tokens.  Writes order[0..n) (the documents row by row, each row's in
+ * increasing order) and starts[0..rows] (row k is order[starts[k]..starts[k+1])),
+ * rows numbered by their first document.  Returns the number of rows (0 for
+ * n = 0).  Needs 1 <= W <= TL_PACK_MAX_WINDOW, n <= TL_PACK_MAX_DOCS, and
+ * tl_pack_scratch_bytes(n, W) bytes of scratch (8-byte aligned).
+ */
+TL_INLINE size_t tl_pack_best_fit(const uint64_t *len, size_t n, uint64_t W, void *scratch,
+                                  uint32_t *order, uint32_t *starts)
+{
+    size_t nw = (size_t)(W / 64 + 1), ns = nw / 64 + 1;
+    uint64_t *keys = (uint64_t *)scratch;
+    uint64_t *words = keys + n;
+    uint64_t *summ = words + nw;
+    uint32_t *row_of = (uint32_t *)(summ + ns);
+    uint32_t *room = row_of + n;
+    uint32_t *link = room + n;
+    uint32_t *head = link + n;
+    memset(words, 0, (nw + ns) * sizeof(uint64_t));
+    memset(head, 0xff, (size_t)(W + 1) * sizeof(uint32_t));
+    for (size_t i = 0; i < n; i++) {
+        uint64_t l = len[i] < W ? len[i] : W;
+        keys[i] = ((W - l) << 32) | (uint64_t)i; /* by decreasing length, then in order */
+    }
+    qsort(keys, n, sizeof(uint64_t), tl_pack_key_cmp);
+    uint32_t rows = 0;
+    for (size_t j = 0; j < n; j++) {
+        uint32_t i = (uint32_t)(keys[j] & 0xffffffffu);
+        uint64_t l = W - (keys[j] >> 32);
+        uint64_t c = tl_pack_find(words, summ, nw, ns, l);
+        uint32_t r;
+        uint64_t left;
+        if (c == UINT64_MAX) { /* no open row holds it: a new one */
+            r = rows++;
+            left = W - l;
+        } else {
+            r = head[c];
+            head[c] = link[r];
+            if (head[c] == TL_PACK_NONE) tl_pack_clear(words, summ, c);
+            left = c - l;
+        }
+        room[r] = (uint32_t)left;
+        link[r] = head[left];
+        if (head[left] == TL_PACK_NONE) tl_pack_set(words, summ, left);
+        head[left] = r;
+        row_of[i] = r;
+    }
+    /* Number the rows by their first document (room[] becomes the new number),
+     * count their documents (link[]), then place the documents in order. */
+    for (uint32_t r = 0; r < rows; r++) room[r] = TL_PACK_NONE;
+    uint32_t next = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t r = row_of[i];
+        if (room[r] == TL_PACK_NONE) {
+            room[r] = next;
+            link[next] = 0;
+            next++;
+        }
+        link[room[r]]++;
+    }
+    starts[0] = 0;
+    for (uint32_t k = 0; k < rows; k++) starts[k + 1] = starts[k] + link[k];
+    for (uint32_t k = 0; k < rows; k++) link[k] = starts[k];
+    for (size_t i = 0; i < n; i++) order[link[room[row_of[i]]]++] = (uint32_t)i;
+    return rows;
+}
+
+/* Rows greedy packing fills: documents in order, a new row whenever the next
+ * one does not fit in the current row (lengths capped at W).  Returns the
+ * number of rows (0 for n = 0). */
+TL_INLINE uint64_t tl_pack_greedy(const uint64_t *len, size_t n, uint64_t W)
+{
+    uint64_t rows = 0, used = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t l = len[i] < W ? len[i] : W;
+        if (rows == 0 || used + l > W) {
+            rows++;
+            used = l;
+        } else {
+            used += l;
+        }
+    }
+    return rows;
+}
+
+/*
+ * The attention metadata of nrows rows of W tokens.  Row k holds counts[k]
+ * documents, of lengths len[] (all rows' back to back), then padding up to W.
+ * Its segments are its documents (empty ones have none) and the padding.
+ * Fills, at k * W + t for t < W (each of pos, seg, mask may be NULL):
+ *   pos[]  the position of token t in its segment (0 at each segment's start);
+ *   seg[]  its segment's number in the row (0 for the first; the padding's is
+ *          the row's last);
+ *   mask[] 1 where token t is a document's token but not its first, else 0
+ *          (a document's first token and the padding are not next-token
+ *          targets);
+ * and cu[0..k]: the segments' starts over the flattened rows, then nrows * W
+ * (the return value is k + 1: at most the documents + nrows + 1).  *max_len
+ * gets the longest segment.  A row whose documents exceed W: returns 0, *bad
+ * gets the row.
+ */
+TL_INLINE size_t tl_pack_bounds(const uint64_t *len, const int64_t *counts, size_t nrows,
+                                uint64_t W, int64_t *pos, int32_t *seg, uint8_t *mask,
+                                int32_t *cu, uint64_t *max_len, size_t *bad)
+{
+    size_t k = 0, d = 0;
+    uint64_t longest = 0;
+    for (size_t b = 0; b < nrows; b++) {
+        int64_t *p = pos ? pos + b * W : NULL;
+        int32_t *sg = seg ? seg + b * W : NULL;
+        uint8_t *m = mask ? mask + b * W : NULL;
+        uint64_t t = 0;
+        int32_t number = 0;
+        for (int64_t j = 0; j < counts[b]; j++, d++) {
+            uint64_t l = len[d];
+            if (l == 0) continue;
+            if (l > W - t) {
+                *bad = b;
+                return 0;
+            }
+            cu[k++] = (int32_t)(b * W + t);
+            if (p)
+                for (uint64_t u = 0; u < l; u++) p[t + u] = (int64_t)u;
+            if (sg)
+                for (uint64_t u = 0; u < l; u++) sg[t + u] = number;
+            if (m) {
+                memset(m + t, 1, (size_t)l);
+                m[t] = 0;
+            }
+            if (l > longest) longest = l;
+            number++;
+            t += l;
+        }
+        if (t < W) { /* the padding: one segment, no targets */
+            cu[k++] = (int32_t)(b * W + t);
+            if (p)
+                for (uint64_t u = 0; u < W - t; u++) p[t + u] = (int64_t)u;
+            if (sg)
+                for (uint64_t u = t; u < W; u++) sg[u] = number;
+            if (m) memset(m + t, 0, (size_t)(W - t));
+            if (W - t > longest) longest = W - t;
+        }
+    }
+    cu[k++] = (int32_t)(nrows * W);
+    *max_len = longest;
+    return k;
+}
+
+#endif /* TOKLOAD_PACK_H */

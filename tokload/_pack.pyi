@@ -1,0 +1,25 @@
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+MAX_WINDOW: int
+
+# Best-fit decreasing into rows of `window`: (order, starts), row k holds
+# documents order[starts[k]:starts[k + 1]].
+def best_fit(
+    lengths: npt.ArrayLike, window: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
+
+# Rows greedy packing (in order, a new row when the next does not fit) fills.
+def greedy_rows(lengths: npt.ArrayLike, window: int) -> int: ...
+
+# Position/segment/loss-mask arrays [rows, window], cu_seqlens (int32), max_seqlen.
+def row_boundaries(
+    lengths: npt.ArrayLike,
+    counts: npt.ArrayLike,
+    window: int,
+    alloc: Callable[[tuple[int, ...], Any], np.ndarray],
+    per_token: Sequence[str] = ...,
+) -> tuple[dict[str, np.ndarray], npt.NDArray[np.int32], int]: ...

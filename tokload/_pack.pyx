@@ -1,0 +1,147 @@
+"""Whole documents into rows of a fixed number of tokens (``csrc/tokload/pack.h``).
+
+The one job of this module is to wrap the packer: arguments are checked and
+arrays made here with the GIL held; the packing and the per-token arrays are
+computed in C without it.
+"""
+
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+
+cimport tokload._lib as lib
+
+import numpy as np
+
+MAX_WINDOW = lib.TL_PACK_MAX_WINDOW
+"""The longest row ``best_fit`` and ``row_boundaries`` take (2**30 tokens)."""
+
+# Groups smaller than this are packed without releasing the GIL: retaking it
+# costs more than the work (a few microseconds), up to a switch interval when
+# the training thread runs Python flat out.
+cdef enum:
+    _NOGIL_MIN = 256
+
+
+cdef const uint64_t[::1] _lengths(lengths) except *:
+    a = np.asarray(lengths)
+    if a.ndim != 1:
+        raise ValueError(f"lengths must be 1-D, got shape {a.shape}")
+    if a.size and a.dtype.kind not in "iu":
+        raise TypeError(f"lengths must be integers, got dtype {a.dtype}")
+    if a.size and a.dtype.kind == "i" and a.min() < 0:
+        raise ValueError(f"lengths must be >= 0, got {int(a.min())}")
+    return np.ascontiguousarray(a, dtype=np.uint64)
+
+
+cdef _check_window(uint64_t window):
+    if not 1 <= window <= MAX_WINDOW:
+        raise ValueError(f"window must be in [1, {MAX_WINDOW}], got {window}")
+
+
+def best_fit(lengths, uint64_t window):
+    """Best-fit decreasing of documents of ``lengths`` into rows of ``window``.
+
+    Lengths above ``window`` count as ``window`` (such a document is truncated,
+    alone in its row). Returns ``(order, starts)``, both int64: row ``k`` holds
+    documents ``order[starts[k]:starts[k + 1]]``, in increasing order, and rows
+    are numbered by their first document.
+    """
+    _check_window(window)
+    cdef const uint64_t[::1] lv = _lengths(lengths)
+    cdef size_t n = lv.shape[0]
+    if n > lib.TL_PACK_MAX_DOCS:
+        raise ValueError(f"at most {lib.TL_PACK_MAX_DOCS} documents per group, got {n}")
+    order = np.empty(n, dtype=np.uint32)
+    starts = np.empty(n + 1, dtype=np.uint32)
+    if n == 0:
+        return order.astype(np.int64), np.zeros(1, dtype=np.int64)
+    cdef uint32_t[::1] ov = order, sv = starts
+    cdef void *scratch = PyMem_Malloc(lib.tl_pack_scratch_bytes(n, window))
+    if scratch is NULL:
+        raise MemoryError()
+    cdef size_t rows
+    try:
+        if n >= _NOGIL_MIN:
+            with nogil:
+                rows = lib.tl_pack_best_fit(&lv[0], n, window, scratch, &ov[0], &sv[0])
+        else:
+            rows = lib.tl_pack_best_fit(&lv[0], n, window, scratch, &ov[0], &sv[0])
+    finally:
+        PyMem_Free(scratch)
+    return order.astype(np.int64), starts[: rows + 1].astype(np.int64)
+
+
+def greedy_rows(lengths, uint64_t window):
+    """Rows that greedy packing fills: documents in order, a new row whenever
+    the next one does not fit (lengths above ``window`` count as ``window``)."""
+    _check_window(window)
+    cdef const uint64_t[::1] lv = _lengths(lengths)
+    cdef size_t n = lv.shape[0]
+    cdef uint64_t rows = 0
+    if n:
+        with nogil:
+            rows = lib.tl_pack_greedy(&lv[0], n, window)
+    return int(rows)
+
+
+def row_boundaries(lengths, counts, uint64_t window, alloc,
+                   per_token=("position_ids", "segment_ids", "loss_mask")):
+    """The attention metadata of rows of ``window`` tokens holding documents.
+
+    Row ``k`` holds ``counts[k]`` documents, of ``lengths`` (all rows' back to
+    back), then padding. Returns ``(arrays, cu_seqlens, max_seqlen)`` as
+    ``window_boundaries`` does: ``arrays`` holds those of ``"position_ids"``
+    (int64), ``"segment_ids"`` (int32) and ``"loss_mask"`` (bool) that
+    ``per_token`` names, each ``[rows, window]`` and made with ``alloc``; the
+    padding is each row's last segment, with ``loss_mask`` False throughout.
+    ``cu_seqlens`` (int32) covers the flattened rows.
+    """
+    _check_window(window)
+    cdef const uint64_t[::1] lv = _lengths(lengths)
+    c = np.ascontiguousarray(counts, dtype=np.int64)
+    if c.ndim != 1:
+        raise ValueError(f"counts must be 1-D, got shape {c.shape}")
+    if c.size and c.min() < 0:
+        raise ValueError(f"counts must be >= 0, got {int(c.min())}")
+    if int(c.sum()) != lv.shape[0]:
+        raise ValueError(f"counts add up to {int(c.sum())} documents, lengths has {lv.shape[0]}")
+    cdef const int64_t[::1] cv = c
+    cdef size_t nrows = cv.shape[0], k = 0, bad = 0
+    if nrows * window >= (<uint64_t>1 << 31):
+        raise ValueError(f"{nrows} rows of {window} tokens: cu_seqlens (int32) cannot hold "
+                         f"{nrows * window} tokens")
+    arrays = {}
+    cdef int64_t *pp = NULL
+    cdef int32_t *sp = NULL
+    cdef uint8_t *mp = NULL
+    cdef int64_t[:, ::1] pv
+    cdef int32_t[:, ::1] sv
+    cdef uint8_t[:, ::1] mv
+    if "position_ids" in per_token:
+        arrays["position_ids"] = pv = alloc((nrows, window), np.dtype(np.int64))
+        if nrows:
+            pp = &pv[0, 0]
+    if "segment_ids" in per_token:
+        arrays["segment_ids"] = sv = alloc((nrows, window), np.dtype(np.int32))
+        if nrows:
+            sp = &sv[0, 0]
+    if "loss_mask" in per_token:
+        arrays["loss_mask"] = maska = alloc((nrows, window), np.dtype(np.bool_))
+        mv = maska.view(np.uint8)
+        if nrows:
+            mp = &mv[0, 0]
+    cu = np.empty(lv.shape[0] + nrows + 1, dtype=np.int32)
+    cdef int32_t[::1] cuv = cu
+    cdef uint64_t longest = 0, zero = 0
+    cdef int64_t none = 0
+    cdef const uint64_t *lp = &zero
+    cdef const int64_t *cp = &none
+    if lv.shape[0]:
+        lp = &lv[0]
+    if nrows:
+        cp = &cv[0]
+    with nogil:
+        k = lib.tl_pack_bounds(lp, cp, nrows, window, pp, sp, mp, &cuv[0], &longest, &bad)
+    if k == 0:
+        raise ValueError(f"row {bad}: its documents hold more than {window} tokens")
+    return arrays, cu[:k], int(longest)
