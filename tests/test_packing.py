@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tokload
-from tokload._pack import best_fit, greedy_rows, row_boundaries
+from tokload._pack import best_fit, greedy_rows, row_boundaries, row_offsets
 from tokload.errors import StateError
 from tokload.packing import PackedRows, PackedSchedule, Packing, padding_report
 
@@ -147,11 +147,23 @@ def test_row_boundaries_match_the_reference(rows: tuple[list[int], list[int], in
         np.testing.assert_array_equal(arrays[key], want[key], err_msg=key)
     np.testing.assert_array_equal(cu, want["cu_seqlens"])
     assert longest == want["max_seqlen"]
+    # each document's place: its row's start plus the tokens before it in the row
+    it = iter(lengths)
+    places = []
+    for b, c in enumerate(counts):
+        t = 0
+        for n in itertools.islice(it, c):
+            places.append((b * window + t) * 2)
+            t += n
+    got = row_offsets(np.array(lengths, dtype=np.uint64), np.array(counts), window, 2)
+    assert got.tolist() == places
 
 
 def test_row_boundaries_refuse_bad_rows() -> None:
     with pytest.raises(ValueError, match=r"row 1: its documents hold more than 8 tokens"):
         row_boundaries(np.array([3, 5, 6]), np.array([1, 2]), 8, np.empty)
+    with pytest.raises(ValueError, match=r"row 1: its documents hold more than 8 tokens"):
+        row_offsets(np.array([3, 5, 6]), np.array([1, 2]), 8, 4)
     with pytest.raises(ValueError, match=r"counts add up to 2 documents, lengths has 3"):
         row_boundaries(np.array([3, 5, 6]), np.array([1, 1]), 8, np.empty)
     with pytest.raises(ValueError, match=r"window must be in \[1, 1073741824\], got 0"):

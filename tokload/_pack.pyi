@@ -15,6 +15,11 @@ def best_fit(
 # Rows greedy packing (in order, a new row when the next does not fit) fills.
 def greedy_rows(lengths: npt.ArrayLike, window: int) -> int: ...
 
+# Byte offsets of each document in a [rows, window] array of itemsize-byte tokens.
+def row_offsets(
+    lengths: npt.ArrayLike, counts: npt.ArrayLike, window: int, itemsize: int
+) -> npt.NDArray[np.uint64]: ...
+
 # Position/segment/loss-mask arrays [rows, window], cu_seqlens (int32), max_seqlen.
 def row_boundaries(
     lengths: npt.ArrayLike,

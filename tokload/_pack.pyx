@@ -84,6 +84,38 @@ def greedy_rows(lengths, uint64_t window):
     return int(rows)
 
 
+cdef const int64_t[::1] _counts(counts, size_t ndocs) except *:
+    c = np.ascontiguousarray(counts, dtype=np.int64)
+    if c.ndim != 1:
+        raise ValueError(f"counts must be 1-D, got shape {c.shape}")
+    if c.size and c.min() < 0:
+        raise ValueError(f"counts must be >= 0, got {int(c.min())}")
+    if int(c.sum()) != ndocs:
+        raise ValueError(f"counts add up to {int(c.sum())} documents, lengths has {ndocs}")
+    return c
+
+
+def row_offsets(lengths, counts, uint64_t window, uint64_t itemsize):
+    """Byte offsets (uint64) of each document in a ``[rows, window]`` array of
+    ``itemsize``-byte tokens, row ``k`` holding ``counts[k]`` documents of
+    ``lengths`` back to back from its start. ValueError naming the row when a
+    row's documents exceed ``window``."""
+    _check_window(window)
+    cdef const uint64_t[::1] lv = _lengths(lengths)
+    cdef const int64_t[::1] cv = _counts(counts, lv.shape[0])
+    cdef size_t nrows = cv.shape[0], bad = 0
+    out = np.empty(lv.shape[0], dtype=np.uint64)
+    if nrows == 0 or lv.shape[0] == 0:
+        return out
+    cdef uint64_t[::1] ov = out
+    cdef int ok
+    with nogil:
+        ok = lib.tl_pack_offsets(&lv[0], &cv[0], nrows, window, itemsize, &ov[0], &bad)
+    if not ok:
+        raise ValueError(f"row {bad}: its documents hold more than {window} tokens")
+    return out
+
+
 def row_boundaries(lengths, counts, uint64_t window, alloc,
                    per_token=("position_ids", "segment_ids", "loss_mask")):
     """The attention metadata of rows of ``window`` tokens holding documents.
@@ -98,14 +130,7 @@ def row_boundaries(lengths, counts, uint64_t window, alloc,
     """
     _check_window(window)
     cdef const uint64_t[::1] lv = _lengths(lengths)
-    c = np.ascontiguousarray(counts, dtype=np.int64)
-    if c.ndim != 1:
-        raise ValueError(f"counts must be 1-D, got shape {c.shape}")
-    if c.size and c.min() < 0:
-        raise ValueError(f"counts must be >= 0, got {int(c.min())}")
-    if int(c.sum()) != lv.shape[0]:
-        raise ValueError(f"counts add up to {int(c.sum())} documents, lengths has {lv.shape[0]}")
-    cdef const int64_t[::1] cv = c
+    cdef const int64_t[::1] cv = _counts(counts, lv.shape[0])
     cdef size_t nrows = cv.shape[0], k = 0, bad = 0
     if nrows * window >= (<uint64_t>1 << 31):
         raise ValueError(f"{nrows} rows of {window} tokens: cu_seqlens (int32) cannot hold "

@@ -19,8 +19,8 @@ rows, whatever groups and epochs they come from, and rank ``r`` takes rows
 ``r, r + world_size, ...`` of them: the rows do not depend on the number of
 ranks or the batch size, so a resume with others delivers every document of
 every epoch exactly once. Every rank packs every group it reaches (the lengths
-of ``lookahead`` documents and one sort per group; a few hundred nanoseconds a
-document), with no communication.
+of ``lookahead`` documents and one sort per group; about 100 nanoseconds a
+document here), with no communication.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import numpy.typing as npt
 from tokload._docindex import read_documents, window_boundaries
 from tokload._io import FileSet
 from tokload._meta import BlockSet, Scratch, compact_records
-from tokload._pack import row_boundaries
+from tokload._pack import row_boundaries, row_offsets
 from tokload._rows import split_fields
 from tokload.assembly import Alloc
 from tokload.errors import FormatError, MissingShardError
@@ -604,19 +604,16 @@ class Documents(View):
         counts = np.asarray(rows.counts, dtype=np.int64)
         lengths = np.asarray(rows.lengths, dtype=np.uint64)
         b = len(counts)
-        # where each document goes: its row's start, plus the tokens before it in the row
-        row = np.repeat(np.arange(b, dtype=np.uint64), counts)
-        before = np.cumsum(lengths) - lengths
-        first = (np.cumsum(counts) - counts)[row.view(np.int64)]
-        dst = row * np.uint64(w) + before - before[first]
         dt = self.source.dtype
         raw: dict[str, Any]
         if dt.fields is None:
+            dst = row_offsets(lengths, counts, w, dt.itemsize)  # bytes; checks each row fits
             tokens = alloc((b, w), dt)
             tokens[...] = self.pad_value
-            self.source.rows.read(rows.starts, lengths, dst * np.uint64(dt.itemsize), tokens)
+            self.source.rows.read(rows.starts, lengths, dst, tokens)
             raw = {"tokens": tokens}
         else:
+            dst = row_offsets(lengths, counts, w, 1)  # rows
             fields = self._read_fields(rows.starts, lengths, dst, b * w, self.pad_value, alloc)
             raw = {k: v.reshape(b, w) for k, v in fields.items()}
         raw["lengths"] = lengths.astype(np.int64)

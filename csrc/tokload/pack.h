@@ -161,6 +161,31 @@ TL_INLINE uint64_t tl_pack_greedy(const uint64_t *len, size_t n, uint64_t W)
 }
 
 /*
+ * Where each document of nrows rows of W tokens goes: row k holds counts[k]
+ * documents of lengths len[] (all rows' back to back), one after the other from
+ * the row's start.  dst[d] gets document d's first token's byte offset in the
+ * [nrows, W] array of `itemsize`-byte tokens.  Returns 1, or 0 (and *bad = the
+ * row) when a row's documents exceed W.
+ */
+TL_INLINE int tl_pack_offsets(const uint64_t *len, const int64_t *counts, size_t nrows, uint64_t W,
+                              uint64_t itemsize, uint64_t *dst, size_t *bad)
+{
+    size_t d = 0;
+    for (size_t b = 0; b < nrows; b++) {
+        uint64_t t = 0;
+        for (int64_t j = 0; j < counts[b]; j++, d++) {
+            if (len[d] > W - t) {
+                *bad = b;
+                return 0;
+            }
+            dst[d] = (b * W + t) * itemsize;
+            t += len[d];
+        }
+    }
+    return 1;
+}
+
+/*
  * The attention metadata of nrows rows of W tokens.  Row k holds counts[k]
  * documents, of lengths len[] (all rows' back to back), then padding up to W.
  * Its segments are its documents (empty ones have none) and the padding.

@@ -1,0 +1,230 @@
+"""Best-fit packing (``Documents(batch="fill")``): padding, the packer's cost, throughput.
+
+    python -m bench.bench_packing
+
+Three parts, on documents of log-normal lengths (median 600 tokens, sigma 1) and
+rows of 4,096 tokens:
+
+- **padding**: the share of the rows' tokens that is padding with best-fit
+  packing (``tokload.packing.padding_report``) for several look-aheads, with
+  greedy packing and with one document per row, over 200,000 lengths in a
+  shuffle's order. Goal (issue 29): best-fit pads at most a third of greedy's;
+- **the packer**: nanoseconds per document of ``tokload._pack.best_fit`` for
+  each look-ahead (one core, median of 5 passes over the lengths);
+- **a batch**: the time to read a batch of 8 packed rows with their attention
+  metadata (``Documents.read_rows``) against a plain ``TokenStream`` batch of 8
+  windows of 4,096 from the same tokens (32M ``uint32``, page cache warm), and
+  the DataLoader's rate for each (2 reader threads, host batches): real tokens
+  per second and rows' tokens per second.
+
+Writes ``bench/results/bench_packing.json``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import tokload
+from bench import _results
+from tokload._pack import best_fit
+from tokload.packing import PackedSchedule, padding_report
+
+WINDOW, BATCH = 4096, 8
+TOKENS = 32 << 20
+LOOKAHEADS = (64, 256, 1024, 4096)
+
+
+def lognormal(n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.maximum(1, rng.lognormal(np.log(600), 1.0, n)).astype(np.int64)
+
+
+def padding_rows() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    lengths = lognormal(200_000)
+    rows, goals = [], []
+    for k in LOOKAHEADS:
+        rep = padding_report(lengths, WINDOW, k)
+        rows.append(
+            {
+                "part": "padding",
+                "lookahead": k,
+                "best_fit": rep["best_fit"],
+                "greedy": rep["greedy"],
+                "pad": rep["pad"],
+                "best_fit_over_greedy": rep["best_fit"] / rep["greedy"],
+            }
+        )
+        print(f"lookahead {k:5d}: best-fit {rep['best_fit']:.4%}, greedy {rep['greedy']:.4%}, "
+              f"one per row {rep['pad']:.4%}")  # fmt: skip
+        if k == tokload.packing.DEFAULT_LOOKAHEAD:
+            goals.append(
+                _results.make_goal(
+                    f"best-fit padding over greedy padding (W = {WINDOW}, median 600, "
+                    f"lookahead {k})",
+                    1 / 3,
+                    rep["best_fit"] / rep["greedy"],
+                    higher_is_better=False,
+                    fmt="{:.3f}",
+                )
+            )
+    return rows, goals
+
+
+def packer_rows() -> list[dict[str, Any]]:
+    lengths = lognormal(200_000, seed=1).astype(np.uint64)
+    rows = []
+    for k in LOOKAHEADS:
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for g in range(0, len(lengths), k):
+                best_fit(lengths[g : g + k], WINDOW)
+            times.append(time.perf_counter() - t0)
+        ns = statistics.median(times) / len(lengths) * 1e9
+        rows.append({"part": "packer", "lookahead": k, "ns_per_document": ns})
+        print(f"best_fit, lookahead {k}: {ns:.0f} ns per document")
+    return rows
+
+
+def corpus(tmp: Path) -> Path:
+    rng = np.random.default_rng(2)
+    flat = rng.integers(0, 128_000, TOKENS, dtype=np.uint32)
+    ends = np.cumsum(lognormal(TOKENS // 300, seed=3))
+    ends = ends[ends < TOKENS]
+    bounds = np.concatenate(([0], ends, [TOKENS]))
+    with tokload.Writer(tmp / "docs", "<u4", shard_bytes=64 << 20, durable=False) as w:
+        for a, e in itertools.pairwise(bounds):
+            w.write(flat[a:e])
+    for p in (tmp / "docs").rglob("*"):
+        if p.is_file():
+            p.read_bytes()  # warm the page cache
+    return tmp / "docs"
+
+
+def timed(fn: Any, seconds: float = 2.0) -> float:
+    """Median seconds per call over ``seconds`` (after 20 warm-up calls)."""
+    for _ in range(20):
+        fn()
+    times = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def batch_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    stream = tokload.TokenStream(path, window=WINDOW)
+    stream_bounds = tokload.TokenStream(path, window=WINDOW, boundaries=True)
+    fill = tokload.Documents(path, batch="fill", window=WINDOW)
+    assert fill.packing is not None
+    sched = PackedSchedule(len(fill), BATCH, extents=fill.extents, packing=fill.packing, seed=1)
+    steps = sched.spans(0, 400)
+    packed = [sched.rows(*sp) for sp in steps]
+    real = statistics.mean(int(p.lengths.sum()) for p in packed)
+    rng = np.random.default_rng(0)
+    pool = [rng.integers(0, len(stream), BATCH) for _ in range(400)]
+    it = {"k": 0}
+
+    def nxt(seq: list[Any]) -> Any:
+        it["k"] = (it["k"] + 1) % len(seq)
+        return seq[it["k"]]
+
+    t_plain = timed(lambda: stream.read_batch(nxt(pool), np.empty))
+    t_bounds = timed(lambda: stream_bounds.read_batch(nxt(pool), np.empty))
+    t_fill = timed(lambda: fill.read_rows(nxt(packed), np.empty))
+    fill_plain = tokload.Documents(path, batch="fill", window=WINDOW, boundaries=False)
+    t_fill_plain = timed(lambda: fill_plain.read_rows(nxt(packed), np.empty))
+    rows = []
+    for label, t, tokens in (
+        ("TokenStream.read_batch", t_plain, BATCH * WINDOW),
+        ("TokenStream.read_batch, boundaries=True", t_bounds, BATCH * WINDOW),
+        ('Documents(batch="fill").read_rows, boundaries=False', t_fill_plain, real),
+        ('Documents(batch="fill").read_rows (all attention metadata)', t_fill, real),
+    ):
+        rows.append(
+            {
+                "part": "batch",
+                "label": label,
+                "median_s": t,
+                "real_tokens_per_batch": tokens,
+                "over_plain": t / t_plain,
+            }
+        )
+        print(f"{label}: {t * 1e6:.0f} us per batch, {t / t_plain:.2f}x a plain batch")
+    goals = [
+        _results.make_goal(
+            "a batch of packed rows with all attention metadata, over a plain TokenStream "
+            "batch (time)",
+            1.10,
+            t_fill / t_plain,
+            higher_is_better=False,
+            fmt="{:.2f}x",
+        )
+    ]
+    return rows, goals
+
+
+def loader_rows(path: Path) -> list[dict[str, Any]]:
+    views = {
+        "TokenStream": tokload.TokenStream(path, window=WINDOW),
+        "TokenStream, boundaries=True": tokload.TokenStream(path, window=WINDOW, boundaries=True),
+        'Documents(batch="fill")': tokload.Documents(path, batch="fill", window=WINDOW),
+    }
+    rows = []
+    for label, view in views.items():
+        best = None
+        for _ in range(2):
+            loader = tokload.DataLoader(view, BATCH, seed=1, num_threads=2, device=None)
+            it = iter(loader)
+            for _ in range(50):
+                next(it)
+            real = rows_tokens = 0
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 3.0:
+                b = next(it)
+                rows_tokens += b["tokens"].numel()
+                real += int(b["lengths"].sum()) if "lengths" in b else b["tokens"].numel()
+            dt = time.perf_counter() - t0
+            loader.close()
+            if best is None or real / dt > best[0]:
+                best = (real / dt, rows_tokens / dt)
+        assert best is not None
+        rows.append(
+            {
+                "part": "loader",
+                "label": label,
+                "real_tokens_per_s": best[0],
+                "row_tokens_per_s": best[1],
+            }
+        )
+        print(f"DataLoader {label}: {best[0] / 1e6:.0f} M real tokens/s")
+    return rows
+
+
+def main() -> None:
+    results, goals = padding_rows()
+    results += packer_rows()
+    tmp = Path(tempfile.mkdtemp(prefix="tokload-packing-"))
+    try:
+        path = corpus(tmp)
+        rows, more = batch_rows(path)
+        results += rows
+        goals += more
+        results += loader_rows(path)
+    finally:
+        shutil.rmtree(tmp)
+    _results.write("bench_packing", results, goals)
+
+
+if __name__ == "__main__":
+    main()
