@@ -400,6 +400,7 @@ def loader_tables(rows: list[Row]) -> str:
         body = [
             [
                 cell(r["label"]),
+                DASH if r.get("time_kept") is None else f"{100 * r['time_kept']:.2f}%",
                 pct_1(r["loop_kept"]),
                 ", ".join(pct(x) for x in r.get("loop_kept_runs", [])),
                 pct_1(r.get("no_loader_again")),
@@ -412,12 +413,18 @@ def loader_tables(rows: list[Row]) -> str:
         parts.append(
             "**A trainer's loop at a fixed rate**: batches taken at a fixed cadence with "
             "GIL-holding Python between them, against the same loop with no loader "
-            "(medians of alternating 2 s phases), and the waits in `next()`. The "
-            "A/A columns run the loop without a loader twice: the machine's own noise.\n\n"
+            "(medians of 8 rounds of 1.5 s phases, every other round in reverse order), and "
+            "the waits in `next()`. *Time kept*: 1 minus the share of the loop's time spent "
+            "in `next()` and in pauses of its work longer than 20 µs (its thread "
+            "descheduled, or waiting for the GIL), less the same without a loader. *Work "
+            "rate kept*: its work per second with the loader over without; the A/A columns "
+            "run the loop without a loader twice, which is the machine's own noise on this "
+            "measure.\n\n"
             + table(
                 [
                     "rate",
-                    "loop speed kept",
+                    "time kept",
+                    "work rate kept",
                     "single runs",
                     "A/A",
                     "A/A runs",
