@@ -331,8 +331,12 @@ def test_trainer_loop_at_a_fixed_rate(corpus: Path, rate: float) -> None:
     it = tokload_loader(corpus, 1)
     for _ in range(20):
         next(it)
-    alone, again, loaded, waits = [], [], [], []
-    taken_alone, taken_loaded = [], []
+    alone: list[float] = []
+    again: list[float] = []
+    loaded: list[float] = []
+    waits: list[float] = []
+    taken_alone: list[float] = []
+    taken_loaded: list[float] = []
     for r in range(8):
         for phase in ("alone", "again", "loaded")[:: 1 if r % 2 == 0 else -1]:
             time.sleep(0.2)  # the reader refills the prefetch before a phase without it

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tokload import DataLoader, Documents, StreamWithMetadata, TokenStream, Writer
+from tokload.packing import PackedRows
 
 pytestmark = [
     pytest.mark.gpu,
@@ -135,6 +136,30 @@ def test_token_stream_boundaries_on_the_device(corpus: Path) -> None:
     for step, batch in zip(range(50), ld, strict=False):
         busy_stream()
         want = view.boundaries(batch["index"].cpu().numpy())
+        assert batch["max_seqlen"] == want.pop("max_seqlen")
+        for key, value in want.items():
+            assert batch[key].device == ld.device
+            np.testing.assert_array_equal(batch[key].cpu().numpy(), value, f"{key} {step}")
+    ld.close()
+
+
+@pytest.mark.usefixtures("host_load")
+def test_packed_rows_on_the_device(corpus: Path) -> None:
+    """Documents(batch="fill"): each row's documents, the padding and the attention
+    metadata arrive on the device, equal to the view's rows read on the host."""
+    view = Documents(corpus, batch="fill", window=4096, lookahead=64)
+    ld = DataLoader(view, 8, seed=3, num_threads=2, prefetch=16, device="cuda")
+    for step, batch in zip(range(100), ld, strict=False):
+        busy_stream()
+        ids = batch["index"].cpu().numpy()
+        rows = PackedRows(
+            batch["position"].cpu().numpy().view(np.uint64),
+            ids,
+            view.extents(ids)[0],
+            batch["lengths"].cpu().numpy().astype(np.uint64),
+            batch["doc_counts"].cpu().numpy(),
+        )
+        want = view.read_rows(rows, np.empty)
         assert batch["max_seqlen"] == want.pop("max_seqlen")
         for key, value in want.items():
             assert batch[key].device == ld.device

@@ -19,6 +19,7 @@ import torch
 from fake_device import FakeDevice
 
 from tokload import DataLoader, Documents, StreamWithMetadata, TokenStream, Writer
+from tokload.packing import PackedRows
 from tokload.transfer import Batch, HostBackend, Transfer, make_backend
 
 
@@ -102,9 +103,22 @@ def _views(corpus: Path, meta_corpus: Path, blocks_corpus: Path) -> dict[str, An
         "boundaries": TokenStream(corpus, window=9, stride=5, boundaries=True),
         "padded": Documents(corpus, pad_to=16, pad_value=9),
         "packed": Documents(corpus, batch="pack"),
+        "filled": Documents(corpus, batch="fill", window=24, lookahead=30),
         "metadata": StreamWithMetadata(meta_corpus, window=8, stride=3),
         "metadata-blocks": StreamWithMetadata(blocks_corpus, window=8, stride=3),
     }
+
+
+def _rows_of(view: Documents, batch: Batch) -> PackedRows:
+    """The packed rows a batch of ``Documents(batch="fill")`` says it holds."""
+    ids = batch["index"].numpy()
+    return PackedRows(
+        batch["position"].numpy().view(np.uint64),
+        ids,
+        view.extents(ids)[0],
+        batch["lengths"].numpy().astype(np.uint64),
+        batch["doc_counts"].numpy(),
+    )
 
 
 def _reference(view: Any, batch: Batch) -> None:
@@ -116,6 +130,11 @@ def _reference(view: Any, batch: Batch) -> None:
             np.testing.assert_array_equal(batch[name].numpy(), values)
         np.testing.assert_array_equal(batch["metadata_positions"].numpy(), ref.positions)
         assert batch["metadata"] == ref.metadata
+    elif isinstance(view, Documents) and view.packing is not None:
+        raw = view.read_rows(_rows_of(view, batch), np.empty)
+        assert batch["max_seqlen"] == raw.pop("max_seqlen")  # an int: not copied
+        for k, v in raw.items():
+            np.testing.assert_array_equal(batch[k].numpy(), v, err_msg=k)
     elif isinstance(view, Documents):
         raw = view.read_batch(idx, np.empty)
         for k, v in raw.items():
@@ -130,7 +149,7 @@ def _reference(view: Any, batch: Batch) -> None:
 
 
 @pytest.mark.parametrize(
-    "kind", ["stream", "boundaries", "padded", "packed", "metadata", "metadata-blocks"]
+    "kind", ["stream", "boundaries", "padded", "packed", "filled", "metadata", "metadata-blocks"]
 )
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_device_copies_under_randomized_timing(

@@ -117,8 +117,12 @@ class _Group:
 
 
 GROUPS_CACHED = 256
-"""Packed groups kept per schedule (each about 32 bytes per document): enough for the
-steps the reader threads build ahead and global batches of thousands of rows."""
+"""Packed groups kept per schedule (each about 32 bytes per document)."""
+
+STEPS_KEPT = 4096
+"""Steps whose rows ``span`` found and ``rows`` has not asked for yet, kept (with the
+groups they need) so that ``rows`` does not pack them again, however many groups a
+step spans."""
 
 
 class PackedSchedule(Schedule):
@@ -148,6 +152,7 @@ class PackedSchedule(Schedule):
         self._per_epoch = -(-self.n // self.lookahead)  # groups
         self._groups: OrderedDict[tuple[int, int], _Group] = OrderedDict()
         self._glock = threading.Lock()
+        self._steps: OrderedDict[tuple[int, int], list[tuple[_Group, int, int]]] = OrderedDict()
 
     # ---- groups --------------------------------------------------------------------------
 
@@ -230,7 +235,14 @@ class PackedSchedule(Schedule):
         """The step at cursor ``c``: ``(its first row's position, the position after
         its last row)``; None past the end."""
         step = self._step(c)
-        return None if step is None else step[1:]
+        if step is None:
+            return None
+        parts, start, end = step
+        with self._glock:
+            self._steps[(start, end)] = parts
+            while len(self._steps) > STEPS_KEPT:
+                self._steps.popitem(last=False)
+        return start, end
 
     def spans(self, c: int, count: int) -> list[tuple[int, int]]:
         """Up to ``count`` consecutive steps from cursor ``c`` (fewer at the end)."""
@@ -252,12 +264,16 @@ class PackedSchedule(Schedule):
 
     def rows(self, start: int, end: int) -> PackedRows:
         """This rank's rows of the step ``[start, end)`` (a ``span``), with their documents."""
-        step = self._step(start)
-        if step is None or step[1:] != (start, end):
-            raise ValueError(f"[{start}, {end}) is not a step of this run")
+        with self._glock:
+            parts = self._steps.pop((start, end), None)
+        if parts is None:
+            step = self._step(start)
+            if step is None or step[1:] != (start, end):
+                raise ValueError(f"[{start}, {end}) is not a step of this run")
+            parts = step[0]
         positions, ids, starts, lengths, counts = [], [], [], [], []
         k = 0  # rows of the step before this part
-        for grp, b0, b1 in step[0]:
+        for grp, b0, b1 in parts:
             bs = np.arange(b0 + (self.rank - k) % self.world_size, b1, self.world_size)
             k += b1 - b0
             lo, hi = grp.rows[bs], grp.rows[bs + 1]
