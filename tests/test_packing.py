@@ -409,3 +409,72 @@ def test_bad_options_are_refused(tmp_path: Path) -> None:
             PackedRows.one_per_row(np.arange(1), (np.zeros(1, np.uint64),) * 2, 8)
         )
     assert Packing(8).lookahead == tokload.packing.DEFAULT_LOOKAHEAD
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 90), min_size=1, max_size=150),
+    window=st.integers(1, 100),
+    lookahead=st.integers(1, 40),
+    epochs=st.integers(1, 2),
+    first=st.tuples(st.integers(1, 4), st.integers(1, 5), st.integers(0, 12)),
+    then=st.tuples(st.integers(1, 4), st.integers(1, 5)),
+    seed=st.integers(0, 3),
+)
+def test_schedules_deliver_each_document_once_per_epoch_across_a_resume(
+    lengths: list[int],
+    window: int,
+    lookahead: int,
+    epochs: int,
+    first: tuple[int, int, int],
+    then: tuple[int, int],
+    seed: int,
+) -> None:
+    """The schedule alone, on lengths: steps of one world size and batch size, then
+    a resume from the cursor with others; every document once per epoch, in rows
+    that hold at most ``window`` tokens."""
+    n = len(lengths)
+    lens = np.array(lengths, dtype=np.uint64)
+
+    def extents(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.asarray(ids, dtype=np.uint64), lens[ids]
+
+    def run(world: int, batch: int, cursor: int, steps: int | None) -> tuple[list[int], int]:
+        scheds = [
+            PackedSchedule(
+                n,
+                batch,
+                extents=extents,
+                packing=Packing(window, lookahead),
+                rank=r,
+                world_size=world,
+                seed=seed,
+                epochs=epochs,
+            )
+            for r in range(world)
+        ]
+        got: list[int] = []
+        done = 0
+        while steps is None or done < steps:
+            span = scheds[0].span(cursor)
+            if span is None:
+                break
+            assert all(s.span(cursor) == span for s in scheds)
+            for s in scheds:
+                rows = s.rows(*span)
+                assert len(rows.counts) == s.samples(*span)
+                assert len(rows.positions) == len(rows.counts)
+                assert (rows.counts >= 1).all()  # a row holds one document at least
+                used = np.add.reduceat(rows.lengths, np.cumsum(rows.counts) - rows.counts)
+                assert (used <= window).all()
+                epoch_of = np.repeat(rows.positions, rows.counts) // np.uint64(n)
+                got += (epoch_of.astype(np.int64) * n + rows.ids).tolist()
+            cursor, done = span[1], done + 1
+        return got, cursor
+
+    world, batch, steps = first
+    got, cursor = run(world, batch, 0, steps)
+    more, end = run(*then, cursor, None)
+    # each (epoch, document) exactly once
+    assert sorted(got + more) == list(range(epochs * n))
+    assert end == epochs * n
