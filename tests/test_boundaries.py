@@ -304,3 +304,56 @@ def test_a_megatron_index_out_of_order_never_gives_wrong_windows(
             assert cu[0] == 0 and cu[-1] == window and cu == sorted(set(cu))
             assert all(r + c in set(starts.tolist()) for c in cu[1:-1])
             assert got["position_ids"].shape == (1, window)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 6), min_size=1, max_size=6),
+    keys=st.sampled_from(
+        [True, ["cu_seqlens"], ["max_seqlen"], ["cu_seqlens", "max_seqlen"], ["loss_mask"]]
+    ),
+    seed=st.integers(0, 5),
+)
+def test_read_steps_gives_each_step_what_read_batch_gives(
+    sizes: list[int], keys: Any, seed: int
+) -> None:
+    """The loader reads a task's steps at once (``read_steps``): the rows, and each
+    step's cu_seqlens and max_seqlen, equal ``read_batch`` of each step alone,
+    steps without rows (a rank's share of a final partial batch) included."""
+    view = tokload.TokenStream(str(MEGATRON), window=23, stride=9, boundaries=keys)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(view), sum(sizes))
+    ends = np.cumsum(sizes).tolist()
+    cuts = list(zip([0, *ends], ends, strict=False))
+    raw, steps = view.read_steps(idx, cuts, np.empty)
+    assert len(steps) == len(cuts)
+    for (a, e), step in zip(cuts, steps, strict=True):
+        want = view.read_batch(idx[a:e], np.empty)
+        for key, value in want.items():
+            got = step[key] if key in step else raw[key][a:e]
+            if isinstance(got, slice):
+                got = raw[key][got]
+            np.testing.assert_array_equal(got, value, err_msg=key)
+        assert set(want) == set(step) | (set(raw) - set(step))
+
+
+def test_a_task_of_steps_is_one_read(tmp_path: Path) -> None:
+    """With boundaries the loader still reads a task's windows with one call."""
+    view = tokload.TokenStream(str(MEGATRON), window=23, stride=9, boundaries=True)
+    calls = []
+    real = view.read_steps
+
+    def counted(*args: Any) -> Any:
+        calls.append(len(args[1]))
+        return real(*args)
+
+    with mock.patch.object(view, "read_steps", counted):
+        loader = tokload.DataLoader(view, 4, epochs=1, num_threads=1, steps_per_task=5, device=None)
+        batches = list(loader)
+    assert calls[0] == 1 and set(calls[1:-1]) == {5}  # the first task is one step
+    assert sum(calls) == len(batches)
+    for b in batches:
+        want = view.read_batch(b["index"].numpy(), np.empty)
+        assert b["max_seqlen"] == want.pop("max_seqlen")
+        for key, value in want.items():
+            np.testing.assert_array_equal(b[key].numpy(), value, err_msg=key)

@@ -28,6 +28,14 @@ and, optionally,
   index, in order, and reading a concatenation of index arrays gives the
   concatenation of the results. The loader then reads the samples of several
   steps with one call and gives each step its rows (a token stream's fast path);
+- ``view.read_steps(indices, cuts, alloc) -> (dict, list[dict])``: for a
+  rowwise view whose batches also hold values of the whole batch (a token
+  stream's ``cu_seqlens`` and ``max_seqlen``), the read of several steps at once
+  that the loader uses instead of ``read_batch``: ``cuts`` gives each step's
+  rows ``(a, e)`` of ``indices``; the dict holds the rows' arrays and arrays of
+  any shape; the list, for each step, its per-batch values: a ``slice`` of one
+  of those arrays, or a value as it is. The loader gives each step its rows of
+  the rowwise arrays and those values;
 - ``view.read_batches(list_of_indices, alloc) -> list[dict]``: ``read_batch``
   of each index array, in one call, for views that are not rowwise but can read
   several batches in one round of I/O (a stream with metadata blocks); the
@@ -122,10 +130,27 @@ class Assembly:
         self.view = view
         self.alloc = alloc
         self.rowwise = bool(getattr(view, "rowwise", False))
+        steps = getattr(view, "read_steps", None)
+        self.stepwise = self.rowwise and callable(steps)
 
     def read(self, indices: np.ndarray, positions: np.ndarray) -> dict[str, Any]:
         """The raw batch of samples ``indices`` at global ``positions`` (both 1-D)."""
         return self._finish(self.view.read_batch(indices, self.alloc), indices, positions)
+
+    def read_steps(
+        self, indices: np.ndarray, positions: np.ndarray, cuts: list[tuple[int, int]]
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """``read`` of several steps' samples through the view's ``read_steps``:
+        the raw arrays, and each step's per-batch values (a ``slice`` of a raw
+        array, or a value)."""
+        got = self.view.read_steps(indices, cuts, self.alloc)
+        name = type(self.view).__name__
+        if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], list)):
+            raise TypeError(f"{name}.read_steps returned {type(got).__name__}, not (dict, list)")
+        raw, steps = got
+        if len(steps) != len(cuts):
+            raise TypeError(f"{name}.read_steps gave {len(steps)} steps for {len(cuts)}")
+        return self._finish(raw, indices, positions, "read_steps"), steps
 
     def read_many(self, parts: list[tuple[np.ndarray, np.ndarray]]) -> list[dict[str, Any]]:
         """``read`` of each ``(indices, positions)``; one ``read_batches`` call
@@ -185,9 +210,14 @@ class Assembly:
         raw["index"], raw["position"] = index, position
         return raw
 
-    def check_rows(self, raw: dict[str, Any], rows: int) -> None:
-        """A rowwise view's result must have ``rows`` rows in every array."""
+    def check_rows(
+        self, raw: dict[str, Any], rows: int, skip: frozenset[str] = frozenset()
+    ) -> None:
+        """A rowwise view's result must have ``rows`` rows in every array (but
+        those of ``skip``: per-batch arrays of ``read_steps``)."""
         for k, v in raw.items():
+            if k in skip:
+                continue
             if not isinstance(v, np.ndarray) or v.shape[:1] != (rows,):
                 got = getattr(v, "shape", type(v).__name__)
                 raise ValueError(

@@ -401,17 +401,29 @@ class DataLoader:
             self._stats.built(time.perf_counter() - t0, sum(tokens))
             return out, tokens
         pos, ends = sched.task_positions(spans)
-        raw = asm.read(sched.indices(pos), pos)
-        asm.check_rows(raw, len(pos))
-        collate = self.collate
         cuts = list(zip([0, *ends], ends, strict=False))
+        steps: list[dict[str, Any]] | None = None
+        if asm.stepwise:  # rows, and values per batch (cu_seqlens)
+            raw, steps = asm.read_steps(sched.indices(pos), pos, cuts)
+        else:
+            raw = asm.read(sched.indices(pos), pos)
+        per_batch = frozenset(k for st in steps or () for k in st)
+        asm.check_rows(raw, len(pos), per_batch)
+        collate = self.collate
         tokens = self._tokens.rows(raw, cuts)
         if collate is not None:
-            out = [collate(_rows(list(raw.items()), a, e)) for a, e in cuts]
+            rows = [(k, v) for k, v in raw.items() if k not in per_batch]
+            out = [
+                collate(_step(_rows(rows, a, e), raw, steps[i] if steps else None))
+                for i, (a, e) in enumerate(cuts)
+            ]
         else:
             whole = self.transfer.copy(self.transfer.tensors(raw))
-            items = list(whole.items())
-            out = [_rows(items, a, e) for a, e in cuts]
+            items = [(k, v) for k, v in whole.items() if k not in per_batch]
+            out = [
+                _step(_rows(items, a, e), whole, steps[i] if steps else None)
+                for i, (a, e) in enumerate(cuts)
+            ]
             for b in out:
                 b.ready = whole.ready
         self._stats.built(time.perf_counter() - t0, sum(tokens))
@@ -672,6 +684,15 @@ def _rows(items: list[tuple[str, Any]], start: int, end: int) -> Batch:
     for k, v in items:
         b[k] = v[start:end]
     return b
+
+
+def _step(batch: Any, whole: Mapping[str, Any], values: dict[str, Any] | None) -> Any:
+    """A step's batch with its per-batch values (``read_steps``): slices of the
+    task's arrays, or values as they are."""
+    if values:
+        for k, v in values.items():
+            batch[k] = whole[k][v] if isinstance(v, slice) else v
+    return batch
 
 
 class _Failed:

@@ -281,6 +281,31 @@ BOUNDARY_KEYS = ("position_ids", "segment_ids", "loss_mask", "cu_seqlens", "max_
 """What ``TokenStream(..., boundaries=True)`` adds to a batch."""
 
 
+def split_cu_seqlens(
+    cu: np.ndarray, cuts: Sequence[tuple[int, int]], window: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each step's ``cu_seqlens`` from those of all the steps' rows at once.
+
+    ``cu`` (int32) holds the segments' starts over the flattened rows, then their
+    total; every row starts a segment, so step ``k``'s rows ``[a, e)`` are the
+    entries from ``a * window`` to ``e * window``, less ``a * window``. Returns the
+    steps' arrays back to back (int32), where each begins (``len(cuts) + 1``
+    offsets) and each step's longest segment (0 for a step without rows).
+    """
+    bounds = np.array([a for a, _ in cuts] + [cuts[-1][1]], dtype=np.int64) * window
+    at = np.searchsorted(cu, bounds)
+    sizes = np.diff(at) + 1  # the step's segments and its total
+    offsets = np.zeros(len(cuts) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    take = np.repeat(at[:-1] - offsets[:-1], sizes) + np.arange(offsets[-1])
+    joined = (cu[take] - np.repeat(bounds[:-1], sizes)).astype(np.int32)
+    longest = np.zeros(len(cuts), dtype=np.int64)
+    rows = sizes > 1
+    if rows.any():
+        longest[rows] = np.maximum.reduceat(np.diff(cu), at[:-1][rows])
+    return joined, offsets, longest
+
+
 def _boundary_keys(boundaries: object) -> tuple[str, ...]:
     """The keys ``boundaries=`` asks for, in ``BOUNDARY_KEYS`` order."""
     if boundaries is True:
@@ -343,7 +368,8 @@ class TokenStream(_Windows):
 
     rowwise = True
     """Each observation is one row of every array: the loader reads many steps at once
-    (False with ``boundaries``: ``cu_seqlens`` belongs to a batch, not to its rows)."""
+    (with ``boundaries``, through ``read_steps``: ``cu_seqlens`` and ``max_seqlen``
+    belong to a batch, not to its rows)."""
 
     def __init__(
         self,
@@ -372,7 +398,6 @@ class TokenStream(_Windows):
                     f"{int(first[0])}, not 0; boundaries=True needs documents that cover "
                     "the stream in order"
                 )
-            self.rowwise = False
 
     def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
         """The view protocol (``tokload.assembly``): ``"tokens"`` ``[B, window]``
@@ -383,6 +408,57 @@ class TokenStream(_Windows):
         if self.with_boundaries:
             out.update(self.boundaries(indices, alloc))
         return out
+
+    def read_steps(
+        self, indices: np.ndarray, cuts: Sequence[tuple[int, int]], alloc: Alloc
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The view protocol's read of several steps at once (``tokload.assembly``).
+
+        ``cuts`` says which rows of ``indices`` each step has (consecutive
+        ``(a, e)``). The windows and their per-token arrays are read and
+        computed for all steps in one call each; ``"cu_seqlens"`` is each step's
+        own (over its flattened ``[rows, window]`` tokens), the steps' arrays
+        back to back in one array, and each step gets a ``slice`` of it and its
+        ``"max_seqlen"``: the same values as ``read_batch`` of each step.
+        """
+        got = self.read(indices, out=self.empty(len(indices), alloc=alloc))
+        raw: dict[str, Any] = got if isinstance(got, dict) else {"tokens": got}
+        steps: list[dict[str, Any]] = [{} for _ in cuts]
+        keys = self.boundary_keys
+        if not keys:
+            return raw, steps
+        arrays, cu, _ = self._window_boundaries(indices, alloc, keys)
+        raw.update(arrays)
+        if "cu_seqlens" not in keys and "max_seqlen" not in keys:
+            return raw, steps
+        joined, offsets, longest = split_cu_seqlens(cu, cuts, self.window)
+        if "cu_seqlens" in keys:
+            raw["cu_seqlens"] = joined
+        for k, st in enumerate(steps):
+            if "cu_seqlens" in keys:
+                st["cu_seqlens"] = slice(int(offsets[k]), int(offsets[k + 1]))
+            if "max_seqlen" in keys:
+                st["max_seqlen"] = int(longest[k])
+        return raw, steps
+
+    def _window_boundaries(
+        self, indices: npt.ArrayLike, alloc: Alloc, keys: Sequence[str]
+    ) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
+        docs = self.source.docs
+        if docs is None:
+            raise ValueError(f"{self.source.description} has no document boundaries")
+        arrays, cu, longest = window_boundaries(
+            docs,
+            self._indices(indices),
+            self._lo,
+            len(self),
+            self.stride,
+            self.window,
+            self.source.num_rows,
+            alloc,
+            keys,
+        )
+        return arrays, cu, longest
 
     def boundaries(self, indices: npt.ArrayLike, alloc: Alloc = np.empty) -> dict[str, Any]:
         """Where documents start inside windows ``indices``, as attention metadata.
@@ -399,21 +475,8 @@ class TokenStream(_Windows):
         an index read entry by entry) by a batched search of the index: a few
         rounds of index reads per batch, at most ``2 log2(documents)``.
         """
-        docs = self.source.docs
-        if docs is None:
-            raise ValueError(f"{self.source.description} has no document boundaries")
         keys = self.boundary_keys or BOUNDARY_KEYS
-        arrays, cu, longest = window_boundaries(
-            docs,
-            self._indices(indices),
-            self._lo,
-            len(self),
-            self.stride,
-            self.window,
-            self.source.num_rows,
-            alloc,
-            keys,
-        )
+        arrays, cu, longest = self._window_boundaries(indices, alloc, keys)
         if "cu_seqlens" in keys:
             arrays["cu_seqlens"] = cu
         out: dict[str, Any] = dict(arrays)
