@@ -53,3 +53,9 @@ def read_documents(
     pad: bytes,
     alloc: Callable[[tuple[int, ...], Any], np.ndarray[Any, Any]],
 ) -> tuple[np.ndarray[Any, Any], ...]: ...
+
+# Each step's cu_seqlens from a task's (rows [a, e) of `window` tokens per step):
+# the arrays back to back (int32), their offsets and each step's longest segment.
+def split_cu_seqlens(
+    cu: npt.ArrayLike, cuts: Sequence[tuple[int, int]], window: int
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...

@@ -324,6 +324,38 @@ cdef tuple _boundary_arrays(const uint64_t[::1] r, uint64_t window, ncuts, cuts,
     return arrays, cu[:k], int(longest)
 
 
+def split_cu_seqlens(cu, cuts, uint64_t window):
+    """Each step's ``cu_seqlens`` from those of all the steps' rows at once.
+
+    ``cu`` (int32) holds the segments' starts over the flattened rows of
+    ``window`` tokens, then their total; every row starts a segment, so step
+    ``k``'s rows ``[a, e)`` (``cuts``, consecutive from 0) are the entries from
+    ``a * window`` to ``e * window``, less ``a * window``. Returns the steps'
+    arrays back to back (int32), where each begins (``len(cuts) + 1`` offsets,
+    int64) and each step's longest segment (int64; 0 for a step without rows),
+    computed in C.
+    """
+    cdef const int32_t[::1] cv = np.ascontiguousarray(cu, dtype=np.int32)
+    # (no negative indices here: this module is compiled with wraparound off)
+    first = np.array([a for a, _ in cuts] + [cuts[len(cuts) - 1][1] if cuts else 0],
+                     dtype=np.int64)
+    cdef const int64_t[::1] fv = first
+    cdef size_t nsteps = len(cuts), ncu = cv.shape[0]
+    out = np.empty(ncu + nsteps, dtype=np.int32)
+    offsets = np.empty(nsteps + 1, dtype=np.int64)
+    longest = np.empty(nsteps, dtype=np.int64)
+    cdef int32_t[::1] ov = out
+    cdef int64_t[::1] offv = offsets
+    cdef int64_t[::1] lv = longest
+    cdef int ok = 0
+    if ncu and nsteps:
+        ok = lib.tl_bounds_split(&cv[0], ncu, &fv[0], nsteps, window, &ov[0], &offv[0], &lv[0])
+    if not ok:
+        raise ValueError(f"cu_seqlens {np.asarray(cv)[:8].tolist()}... do not fit rows "
+                         f"{first.tolist()[:8]}... of {window} tokens")
+    return out[: offsets[nsteps]], offsets, longest
+
+
 def read_documents(ExtentIndex index not None, RowSet rows not None, ids, uint64_t first, uint64_t count, dtype,
                    bint pack, length, bytes pad, alloc):
     """Documents ``first + ids[b]`` of ``index`` as one batch, in one call.

@@ -175,6 +175,8 @@ cdef extern from "tokload/bounds.h" nogil:
     size_t tl_bounds_fill(const uint64_t *rows, const uint64_t *cuts, const uint64_t *ncuts,
                           size_t nwin, uint64_t W, int64_t *pos, int32_t *seg, uint8_t *mask,
                           int32_t *cu, uint64_t *max_len, size_t *bad) noexcept
+    int tl_bounds_split(const int32_t *cu, size_t ncu, const int64_t *first, size_t nsteps,
+                        uint64_t W, int32_t *out, int64_t *offsets, int64_t *longest) noexcept
     uint64_t tl_bounds_cuts_tables(const uint64_t *row_cum, const uint64_t *doc_cum,
                                    size_t nfiles, const uint64_t *const *tables,
                                    const uint64_t *rows, size_t nwin, uint64_t W,

@@ -413,17 +413,16 @@ class DataLoader:
         tokens = self._tokens.rows(raw, cuts)
         if collate is not None:
             rows = [(k, v) for k, v in raw.items() if k not in per_batch]
-            out = [
-                collate(_step(_rows(rows, a, e), raw, steps[i] if steps else None))
-                for i, (a, e) in enumerate(cuts)
-            ]
+            out = [_rows(rows, a, e) for a, e in cuts]
+            if steps:
+                _add_step_values(out, raw, steps)
+            out = [collate(b) for b in out]
         else:
             whole = self.transfer.copy(self.transfer.tensors(raw))
             items = [(k, v) for k, v in whole.items() if k not in per_batch]
-            out = [
-                _step(_rows(items, a, e), whole, steps[i] if steps else None)
-                for i, (a, e) in enumerate(cuts)
-            ]
+            out = [_rows(items, a, e) for a, e in cuts]
+            if steps:
+                _add_step_values(out, whole, steps)
             for b in out:
                 b.ready = whole.ready
         self._stats.built(time.perf_counter() - t0, sum(tokens))
@@ -686,13 +685,29 @@ def _rows(items: list[tuple[str, Any]], start: int, end: int) -> Batch:
     return b
 
 
-def _step(batch: Any, whole: Mapping[str, Any], values: dict[str, Any] | None) -> Any:
-    """A step's batch with its per-batch values (``read_steps``): slices of the
-    task's arrays, or values as they are."""
-    if values:
-        for k, v in values.items():
-            batch[k] = whole[k][v] if isinstance(v, slice) else v
-    return batch
+def _add_step_values(
+    batches: list[Batch], whole: Mapping[str, Any], steps: list[dict[str, Any]]
+) -> None:
+    """Give each step's batch its per-batch values (``read_steps``): slices of the
+    task's arrays (cut with one ``split`` per array when the slices follow one
+    another from 0), or values as they are."""
+    for key in steps[0]:
+        values = [st[key] for st in steps]
+        if not isinstance(values[0], slice):
+            for b, v in zip(batches, values, strict=True):
+                b[key] = v
+            continue
+        arr = whole[key]
+        sizes = [v.stop - v.start for v in values]
+        starts = np.cumsum([0, *sizes[:-1]]).tolist()
+        if [v.start for v in values] != starts:  # not back to back: one slice each
+            pieces = [arr[v] for v in values]
+        elif hasattr(arr, "split"):  # a tensor
+            pieces = arr[: starts[-1] + sizes[-1]].split(sizes)
+        else:
+            pieces = np.split(arr[: starts[-1] + sizes[-1]], np.cumsum(sizes)[:-1])
+        for b, p in zip(batches, pieces, strict=True):
+            b[key] = p
 
 
 class _Failed:

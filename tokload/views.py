@@ -26,7 +26,7 @@ from typing import Any, Self, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from tokload._docindex import read_documents, window_boundaries
+from tokload._docindex import read_documents, split_cu_seqlens, window_boundaries
 from tokload._io import FileSet
 from tokload._meta import BlockSet, Scratch, compact_records
 from tokload._pack import row_boundaries, row_offsets
@@ -279,31 +279,6 @@ class _Windows(View):
 
 BOUNDARY_KEYS = ("position_ids", "segment_ids", "loss_mask", "cu_seqlens", "max_seqlen")
 """What ``TokenStream(..., boundaries=True)`` adds to a batch."""
-
-
-def split_cu_seqlens(
-    cu: np.ndarray, cuts: Sequence[tuple[int, int]], window: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each step's ``cu_seqlens`` from those of all the steps' rows at once.
-
-    ``cu`` (int32) holds the segments' starts over the flattened rows, then their
-    total; every row starts a segment, so step ``k``'s rows ``[a, e)`` are the
-    entries from ``a * window`` to ``e * window``, less ``a * window``. Returns the
-    steps' arrays back to back (int32), where each begins (``len(cuts) + 1``
-    offsets) and each step's longest segment (0 for a step without rows).
-    """
-    bounds = np.array([a for a, _ in cuts] + [cuts[-1][1]], dtype=np.int64) * window
-    at = np.searchsorted(cu, bounds)
-    sizes = np.diff(at) + 1  # the step's segments and its total
-    offsets = np.zeros(len(cuts) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    take = np.repeat(at[:-1] - offsets[:-1], sizes) + np.arange(offsets[-1])
-    joined = (cu[take] - np.repeat(bounds[:-1], sizes)).astype(np.int32)
-    longest = np.zeros(len(cuts), dtype=np.int64)
-    rows = sizes > 1
-    if rows.any():
-        longest[rows] = np.maximum.reduceat(np.diff(cu), at[:-1][rows])
-    return joined, offsets, longest
 
 
 def _boundary_keys(boundaries: object) -> tuple[str, ...]:

@@ -181,4 +181,37 @@ TL_INLINE uint64_t tl_bounds_cuts_tables(const uint64_t *row_cum, const uint64_t
     return total;
 }
 
+/*
+ * Each step's cu_seqlens from those of all the steps' rows (tl_bounds_fill's cu
+ * over the flattened rows, ncu entries: every row starts a segment, the last is
+ * the total).  Step k has rows [first[k], first[k + 1]) of W tokens (first has
+ * nsteps + 1 entries, first[0] = 0, non-decreasing; a step may have no rows).
+ * Writes the steps' arrays back to back to out (each step's segments' starts,
+ * less the step's first token, then its tokens; ncu - 1 + nsteps entries),
+ * offsets[0..nsteps] where each begins, and each step's longest segment (0 for
+ * none).  Returns 0 when cu does not fit the rows (not a task's cu_seqlens).
+ */
+TL_INLINE int tl_bounds_split(const int32_t *cu, size_t ncu, const int64_t *first, size_t nsteps,
+                              uint64_t W, int32_t *out, int64_t *offsets, int64_t *longest)
+{
+    if (ncu == 0 || cu[0] != 0 || (uint64_t)cu[ncu - 1] != (uint64_t)first[nsteps] * W) return 0;
+    size_t j = 0, o = 0;
+    for (size_t k = 0; k < nsteps; k++) {
+        int64_t lo = first[k] * (int64_t)W, hi = first[k + 1] * (int64_t)W;
+        int64_t top = 0;
+        offsets[k] = (int64_t)o;
+        if ((int64_t)cu[j] != lo) return 0;
+        while ((int64_t)cu[j] < hi) {
+            if (j + 1 >= ncu || cu[j + 1] <= cu[j]) return 0;
+            out[o++] = (int32_t)(cu[j] - lo);
+            if (cu[j + 1] - cu[j] > top) top = cu[j + 1] - cu[j];
+            j++;
+        }
+        out[o++] = (int32_t)(hi - lo);
+        longest[k] = top;
+    }
+    offsets[nsteps] = (int64_t)o;
+    return 1;
+}
+
 #endif /* TOKLOAD_BOUNDS_H */
