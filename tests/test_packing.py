@@ -401,6 +401,7 @@ def test_bad_options_are_refused(tmp_path: Path) -> None:
         (dict(batch="fill", window=True), r"window must be a positive integer, got True"),
         (dict(batch="filled"), r"batch must be 'pad', 'pack' or 'fill', got 'filled'"),
         (dict(batch="fill", window=8, boundaries=["labels"]), r"unknown keys \['labels'\]"),
+        (dict(batch="pack", boundaries=True), r"boundaries= is for batch='fill', not 'pack'"),
     ):
         with pytest.raises(ValueError, match=message):
             tokload.Documents(tmp_path / "ds", **kwargs)
@@ -409,6 +410,8 @@ def test_bad_options_are_refused(tmp_path: Path) -> None:
             PackedRows.one_per_row(np.arange(1), (np.zeros(1, np.uint64),) * 2, 8)
         )
     assert Packing(8).lookahead == tokload.packing.DEFAULT_LOOKAHEAD
+    view = tokload.Documents(tmp_path / "ds", batch="fill", window=8)
+    assert "batch='fill', window=8, lookahead=1024, n=10" in repr(view)
 
 
 @settings(max_examples=60, deadline=None)

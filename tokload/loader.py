@@ -474,7 +474,8 @@ class DataLoader:
     def raw_batch(self, start: int, end: int) -> dict[str, Any]:
         """The NumPy arrays of this rank's part of the global batch ``[start, end)``.
 
-        This is what ``collate`` gets: the view's ``read_batch`` result plus
+        This is what ``collate`` gets: the view's ``read_batch`` result (for a
+        view that packs documents, its ``read_rows`` of the step's rows) plus
         ``"index"`` and ``"position"``.
         """
         sched = self.schedule

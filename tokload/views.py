@@ -541,10 +541,11 @@ class Documents(View):
         lookahead: with ``"fill"``, how many consecutive documents of the
             shuffle are packed together (default 1024): more packs tighter, and
             each rank packs that many documents' lengths at a time.
-        boundaries: with ``"fill"``, the attention metadata added to each
-            batch, as for ``TokenStream(boundaries=...)``: True (default) for
-            all of ``"position_ids"``, ``"segment_ids"``, ``"loss_mask"``,
-            ``"cu_seqlens"``, ``"max_seqlen"``; a list of them; False for none.
+        boundaries: with ``"fill"`` (and only then), the attention metadata
+            added to each batch, as for ``TokenStream(boundaries=...)``: True
+            (the default with ``"fill"``) for all of ``"position_ids"``,
+            ``"segment_ids"``, ``"loss_mask"``, ``"cu_seqlens"``,
+            ``"max_seqlen"``; a list of them; False for none.
         storage_options: for an object-store URL, what overrides the
             environment's settings (endpoint, credentials, retries; see
             ``tokload.remote``).
@@ -565,7 +566,7 @@ class Documents(View):
         pad_value: int = 0,
         window: int | None = None,
         lookahead: int = DEFAULT_LOOKAHEAD,
-        boundaries: bool | Sequence[str] = True,
+        boundaries: bool | Sequence[str] | None = None,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if batch not in ("pad", "pack", "fill"):
@@ -580,9 +581,14 @@ class Documents(View):
             if pad_to is not None:
                 raise ValueError("batch='fill' fills rows of window= tokens; pad_to is for 'pad'")
             self.packing = Packing(window, lookahead)
-            self.boundary_keys = _boundary_keys(boundaries)
+            self.boundary_keys = _boundary_keys(True if boundaries is None else boundaries)
         elif window is not None:
             raise ValueError(f"window= is for batch='fill', not {batch!r} (see pad_to)")
+        elif boundaries is not None:
+            raise ValueError(
+                f"boundaries= is for batch='fill', not {batch!r} (batch='pack' gives "
+                "cu_seqlens already)"
+            )
         super().__init__(data, storage_options)
         if self.source.docs is None:
             raise FormatError(f"{self.source.description} has no document index")
@@ -621,7 +627,7 @@ class Documents(View):
     def _config(self) -> str:
         # A cursor counts rows of a packing: another window or look-ahead is another run.
         p = self.packing
-        return "" if p is None else f"fill:{p.window}:{p.lookahead}"
+        return "" if p is None else f"batch='fill', window={p.window}, lookahead={p.lookahead},"
 
     def read_rows(self, rows: PackedRows, alloc: Alloc = np.empty) -> dict[str, Any]:
         """Rows of ``window`` tokens holding the documents ``rows`` says (``"fill"``).
