@@ -172,6 +172,17 @@ class Assembly:
     def _finish(
         self, raw: Any, indices: np.ndarray, positions: np.ndarray, how: str = "read_batch"
     ) -> dict[str, Any]:
+        out = self._check(raw, how)
+        # One buffer for both: half the allocations of a batch's bookkeeping.
+        both = self.alloc((2, len(indices)), np.int64)
+        both[0] = indices
+        both[1] = positions.view(np.int64)
+        out["index"] = both[0]
+        out["position"] = both[1]
+        return out
+
+    def _check(self, raw: Any, how: str) -> dict[str, Any]:
+        """What the view's ``how`` returned, checked: a dict without the loader's keys."""
         if not isinstance(raw, dict):
             raise TypeError(
                 f"{type(self.view).__name__}.{how} returned {type(raw).__name__}, not a dict"
@@ -182,27 +193,11 @@ class Assembly:
                     f"{type(self.view).__name__}.{how} returned the key {key!r}, "
                     "which the loader sets"
                 )
-        # One buffer for both: half the allocations of a batch's bookkeeping.
-        both = self.alloc((2, len(indices)), np.int64)
-        both[0] = indices
-        both[1] = positions.view(np.int64)
-        raw["index"] = both[0]
-        raw["position"] = both[1]
         return raw
 
     def read_rows(self, rows: Any) -> dict[str, Any]:
         """The raw batch of packed ``rows`` (a ``tokload.packing.PackedRows``)."""
-        raw = self.view.read_rows(rows, self.alloc)
-        if not isinstance(raw, dict):
-            raise TypeError(
-                f"{type(self.view).__name__}.read_rows returned {type(raw).__name__}, not a dict"
-            )
-        for key in RESERVED_KEYS:
-            if key in raw:
-                raise ValueError(
-                    f"{type(self.view).__name__}.read_rows returned the key {key!r}, "
-                    "which the loader sets"
-                )
+        raw = self._check(self.view.read_rows(rows, self.alloc), "read_rows")
         index = self.alloc((len(rows.ids),), np.int64)
         index[:] = rows.ids
         position = self.alloc((len(rows.positions),), np.int64)

@@ -246,14 +246,7 @@ class PackedSchedule(Schedule):
 
     def spans(self, c: int, count: int) -> list[tuple[int, int]]:
         """Up to ``count`` consecutive steps from cursor ``c`` (fewer at the end)."""
-        out: list[tuple[int, int]] = []
-        while len(out) < count:
-            sp = self.span(c)
-            if sp is None:
-                break
-            out.append(sp)
-            c = sp[1]
-        return out
+        return self._spans_one_by_one(c, count)
 
     def steps_left(self, c: int) -> int:
         """Not known without packing the rest of the run: TypeError."""

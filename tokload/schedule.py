@@ -108,6 +108,9 @@ class Schedule:
         if last <= self.end and (not self.drop_last or c % self.n + count * g <= self.n):
             # No end and no epoch tail to skip: the steps are plain multiples of G.
             return [(a, a + g) for a in range(c, last, g)]
+        return self._spans_one_by_one(c, count)
+
+    def _spans_one_by_one(self, c: int, count: int) -> list[tuple[int, int]]:
         out: list[tuple[int, int]] = []
         while len(out) < count:
             sp = self.span(c)
