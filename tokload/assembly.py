@@ -28,10 +28,11 @@ and, optionally,
   index, in order, and reading a concatenation of index arrays gives the
   concatenation of the results. The loader then reads the samples of several
   steps with one call and gives each step its rows (a token stream's fast path);
-- ``view.read_steps(indices, cuts, alloc) -> (dict, list[dict])``: for a
-  rowwise view whose batches also hold values of the whole batch (a token
-  stream's ``cu_seqlens`` and ``max_seqlen``), the read of several steps at once
-  that the loader uses instead of ``read_batch``: ``cuts`` gives each step's
+- ``view.read_steps(indices, cuts, alloc) -> (dict, list[dict])`` with
+  ``view.batch_keys`` (a tuple of keys, not empty): for a rowwise view whose
+  batches also hold values of the whole batch (a token stream's
+  ``cu_seqlens`` and ``max_seqlen``), the read of several steps at once that
+  the loader uses instead of ``read_batch``: ``cuts`` gives each step's
   rows ``(a, e)`` of ``indices``; the dict holds the rows' arrays and arrays of
   any shape; the list, for each step, its per-batch values: a ``slice`` of one
   of those arrays, or a value as it is. The loader gives each step its rows of
@@ -131,7 +132,7 @@ class Assembly:
         self.alloc = alloc
         self.rowwise = bool(getattr(view, "rowwise", False))
         steps = getattr(view, "read_steps", None)
-        self.stepwise = self.rowwise and callable(steps)
+        self.stepwise = self.rowwise and callable(steps) and bool(getattr(view, "batch_keys", ()))
 
     def read(self, indices: np.ndarray, positions: np.ndarray) -> dict[str, Any]:
         """The raw batch of samples ``indices`` at global ``positions`` (both 1-D)."""

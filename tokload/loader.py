@@ -403,11 +403,12 @@ class DataLoader:
         pos, ends = sched.task_positions(spans)
         cuts = list(zip([0, *ends], ends, strict=False))
         steps: list[dict[str, Any]] | None = None
+        per_batch = _NO_KEYS  # the keys of values per batch, not per row
         if asm.stepwise:  # rows, and values per batch (cu_seqlens)
             raw, steps = asm.read_steps(sched.indices(pos), pos, cuts)
+            per_batch = frozenset(k for st in steps for k in st)
         else:
             raw = asm.read(sched.indices(pos), pos)
-        per_batch = frozenset(k for st in steps or () for k in st)
         asm.check_rows(raw, len(pos), per_batch)
         collate = self.collate
         tokens = self._tokens.rows(raw, cuts)
@@ -419,7 +420,9 @@ class DataLoader:
             out = [collate(b) for b in out]
         else:
             whole = self.transfer.copy(self.transfer.tensors(raw))
-            items = [(k, v) for k, v in whole.items() if k not in per_batch]
+            items = list(whole.items())
+            if per_batch:
+                items = [(k, v) for k, v in items if k not in per_batch]
             out = [_rows(items, a, e) for a, e in cuts]
             if steps:
                 _add_step_values(out, whole, steps)
@@ -684,6 +687,9 @@ def _rows(items: list[tuple[str, Any]], start: int, end: int) -> Batch:
     for k, v in items:
         b[k] = v[start:end]
     return b
+
+
+_NO_KEYS: frozenset[str] = frozenset()
 
 
 def _add_step_values(

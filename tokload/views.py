@@ -280,6 +280,9 @@ class _Windows(View):
 BOUNDARY_KEYS = ("position_ids", "segment_ids", "loss_mask", "cu_seqlens", "max_seqlen")
 """What ``TokenStream(..., boundaries=True)`` adds to a batch."""
 
+BATCH_KEYS = ("cu_seqlens", "max_seqlen")
+"""Those of ``BOUNDARY_KEYS`` that belong to a batch, not to its rows."""
+
 
 def _boundary_keys(boundaries: object) -> tuple[str, ...]:
     """The keys ``boundaries=`` asks for, in ``BOUNDARY_KEYS`` order."""
@@ -358,6 +361,8 @@ class TokenStream(_Windows):
         super().__init__(data, window, stride, storage_options)
         self.boundary_keys = _boundary_keys(boundaries)
         self.with_boundaries = bool(self.boundary_keys)
+        # the values of a whole batch, not of its rows: the loader reads tasks with read_steps
+        self.batch_keys = tuple(k for k in self.boundary_keys if k in BATCH_KEYS)
         if self.with_boundaries:
             docs = self.source.docs
             if docs is None or docs.total == 0:
