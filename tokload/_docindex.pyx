@@ -10,6 +10,7 @@ from libc.string cimport memcpy
 
 cimport tokload._lib as lib
 from tokload._io cimport FileSet, _indices, _raise_io, _window_starts, _checked_window_starts
+from tokload._pack cimport token_arrays
 from tokload._rows cimport RowSet
 from tokload._tables cimport ShardTables
 
@@ -282,23 +283,10 @@ cdef tuple _boundary_arrays(const uint64_t[::1] r, uint64_t window, ncuts, cuts,
     """The arrays of ``window_boundaries`` from each window's cuts."""
     cdef size_t nwin = r.shape[0]
     cdef size_t total = cuts.shape[0]
-    arrays = {}
-    cdef int64_t *pp = NULL
-    cdef int32_t *sp = NULL
-    cdef uint8_t *mp = NULL
-    cdef int64_t[:, ::1] pv
-    cdef int32_t[:, ::1] sv
-    cdef uint8_t[:, ::1] mv
-    if nwin and "position_ids" in per_token:
-        arrays["position_ids"] = pv = alloc((nwin, window), np.dtype(np.int64))
-        pp = &pv[0, 0]
-    if nwin and "segment_ids" in per_token:
-        arrays["segment_ids"] = sv = alloc((nwin, window), np.dtype(np.int32))
-        sp = &sv[0, 0]
-    if nwin and "loss_mask" in per_token:
-        arrays["loss_mask"] = maska = alloc((nwin, window), np.dtype(np.bool_))
-        mv = maska.view(np.uint8)
-        mp = &mv[0, 0]
+    cdef int64_t *pp
+    cdef int32_t *sp
+    cdef uint8_t *mp
+    arrays = token_arrays(nwin, window, alloc, per_token, &pp, &sp, &mp)
     cu = np.empty(total + nwin + 1, dtype=np.int32)
     cdef const uint64_t[::1] cv = cuts, nv = ncuts
     cdef int32_t[::1] cuv = cu
@@ -315,10 +303,6 @@ cdef tuple _boundary_arrays(const uint64_t[::1] r, uint64_t window, ncuts, cuts,
                 f"the window at row {r[bad]} are out of order"
             )
     else:
-        for key, dt in (("position_ids", np.int64), ("segment_ids", np.int32),
-                        ("loss_mask", np.bool_)):
-            if key in per_token:
-                arrays[key] = alloc((0, window), np.dtype(dt))
         cu[0] = 0
         k = 1
     return arrays, cu[:k], int(longest)

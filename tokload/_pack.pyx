@@ -84,6 +84,33 @@ def greedy_rows(lengths, uint64_t window):
     return int(rows)
 
 
+cdef dict token_arrays(size_t n, uint64_t window, alloc, per_token, int64_t **pos,
+                       int32_t **seg, uint8_t **mask):
+    """The per-token attention arrays that ``per_token`` names, ``[n, window]``
+    and made with ``alloc``: ``"position_ids"`` (int64), ``"segment_ids"``
+    (int32), ``"loss_mask"`` (bool). ``pos``, ``seg`` and ``mask`` get their
+    data (NULL for an array not asked for, and for ``n = 0``)."""
+    arrays = {}
+    cdef int64_t[:, ::1] pv
+    cdef int32_t[:, ::1] sv
+    cdef uint8_t[:, ::1] mv
+    pos[0], seg[0], mask[0] = NULL, NULL, NULL
+    if "position_ids" in per_token:
+        arrays["position_ids"] = pv = alloc((n, window), np.dtype(np.int64))
+        if n:
+            pos[0] = &pv[0, 0]
+    if "segment_ids" in per_token:
+        arrays["segment_ids"] = sv = alloc((n, window), np.dtype(np.int32))
+        if n:
+            seg[0] = &sv[0, 0]
+    if "loss_mask" in per_token:
+        arrays["loss_mask"] = made = alloc((n, window), np.dtype(np.bool_))
+        mv = made.view(np.uint8)
+        if n:
+            mask[0] = &mv[0, 0]
+    return arrays
+
+
 cdef const int64_t[::1] _counts(counts, size_t ndocs) except *:
     c = np.ascontiguousarray(counts, dtype=np.int64)
     if c.ndim != 1:
@@ -135,26 +162,10 @@ def row_boundaries(lengths, counts, uint64_t window, alloc,
     if nrows * window >= (<uint64_t>1 << 31):
         raise ValueError(f"{nrows} rows of {window} tokens: cu_seqlens (int32) cannot hold "
                          f"{nrows * window} tokens")
-    arrays = {}
-    cdef int64_t *pp = NULL
-    cdef int32_t *sp = NULL
-    cdef uint8_t *mp = NULL
-    cdef int64_t[:, ::1] pv
-    cdef int32_t[:, ::1] sv
-    cdef uint8_t[:, ::1] mv
-    if "position_ids" in per_token:
-        arrays["position_ids"] = pv = alloc((nrows, window), np.dtype(np.int64))
-        if nrows:
-            pp = &pv[0, 0]
-    if "segment_ids" in per_token:
-        arrays["segment_ids"] = sv = alloc((nrows, window), np.dtype(np.int32))
-        if nrows:
-            sp = &sv[0, 0]
-    if "loss_mask" in per_token:
-        arrays["loss_mask"] = maska = alloc((nrows, window), np.dtype(np.bool_))
-        mv = maska.view(np.uint8)
-        if nrows:
-            mp = &mv[0, 0]
+    cdef int64_t *pp
+    cdef int32_t *sp
+    cdef uint8_t *mp
+    arrays = token_arrays(nrows, window, alloc, per_token, &pp, &sp, &mp)
     cu = np.empty(lv.shape[0] + nrows + 1, dtype=np.int32)
     cdef int32_t[::1] cuv = cu
     cdef uint64_t longest = 0, zero = 0
