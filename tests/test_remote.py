@@ -9,9 +9,15 @@ truncated and short bodies). Skipped where ``moto`` or ``obstore`` (the
 
 from __future__ import annotations
 
+import _thread
+import asyncio
 import json
 import shutil
 import socket
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -477,6 +483,90 @@ def test_a_forked_child_is_refused_not_hung(corpus: tuple[Path, str]) -> None:
         p.kill()
     assert not alive, "the child hung"
     assert "does not survive fork()" in q.get(timeout=5)
+
+
+def test_exit_waits_for_a_runtime_thread_handing_over_a_result(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """obstore's runtime threads (not Python's) hand each result to the event loop in
+    ``loop.call_soon_threadsafe``, whose self-pipe write lets the GIL go: if the process
+    finalized before such a thread took the GIL back, it would abort.  At exit tokload
+    waits for them (here, a thread that ``threading`` does not know, held inside the
+    write)."""
+    remote._get_loop()
+    loop = asyncio.new_event_loop()
+    entered, release = threading.Event(), threading.Event()
+
+    def write_to_self() -> None:
+        entered.set()
+        release.wait(10)
+
+    loop._write_to_self = write_to_self  # type: ignore[attr-defined]
+    # called from outside Python, as obstore's threads call it
+    _thread.start_new_thread(loop.call_soon_threadsafe, (lambda: None,))
+    try:
+        assert entered.wait(10)
+        assert len(remote._handing_over()) == 1
+        assert not remote._quiesce(limit=0.05)
+        err = capsys.readouterr().err
+        assert "1 of obstore's threads still handing a result over" in err
+        threading.Timer(0.2, release.set).start()
+        t0 = time.monotonic()
+        assert remote._quiesce(limit=10)
+        assert time.monotonic() - t0 >= 0.15
+        assert not remote._handing_over()
+    finally:
+        release.set()
+        while remote._handing_over():
+            time.sleep(0.001)
+        loop.close()
+
+
+def test_a_cancelled_read_lets_its_request_complete_before_exit() -> None:
+    """A task awaiting a request may be cancelled (a batch whose other GET failed, an
+    interrupt); the request itself is not, and exit waits for it."""
+
+    async def start() -> asyncio.Future[Any]:
+        request = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(remote._settled(request))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not request.cancelled() and request in remote._pending
+        return request
+
+    request = remote._run(start())
+    assert not remote._quiesce(limit=0.05)
+    remote._get_loop().call_soon_threadsafe(request.set_exception, RuntimeError("late"))
+    assert remote._quiesce(limit=10) and request not in remote._pending
+
+
+def test_a_failed_batch_exits_with_its_error_not_an_abort(
+    s3: LocalS3, corpus: tuple[Path, str]
+) -> None:
+    """A process that ends on a remote error while the batch's other GETs are in flight
+    exits with that error (status 1), after those GETs complete, never SIGABRT."""
+    _, url = corpus
+    assert s3.proxy is not None
+    s3.proxy.inject("403", times=1, match="GET .rows")
+    s3.proxy.inject("delay", times=-1, match="GET .rows", seconds=0.5)
+    script = (
+        "import sys, time, numpy as np, tokload\n"
+        "view = tokload.TokenStream(sys.argv[1], 300, storage_options={'merge_gap': 0})\n"
+        "try:\n"
+        "    view.read(np.arange(0, len(view), 7))\n"
+        "finally:\n"
+        "    print(time.monotonic(), flush=True)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script, url], capture_output=True, text=True, timeout=120
+    )
+    ended = time.monotonic()
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert "RemoteAccessError" in r.stderr and "still in flight" not in r.stderr
+    assert s3.proxy.faults_done["403"] == 1 and s3.proxy.faults_done["delay"] >= 2
+    assert ended - float(r.stdout) >= 0.3  # it waited for the delayed GETs
 
 
 def test_the_command_line_takes_urls(

@@ -44,9 +44,11 @@ takes far longer than a mebibyte's transfer).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import random
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -408,8 +410,84 @@ def _get_loop() -> asyncio.AbstractEventLoop:
         if _loop is None or _loop_pid != os.getpid():
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="tokload-remote", daemon=True).start()
+            if _loop is None:
+                atexit.register(_quiesce)
             _loop, _loop_pid = loop, os.getpid()
         return _loop
+
+
+# ---- exit: obstore's threads leave Python before the interpreter finalizes ----------------
+#
+# obstore completes each request on one of its runtime's threads (Rust tokio, not
+# Python's): it takes the GIL and hands the result to the event loop
+# (``loop.call_soon_threadsafe``), whose self-pipe write lets the GIL go for a moment.
+# Python code waiting on that result may then finish, and the process exit, while the
+# runtime's thread has yet to take the GIL back: taking it once the interpreter is
+# finalizing ends the thread with pthread_exit, which cannot unwind through Rust's frames,
+# and the process aborts (SIGABRT, nothing printed) after a run that did all its work.
+# Abandoned requests (a failed batch's other GETs, an interrupt) would do the same when
+# they complete.  Two things close the window: a request is never cancelled on
+# obstore's side (``_settled``: the task awaiting it may be, the request runs to its end
+# and its result is dropped), and at exit ``_quiesce`` waits until every request has
+# completed and no thread of obstore's runtime is still inside ``call_soon_threadsafe``.
+
+_pending: set[asyncio.Future[Any]] = set()  # obstore's requests not completed (loop thread)
+
+
+async def _settled(request: Any) -> Any:
+    """``await request`` (an awaitable of obstore's), shielded: if the awaiting task is
+    cancelled, the request still runs to its end (``_pending`` until then) and its
+    result or error is dropped."""
+    fut = asyncio.ensure_future(request)
+    _pending.add(fut)
+    fut.add_done_callback(_completed)
+    return await asyncio.shield(fut)
+
+
+def _completed(fut: asyncio.Future[Any]) -> None:
+    _pending.discard(fut)
+    if not fut.cancelled():
+        fut.exception()  # retrieved: an abandoned request's error is not logged
+
+
+def _handing_over() -> set[int]:
+    """Threads that ``threading`` did not start which are inside
+    ``loop.call_soon_threadsafe`` called from outside Python: obstore's runtime
+    threads handing a result to the event loop."""
+    ours = {t.ident for t in threading.enumerate() if not isinstance(t, threading._DummyThread)}
+    found = set()
+    for ident, frame in sys._current_frames().items():
+        if ident in ours:
+            continue
+        while frame.f_back is not None:
+            frame = frame.f_back
+        if frame.f_code.co_name == "call_soon_threadsafe":
+            found.add(ident)
+    return found
+
+
+def _quiesce(limit: float | None = None) -> bool:
+    """Wait until obstore's requests have completed and its threads have handed their
+    results over, at most ``limit`` seconds (by default the longest request
+    ``timeout`` of the stores opened, plus 5): run at exit, before the interpreter
+    finalizes.  Returns whether they did; if not, says so on stderr."""
+    if _loop is None or _loop_pid != os.getpid():
+        return True
+    if limit is None:
+        with _stores_lock:
+            limit = max((s.settings.timeout for s in _stores.values()), default=0.0) + 5.0
+    deadline = time.monotonic() + limit
+    while _pending or _handing_over():
+        if time.monotonic() > deadline:
+            print(
+                f"tokload: at exit, after waiting {limit:g} s, {len(_pending)} object-store "
+                f"request(s) still in flight and {len(_handing_over())} of obstore's threads "
+                "still handing a result over: the process may abort",
+                file=sys.stderr,
+            )
+            return False
+        time.sleep(0.001)
+    return True
 
 
 _used_pid: int | None = None  # the process whose object-store client has done I/O
@@ -481,8 +559,8 @@ async def _get_range(obj: RemoteObject, start: int, end: int) -> Any:
         opts["if_match"] = obj.etag
 
     async def once() -> Any:
-        r = await obs.get_async(obj.store.store, obj.key, options=opts)
-        body = await r.bytes_async()
+        r = await _settled(obs.get_async(obj.store.store, obj.key, options=opts))
+        body = await _settled(r.bytes_async())
         if len(body) != end - start:
             raise _ShortBody(len(body), end - start)
         return body
@@ -597,7 +675,7 @@ def head(url: str, what: str, options: Mapping[str, Any] | None = None) -> Remot
     st, key = store_for(url, options)
     obs = _obstore()
     try:
-        meta, _ = _run(_retrying(lambda: obs.head_async(st.store, key), st.settings))
+        meta, _ = _run(_retrying(lambda: _settled(obs.head_async(st.store, key)), st.settings))
     except _Failed as f:
         raise _named(f.cause, url, None, None, f.attempts, what) from None
     return RemoteObject(st, key, int(meta["size"]), meta.get("e_tag"))
@@ -619,10 +697,7 @@ def listing(prefix_url: str, options: Mapping[str, Any] | None = None) -> dict[s
     prefix = key.rstrip("/") + "/" if key else ""
 
     async def collect() -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        async for batch in obs.list(st.store, prefix or None):
-            out.extend(batch)
-        return out
+        return list(await _settled(obs.list(st.store, prefix or None).collect_async()))
 
     try:
         metas, _ = _run(_retrying(collect, st.settings))
@@ -663,7 +738,7 @@ def put_file(
     async def once() -> Any:
         from pathlib import Path
 
-        return await obs.put_async(st.store, key, Path(path))
+        return await _settled(obs.put_async(st.store, key, Path(path)))
 
     try:
         _run(_retrying(once, st.settings))
@@ -679,7 +754,12 @@ def delete(urls: Iterable[str], options: Mapping[str, Any] | None = None) -> Non
     for url in urls:
         st, key = store_for(url, options)
         try:
-            _run(_retrying(lambda st=st, key=key: obs.delete_async(st.store, key), st.settings))
+            _run(
+                _retrying(
+                    lambda st=st, key=key: _settled(obs.delete_async(st.store, key)),
+                    st.settings,
+                )
+            )
         except _Failed as f:
             if not isinstance(f.cause, obs.exceptions.NotFoundError):
                 raise _named(f.cause, url, None, None, f.attempts, "a delete") from None
