@@ -132,6 +132,24 @@ def test_windows_of_hundreds_of_documents_across_shards(tmp_path: Path) -> None:
     assert got["segment_ids"].max() > 300  # hundreds of documents in one window
 
 
+def test_a_shard_of_uneven_documents_held_in_memory(tmp_path: Path) -> None:
+    """A shard's table held in memory is searched through its directory (buckets of
+    rows, about 4 documents each on average): here buckets of dozens of tiny or empty
+    documents, then empty buckets inside one long document, then tiny ones again."""
+    lengths = [*([0, 1, 2] * 1700), 100_000, *([1] * 5000)]
+    with tokload.Writer(tmp_path / "ds", "<u4", shard_bytes=1 << 30) as w:
+        for n in lengths:
+            w.write(np.full(n, 7, dtype=np.uint32))
+    view = tokload.TokenStream(tmp_path / "ds", window=300, stride=97, boundaries=True)
+    index: Any = view.source.docs
+    assert index.tables.enabled and len(view.source.rows.files.paths) == 1
+    n = len(view)
+    check(view, lengths, np.arange(n))
+    # the table and its directory (rows >> shift, 2 more): less than a quarter more
+    table = (len(lengths) + 1) * 8
+    assert table < index.tables.held_bytes() <= table + 8 * (len(lengths) // 4 + 2)
+
+
 def test_a_megatron_dataset_in_place() -> None:
     docs = tokload.Documents(str(MEGATRON))
     lengths = [len(docs[i]) for i in range(len(docs))]

@@ -190,3 +190,13 @@ def test_a_table_too_big_to_allocate_is_a_memory_error_naming_it(
     assert not tables(small).enabled
     np.testing.assert_array_equal(small.read([ndocs - 1]).values, np.arange(rows))
     assert len(small.read([0]).values) == 0
+
+
+def test_a_directory_is_for_plain_tables_of_every_shard(tmp_path: Path) -> None:
+    ds, _ = corpus(tmp_path / "ds")
+    rs = tables(Documents(ds)).rs
+    nshards = len(rs.files.paths)
+    with pytest.raises(ValueError, match=r"held as they are \(compress=False\)"):
+        ShardTables(rs, True, True, directory=[10] * nshards)
+    with pytest.raises(ValueError, match=rf"directory: 1 shards' rows for {nshards} tables"):
+        ShardTables(rs, True, directory=[10])

@@ -70,7 +70,9 @@ cdef class DocIndex(ExtentIndex):
         self._doc_cum = cum
         self._row_cum = np.array(rows.cum)
         self.total = cum[len(counts)]
-        self.tables = ShardTables(RowSet(files, counts + np.uint64(1), 8), in_memory)
+        # each table with its directory, to find a window's documents (window_boundaries)
+        self.tables = ShardTables(RowSet(files, counts + np.uint64(1), 8), in_memory,
+                                  directory=np.diff(self._row_cum))
 
     cdef FileSet _files(self):
         return self.files

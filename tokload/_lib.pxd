@@ -177,6 +177,9 @@ cdef extern from "tokload/bounds.h" nogil:
                           int32_t *cu, uint64_t *max_len, size_t *bad) noexcept
     int tl_bounds_split(const int32_t *cu, size_t ncu, const int64_t *first, size_t nsteps,
                         uint64_t W, int32_t *out, int64_t *offsets, int64_t *longest) noexcept
+    unsigned tl_dir_shift(uint64_t rows, uint64_t ndocs) noexcept
+    uint64_t tl_dir_entries(uint64_t rows, uint64_t ndocs) noexcept
+    void tl_dir_build(const uint64_t *t, uint64_t ndocs, uint64_t rows, uint64_t *dir) noexcept
     uint64_t tl_bounds_cuts_tables(const uint64_t *row_cum, const uint64_t *doc_cum,
                                    size_t nfiles, const uint64_t *const *tables,
                                    const uint64_t *rows, size_t nwin, uint64_t W,

@@ -9,7 +9,13 @@ class ShardTables:
     rs: RowSet
     enabled: bool
     compress: bool
-    def __init__(self, rs: RowSet, enabled: bool, compress: bool = False) -> None: ...
+    def __init__(
+        self,
+        rs: RowSet,
+        enabled: bool,
+        compress: bool = False,
+        directory: npt.ArrayLike | None = None,
+    ) -> None: ...
     def loaded(self) -> list[int]: ...
     def held_bytes(self) -> int: ...
 

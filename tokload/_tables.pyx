@@ -4,7 +4,7 @@ read once by whichever reader thread first needs them, shared by every thread
 
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
-from libc.stdlib cimport calloc, free, malloc
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy
 
 cimport tokload._lib as lib
@@ -30,10 +30,17 @@ cdef class ShardTables:
             bytes an entry; for values that grow by small steps, as a
             metadata block index does) instead of as it is (8 bytes an
             entry); callers then decode the entries they need.
+        directory: for document tables (each shard's ``documents + 1`` row
+            offsets), the rows of each shard: each table is then followed by
+            its directory (``tl_dir_build`` in ``csrc/tokload/bounds.h``: a
+            uint64 per 4 documents or fewer), which finds the documents of a
+            row range without a search of the whole table.
     """
 
-    def __cinit__(self, RowSet rs not None, bint enabled, bint compress=False):
+    def __cinit__(self, RowSet rs not None, bint enabled, bint compress=False, directory=None):
+        cdef size_t k
         self.tabs = NULL
+        self.rows = NULL
         if rs.rs.row_bytes != 8:
             raise ValueError("tables hold uint64 values: rows of 8 bytes")
         self.rs = rs
@@ -43,6 +50,21 @@ cdef class ShardTables:
         self.tabs = <void **>calloc(max(self.n, 1), sizeof(void *))
         if self.tabs is NULL:
             raise MemoryError()
+        if directory is not None:
+            if compress:
+                raise ValueError("a directory is for tables held as they are (compress=False)")
+            rows = np.ascontiguousarray(directory, dtype=np.uint64).reshape(-1)
+            if rows.shape[0] != self.n:
+                raise ValueError(f"directory: {rows.shape[0]} shards' rows for {self.n} tables")
+            for k in range(self.n):
+                if rs.rs.cum[k + 1] == rs.rs.cum[k]:
+                    raise ValueError(f"directory: table {k} has no entry (a document table "
+                                     "holds documents + 1)")
+            self.rows = <uint64_t *>malloc(max(self.n, 1) * sizeof(uint64_t))
+            if self.rows is NULL:
+                raise MemoryError()
+            for k in range(self.n):
+                self.rows[k] = rows[k]
 
     def __dealloc__(self):
         cdef size_t k
@@ -51,6 +73,8 @@ cdef class ShardTables:
                 free(self.tabs[k])
             free(self.tabs)
             self.tabs = NULL
+        free(self.rows)
+        self.rows = NULL
 
     def loaded(self):
         """The shards whose tables are in memory now."""
@@ -71,7 +95,12 @@ cdef class ShardTables:
                 total += lib.tl_ctab_size(<lib.tl_ctab *>t)
             else:
                 total += 8 * (self.rs.rs.cum[k + 1] - self.rs.rs.cum[k])
+                if self.rows != NULL:
+                    total += 8 * self._dir_entries(k)
         return total
+
+    cdef uint64_t _dir_entries(self, size_t k) noexcept nogil:
+        return lib.tl_dir_entries(self.rows[k], self.rs.rs.cum[k + 1] - self.rs.rs.cum[k] - 1)
 
     cdef int need(self, const lib.tl_engine *eng, const uint32_t *shards, size_t count,
                   lib.tl_io_error *err, size_t *failed) noexcept nogil:
@@ -118,6 +147,14 @@ cdef class ShardTables:
             rc = lib.tl_engine_run(eng, reqs, m, err, &nfailed)
             if rc:
                 failed[0] = reqs[nfailed].item
+        if rc == 0 and self.rows != NULL:
+            for j in range(m):
+                k = reqs[j].item
+                bufs[j] = _with_directory(bufs[j], self.rs.rs.cum[k + 1] - self.rs.rs.cum[k] - 1,
+                                          self.rows[k], self._dir_entries(k))
+                if bufs[j] == NULL:
+                    rc = _nomem(err, k, failed)  # the others are freed below
+                    break
         if rc == 0 and self.compress:
             for j in range(m):
                 k = reqs[j].item
@@ -130,6 +167,18 @@ cdef class ShardTables:
                 free(bufs[j])
         free(reqs)
         return rc
+
+
+cdef void *_with_directory(void *raw, uint64_t ndocs, uint64_t rows,
+                           uint64_t entries) noexcept nogil:
+    """The table of ``ndocs + 1`` entries at ``raw`` followed by its directory
+    (``raw`` freed), or NULL when out of memory (``raw`` freed too)."""
+    cdef void *mem = realloc(raw, (ndocs + 1 + entries) * 8)
+    if mem == NULL:
+        free(raw)
+        return NULL
+    lib.tl_dir_build(<uint64_t *>mem, ndocs, rows, <uint64_t *>mem + ndocs + 1)
+    return mem
 
 
 cdef void *_compressed(void *raw, uint64_t n) noexcept nogil:

@@ -775,7 +775,9 @@ def index_memory() -> int:
     by entry instead, a round of small reads per batch before the rows; one
     that fits is read whole, a shard at a time, when a batch first needs it,
     and kept (in this process) until the opened dataset is garbage-collected.
-    A document index takes its files' size (8 bytes a document); a metadata
+    A document index is weighed at its files' size (8 bytes a document; once
+    loaded, each shard's table carries a directory of at most a quarter more,
+    ``_tables.ShardTables``); a metadata
     block index is held compressed and weighed at about 2.1 bytes a block
     (``tokload._tables.compressed_table_bytes``; a group of 64 blocks that
     holds one of 64 KiB or more takes 512 bytes more once loaded), so a 4 TB

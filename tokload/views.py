@@ -449,9 +449,10 @@ class TokenStream(_Windows):
         ``"max_seqlen"`` (int, the longest segment): the keys the view's
         ``boundaries`` names (all of them for a view without). Pure functions of the
         windows' rows and the document index, computed in C without the GIL.
-        The documents inside a window are found by a binary search of each
-        shard's document table a window spans, where a tokload dataset holds
-        them in memory (``TOKLOAD_INDEX_MEMORY``); otherwise (a Megatron index,
+        The documents inside a window are found in each shard's document
+        table a window spans, where a tokload dataset holds them in memory
+        (``TOKLOAD_INDEX_MEMORY``), through the table's directory (buckets of
+        rows, about 4 documents each: a search of a few entries); otherwise (a Megatron index,
         an index read entry by entry) by a batched search of the index: a few
         rounds of index reads per batch, at most ``2 log2(documents)``.
         """

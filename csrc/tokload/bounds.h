@@ -135,11 +135,51 @@ TL_INLINE size_t tl_bounds_fill(const uint64_t *rows, const uint64_t *cuts, cons
 }
 
 /*
+ * A directory of a shard's document table, so that finding the documents of a
+ * window costs a cache miss or two rather than a binary search of the whole
+ * table (a miss per probe once the table outgrows the cache).  The table holds
+ * ndocs + 1 local row offsets (the last one the shard's rows); the directory
+ * cuts the shard's rows into buckets of 2^shift rows, shift the least with at
+ * most ndocs / 4 buckets (about 4 documents each, so at most a quarter of the
+ * table's bytes), and holds for each bucket b = 0 .. (rows >> shift) + 1 the
+ * first entry j with t[j] >= b << shift (n when none).  The first document
+ * starting after a row x is then between dir[x >> shift] and
+ * dir[(x >> shift) + 1].  Entries out of order (a damaged file) still give a
+ * non-decreasing directory within [0, n]: a search through it stays in the table.
+ */
+TL_INLINE unsigned tl_dir_shift(uint64_t rows, uint64_t ndocs)
+{
+    unsigned s = 0;
+    while (s < 63 && (rows >> s) > ndocs / 4) s++;
+    return s;
+}
+
+/* The directory's entries (uint64) for a shard of rows rows and ndocs documents. */
+TL_INLINE uint64_t tl_dir_entries(uint64_t rows, uint64_t ndocs)
+{
+    return (rows >> tl_dir_shift(rows, ndocs)) + 2;
+}
+
+/* Builds the directory of the n = ndocs + 1 entries of t into dir. */
+TL_INLINE void tl_dir_build(const uint64_t *t, uint64_t ndocs, uint64_t rows, uint64_t *dir)
+{
+    const unsigned s = tl_dir_shift(rows, ndocs);
+    const uint64_t nb = tl_dir_entries(rows, ndocs), n = ndocs + 1;
+    uint64_t j = 0;
+    for (uint64_t b = 0; b < nb; b++) {
+        const uint64_t lo = b << s;
+        while (j < n && t[j] < lo) j++;
+        dir[b] = j;
+    }
+}
+
+/*
  * The cuts of nwin windows of W rows from per-shard document indexes held in
  * memory (plan.h's layout: tables[k] holds shard k's documents + 1 local row
- * offsets, non-decreasing from 0), without the batched search: for each shard a
- * window spans, a binary search of its table for the first document starting
- * after the window's start, then its documents in order.  row_cum and doc_cum
+ * offsets, non-decreasing from 0, then their directory, tl_dir_build), without
+ * the batched search: for each shard a window spans, the first document
+ * starting after the window's start (a binary search of the entries between
+ * two of the directory's), then its documents in order.  row_cum and doc_cum
  * have nfiles + 1 cumulative counts; the tables of every shard the windows span
  * must be loaded.  With cuts NULL, only ncuts[b] is set (the first pass);
  * otherwise cuts gets them back to back (the second).  Returns the total.
@@ -161,7 +201,15 @@ TL_INLINE uint64_t tl_bounds_cuts_tables(const uint64_t *row_cum, const uint64_t
             /* first document of the shard whose start is > r */
             uint64_t lo = 0, hi = ndocs; /* answer in [lo, hi] */
             if (r >= base) {
-                uint64_t local = r - base;
+                const uint64_t local = r - base, rows_k = row_cum[k + 1] - base;
+                const uint64_t *dir = t + ndocs + 1;
+                if (local < rows_k) { /* always (r is in shard k): bucket + 1 is in dir */
+                    const uint64_t bucket = local >> tl_dir_shift(rows_k, ndocs);
+                    if (dir[bucket + 1] < hi) hi = dir[bucket + 1];
+                    lo = dir[bucket] < hi ? dir[bucket] : hi;
+                } else {
+                    lo = hi;
+                }
                 while (lo < hi) {
                     uint64_t mid = lo + (hi - lo) / 2;
                     if (t[mid] <= local)
