@@ -17,7 +17,9 @@ rows of 4,096 tokens:
   through the DataLoader flat out (1 reader thread, host batches), the time per
   batch of a token stream with ``cu_seqlens`` and ``max_seqlen``, with all the
   attention metadata, and of packed rows, over a plain token stream's (goal of
-  issue 29: the metadata costs at most 10%).
+  issue 29: the metadata costs at most 10%). Each ratio is the median over 7
+  rounds of the two times measured in turns within a round (the range is kept
+  too): on a 2-core VM the speed drifts by a fifth within seconds.
 
 Writes ``bench/results/bench_packing.json``.
 """
@@ -111,7 +113,7 @@ def corpus(tmp: Path) -> Path:
     return tmp / "docs"
 
 
-def timed(fn: Any, seconds: float = 2.0) -> float:
+def timed(fn: Any, seconds: float) -> float:
     """Median seconds per call over ``seconds`` (after 20 warm-up calls)."""
     for _ in range(20):
         fn()
@@ -124,10 +126,33 @@ def timed(fn: Any, seconds: float = 2.0) -> float:
     return statistics.median(times)
 
 
+ROUNDS = 7
+"""Rounds of every measurement of a ratio, in turns (this VM's speed drifts by a
+fifth within seconds: a ratio is taken within each round, and the median kept)."""
+
+
+def in_rounds(measure: dict[str, Any], rounds: int = ROUNDS) -> dict[str, list[float]]:
+    """``measure[label]()`` (a time) for every label, in turns, ``rounds`` times,
+    the order reversed every other round: the times by label, round by round."""
+    got: dict[str, list[float]] = {label: [] for label in measure}
+    for k in range(rounds):
+        for label in list(measure)[:: 1 if k % 2 == 0 else -1]:
+            got[label].append(measure[label]())
+    return got
+
+
+def ratio(times: dict[str, list[float]], label: str, base: str) -> tuple[float, float, float]:
+    """The median over rounds of ``label``'s time over ``base``'s in the same round,
+    and the lowest and highest of those ratios."""
+    r = [a / b for a, b in zip(times[label], times[base], strict=True)]
+    return statistics.median(r), min(r), max(r)
+
+
 def batch_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     stream = tokload.TokenStream(path, window=WINDOW)
     stream_bounds = tokload.TokenStream(path, window=WINDOW, boundaries=True)
     fill = tokload.Documents(path, batch="fill", window=WINDOW)
+    fill_plain = tokload.Documents(path, batch="fill", window=WINDOW, boundaries=False)
     assert fill.packing is not None
     sched = PackedSchedule(len(fill), BATCH, extents=fill.extents, packing=fill.packing, seed=1)
     steps = sched.spans(0, 400)
@@ -141,34 +166,49 @@ def batch_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         it["k"] = (it["k"] + 1) % len(seq)
         return seq[it["k"]]
 
-    t_plain = timed(lambda: stream.read_batch(nxt(pool), np.empty))
-    t_bounds = timed(lambda: stream_bounds.read_batch(nxt(pool), np.empty))
-    t_fill = timed(lambda: fill.read_rows(nxt(packed), np.empty))
-    fill_plain = tokload.Documents(path, batch="fill", window=WINDOW, boundaries=False)
-    t_fill_plain = timed(lambda: fill_plain.read_rows(nxt(packed), np.empty))
+    plain = "TokenStream.read_batch"
+    fill_base = 'Documents(batch="fill").read_rows, boundaries=False'
+    calls: dict[str, tuple[Any, float]] = {
+        plain: (lambda: stream.read_batch(nxt(pool), np.empty), BATCH * WINDOW),
+        "TokenStream.read_batch, boundaries=True": (
+            lambda: stream_bounds.read_batch(nxt(pool), np.empty),
+            BATCH * WINDOW,
+        ),
+        fill_base: (lambda: fill_plain.read_rows(nxt(packed), np.empty), real),
+        'Documents(batch="fill").read_rows (all attention metadata)': (
+            lambda: fill.read_rows(nxt(packed), np.empty),
+            real,
+        ),
+    }
+    times = in_rounds({label: (lambda fn=fn: timed(fn, 0.3)) for label, (fn, _) in calls.items()})
     rows = []
-    for label, t, tokens in (
-        ("TokenStream.read_batch", t_plain, BATCH * WINDOW),
-        ("TokenStream.read_batch, boundaries=True", t_bounds, BATCH * WINDOW),
-        ('Documents(batch="fill").read_rows, boundaries=False', t_fill_plain, real),
-        ('Documents(batch="fill").read_rows (all attention metadata)', t_fill, real),
-    ):
+    for label, (_, tokens) in calls.items():
+        t = statistics.median(times[label])
+        over, lo, hi = ratio(times, label, plain)
         rows.append(
             {
                 "part": "batch",
                 "label": label,
                 "median_s": t,
                 "real_tokens_per_batch": tokens,
-                "over_plain": t / t_plain,
+                "over_plain": over,
+                "over_plain_range": [lo, hi],
             }
         )
-        print(f"{label}: {t * 1e6:.0f} us per batch, {t / t_plain:.2f}x a plain batch")
+        print(
+            f"{label}: {t * 1e6:.0f} us per batch, {over:.2f}x a plain batch "
+            f"({lo:.2f}-{hi:.2f} over {ROUNDS} rounds)"
+        )
+    over, lo, hi = ratio(
+        times, 'Documents(batch="fill").read_rows (all attention metadata)', fill_base
+    )
+    print(f"packed rows, metadata over none: {over:.2f}x ({lo:.2f}-{hi:.2f})")
     goals = [
         _results.make_goal(
             "packed rows: a batch with all the attention metadata over the same rows "
-            "without it (read_rows, time)",
+            f"without it (read_rows, time; median of {ROUNDS} rounds, {lo:.2f}-{hi:.2f})",
             1.10,
-            t_fill / t_fill_plain,
+            over,
             higher_is_better=False,
             fmt="{:.2f}x",
         )
@@ -177,8 +217,8 @@ def batch_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 
 
 def loader_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Each view through the DataLoader flat out (1 reader thread, host batches, two
-    rounds of 3 s, the best): time per batch over a plain TokenStream's."""
+    """Each view through the DataLoader flat out (1 reader thread, host batches):
+    time per batch, in turns with a plain TokenStream's, rounds of 1 s."""
     views = {
         "TokenStream": tokload.TokenStream(path, window=WINDOW),
         "TokenStream, cu_seqlens and max_seqlen": tokload.TokenStream(
@@ -187,48 +227,54 @@ def loader_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]
         "TokenStream, boundaries=True": tokload.TokenStream(path, window=WINDOW, boundaries=True),
         'Documents(batch="fill")': tokload.Documents(path, batch="fill", window=WINDOW),
     }
-    best: dict[str, tuple[float, float, float]] = {}
-    for _ in range(2):
-        for label, view in views.items():
-            loader = tokload.DataLoader(view, BATCH, seed=1, num_threads=1, device=None)
-            it = iter(loader)
-            for _ in range(50):
-                next(it)
-            batches = real = rows_tokens = 0
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < 3.0:
-                b = next(it)
-                batches += 1
-                rows_tokens += b["tokens"].numel()
-                real += int(b["lengths"].sum()) if "lengths" in b else b["tokens"].numel()
-            dt = time.perf_counter() - t0
-            loader.close()
-            if label not in best or dt / batches < best[label][0]:
-                best[label] = (dt / batches, real / dt, rows_tokens / dt)
-    plain = best["TokenStream"][0]
+    rates: dict[str, list[tuple[float, float]]] = {label: [] for label in views}
+
+    def measure(label: str) -> float:
+        loader = tokload.DataLoader(views[label], BATCH, seed=1, num_threads=1, device=None)
+        it = iter(loader)
+        for _ in range(50):
+            next(it)
+        batches = real = rows_tokens = 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 1.0:
+            b = next(it)
+            batches += 1
+            rows_tokens += b["tokens"].numel()
+            real += int(b["lengths"].sum()) if "lengths" in b else b["tokens"].numel()
+        dt = time.perf_counter() - t0
+        loader.close()
+        rates[label].append((real / dt, rows_tokens / dt))
+        return dt / batches
+
+    times = in_rounds({label: (lambda label=label: measure(label)) for label in views})
     rows, goals = [], []
-    for label, (per_batch, real_rate, row_rate) in best.items():
+    for label in views:
+        per_batch = statistics.median(times[label])
+        over, lo, hi = ratio(times, label, "TokenStream")
+        real_rate = statistics.median(r for r, _ in rates[label])
+        row_rate = statistics.median(r for _, r in rates[label])
         rows.append(
             {
                 "part": "loader",
                 "label": label,
                 "batch_s": per_batch,
-                "over_plain": per_batch / plain,
+                "over_plain": over,
+                "over_plain_range": [lo, hi],
                 "real_tokens_per_s": real_rate,
                 "row_tokens_per_s": row_rate,
             }
         )
         print(
-            f"DataLoader {label}: {per_batch * 1e6:.1f} us per batch ({per_batch / plain:.2f}x "
-            f"plain), {real_rate / 1e6:.0f} M real tokens/s"
+            f"DataLoader {label}: {per_batch * 1e6:.1f} us per batch ({over:.2f}x plain, "
+            f"{lo:.2f}-{hi:.2f} over {ROUNDS} rounds), {real_rate / 1e6:.0f} M real tokens/s"
         )
         if label.startswith("TokenStream,"):
             goals.append(
                 _results.make_goal(
                     f"DataLoader (1 thread, flat out), {label}: time per batch over a plain "
-                    "TokenStream's",
+                    f"TokenStream's (median of {ROUNDS} rounds, {lo:.2f}-{hi:.2f})",
                     1.10,
-                    per_batch / plain,
+                    over,
                     higher_is_better=False,
                     fmt="{:.2f}x",
                 )
