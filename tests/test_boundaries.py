@@ -375,3 +375,23 @@ def test_a_task_of_steps_is_one_read(tmp_path: Path) -> None:
         assert b["max_seqlen"] == want.pop("max_seqlen")
         for key, value in want.items():
             np.testing.assert_array_equal(b[key].numpy(), value, err_msg=key)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "numpy"])
+def test_each_step_gets_its_slice_of_a_tasks_values(kind: str) -> None:
+    """``loader._add_step_values``: slices back to back from 0 are cut with one split
+    (of a tensor, or of an array under a collate function), others one by one, and
+    values that are not slices are given as they are."""
+    from tokload.loader import _add_step_values
+
+    arr = np.arange(20, dtype=np.int32)
+    whole = {"cu": torch.from_numpy(arr) if kind == "tensor" else arr}
+    back_to_back = [slice(0, 3), slice(3, 3), slice(3, 10)]
+    scattered = [slice(5, 8), slice(0, 2), slice(2, 2)]
+    for slices in (back_to_back, scattered):
+        steps = [{"cu": s, "top": k} for k, s in enumerate(slices)]
+        batches: list[Any] = [{} for _ in slices]
+        _add_step_values(batches, whole, steps)
+        for b, s, k in zip(batches, slices, range(len(slices)), strict=True):
+            np.testing.assert_array_equal(np.asarray(b["cu"]), arr[s])
+            assert b["top"] == k

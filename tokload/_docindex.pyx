@@ -232,6 +232,30 @@ def window_boundaries(ExtentIndex index not None, indices, uint64_t first, uint6
 cdef tuple _cuts_from_tables(DocIndex index, const uint64_t[::1] r, uint64_t window):
     """The cuts of the windows at rows ``r`` from the shards' document indexes held
     in memory (loaded here for the shards the windows span): no search rounds."""
+    cdef size_t nwin = r.shape[0], nfiles = index.files.nfiles
+    cdef const uint64_t *row_cum = &index._row_cum[0]
+    cdef ShardTables tables = index.tables
+    if not tables.all_loaded():
+        _load_tables(index, r, window)
+    ncuts = np.empty(nwin, dtype=np.uint64)
+    cdef uint64_t[::1] nv = ncuts
+    cdef const uint64_t *const *tabs = <const uint64_t *const *>tables.tabs
+    cdef uint64_t total
+    with nogil:
+        total = lib.tl_bounds_cuts_tables(row_cum, &index._doc_cum[0], nfiles, tabs, &r[0],
+                                          nwin, window, &nv[0], NULL)
+    cuts = np.empty(total, dtype=np.uint64)
+    cdef uint64_t[::1] cv = cuts
+    cdef uint64_t zero = 0
+    with nogil:
+        lib.tl_bounds_cuts_tables(row_cum, &index._doc_cum[0], nfiles, tabs, &r[0], nwin,
+                                  window, &nv[0], &cv[0] if total else &zero)
+    return ncuts, cuts
+
+
+cdef int _load_tables(DocIndex index, const uint64_t[::1] r, uint64_t window) except -1:
+    """Load the tables of the shards the windows at rows ``r`` span (at most a
+    few each) that are not in memory yet, in one engine call."""
     cdef size_t nwin = r.shape[0], nfiles = index.files.nfiles, i, m = 0
     cdef const uint64_t *row_cum = &index._row_cum[0]
     cdef uint32_t k, k0, k1
@@ -240,7 +264,6 @@ cdef tuple _cuts_from_tables(DocIndex index, const uint64_t[::1] r, uint64_t win
     cdef size_t failed = 0
     cdef int rc = 0
     cdef ShardTables tables = index.tables
-    # the shards every window spans (at most a few each), for loading their tables
     for i in range(nwin):
         k0 = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i])
         k1 = <uint32_t>lib.tl_shards_locate(row_cum, nfiles, r[i] + window - 1)
@@ -264,20 +287,7 @@ cdef tuple _cuts_from_tables(DocIndex index, const uint64_t[::1] r, uint64_t win
         PyMem_Free(sv)
     if rc:
         _raise_io(&err, index.files.paths, "a shard's document index")
-    ncuts = np.empty(nwin, dtype=np.uint64)
-    cdef uint64_t[::1] nv = ncuts
-    cdef const uint64_t *const *tabs = <const uint64_t *const *>tables.tabs
-    cdef uint64_t total
-    with nogil:
-        total = lib.tl_bounds_cuts_tables(row_cum, &index._doc_cum[0], nfiles, tabs, &r[0],
-                                          nwin, window, &nv[0], NULL)
-    cuts = np.empty(total, dtype=np.uint64)
-    cdef uint64_t[::1] cv = cuts
-    cdef uint64_t zero = 0
-    with nogil:
-        lib.tl_bounds_cuts_tables(row_cum, &index._doc_cum[0], nfiles, tabs, &r[0], nwin,
-                                  window, &nv[0], &cv[0] if total else &zero)
-    return ncuts, cuts
+    return 0
 
 
 cdef tuple _boundary_arrays(const uint64_t[::1] r, uint64_t window, ncuts, cuts, alloc,

@@ -99,6 +99,18 @@ cdef class ShardTables:
                     total += 8 * self._dir_entries(k)
         return total
 
+    cdef bint all_loaded(self) noexcept:
+        """Whether every shard's table is in memory (once true, for good: a
+        caller may then skip ``need``). Called with the GIL held."""
+        cdef size_t k
+        if self._all:
+            return True
+        for k in range(self.n):
+            if lib.tl_table_get(&self.tabs[k]) == NULL:
+                return False
+        self._all = True
+        return True
+
     cdef uint64_t _dir_entries(self, size_t k) noexcept nogil:
         return lib.tl_dir_entries(self.rows[k], self.rs.rs.cum[k + 1] - self.rs.rs.cum[k] - 1)
 

@@ -17,6 +17,7 @@ task ahead of the trainer, and iteration.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 import time
@@ -706,13 +707,14 @@ def _add_step_values(
             continue
         arr = whole[key]
         sizes = [v.stop - v.start for v in values]
-        starts = np.cumsum([0, *sizes[:-1]]).tolist()
-        if [v.start for v in values] != starts:  # not back to back: one slice each
+        if values[0].start != 0 or any(
+            a.stop != b.start for a, b in itertools.pairwise(values)
+        ):  # not back to back: one slice each
             pieces = [arr[v] for v in values]
         elif hasattr(arr, "split"):  # a tensor
-            pieces = arr[: starts[-1] + sizes[-1]].split(sizes)
+            pieces = arr[: values[-1].stop].split(sizes)
         else:
-            pieces = np.split(arr[: starts[-1] + sizes[-1]], np.cumsum(sizes)[:-1])
+            pieces = np.split(arr[: values[-1].stop], list(itertools.accumulate(sizes[:-1])))
         for b, p in zip(batches, pieces, strict=True):
             b[key] = p
 

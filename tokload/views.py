@@ -412,13 +412,18 @@ class TokenStream(_Windows):
         if "cu_seqlens" not in keys and "max_seqlen" not in keys:
             return raw, steps
         joined, offsets, longest = split_cu_seqlens(cu, cuts, self.window)
+        off, top = offsets.tolist(), longest.tolist()
+        if "max_seqlen" not in keys:
+            steps = [{"cu_seqlens": slice(a, e)} for a, e in itertools.pairwise(off)]
+        elif "cu_seqlens" not in keys:
+            steps = [{"max_seqlen": m} for m in top]
+        else:
+            steps = [
+                {"cu_seqlens": slice(a, e), "max_seqlen": m}
+                for a, e, m in zip(off, off[1:], top, strict=False)
+            ]
         if "cu_seqlens" in keys:
             raw["cu_seqlens"] = joined
-        for k, st in enumerate(steps):
-            if "cu_seqlens" in keys:
-                st["cu_seqlens"] = slice(int(offsets[k]), int(offsets[k + 1]))
-            if "max_seqlen" in keys:
-                st["max_seqlen"] = int(longest[k])
         return raw, steps
 
     def _window_boundaries(

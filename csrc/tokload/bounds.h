@@ -149,9 +149,13 @@ TL_INLINE size_t tl_bounds_fill(const uint64_t *rows, const uint64_t *cuts, cons
  */
 TL_INLINE unsigned tl_dir_shift(uint64_t rows, uint64_t ndocs)
 {
-    unsigned s = 0;
-    while (s < 63 && (rows >> s) > ndocs / 4) s++;
-    return s;
+    /* rows >> s has bitlen(rows) - s bits: start where it has as many as the cap */
+    const uint64_t cap = ndocs / 4;
+    const unsigned lr = rows ? 64u - (unsigned)__builtin_clzll(rows) : 0u;
+    const unsigned lc = cap ? 64u - (unsigned)__builtin_clzll(cap) : 0u;
+    unsigned s = lr > lc ? lr - lc : 0u;
+    if (s < 63 && (rows >> s) > cap) s++;
+    return s > 63 ? 63 : s;
 }
 
 /* The directory's entries (uint64) for a shard of rows rows and ndocs documents. */
