@@ -22,6 +22,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from harness import Segment, run_segments
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -248,36 +249,19 @@ def test_exactly_once_across_a_resume_on_another_world_size(tmp_path: Path) -> N
         for _ in range(400):
             w.write(rng.integers(1, 1000, int(rng.integers(1, 90)), dtype=np.uint16))
     view = tokload.TokenStream(tmp_path / "ds", window=50, boundaries=True)
+
+    def make(**kw: Any) -> tokload.DataLoader:
+        return tokload.DataLoader(view, seed=9, epochs=1, **kw)
+
+    got = run_segments(make, [Segment(2, 3, 10), Segment(3, 2, None)])
     seen: list[int] = []
-
-    def take(world: int, steps: int, state: dict[str, Any] | None) -> dict[str, Any]:
-        loaders = [
-            tokload.DataLoader(view, 6 // world, seed=9, rank=r, world_size=world, epochs=1)
-            for r in range(world)
-        ]
-        for ld in loaders:
-            if state is not None:
-                ld.load_state_dict(state)
-        its = [iter(ld) for ld in loaders]
-        for _ in range(steps):
-            for it in its:
-                try:
-                    b = next(it)
-                except StopIteration:
-                    continue
-                idx = b["index"].cpu().numpy()
-                want = view.boundaries(idx)
-                for key in ("position_ids", "segment_ids", "loss_mask", "cu_seqlens"):
-                    np.testing.assert_array_equal(b[key].cpu().numpy(), want[key])
-                assert b["max_seqlen"] == want["max_seqlen"]
-                seen.extend(idx.tolist())
-        out = loaders[0].state_dict()
-        for ld in loaders:
-            ld.close()
-        return out
-
-    state = take(2, 10, None)
-    take(3, 10_000, state)
+    for b in got.batches.values():
+        idx = b["index"].cpu().numpy()
+        want = view.boundaries(idx)
+        for key in ("position_ids", "segment_ids", "loss_mask", "cu_seqlens"):
+            np.testing.assert_array_equal(b[key].cpu().numpy(), want[key])
+        assert b["max_seqlen"] == want["max_seqlen"]
+        seen.extend(idx.tolist())
     assert sorted(seen) == list(range(len(view)))
 
 

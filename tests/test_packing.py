@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from harness import Segment, run_segments
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -235,31 +236,12 @@ def test_every_document_once_per_epoch_on_any_world_size(tmp_path: Path) -> None
 def test_exactly_once_across_a_resume_on_another_world_size_and_batch(tmp_path: Path) -> None:
     docs = corpus(tmp_path / "ds", 500, seed=2)
     view = tokload.Documents(tmp_path / "ds", batch="fill", window=96, lookahead=50)
-    seen: list[int] = []
 
-    def take(world: int, batch: int, steps: int, state: dict[str, Any] | None) -> dict[str, Any]:
-        loaders = [
-            tokload.DataLoader(view, batch, seed=9, rank=r, world_size=world, epochs=1, device=None)
-            for r in range(world)
-        ]
-        for ld in loaders:
-            if state is not None:
-                ld.load_state_dict(state)
-        its = [iter(ld) for ld in loaders]
-        for _ in range(steps):
-            for it in its:
-                b = next(it, None)
-                if b is not None:
-                    seen.extend(check_batch(b, docs, 96))
-        out = loaders[0].state_dict()
-        assert all(ld.state_dict() == out for ld in loaders)
-        for ld in loaders:
-            ld.close()
-        return out
+    def make(**kw: Any) -> tokload.DataLoader:
+        return tokload.DataLoader(view, seed=9, epochs=1, device=None, **kw)
 
-    state = take(2, 4, 7, None)
-    state = take(3, 1, 5, state)
-    take(1, 5, 10_000, state)
+    got = run_segments(make, [Segment(2, 4, 7), Segment(3, 1, 5), Segment(1, 5, None)])
+    seen = [d for b in got.batches.values() for d in check_batch(b, docs, 96)]
     assert sorted(seen) == list(range(len(docs)))
 
 
