@@ -72,6 +72,25 @@ TL_INLINE int tl_bsearch_step(tl_bsearch *s, uint64_t probe, uint64_t first)
 }
 
 /*
+ * One segment, tokens [a, e) of a row (a < e): pos[t] = t - a, seg[t] = number,
+ * and mask[t] = 1 but at a (its first token: a target across a boundary), or 0
+ * throughout when targets is 0 (padding).  Each of pos, seg, mask may be NULL.
+ * Three plain loops, each one the compiler vectorizes.
+ */
+TL_INLINE void tl_segment_fill(int64_t *pos, int32_t *seg, uint8_t *mask, uint64_t a, uint64_t e,
+                               int32_t number, int targets)
+{
+    if (pos)
+        for (uint64_t t = a; t < e; t++) pos[t] = (int64_t)(t - a);
+    if (seg)
+        for (uint64_t t = a; t < e; t++) seg[t] = number;
+    if (mask) {
+        memset(mask + a, targets ? 1 : 0, (size_t)(e - a));
+        mask[a] = 0;
+    }
+}
+
+/*
  * The arrays of nwin windows of W rows.  Window b starts at row rows[b]; its
  * candidate cuts are cuts[off .. off + ncuts[b]) (off: the sum of the earlier
  * ncuts), ascending; repeated values (empty documents) count once.  Fills, at
@@ -111,15 +130,7 @@ TL_INLINE size_t tl_bounds_fill(const uint64_t *rows, const uint64_t *cuts, cons
                 if (c - r == start) continue; /* an empty document */
                 next = c - r;
             }
-            /* three plain loops, each one the compiler vectorizes */
-            if (pos)
-                for (uint64_t t = start; t < next; t++) p[t] = (int64_t)(t - start);
-            if (seg)
-                for (uint64_t t = start; t < next; t++) sg[t] = number;
-            if (mask) {
-                memset(m + start, 1, (size_t)(next - start));
-                m[start] = 0;
-            }
+            tl_segment_fill(p, sg, m, start, next, number, 1);
             if (next - start > longest) longest = next - start;
             if (next < W) {
                 cu[k++] = (int32_t)(b * W + next);

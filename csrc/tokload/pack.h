@@ -17,6 +17,7 @@
 #ifndef TOKLOAD_PACK_H
 #define TOKLOAD_PACK_H
 
+#include "bounds.h"
 #include "common.h"
 
 #include <stdlib.h>
@@ -221,25 +222,14 @@ TL_INLINE size_t tl_pack_bounds(const uint64_t *len, const int64_t *counts, size
                 return 0;
             }
             cu[k++] = (int32_t)(b * W + t);
-            if (p)
-                for (uint64_t u = 0; u < l; u++) p[t + u] = (int64_t)u;
-            if (sg)
-                for (uint64_t u = 0; u < l; u++) sg[t + u] = number;
-            if (m) {
-                memset(m + t, 1, (size_t)l);
-                m[t] = 0;
-            }
+            tl_segment_fill(p, sg, m, t, t + l, number, 1);
             if (l > longest) longest = l;
             number++;
             t += l;
         }
         if (t < W) { /* the padding: one segment, no targets */
             cu[k++] = (int32_t)(b * W + t);
-            if (p)
-                for (uint64_t u = 0; u < W - t; u++) p[t + u] = (int64_t)u;
-            if (sg)
-                for (uint64_t u = t; u < W; u++) sg[u] = number;
-            if (m) memset(m + t, 0, (size_t)(W - t));
+            tl_segment_fill(p, sg, m, t, W, number, 0);
             if (W - t > longest) longest = W - t;
         }
     }
