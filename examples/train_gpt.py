@@ -27,6 +27,7 @@ gloo. With a ``tokenizer.json`` dataset, pass its ``--vocab-size``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 from pathlib import Path
@@ -206,6 +207,12 @@ def main() -> None:
             dcp.save(state, checkpoint_id=args.ckpt / f"step-{train.step:08d}")
 
     loader.close()
+    # DDP before the process group: DDP's reducer holds the group, and would free it
+    # last while holding the GIL, as Gloo's worker threads may still need the GIL to free
+    # a finished collective's tensors (a deadlock at exit, torch issue 56297). Freed by
+    # destroy_process_group instead, the group lets the GIL go while its threads stop.
+    del ddp
+    gc.collect()
     dist.destroy_process_group()
 
 
