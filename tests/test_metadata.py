@@ -527,14 +527,14 @@ def test_a_write_stopped_part_way_leaves_the_shard_whole(
     real_add = writer_mod._OpenShard.add
     calls = 0
 
-    def add(self: Any, rows: np.ndarray, payloads: list[bytes]) -> None:
+    def add(self: Any, rows: np.ndarray, payloads: list[bytes], end: bool = True) -> None:
         nonlocal calls
         calls += 1
         if calls == 8:
             if stop == "after the rows":
                 self._put(0, np.ascontiguousarray(rows).view(np.uint8).data)
             raise KeyboardInterrupt
-        real_add(self, rows, payloads)
+        real_add(self, rows, payloads, end)
 
     monkeypatch.setattr(writer_mod._OpenShard, "add", add)
     with pytest.raises(KeyboardInterrupt):

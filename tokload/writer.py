@@ -42,6 +42,8 @@ Span = tuple[int, int, bytes]
 """A metadata record attached to rows ``[start, stop)`` of a document."""
 
 _U64 = np.dtype("<u8")
+CONTINUED = NO_METADATA - 1
+"""A piece's local record id for "the record the previous piece ended with"."""
 MAX_RECORD = 0xFFFFFFFF
 """The largest record a metadata block can hold (its ends are uint32)."""
 
@@ -170,6 +172,9 @@ class Writer:
         while self._name(self._seq) in taken:
             self._seq += 1
         self._shard: _OpenShard | None = None
+        # Where the document being written in pieces began, and its last record.
+        self._doc_mark: tuple[list[int], list[Any], list[Any]] | None = None
+        self._tail: bytes | None = None
         self._closed = False
 
     def _name(self, seq: int) -> str:
@@ -181,8 +186,16 @@ class Writer:
         self,
         rows: npt.ArrayLike | Mapping[str, npt.ArrayLike],
         spans: Sequence[Span] | None = None,
+        *,
+        end: bool = True,
     ) -> None:
-        """Append one document.
+        """Append one document, or a piece of one.
+
+        A document too large to hold in memory is written in pieces: every
+        piece but the last with ``end=False``, the last with ``end=True``.
+        The pieces' rows follow one another in one document of one shard
+        (which grows past ``shard_bytes`` if the document does); ``discard``
+        drops the pieces of a document not ended yet, and so does ``close``.
 
         Args:
             rows: the document's rows: an array convertible to the dataset
@@ -192,7 +205,10 @@ class Writer:
             spans: for a dataset with metadata, ``(start, stop, payload)`` per
                 metadata record: rows ``[start, stop)`` of this document get
                 that record (``payload`` is bytes, stored as is). Spans must not
-                overlap; rows outside every span have no metadata.
+                overlap; rows outside every span have no metadata. For a
+                piece, the spans are relative to the piece.
+            end: whether these rows end the document (``False``: the next
+                write goes on with the same document).
         """
         if self._closed:
             raise ValueError("write to a closed Writer")
@@ -200,37 +216,44 @@ class Writer:
         n = len(arr)
         payloads: list[bytes] = []
         runs: tuple[np.ndarray, np.ndarray] | None = None
+        ordered = sorted(spans or (), key=lambda s: s[0])
+        # A piece whose first record is the one the previous piece ended with goes on
+        # with that record (one record, one run), not a copy of it.
+        cont = bool(ordered) and ordered[0][0] == 0 and self._tail == bytes(ordered[0][2])
         if self.metadata and self.layout in ("spans", "blocks"):
             starts: list[int] = []
             records: list[int] = []
-            end = 0
-            for k, (start, stop, payload) in enumerate(sorted(spans or (), key=lambda s: s[0])):
+            covered = 0
+            for k, (start, stop, payload) in enumerate(ordered):
                 if not (0 <= start < stop <= n):
                     raise ValueError(
                         f"span [{start}, {stop}) is not a non-empty range within the document's "
                         f"{n} rows"
                     )
-                if start < end:
+                if start < covered:
                     raise ValueError(f"span [{start}, {stop}) overlaps another span")
-                if start > end:
-                    starts.append(end)
+                if start > covered:
+                    starts.append(covered)
                     records.append(NO_METADATA)
                 starts.append(start)
-                records.append(k)  # renumbered to shard ids below
-                end = stop
+                covered = stop
+                if cont and k == 0:
+                    records.append(CONTINUED)
+                    continue
+                records.append(len(payloads))  # renumbered to shard ids below
                 payloads.append(bytes(payload))
                 if self.layout == "blocks" and len(payloads[-1]) > MAX_RECORD:
                     raise ValueError(
                         f"span [{start}, {stop}): a record of {len(payloads[-1])} bytes; at most "
                         f"{MAX_RECORD} fit in a metadata block"
                     )
-            if end < n:
-                starts.append(end)
+            if covered < n:
+                starts.append(covered)
                 records.append(NO_METADATA)
             runs = (np.array(starts, np.uint64), np.array(records, np.uint32))
         elif self.metadata:
             ids = np.full(n, NO_METADATA, dtype=np.uint32)
-            for k, (start, stop, payload) in enumerate(sorted(spans or (), key=lambda s: s[0])):
+            for k, (start, stop, payload) in enumerate(ordered):
                 if not (0 <= start < stop <= n):
                     raise ValueError(
                         f"span [{start}, {stop}) is not a non-empty range within the document's "
@@ -238,13 +261,23 @@ class Writer:
                     )
                 if (ids[start:stop] != NO_METADATA).any():
                     raise ValueError(f"span [{start}, {stop}) overlaps another span")
-                ids[start:stop] = k  # renumbered to shard ids below
+                if cont and k == 0:
+                    ids[start:stop] = CONTINUED
+                    continue
+                ids[start:stop] = len(payloads)  # renumbered to shard ids below
                 payloads.append(bytes(payload))
         elif spans:
             raise ValueError("spans given, but the dataset was opened with metadata=False")
         nbytes = n * self.dtype.itemsize
         shard = self._shard
-        if (
+        if shard is not None and self._doc_mark is not None:
+            # A document goes on: never across shards (its rows are one range).
+            if shard.records + len(payloads) >= NO_METADATA:
+                raise ValueError(
+                    f"a document of more than {NO_METADATA - 1} metadata records does not fit "
+                    "in one shard"
+                )
+        elif (
             shard is not None
             and shard.rows
             and (
@@ -259,19 +292,31 @@ class Writer:
                 self.path, self._name(self._seq), self.manifest, self.durable
             )
             self._seq += 1
-        # A document goes into every file of the shard or into none: an exception
+        # A piece goes into every file of the shard or into none: an exception
         # (Ctrl+C) part-way through takes the files back to where they were.
         mark = shard.mark()
         try:
             if runs is not None:
                 shard.add_runs(runs[0], runs[1], n)
             elif self.metadata:
-                local = np.where(ids == NO_METADATA, ids, ids + np.uint32(shard.records))
-                arr[METADATA_FIELD] = local
-            shard.add(arr, payloads)
+                arr[METADATA_FIELD] = shard.shard_ids(ids)
+            shard.add(arr, payloads, end)
         except BaseException:
             shard.rewind(mark)
             raise
+        if end:
+            self._doc_mark = self._tail = None
+            return
+        if self._doc_mark is None:
+            self._doc_mark = mark
+        last = ordered[-1] if ordered else None
+        self._tail = bytes(last[2]) if last is not None and last[1] == n else None
+
+    def discard(self) -> None:
+        """Drop the pieces of the document not ended yet (written with ``end=False``)."""
+        if self._doc_mark is not None and self._shard is not None:
+            self._shard.rewind(self._doc_mark)
+        self._doc_mark = self._tail = None
 
     def _convert(self, rows: npt.ArrayLike | Mapping[str, npt.ArrayLike]) -> np.ndarray:
         dt = self.dtype
@@ -328,14 +373,20 @@ class Writer:
 
     def flush(self) -> None:
         """Close the current shard and publish it in the manifest."""
+        if self._doc_mark is not None:
+            raise ValueError("flush in the middle of a document: end it first (end=True)")
         self._close_shard()
 
     def close(self) -> None:
-        """Publish what was written and release the files (idempotent)."""
+        """Publish what was written and release the files (idempotent).
+
+        The pieces of a document not ended are dropped (``discard``).
+        """
         if self._closed:
             return
         self._closed = True
         try:
+            self.discard()
             self._close_shard()
         finally:
             if not (self.path / MANIFEST).exists():
@@ -350,7 +401,7 @@ class Writer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        # Every document written so far is whole (write validates first), so
+        # Every document ended so far is whole (write validates first), so
         # they are published even when the block raised.
         self.close()
 
@@ -466,9 +517,10 @@ class _OpenShard:
         """
         base = self.rows
         starts = starts + np.uint64(base)
-        records = np.where(records == NO_METADATA, records, records + np.uint32(self.records))
-        if self.runs and len(records) and records[0] == NO_METADATA == self.last_record:
-            starts, records = starts[1:], records[1:]  # rows without metadata continue a run
+        records = self.shard_ids(records)
+        if self.runs and len(records) and records[0] == self.last_record:
+            # rows without metadata after rows without, or a record that goes on: one run
+            starts, records = starts[1:], records[1:]
         first = self.runs - 1 if self.runs else 0
         if self.runs:
             # The run before the document is a candidate for its first blocks.
@@ -492,11 +544,20 @@ class _OpenShard:
             self._put(5, (idx + first).astype(_U64).tobytes())
             self.blocks = top
 
-    def add(self, rows: np.ndarray, payloads: list[bytes]) -> None:
+    def shard_ids(self, local: np.ndarray) -> np.ndarray:
+        """Record ids local to a piece (``CONTINUED``: the shard's last) as the shard's."""
+        ids = np.where(local == NO_METADATA, local, local + np.uint32(self.records))
+        if self.records:  # (a piece goes on with a record only after one)
+            ids = np.where(local == CONTINUED, np.uint32(self.records - 1), ids)
+        return ids
+
+    def add(self, rows: np.ndarray, payloads: list[bytes], end: bool = True) -> None:
+        """The next rows (and their records); ``end``: they end a document."""
         self._put(0, np.ascontiguousarray(rows).view(np.uint8).data)
         self.rows += len(rows)
-        self.documents += 1
-        self._put(1, np.array([self.rows], _U64).tobytes())
+        if end:
+            self.documents += 1
+            self._put(1, np.array([self.rows], _U64).tobytes())
         if payloads:
             ends = self.meta_bytes + np.cumsum([len(p) for p in payloads], dtype=np.uint64)
             for p in payloads:
