@@ -17,6 +17,7 @@ import pytest
 import tokload
 from tokload import BuildError, Documents, StreamWithMetadata, build
 from tokload.__main__ import main
+from tokload.inputs import BUILD_MARKER
 
 WORDS = [
     "the",
@@ -89,10 +90,13 @@ def test_an_interrupted_build_resumes_to_the_same_result(tmp_path: Path) -> None
     meta_build(inputs, tmp_path / "full")
     out = tmp_path / "resumed"
     meta_build(inputs, out)
-    # As if the build was killed: one part gone, another half-written.
+    # As if the build was killed: one part gone, another half-written (in the
+    # temporary directory a build makes, marked as the build's first thing).
     shutil.rmtree(out / "parts" / "00002-00000")
-    (out / "parts" / "00003-00000.tmp").mkdir()
-    (out / "parts" / "00003-00000.tmp" / "garbage.rows").write_bytes(b"x" * 10)
+    half = out / "parts" / "00003-00000.0badcafe.tmp"
+    half.mkdir()
+    (half / BUILD_MARKER).write_text("{}")
+    (half / "garbage.rows").write_bytes(b"x" * 10)
     shutil.rmtree(out / "parts" / "00003-00000")
     (out / "manifest.json").unlink()
     summary = meta_build(inputs, out, workers=2)
@@ -285,7 +289,7 @@ def test_bad_records_stop_or_are_skipped_and_counted(
     p.write_text('{"text": "good one"}\n' + line + '\n{"text": "good two"}\n')
     with pytest.raises(BuildError, match=message):
         build([p], tmp_path / "stop", annotations_field="spans", progress=False)
-    s = build([p], tmp_path / "skip", annotations_field="spans", on_error="skip", progress=False)
+    s = build([p], tmp_path / "skip", annotations_field="spans", on_error="skip", max_skipped=0.5)
     assert s.documents == 2 and s.skipped == {reason: 1}
     assert f"skipped 1 ({reason}: 1)" in str(s)
 
@@ -295,8 +299,13 @@ def test_unreadable_input(tmp_path: Path) -> None:
     p.write_bytes(b"this is not gzip")
     with pytest.raises(BuildError, match=r"x\.jsonl\.gz: unreadable"):
         build([p], tmp_path / "o1", progress=False)
-    s = build([p], tmp_path / "o2", on_error="skip", progress=False)
-    assert s.skipped == {"unreadable input": 1}
+    # skipped, it leaves no document: an error, not an empty dataset
+    with pytest.raises(
+        BuildError,
+        match=r"produced no documents: all 1 records were skipped \(unreadable input: 1\)",
+    ):
+        build([p], tmp_path / "o2", on_error="skip")
+    assert not (tmp_path / "o2" / "manifest.json").exists()
     with pytest.raises(FileNotFoundError, match="no such input"):
         build([tmp_path / "missing.jsonl"], tmp_path / "o3", progress=False)
 

@@ -192,27 +192,39 @@ def test_progress_moves_within_a_chunk(tmp_path: Path, monkeypatch: pytest.Monke
             f.write(json.dumps({"text": text, "id": i}) + "\n")
     (chunk,) = plan_chunks([p], 1 << 30)
     (tmp_path / "ds" / "parts").mkdir(parents=True)
-    reports: list[int] = []
-    rest = _build_chunk(chunk, BuildOptions(), str(tmp_path / "ds"), {}, report=reports.append)
+    reports: list[tuple[int, int, int]] = []
+    rest = _build_chunk(
+        chunk, BuildOptions(), str(tmp_path / "ds"), {}, report=lambda *c: reports.append(c)
+    )
     assert len(reports) >= 3
-    assert sum(reports) + rest == chunk.size == p.stat().st_size
+    # bytes, documents and tokens: the reports and the rest add up to the chunk's
+    assert sum(r[0] for r in reports) + rest[0] == chunk.size == p.stat().st_size
+    assert sum(r[1] for r in reports) + rest[1] == 1500
+    rows = read_manifest(tmp_path / "ds" / "parts" / chunk.name).rows
+    assert sum(r[2] for r in reports) + rest[2] == rows
+    assert all(r[1] > 0 and r[2] > 0 for r in reports)
 
-    # through the worker pool too: the parent's bar gets more updates than chunks
-    updates: list[int] = []
+    # through the worker pool too: the parent's progress gets more updates than chunks
+    updates: list[tuple[int, int, int]] = []
 
     class Bar:
-        def update(self, n: int) -> None:
-            updates.append(n)
+        def __init__(self, *args: object) -> None:
+            pass
+
+        def update(self, n: int, docs: int = 0, tokens: int = 0) -> None:
+            updates.append((n, docs, tokens))
 
         def close(self) -> None:
             pass
 
-    monkeypatch.setattr(tokload.builder, "_progress", lambda enabled, total: Bar())
+    monkeypatch.setattr(tokload.builder, "Progress", Bar)
     q = tmp_path / "two.jsonl"
     q.write_bytes(p.read_bytes())
     s = build([p, q], tmp_path / "pool", workers=2, progress=True)
     assert s.chunks == 2 and len(updates) > 2
-    assert sum(updates) == 2 * p.stat().st_size
+    assert sum(u[0] for u in updates) == 2 * p.stat().st_size
+    assert sum(u[1] for u in updates) == s.documents == 3000
+    assert sum(u[2] for u in updates) == s.tokens
 
 
 def test_an_input_changed_after_planning_is_refused(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from tokload import BuildError, build
 from tokload.__main__ import main
 from tokload.builder import BUILDER_VERSION
 from tokload.format import read_manifest
+from tokload.inputs import BUILD_MARKER
 
 
 def run(inputs: Any, out: Path, **kw: Any) -> tokload.builder.BuildSummary:
@@ -221,13 +222,24 @@ def test_leftovers_of_a_crash_are_removed_and_unrecorded_parts_rebuilt(tmp_path:
     # a crash while removing a stale part, a part from before build records, a stray temp
     (out / "parts" / "00001-00000.1234abcd.old").mkdir()
     (out / "parts" / "00001-00000.1234abcd.old" / "junk.rows").write_bytes(b"x")
+    (out / "parts" / "00001-00000.1234abcd.old" / BUILD_MARKER).write_text("{}")  # removed last
     m = read_manifest(out / "parts" / "00000-00000")
     del m.user["build"]
     tokload.format.write_manifest(out / "parts" / "00000-00000", m)
-    (out / "parts" / "00007-00000.tmp").mkdir()
+    (out / "parts" / "00007-00000.0badcafe.tmp").mkdir()
+    (out / "parts" / "00007-00000.0badcafe.tmp" / BUILD_MARKER).write_text("{}")
+    # a directory the build did not write, though named like a chunk: never touched
+    (out / "parts" / "00009-00000").mkdir()
+    (out / "parts" / "00009-00000" / "notes.txt").write_text("mine")
     s = run(inputs, out)
     assert (s.built, s.removed) == (1, 2)
-    assert sorted(p.name for p in (out / "parts").iterdir()) == ["00000-00000", "00001-00000"]
+    assert sorted(p.name for p in (out / "parts").iterdir()) == [
+        "00000-00000",
+        "00001-00000",
+        "00009-00000",
+    ]
+    assert (out / "parts" / "00009-00000" / "notes.txt").read_text() == "mine"
+    shutil.rmtree(out / "parts" / "00009-00000")
     fresh_equals(inputs, out, tmp_path)
 
 
@@ -275,7 +287,7 @@ def test_skip_counts_group_by_reason(tmp_path: Path) -> None:
         )
         + "\n"
     )
-    s = run([p], tmp_path / "ds", annotations_field="spans", on_error="skip")
+    s = run([p], tmp_path / "ds", annotations_field="spans", on_error="skip", max_skipped=1)
     assert s.skipped == {
         "not a JSON object": 2,
         "malformed JSON": 1,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_cli import BUILD_REPORT
 
 import tokload
 from tokload.builder import plan_chunks
@@ -101,9 +102,11 @@ def _interrupt(corpus: Path, out: Path, workers: int, group: bool) -> None:
     took = time.monotonic() - sent
     assert p.returncode == 130, err
     assert took <= 2.0, f"took {took:.2f} s to stop"
-    assert err.splitlines() == [
+    *report, last = err.splitlines()
+    assert last == (
         "tokload build: interrupted; nothing half-written was kept, the same command resumes"
-    ]
+    )
+    assert all(BUILD_REPORT.fullmatch(line) for line in report), err
     assert out_text == ""
     while _session(p.pid) and time.monotonic() - sent < 2.0:
         time.sleep(0.02)

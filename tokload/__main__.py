@@ -66,6 +66,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction (e.g. 0.25)") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction from 0 to 1, got {text}")
+    return value
+
+
 def _size(text: str) -> int:
     """``512M``, ``1G``, ``64k`` or a number of bytes."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -188,7 +198,10 @@ def _parser() -> argparse.ArgumentParser:
         help="a field with character-span annotations {start, end, ...}, kept as metadata",
     )
     b.add_argument(
-        "--tokenizer", default="bytes", help="'bytes' (built in) or a tokenizer.json path"
+        "--tokenizer",
+        help="a tokenizer.json, a directory holding one, a Hugging Face name (gpt2, org/model: "
+        "from the local Hugging Face cache, else downloaded), or 'bytes' (built in; the "
+        "default, with a notice)",
     )
     b.add_argument("--bos", action="store_true", help="add BOS before each document")
     b.add_argument("--no-eos", dest="eos", action="store_false", help="no EOS after each document")
@@ -231,6 +244,35 @@ def _parser() -> argparse.ArgumentParser:
         help="at a bad record: stop with its file:line, or skip it and count it per reason",
     )
     b.add_argument(
+        "--max-skipped",
+        type=_fraction,
+        default=0.1,
+        metavar="FRACTION",
+        help="with --on-error skip: fail the build when more than this fraction of the records "
+        "is skipped (default: 0.1); a build with no document always fails",
+    )
+    b.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="in directories, take the files matching GLOB (repeatable) instead of the data "
+        "extensions (.jsonl/.json/.ndjson, compressed too, .parquet, .txt)",
+    )
+    b.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="leave out the files of directories and globs matching GLOB (repeatable)",
+    )
+    b.add_argument(
+        "--force",
+        action="store_true",
+        help="build into a non-empty directory that holds no tokload build (its files stay "
+        "as they are), or replace a dataset built there from other inputs",
+    )
+    b.add_argument(
         "--shard-size",
         type=_size,
         default=1 << 30,
@@ -242,7 +284,15 @@ def _parser() -> argparse.ArgumentParser:
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="progress bar (default: when stderr is a terminal)",
+        help="progress: a bar when stderr is a terminal, else a line every "
+        "--progress-every seconds (default: on)",
+    )
+    b.add_argument(
+        "--progress-every",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="seconds between progress lines when stderr is not a terminal (default: 30)",
     )
 
     m = command(
@@ -378,13 +428,28 @@ def _run(args: argparse.Namespace, started: float) -> int:
     if args.command == "build":
         from tokload.builder import build
 
+        def log(line: str) -> None:
+            print(f"tokload build: {line}", file=sys.stderr, flush=True)
+
+        if args.tokenizer is None:
+            log(
+                "no --tokenizer given: the built-in byte tokenizer is used (258 tokens); name "
+                "one with --tokenizer (a tokenizer.json, a model directory or a Hugging Face "
+                "name such as gpt2), or --tokenizer bytes to say this is meant"
+            )
         summary = build(
             args.inputs,
             args.output,
             text_field=args.text_field,
             keep_fields=args.keep_fields,
             annotations_field=args.annotations_field,
-            tokenizer=args.tokenizer,
+            tokenizer=args.tokenizer or "bytes",
+            include=args.include,
+            exclude=args.exclude,
+            force=args.force,
+            max_skipped=args.max_skipped,
+            progress_every=args.progress_every,
+            log=log,
             bos=args.bos,
             eos=args.eos,
             workers=args.workers,

@@ -42,9 +42,9 @@ operations over the batch.
 from __future__ import annotations
 
 import bz2
+import codecs
 import contextlib
 import dataclasses
-import glob
 import gzip
 import hashlib
 import io
@@ -56,7 +56,6 @@ import os
 import secrets
 import shutil
 import signal
-import sys
 import threading
 import time
 from collections import Counter
@@ -76,6 +75,10 @@ from tokload.format import (
     read_manifest,
     write_manifest,
 )
+from tokload.inputs import BUILD_MARKER, Found, compressed, find_inputs
+from tokload.inputs import kind as input_kind
+from tokload.progress import DEFAULT_EVERY as DEFAULT_PROGRESS_EVERY
+from tokload.progress import Progress
 from tokload.tokenizer import (
     TOKENIZER_FILE,
     EncodedBatch,
@@ -83,6 +86,7 @@ from tokload.tokenizer import (
     copy_tokenizer,
     dataset_copy_is_current,
     dataset_record,
+    describe_tokenizer,
     load_tokenizer,
     token_dtype,
 )
@@ -105,11 +109,11 @@ BUILDER_VERSION = 4  # 4: metadata in blocks (format version 3)
 """Bumped whenever the builder would write different bytes for the same input and options."""
 
 DEFAULT_CHUNK_BYTES = 32 << 20
+DEFAULT_MAX_SKIPPED = 0.1
 _BATCH_DOCS = 256
 _BATCH_CHARS = 4 << 20
 _READ_CHUNK = 1 << 20
 _REPORT_BYTES = 4 << 20
-_JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _COMPRESSED: dict[str, Callable[..., Any]] = {
     ".gz": gzip.open,
     ".bz2": bz2.open,
@@ -225,27 +229,6 @@ class BuildSummary:
         )
 
 
-def expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
-    """Files named, matched by globs, or found (recursively) in directories; sorted, unique."""
-    found: set[Path] = set()
-    for spec in inputs:
-        s = os.fspath(spec)
-        matches = sorted(glob.glob(s, recursive=True)) if glob.has_magic(s) else [s]
-        if not matches:
-            raise FileNotFoundError(2, "no input matches", s)
-        for m in matches:
-            p = Path(m)
-            if p.is_dir():
-                found.update(q for q in p.rglob("*") if q.is_file())
-            elif p.is_file():
-                found.add(p)
-            elif p.exists():
-                raise BuildError(f"{p}: an input must be a regular file or a directory")
-            else:
-                raise FileNotFoundError(2, "no such input", str(p))
-    return sorted(found)
-
-
 def parse_part(part: str | tuple[int, int] | None) -> tuple[int, int]:
     """``"k/N"`` (or ``(k, N)``) as a checked pair; ``None`` is ``(0, 1)``."""
     if part is None:
@@ -276,10 +259,16 @@ def build(
     workers: int = 1,
     part: str | tuple[int, int] | None = None,
     on_error: str = "stop",
+    max_skipped: float = DEFAULT_MAX_SKIPPED,
     shard_bytes: int = 1 << 30,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    force: bool = False,
     ray: bool | str | None = None,
     progress: bool | None = None,
+    progress_every: float = DEFAULT_PROGRESS_EVERY,
+    log: Callable[[str], None] | None = None,
     staging: str | os.PathLike[str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> BuildSummary:
@@ -295,16 +284,24 @@ def build(
     current and uploads only the chunks the store lacks.
 
     Args:
-        inputs: files, globs or directories: ``*.jsonl`` (also ``.gz``, ``.bz2``,
-            ``.xz``, ``.zst``), ``*.parquet``, anything else is one plain-text
-            document (its path is available as the field ``path``).
+        inputs: files, globs or directories (see ``tokload.inputs``): a file
+            named is always read; a directory gives its data files only
+            (``*.jsonl``, also ``.gz``, ``.bz2``, ``.xz``, ``.zst``;
+            ``*.parquet``; ``*.txt``), never hidden files, the usual metadata
+            files, a tokload dataset, or anything inside ``output``. A file
+            that is not JSONL or Parquet is one plain-text document (its path
+            is available as the field ``path``), read in pieces, so its size
+            is not bounded by memory.
         text_field: the field holding the text.
         keep_fields: per-document fields kept as metadata (e.g. ``["id",
             "source"]``).
         annotations_field: a field holding a list of character-span annotations
             ``{"start": s, "end": e, ...}``; the other keys are kept.
-        tokenizer: ``"bytes"`` (built in) or the path of a ``tokenizer.json``,
-            which is copied to ``output/tokenizer.json``.
+        tokenizer: ``"bytes"`` (built in), the path of a ``tokenizer.json``
+            or of a directory holding one, or a Hugging Face name (``"gpt2"``,
+            ``"org/model"``: looked up in the local Hugging Face cache, then
+            downloaded where a network is there). A ``tokenizer.json`` is
+            copied to ``output/tokenizer.json``.
         bos: add the tokenizer's BOS token before each document.
         eos: add the tokenizer's EOS token after each document.
         workers: processes building chunks in parallel (ignored with ``ray``).
@@ -312,14 +309,31 @@ def build(
             chunks of all inputs (``tokload merge`` joins the parts).
         on_error: ``"stop"`` raises ``BuildError`` at the first bad
             record; ``"skip"`` skips it and counts it, per reason, in the summary.
+        max_skipped: the largest fraction of records ``on_error="skip"`` may
+            skip; past it (or when no document is left at all) the build
+            fails with a ``BuildError`` saying why, and writes no top-level
+            manifest. Default 0.1.
         shard_bytes: shard size limit.
         chunk_bytes: the size of the chunks uncompressed JSONL and Parquet
             inputs are split into (compressed inputs are one chunk each).
+        include: globs: a directory walk takes the files matching one of them
+            instead of the data extensions (``["*.py"]``).
+        exclude: globs: files of a directory walk or a glob that match one are
+            not inputs.
+        force: build into a non-empty directory that holds no tokload build
+            (its files are left as they are), or replace a dataset built
+            there from other inputs.
         ray: run the chunks as Ray tasks: ``True`` for ``ray.init()`` (an
             existing instance, ``RAY_ADDRESS``, or a new local one), or a
             cluster address. Inputs and ``output`` must be on a filesystem
             every node sees.
-        progress: show a progress bar (default: when stderr is a terminal).
+        progress: report progress: a bar when stderr is a terminal, else a
+            line to ``log`` every ``progress_every`` seconds (documents,
+            tokens, bytes, rate, ETA). Default: on; ``False``: off.
+        progress_every: seconds between progress lines (not on a terminal).
+        log: where the build's report lines go (what inputs it found, which
+            tokenizer, progress without a terminal); ``None``: nowhere. The
+            command line prints them on stderr.
         staging: with a URL ``output``, the local build directory.
         storage_options: with a URL ``output``, the object store's options
             (see ``tokload.remote``; the environment's by default).
@@ -328,15 +342,20 @@ def build(
     ``workers``, ``part`` or ``ray``. Re-running on the same ``output``
     rebuilds exactly the chunks whose input (path, size, modification time),
     tokenizer or options differ from what they record, and removes chunks
-    no longer in the plan. On any exception, ``KeyboardInterrupt``
+    no longer in the plan. It only ever removes what a build wrote (chunk
+    directories it marked or that record their build), never files it did
+    not write. On any exception, ``KeyboardInterrupt``
     included, the workers are stopped and the unfinished chunks' temporary
     directories removed; the top-level manifest is then absent (it is written
     last), and the same call resumes from the finished chunks.
 
     Raises:
         UsageError: an argument is wrong (``workers < 1``, a bad ``part``, an
-            output that is a file, a tokenizer without the BOS/EOS asked for).
-        BuildError: a bad record (``on_error="stop"``) or input file.
+            output that is a file, a tokenizer without the BOS/EOS asked for),
+            or the output holds what the build must not touch (see ``force``).
+        InputError: an input lies inside the output.
+        BuildError: a bad record (``on_error="stop"``) or input file, no
+            documents, or more than ``max_skipped`` skipped.
         FormatError: the tokenizer file is not a ``tokenizer.json``.
         FileNotFoundError: an input or the tokenizer is missing.
     """
@@ -349,7 +368,10 @@ def build(
         raise UsageError(f"shard_bytes must be positive, got {shard_bytes}")
     if chunk_bytes < 1:
         raise UsageError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    if not 0 <= max_skipped <= 1:
+        raise UsageError(f"max_skipped must be a fraction from 0 to 1, got {max_skipped}")
     k, n = parse_part(part)
+    say = log if log is not None else _quiet
     from tokload import remote
 
     url = os.fspath(output) if remote.is_url(output) else None
@@ -371,13 +393,18 @@ def build(
                 f"the tokenizer {tok.name} has no {name} token that tokload recognizes; "
                 f"build with {hint}, or use a tokenizer that has one"
             )
-    files = expand_inputs(inputs)
+    say(describe_tokenizer(tok))
+    found = find_inputs(inputs, output=out, include=include, exclude=exclude)
+    files = found.files
+    say(found.describe())
     if not files:
-        raise UsageError("no input files (the directories given are empty)")
+        raise UsageError(f"no input files ({_nothing_found(found)})")
+    _check_output(out, files, force)
     plan = plan_chunks(files, chunk_bytes)
     lo, hi = k * len(plan) // n, (k + 1) * len(plan) // n
     mine = plan[lo:hi]
     (out / PARTS).mkdir(parents=True, exist_ok=True)
+    (out / BUILD_MARKER).write_text(_MARKER_TEXT)
     tok_record = dataset_record(tok)
     opts = BuildOptions(
         text_field,
@@ -398,6 +425,13 @@ def build(
         "options": opts.record(),
     }
     todo = [c for c in mine if not _up_to_date(out / PARTS / c.name, base, c)]
+    for c in todo:
+        d = out / PARTS / c.name
+        if d.exists() and not _ours(d):
+            raise UsageError(
+                f"{d}: a chunk of this build goes here, but the directory was not written by "
+                "tokload build; move it away, or build into another directory"
+            )
     stale = _stale_parts(out / PARTS, plan, mine)
     if todo or stale or not dataset_copy_is_current(tok, out):
         # From here on the dataset changes: no manifest may list it until the end.
@@ -406,8 +440,13 @@ def build(
     for d in stale:
         _remove_dir(d)
     for c in todo:
-        _remove_dir(out / PARTS / f"{c.name}.tmp")
+        for d in _temporaries(out / PARTS, c.name):
+            _remove_dir(d)
         _remove_dir(out / PARTS / c.name)
+    say(
+        f"{len(mine)} chunks: {len(todo)} to build, {len(mine) - len(todo)} reused"
+        + (f", {len(stale)} stale removed" if stale else "")
+    )
     publisher = None
     if url is not None:  # upload each chunk as it completes, while the others are built
         from tokload.publish import Publisher
@@ -415,7 +454,7 @@ def build(
         publisher = Publisher(out, url, PARTS, [c.name for c in mine], storage_options).start(
             changing=bool(todo or stale)
         )
-    bar = _progress(progress, sum(c.size for c in todo))
+    bar = Progress(progress, sum(c.size for c in todo), log, progress_every)
     touched = sorted({c.input for c in mine})
     summary = BuildSummary(inputs=len(touched), chunks=len(mine), built=len(todo))
     summary.removed = len(stale)
@@ -426,28 +465,33 @@ def build(
             _run_ray(tasks, None if ray is True else str(ray), bar.update)
         elif workers == 1 or len(todo) <= 1:
             for c, o, out_s, b in tasks:
-                bar.update(_build_chunk(c, o, out_s, b, report=bar.update))
+                bar.update(*_build_chunk(c, o, out_s, b, report=bar.update))
         else:
             _run_pool(tasks, min(workers, len(todo)), bar.update)
     except BaseException:
         for c in todo:  # a worker stopped mid-chunk leaves its temporary directory
-            _remove_dir(out / PARTS / f"{c.name}.tmp")
+            for d in _temporaries(out / PARTS, c.name):
+                _remove_dir(d)
         if publisher is not None:
             publisher.finish(ok=False)
         raise
     finally:
         bar.close()
+    skipped: Counter[str] = Counter()
+    documents = 0
+    for c in mine:
+        stats = read_manifest(out / PARTS / c.name).user.get("stats", {})
+        skipped.update(stats.get("skipped", {}))
+        documents += int(stats.get("documents", 0))
     try:
+        if mine:
+            _check_yield(documents, skipped, max_skipped, text_field)
         manifest = _assemble(out, opts, tok_record, tok.vocab_size, files, mine)
         open_dataset(out).close()  # the manifest agrees with the files (sizes only: cheap)
     except BaseException:
         if publisher is not None:
             publisher.finish(ok=False)
         raise
-    skipped: Counter[str] = Counter()
-    for c in mine:
-        stats = read_manifest(out / PARTS / c.name).user.get("stats", {})
-        skipped.update(stats.get("skipped", {}))
     summary.documents = manifest.num_documents
     summary.tokens = manifest.rows
     summary.shards = len(manifest.shards)
@@ -459,25 +503,115 @@ def build(
     return summary
 
 
-# ---- planning: inputs into chunks -------------------------------------------------------
+def _quiet(line: str) -> None:
+    pass
 
 
-def _kind(path: Path) -> str:
-    suffixes = path.suffixes
-    base = (
-        suffixes[-2]
-        if len(suffixes) >= 2 and suffixes[-1] in (*_COMPRESSED, ".zst")
-        else path.suffix
+_MARKER_TEXT = (
+    '{"written_by": "tokload build", "note": "this directory holds a tokload build; '
+    'a re-run of the build updates it"}\n'
+)
+
+
+def _nothing_found(found: Found) -> str:
+    if not found.passed_over:
+        return "the directories given are empty"
+    return (
+        "passed over "
+        + "; ".join(f"{n} {reason}" for reason, n in sorted(found.passed_over.items()))
+        + "; name files explicitly, or choose them with --include"
     )
-    if base in _JSONL_SUFFIXES:
-        return "jsonl"
-    if path.suffix == ".parquet":
-        return "parquet"
-    return "text"
 
 
-def _compressed(path: Path) -> bool:
-    return path.suffix in _COMPRESSED or path.suffix == ".zst"
+def _ours(d: Path) -> bool:
+    """Whether the directory ``d`` was written by tokload build: it holds the build's
+    marker (every chunk directory gets one first) or a manifest recording a build."""
+    if (d / BUILD_MARKER).is_file():
+        return True
+    try:
+        user = read_manifest(d).user
+    except (TokloadError, OSError, ValueError):
+        return False
+    # "build": what a chunk was built from; "input" and "chunk" are there since chunks were
+    return isinstance(user.get("build"), dict) or {"input", "chunk"} <= user.keys()
+
+
+def _check_output(out: Path, files: Sequence[Path], force: bool) -> None:
+    """Refuse an output whose files the build would mix with or replace unasked.
+
+    A directory that is empty, or holds a build (its marker, or a manifest
+    written by ``tokload build``), is fine; any other non-empty directory
+    needs ``force`` (and its files stay untouched). A build from inputs of
+    which none is among ``files`` needs ``force`` to be replaced.
+    """
+    if not out.is_dir():
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    built = (out / BUILD_MARKER).is_file()
+    if not built:
+        with contextlib.suppress(TokloadError, OSError, ValueError):
+            built = read_manifest(out).user.get("built_by") == "tokload build"
+    if not built:
+        if force:
+            return
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise UsageError(
+            f"{out}: the output directory is not empty and holds no tokload build "
+            f"({shown}); build into a new or empty directory, or pass --force to build "
+            "beside these files (none of them is changed or removed)"
+        )
+    recorded = _recorded_inputs(out)
+    if recorded and not force and not recorded & {os.path.abspath(f) for f in files}:
+        shown = ", ".join(sorted(recorded)[:3]) + (", ..." if len(recorded) > 3 else "")
+        raise UsageError(
+            f"{out}: holds a dataset built from other inputs ({shown}), none of which is an "
+            "input of this build; build into another directory, or pass --force to replace it"
+        )
+
+
+def _recorded_inputs(out: Path) -> set[str]:
+    """The absolute paths of the inputs the chunks under ``out`` record."""
+    parts = out / PARTS
+    found: set[str] = set()
+    if not parts.is_dir():
+        return found
+    for d in parts.iterdir():
+        try:
+            rec = read_manifest(d).user.get("build")
+        except (TokloadError, OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("input"), dict):
+            path = rec["input"].get("path")
+            if isinstance(path, str):
+                found.add(path)
+    return found
+
+
+def _check_yield(
+    documents: int, skipped: Counter[str], max_skipped: float, text_field: str
+) -> None:
+    """Fail a build that made no documents, or skipped more than ``max_skipped`` of them."""
+    bad = sum(skipped.values())
+    reasons = ", ".join(f"{r}: {n}" for r, n in skipped.most_common())
+    if documents == 0:
+        why = f"all {bad} records were skipped ({reasons})" if bad else "the inputs are empty"
+        hint = (
+            f"; is the text in another field than {text_field!r}? (--text-field)"
+            if skipped.get(NO_TEXT)
+            else ""
+        )
+        raise BuildError(f"the build produced no documents: {why}{hint}")
+    if bad and bad / (documents + bad) > max_skipped:
+        raise BuildError(
+            f"skipped {bad} of {documents + bad} records ({bad / (documents + bad):.1%}; "
+            f"{reasons}), more than the {max_skipped:.0%} allowed; fix the inputs or options, "
+            "or allow more with --max-skipped (the chunks built are kept and reused)"
+        )
+
+
+# ---- planning: inputs into chunks -------------------------------------------------------
 
 
 def plan_chunks(files: Sequence[Path], chunk_bytes: int) -> list[Chunk]:
@@ -491,8 +625,8 @@ def plan_chunks(files: Sequence[Path], chunk_bytes: int) -> list[Chunk]:
         try:
             st = os.stat(path)
             ident = (st.st_size, st.st_mtime_ns)
-            kind = _kind(path)
-            if kind == "jsonl" and not _compressed(path):
+            kind = input_kind(path)
+            if kind == "jsonl" and not compressed(path):
                 bounds = _line_bounds(path, st.st_size, chunk_bytes)
                 spans = [("bytes", a, b, b - a) for a, b in itertools.pairwise(bounds)]
             elif kind == "parquet":
@@ -613,8 +747,8 @@ def _stale_parts(parts: Path, plan: list[Chunk], mine: list[Chunk]) -> list[Path
     for d in parts.iterdir():
         stem = d.name.split(".")[0]
         fields = stem.split("-")
-        if not all(f.isdigit() for f in fields) or len(fields) > 2:
-            continue
+        if not all(f.isdigit() for f in fields) or len(fields) > 2 or not _ours(d):
+            continue  # never remove what tokload build did not write
         i = int(fields[0])
         if (
             d.name.endswith(".old")
@@ -626,18 +760,35 @@ def _stale_parts(parts: Path, plan: list[Chunk], mine: list[Chunk]) -> list[Path
     return sorted(stale)
 
 
+def _temporaries(parts: Path, name: str) -> list[Path]:
+    """The temporary directories of chunk ``name`` under ``parts`` (``_ours`` or not)."""
+    return sorted(parts.glob(f"{name}.*.tmp")) + [p for p in [parts / f"{name}.tmp"] if p.exists()]
+
+
 def _remove_dir(d: Path) -> None:
     """Remove a chunk directory so that no crash leaves it looking complete.
 
     The directory is first renamed (atomically) to ``*.old``, which no reader
-    or re-run takes for a chunk, then deleted.
+    or re-run takes for a chunk, then deleted, the build's marker last, so a
+    crash part-way leaves a directory that a re-run still knows to remove.
+    Nothing that tokload build did not write (``_ours``) is ever removed.
     """
-    if not d.exists():
+    if not d.is_dir() or d.is_symlink() or not _ours(d):
         return
+    marker = d / BUILD_MARKER
+    if not marker.exists():  # a chunk of an older build, known by its manifest
+        marker.write_text(_MARKER_TEXT)
     if not d.name.endswith(".old"):
         old = d.with_name(f"{d.name}.{secrets.token_hex(4)}.old")
         os.replace(d, old)
         d = old
+    for child in d.iterdir():
+        if child.name == BUILD_MARKER:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
     shutil.rmtree(d, ignore_errors=True)
 
 
@@ -676,7 +827,7 @@ def _assemble(
 # ---- local worker processes -------------------------------------------------------------
 
 
-def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[[int], None]) -> None:
+def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[..., None]) -> None:
     """Run ``_build_chunk`` over ``tasks`` in ``workers`` processes; stop them all on any error.
 
     The workers are started with SIGINT ignored (an ignored signal stays ignored
@@ -708,7 +859,7 @@ def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[[int]
 
     def drain() -> None:
         while not progress.empty():
-            update(progress.get())
+            update(*progress.get())
 
     # Ctrl+C while this thread waits inside the queue's or the pool's locks can
     # leave a lock half released ("release unlocked lock" instead of the
@@ -725,7 +876,7 @@ def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[[int]
                 raise KeyboardInterrupt
             drain()
             try:
-                update(results.next(timeout=0.2))
+                update(*results.next(timeout=0.2))
             except mp.TimeoutError:
                 continue
             except StopIteration:
@@ -744,7 +895,7 @@ def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[[int]
     pool.join()
 
 
-_REPORT: Callable[[int], None] | None = None
+_REPORT: Callable[[int, int, int], None] | None = None
 
 
 def _set_threads(threads: int) -> None:
@@ -757,10 +908,10 @@ def _init_worker(progress: Any, threads: int) -> None:
     global _REPORT
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _set_threads(threads)
-    _REPORT = progress.put
+    _REPORT = lambda *counts: progress.put(counts)  # noqa: E731
 
 
-def _build_task(task: tuple[Chunk, BuildOptions, str, dict[str, Any]]) -> int:
+def _build_task(task: tuple[Chunk, BuildOptions, str, dict[str, Any]]) -> tuple[int, int, int]:
     chunk, opts, out_s, base = task
     return _build_chunk(chunk, opts, out_s, base, report=_REPORT)
 
@@ -769,7 +920,7 @@ def _build_task(task: tuple[Chunk, BuildOptions, str, dict[str, Any]]) -> int:
 
 
 def _run_ray(
-    tasks: list[tuple[Any, ...]], address: str | None, update: Callable[[int], None]
+    tasks: list[tuple[Any, ...]], address: str | None, update: Callable[..., None]
 ) -> None:
     """Run the chunks as Ray tasks (one CPU each), on the cluster at ``address``.
 
@@ -785,20 +936,20 @@ def _run_ray(
     if not ray.is_initialized():
         ray.init(address=address, log_to_driver=False, configure_logging=False)
     remote = ray.remote(num_cpus=1)(_ray_task)
-    pending = {remote.remote(*task): task[0].size for task in tasks}
+    pending = {remote.remote(*task): task[0].name for task in tasks}
     try:
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
             for ref in done:
-                size = pending.pop(ref)  # finished: never cancelled below (see there)
+                pending.pop(ref)  # finished: never cancelled below (see there)
                 try:
-                    ray.get(ref)
+                    counts = ray.get(ref)
                 except ray.exceptions.RayTaskError as e:
                     cause = getattr(e, "cause", None)
                     if isinstance(cause, BaseException):
                         raise cause from None
                     raise
-                update(size)
+                update(*counts)
     except BaseException:
         # Only tasks not finished yet: cancelling the one that just failed made Ray's
         # core abort the driver ("Tried to complete task that was not pending",
@@ -810,31 +961,11 @@ def _run_ray(
         raise
 
 
-def _ray_task(chunk: Chunk, opts: BuildOptions, out_s: str, base: dict[str, Any]) -> int:
+def _ray_task(
+    chunk: Chunk, opts: BuildOptions, out_s: str, base: dict[str, Any]
+) -> tuple[int, int, int]:
     _set_threads(1)  # Ray gives this task one CPU
-    _build_chunk(chunk, opts, out_s, base)
-    return chunk.size
-
-
-# ---- progress -------------------------------------------------------------------------
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(enabled: bool | None, total: int) -> Any:
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, desc="tokload build", smoothing=0.1)
+    return _build_chunk(chunk, opts, out_s, base)
 
 
 # ---- reading a chunk ---------------------------------------------------------------------
@@ -938,9 +1069,10 @@ ANNOTATION_NO_SPAN = "annotation without integer start/end"
 ANNOTATION_OUTSIDE = "annotation outside the text"
 UNREADABLE = "unreadable input"
 
-Record = tuple[int, dict[str, Any] | None, tuple[str, str] | None]
-"""(line, record, (reason key, message)) of one input record; lines count from the chunk's
-first (1) and rows from the file's first."""
+Record = tuple[int, dict[str, Any] | None, tuple[str, str] | None, int]
+"""(line, record, (reason key, message), FIRST/LAST flags) of one input record; lines count
+from the chunk's first (1) and rows from the file's first; a plain-text document comes
+in pieces (see ``_text_pieces``)."""
 
 
 def _parse_line(line: bytes) -> Any:
@@ -954,7 +1086,7 @@ def _parse_line(line: bytes) -> Any:
 
 def _records(inp: _Input, text_field: str) -> Iterator[Record]:
     path, chunk = inp.path, inp.chunk
-    kind = _kind(path)
+    kind = input_kind(path)
     if kind == "jsonl":
         with _open_lines(inp) as f:
             for line_no, line in enumerate(f, 1):
@@ -968,16 +1100,17 @@ def _records(inp: _Input, text_field: str) -> Iterator[Record]:
                         if isinstance(e, json.JSONDecodeError)
                         else str(e).split(";")[0] or type(e).__name__
                     )
-                    yield line_no, None, (MALFORMED_JSON, f"malformed JSON ({detail})")
+                    yield line_no, None, (MALFORMED_JSON, f"malformed JSON ({detail})"), WHOLE
                     continue
                 if not isinstance(rec, dict):
                     yield (
                         line_no,
                         None,
                         (NOT_AN_OBJECT, f"a JSON {type(rec).__name__}, not an object"),
+                        WHOLE,
                     )
                     continue
-                yield line_no, rec, None
+                yield line_no, rec, None, WHOLE
     elif kind == "parquet":
         try:
             import pyarrow as pa
@@ -988,6 +1121,7 @@ def _records(inp: _Input, text_field: str) -> Iterator[Record]:
         with pa.memory_map(str(path)) as mf:
             pf = pq.ParquetFile(mf)
             meta = pf.metadata
+            _check_column(path, pf.schema_arrow, text_field)
             groups = range(chunk.start, chunk.end)
             for g in groups:
                 a, b = _row_group_range(meta, g)
@@ -1004,11 +1138,80 @@ def _records(inp: _Input, text_field: str) -> Iterator[Record]:
             for batch in pf.iter_batches(batch_size=1024, row_groups=list(groups)):
                 for rec in batch.to_pylist():
                     row += 1
-                    yield row, rec, None
+                    yield row, rec, None, WHOLE
     else:
         with inp.binary() as f:
-            text = f.read().decode("utf-8", errors="strict")
-        yield 1, {text_field: text, "path": str(path)}, None
+            for flags, piece in _text_pieces(f):
+                yield 1, {text_field: piece, "path": str(path)}, None, flags
+
+
+_TEXT_PIECE = 1 << 20
+"""Bytes of a plain-text input read (and tokenized) at a time."""
+
+FIRST, LAST = 1, 2
+WHOLE = FIRST | LAST
+"""Where a record's text stands in its document: its first piece, its last, or all of it."""
+
+
+def _text_pieces(f: IO[bytes], piece: int | None = None) -> Iterator[tuple[int, str]]:
+    """A plain-text file as pieces of about ``piece`` bytes, each with its place
+    (``FIRST``/``LAST`` flags): memory stays bounded whatever the file's size.
+
+    A piece ends at a line break between two characters that are not white
+    space, else before a space between two words: a byte-level BPE
+    pre-tokenizer (GPT-2's and Llama 3's patterns, most tokenizer.json files)
+    splits the text there anyway, so the pieces' tokens are the whole text's.
+    Only a text with neither in 4 pieces' length is cut where it stands (the
+    tokens next to that cut may then differ from the whole text's).
+    Raises ``UnicodeDecodeError`` at the first byte that is not UTF-8.
+    """
+    size = piece or _TEXT_PIECE
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    carry = ""
+    first = True
+    while True:
+        block = f.read(size)
+        text = carry + decoder.decode(block, final=not block)
+        if not block:
+            yield (FIRST if first else 0) | LAST, text
+            return
+        cut = _cut(text) if len(text) >= size else -1
+        if cut < 0 and len(text) >= 4 * size:
+            cut = len(text)
+        if cut <= 0:
+            carry = text
+            continue
+        yield (FIRST if first else 0), text[:cut]
+        first = False
+        carry = text[cut:]
+
+
+def _cut(text: str) -> int:
+    """Where ``text`` may be cut (see ``_text_pieces``), or -1: the last line break
+    with no white space on either side, else the last space between two words."""
+    for sep, after in (("\n", 1), (" ", 0)):
+        pos = text.rfind(sep, 1, len(text) - 1)
+        tries = 0
+        while pos > 0 and tries < 64:
+            if not text[pos - 1].isspace() and not text[pos + 1].isspace():
+                return pos + after
+            pos = text.rfind(sep, 1, pos)
+            tries += 1
+    return -1
+
+
+def _check_column(path: Path, schema: Any, field: str) -> None:
+    """A Parquet file must have the text column: name the columns it has, and the likely one."""
+    names = list(schema.names)
+    if field in names:
+        return
+    strings = [f.name for f in schema if str(f.type) in ("string", "large_string")]
+    usual = [n for n in ("text", "content", "body", "raw_content", "document") if n in strings]
+    pick = (usual or strings or [None])[0]
+    hint = f"; use --text-field {pick}" if pick else ""
+    raise BuildError(
+        f"{path}: no column {field!r}; its columns are {', '.join(names) or '(none)'}{hint}"
+    )
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:
@@ -1036,12 +1239,14 @@ def _build_chunk(
     opts: BuildOptions,
     out_s: str,
     base: dict[str, Any],
-    report: Callable[[int], None] | None = None,
-) -> int:
+    report: Callable[[int, int, int], None] | None = None,
+) -> tuple[int, int, int]:
     """Build ``chunk`` into OUT/parts/iiiii-ccccc (via a temporary directory).
 
-    Calls ``report`` with the input bytes read, every few MB; returns the rest
-    of the chunk's size, so the reports and the return value add up to it.
+    Calls ``report(bytes, documents, tokens)`` with the input bytes read and
+    the documents and tokens written since its last call, every few MB;
+    returns the rest of the chunk's size and the documents and tokens not
+    reported yet, so the reports and the return value add up to the chunk's.
     """
     path, out = Path(chunk.path), Path(out_s)
     tok = _TOKENIZERS.get(opts.tokenizer)
@@ -1050,11 +1255,14 @@ def _build_chunk(
     tdt = token_dtype(tok.vocab_size)
     # With metadata, the Writer attaches it as a span table (FORMAT.md, version 2).
     dtype: Any = [("token", tdt.str)] if opts.metadata else tdt
-    tmp = out / PARTS / f"{chunk.name}.tmp"
     final = out / PARTS / chunk.name
-    _remove_dir(tmp)  # left by a task that died (a Ray retry)
+    for d in _temporaries(out / PARTS, chunk.name):
+        _remove_dir(d)  # left by a task that died (a Ray retry)
+    # A name of its own: a directory in the way, whoever made it, is never touched.
+    tmp = out / PARTS / f"{chunk.name}.{secrets.token_hex(4)}.tmp"
     skipped: Counter[str] = Counter()
-    docs = tokens = reported = 0
+    docs = tokens = reported = reported_docs = reported_tokens = 0
+    open_tokens = 0  # tokens of the pieces of a document not ended yet
     first_line = 0
 
     def where(line: int) -> str:
@@ -1075,6 +1283,12 @@ def _build_chunk(
         inp = _Input(chunk)
     except OSError as e:
         raise BuildError(f"{path}: cannot open the input: {e.strerror or e}") from None
+    try:
+        tmp.mkdir()
+        (tmp / BUILD_MARKER).write_text(_MARKER_TEXT)  # first: whatever follows is the build's
+    except BaseException:
+        inp.close()
+        raise
     with (
         contextlib.closing(inp),
         Writer(
@@ -1087,15 +1301,17 @@ def _build_chunk(
         ) as w,
     ):
         pending: list[tuple[int, str, dict[str, Any]]] = []
+        places: list[int] = []  # each pending text's FIRST/LAST flags
         pending_chars = 0
 
         def flush() -> None:
-            nonlocal docs, tokens, pending_chars, reported
+            nonlocal docs, tokens, pending_chars, reported, reported_docs, reported_tokens
+            nonlocal open_tokens
             if not pending:
                 return
             texts = [t for _, t, _ in pending]
             batch = _encode(tok, texts, pending, opts.annotations_field)
-            ids, bounds = _with_bos_eos(batch, opts, tok, tdt)
+            ids, bounds = _with_bos_eos(batch, opts, tok, tdt, np.array(places, np.int8))
             offsets = batch.offsets
             for d, (line, text, rec) in enumerate(pending):
                 doc = ids[bounds[d] : bounds[d + 1]]
@@ -1108,18 +1324,22 @@ def _build_chunk(
                     if err is not None:
                         fail(line, *err)
                         continue
-                w.write({"token": doc} if opts.metadata else doc, spans=spans)
-                docs += 1
+                end = bool(places[d] & LAST)
+                w.write({"token": doc} if opts.metadata else doc, spans=spans, end=end)
                 tokens += len(doc)
+                open_tokens = 0 if end else open_tokens + len(doc)
+                docs += end
             pending.clear()
+            places.clear()
             pending_chars = 0
             if report is not None and inp.consumed() - reported >= _REPORT_BYTES:
                 n = min(inp.consumed(), chunk.size) - reported
-                report(n)
+                report(n, docs - reported_docs, tokens - reported_tokens)
                 reported += n
+                reported_docs, reported_tokens = docs, tokens
 
         try:
-            for line, rec, err in _records(inp, opts.text_field):
+            for line, rec, err, place in _records(inp, opts.text_field):
                 if err is not None:
                     fail(line, *err)
                     continue
@@ -1127,7 +1347,13 @@ def _build_chunk(
                 text = rec.get(opts.text_field)
                 if not isinstance(text, str):
                     if text is None:
-                        fail(line, NO_TEXT, f"no text field {opts.text_field!r}")
+                        fields = ", ".join(map(str, list(rec)[:8])) or "none"
+                        fail(
+                            line,
+                            NO_TEXT,
+                            f"no text field {opts.text_field!r} (the record's fields: {fields}; "
+                            "--text-field names another)",
+                        )
                     else:
                         fail(
                             line,
@@ -1136,6 +1362,7 @@ def _build_chunk(
                         )
                     continue
                 pending.append((line, text, rec))
+                places.append(place)
                 pending_chars += len(text)
                 if len(pending) >= _BATCH_DOCS or pending_chars >= _BATCH_CHARS:
                     flush()
@@ -1143,6 +1370,8 @@ def _build_chunk(
         except _read_errors() as e:
             if isinstance(e, BuildError):
                 raise
+            w.discard()  # the pieces of a plain-text document cut short
+            tokens -= open_tokens
             fail(None, UNREADABLE, f"unreadable: {e}")
         w.manifest.user["stats"] = {
             "documents": docs,
@@ -1155,7 +1384,7 @@ def _build_chunk(
             "chunk": {**chunk.record(), "sha256": inp.hash.hexdigest()},
         }
     os.replace(tmp, final)  # the chunk is complete: publish it
-    return chunk.size - reported
+    return chunk.size - reported, docs - reported_docs, tokens - reported_tokens
 
 
 def _encode(
@@ -1192,23 +1421,36 @@ def _encode(
 
 
 def _with_bos_eos(
-    batch: EncodedBatch, opts: BuildOptions, tok: Tokenizer, dtype: np.dtype[Any]
+    batch: EncodedBatch,
+    opts: BuildOptions,
+    tok: Tokenizer,
+    dtype: np.dtype[Any],
+    places: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The batch's ids with BOS/EOS around each text, as ``dtype``, and the new bounds."""
-    extra = int(opts.bos) + int(opts.eos)
+    """The batch's ids with BOS/EOS around each text, as ``dtype``, and the new bounds.
+
+    ``places`` (``FIRST``/``LAST`` flags per text; all ``WHOLE`` by default):
+    BOS goes only before a document's first piece, EOS only after its last.
+    """
     lengths = np.diff(batch.bounds)
+    if places is None:
+        places = np.full(len(lengths), WHOLE, np.int8)
+    has_bos = (places & FIRST).astype(bool) & opts.bos
+    has_eos = (places & LAST).astype(bool) & opts.eos
     bounds = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths + extra, out=bounds[1:])
-    if not extra:
+    np.cumsum(lengths + has_bos + has_eos, out=bounds[1:])
+    if not (has_bos.any() or has_eos.any()):
         return batch.ids.astype(dtype), bounds
     out = np.empty(int(bounds[-1]), dtype=dtype)
     body = np.ones(len(out), dtype=bool)
-    if opts.bos:
-        out[bounds[:-1]] = tok.bos_id
-        body[bounds[:-1]] = False
-    if opts.eos:
-        out[bounds[1:] - 1] = tok.eos_id
-        body[bounds[1:] - 1] = False
+    if has_bos.any():
+        at = bounds[:-1][has_bos]
+        out[at] = tok.bos_id
+        body[at] = False
+    if has_eos.any():
+        at = bounds[1:][has_eos] - 1
+        out[at] = tok.eos_id
+        body[at] = False
     out[body] = batch.ids  # ids < vocab_size: the cast cannot overflow
     return out, bounds
 

@@ -69,7 +69,12 @@ def publish(
         for u in have
         if u.startswith(f"{url}/{parts}/") and not any(u.startswith(k) for k in keep)
     ]
-    extras = [p for p in sorted(root.iterdir()) if p.is_file() and p.name != MANIFEST]
+    # (hidden files, such as the build's marker, are local bookkeeping: not uploaded)
+    extras = [
+        p
+        for p in sorted(root.iterdir())
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
+    ]
     changed_extras = [p for p in extras if not _same(have, p, remote.join(url, p.name))]
     if not todo and not stale and not changed_extras and _same(have, root / MANIFEST, top):
         done.skipped = len(chunks)
@@ -121,7 +126,7 @@ def _upload_chunk(
     if cman in have:
         remote.delete([cman], options)
     for f in sorted(cdir.iterdir()):
-        if f.is_file() and f.name != MANIFEST:
+        if f.is_file() and f.name != MANIFEST and not f.name.startswith("."):
             _put(f, f"{url}/{parts}/{c}/{f.name}", options, done)
     _put(cdir / MANIFEST, cman, options, done)
 

@@ -13,6 +13,9 @@ import hashlib
 import itertools
 import json
 import os
+import re
+import socket
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -142,6 +145,7 @@ class HFTokenizer:
                 f"{self.path}: not a Hugging Face tokenizer.json ({_first_line(e)})"
             ) from None
         self.name = str(self.path)
+        self.hub_name: str | None = None  # the Hugging Face name it was found by
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.eos_id = eos_id if eos_id is not None else self._find(self._EOS_NAMES)
         self.bos_id = bos_id if bos_id is not None else self._find(self._BOS_NAMES)
@@ -189,8 +193,10 @@ class HFTokenizer:
         return str(self._tok.decode(ids, skip_special_tokens=False))
 
     def describe(self) -> dict[str, Any]:
+        hub = {"hub_name": self.hub_name} if self.hub_name else {}
         return {
             "kind": "tokenizer.json",
+            **hub,
             "path": str(self.path),
             "sha256": self.sha256,
             "vocab_size": self.vocab_size,
@@ -200,18 +206,88 @@ class HFTokenizer:
 
 
 def load_tokenizer(spec: str | os.PathLike[str] | None) -> Tokenizer:
-    """``None`` or ``"bytes"``: the byte tokenizer; otherwise a tokenizer.json path.
+    """The tokenizer ``spec`` names.
+
+    ``None`` or ``"bytes"``: the byte tokenizer. Otherwise, in this order:
+    the path of a ``tokenizer.json``; a directory holding one (a model
+    checkout); a Hugging Face model name (``"gpt2"``, ``"org/model"``, with
+    ``@revision`` optionally): its ``tokenizer.json`` from the local Hugging
+    Face cache (``HF_HUB_CACHE``/``HF_HOME``), else downloaded with
+    ``huggingface_hub`` unless ``HF_HUB_OFFLINE`` is set.
 
     Raises:
-        FileNotFoundError: no file at ``spec``.
+        FileNotFoundError: none of these holds a tokenizer; the message says
+            what was tried.
         FormatError: the file is not a ``tokenizer.json`` (names the file).
     """
     if spec is None or str(spec) == "bytes":
         return ByteTokenizer()
     path = Path(spec)
-    if not path.is_file():
-        raise FileNotFoundError(2, "no tokenizer.json here (or use 'bytes')", str(path))
-    return HFTokenizer(path)
+    if path.is_file():
+        return HFTokenizer(path)
+    if path.is_dir():
+        if (path / TOKENIZER_FILE).is_file():
+            return HFTokenizer(path / TOKENIZER_FILE)
+        raise FileNotFoundError(2, f"the directory holds no {TOKENIZER_FILE}", str(path))
+    tried = [f"no file or directory {str(path)!r}"]
+    name = str(spec)
+    if _HUB_NAME.fullmatch(name) and not name.endswith(".json"):
+        found, why = _from_hub(name)
+        if found is not None:
+            tok = HFTokenizer(found)
+            tok.name = f"{name} ({found})"
+            tok.hub_name = name
+            return tok
+        tried += why
+    raise FileNotFoundError(
+        2,
+        "no tokenizer: tried " + "; ".join(tried) + " (give a tokenizer.json, a directory "
+        "holding one, a Hugging Face name such as gpt2, or 'bytes')",
+        name,
+    )
+
+
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?(@[\w./-]+)?")
+
+
+def _from_hub(name: str) -> tuple[Path | None, list[str]]:
+    """``name``'s tokenizer.json from the Hugging Face cache or hub, or what was tried."""
+    repo, _, revision = name.partition("@")
+    try:
+        import huggingface_hub as hub
+    except ImportError:  # pragma: no cover - installed with tokenizers
+        return None, ["no Hugging Face lookup ('huggingface_hub' is not installed)"]
+    from huggingface_hub import constants
+
+    cache = constants.HF_HUB_CACHE
+    cached = hub.try_to_load_from_cache(repo, TOKENIZER_FILE, revision=revision or None)
+    if isinstance(cached, str):
+        return Path(cached), []
+    tried = [f"the Hugging Face cache {cache} (no {repo}/{TOKENIZER_FILE})"]
+    if constants.HF_HUB_OFFLINE:
+        return None, [*tried, "no download (HF_HUB_OFFLINE is set)"]
+    host = urllib.parse.urlsplit(constants.ENDPOINT).hostname or ""
+    try:  # without a network the hub client retries for about 20 s: ask the resolver first
+        socket.getaddrinfo(host, 443)
+    except OSError as e:
+        return None, [*tried, f"no download (cannot resolve {host}: {e.strerror or e})"]
+    try:
+        got = hub.hf_hub_download(repo, TOKENIZER_FILE, revision=revision or None)
+    except Exception as e:  # the hub's errors: not found, gated, offline, ...
+        first = _first_line(e)[:160]
+        return None, [*tried, f"a download from {host} ({type(e).__name__}: {first})"]
+    return Path(got), []
+
+
+def describe_tokenizer(tok: Tokenizer) -> str:
+    """One line for a build's log: which tokenizer, its vocabulary and the stored dtype."""
+    dtype = token_dtype(tok.vocab_size)
+    special = f"BOS {tok.bos_id}, EOS {tok.eos_id}"
+    where = "built in" if isinstance(tok, ByteTokenizer) else "tokenizer.json"
+    return (
+        f"tokenizer {tok.name} ({where}), vocabulary {tok.vocab_size:,}, "
+        f"tokens stored as {dtype.name}, {special}"
+    )
 
 
 def dataset_record(tok: Tokenizer) -> dict[str, Any]:

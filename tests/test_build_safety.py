@@ -1,0 +1,356 @@
+"""What a build reads and what it may touch: the user's files are never inputs by
+accident, never replaced or removed unasked, and a build that made nothing fails.
+
+Each data-loss case keeps the user's files byte for byte: a re-run into an output
+inside its input directory, ``build .``, a non-empty output, a directory named
+like a chunk, a dataset built from other inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_build import dataset_files
+
+import tokload
+from tokload import BuildError, build
+from tokload.__main__ import main
+from tokload.builder import UsageError
+from tokload.format import read_manifest
+from tokload.inputs import BUILD_MARKER, InputError, find_inputs, is_data_file
+
+
+def jsonl(path: Path, n: int = 40, field: str = "text") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({field: f"document {i} of {path.name}. " * 3, "id": i}) + "\n")
+    return path
+
+
+def snapshot(root: Path, skip: Path | None = None) -> dict[str, bytes]:
+    """Every file under ``root`` (except under ``skip``) and its bytes."""
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and (skip is None or skip not in p.parents)
+    }
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(args)
+    return code, capsys.readouterr().err
+
+
+# ---- outputs are never inputs ------------------------------------------------------------
+
+
+def test_a_rerun_into_the_input_directory_reuses_every_chunk(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "data"
+    for k in range(3):
+        jsonl(data / f"part-{k}.jsonl")
+    (data / "README.md").write_text("# my data\n")
+    mine = snapshot(data)
+    args = ["build", str(data), "-o", str(data / "tok"), "--tokenizer", "bytes", "-j", "2"]
+    args += ["--chunk-size", "1k"]
+    code, err = run_cli(args, capsys)
+    assert code == 0, err
+    first = snapshot(data / "tok")
+    assert "3 input files" in err and "1 files that are not data (e.g." in err
+    code, err = run_cli(args, capsys)  # the same command again
+    assert code == 0, err
+    assert "0 to build" in err  # every finished chunk reused
+    assert snapshot(data / "tok") == first
+    assert snapshot(data, skip=data / "tok") == mine
+    assert read_manifest(data / "tok").num_documents == 120
+
+
+def test_build_dot_into_a_subdirectory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jsonl(tmp_path / "a.jsonl")
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        code, err = run_cli(["build", ".", "-o", "corpus", "--tokenizer", "bytes"], capsys)
+        assert code == 0, err
+        assert "1 input files" in err
+    assert read_manifest(tmp_path / "corpus").num_documents == 40
+
+
+def test_other_datasets_in_a_walk_are_passed_over(tmp_path: Path) -> None:
+    jsonl(tmp_path / "in" / "a.jsonl")
+    build([tmp_path / "in"], tmp_path / "in" / "old-build")
+    with tokload.Writer(tmp_path / "in" / "written", dtype="<u2") as w:
+        w.write([1, 2, 3])
+    found = find_inputs([tmp_path / "in"], output=tmp_path / "elsewhere")
+    assert found.files == [tmp_path / "in" / "a.jsonl"]
+    assert found.passed_over["tokload datasets"] == 2
+
+
+def test_an_input_inside_the_output_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    jsonl(out / "sub" / "x.jsonl")
+    with pytest.raises(InputError, match=r"x\.jsonl: this input is inside the output"):
+        build([out / "sub" / "x.jsonl"], out, force=True)
+    with pytest.raises(InputError, match="inside the output"):
+        build([out], out, force=True)
+
+
+# ---- the output: never mixed, never replaced unasked ---------------------------------------
+
+
+def test_a_non_empty_output_is_refused_unless_forced(tmp_path: Path) -> None:
+    src = jsonl(tmp_path / "a.jsonl")
+    out = tmp_path / "home"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    (out / "parts").mkdir()
+    (out / "parts" / "00000-00000").mkdir()  # named like a chunk, but the user's
+    (out / "parts" / "00000-00000" / "notes.txt").write_text("mine too")
+    mine = snapshot(out)
+    with pytest.raises(UsageError, match=r"home: the output directory is not empty and holds no"):
+        build([src], out)
+    assert snapshot(out) == mine
+    # forced: the chunk that would go where the user's directory is stops the build
+    with pytest.raises(UsageError, match=r"00000-00000: a chunk of this build goes here"):
+        build([src], out, force=True)
+    assert {k: v for k, v in snapshot(out).items() if k in mine} == mine
+    os.rename(out / "parts" / "00000-00000", out / "my-notes")
+    mine = snapshot(out)
+    s = build([src], out, force=True)
+    assert s.documents == 40
+    assert {k: v for k, v in snapshot(out).items() if k in mine} == mine
+    assert (out / BUILD_MARKER).is_file()
+
+
+def test_a_dataset_from_other_inputs_is_not_replaced_unasked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    books = jsonl(tmp_path / "books.jsonl")
+    wiki = jsonl(tmp_path / "wiki.jsonl", n=7)
+    out = tmp_path / "corpus"
+    build([books], out)
+    before = dataset_files(out)
+    code, err = run_cli(["build", str(wiki), "-o", str(out), "--tokenizer", "bytes"], capsys)
+    assert code == 2
+    assert f"{out}: holds a dataset built from other inputs ({books})" in err
+    assert "--force to replace it" in err
+    assert dataset_files(out) == before
+    # an input added to the same ones is an update, not a replacement
+    assert build([books, wiki], out).documents == 47
+    # asked: replaced, and the chunks of the old inputs are removed
+    s = build([wiki], out, force=True)
+    assert (s.documents, s.removed) == (7, 1)
+
+
+def test_a_dataset_written_by_the_writer_is_not_built_over(tmp_path: Path) -> None:
+    with tokload.Writer(tmp_path / "ds", dtype="<u2") as w:
+        w.write([1, 2, 3])
+    before = dataset_files(tmp_path / "ds")
+    with pytest.raises(UsageError, match="holds no tokload build"):
+        build([jsonl(tmp_path / "a.jsonl")], tmp_path / "ds")
+    assert dataset_files(tmp_path / "ds") == before
+
+
+# ---- inputs a user means -------------------------------------------------------------------
+
+
+def hf_repo(root: Path) -> Path:
+    """A Hugging Face dataset checkout: data in Parquet and JSONL beside repository files."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    (root / "data").mkdir(parents=True)
+    (root / ".git").mkdir()
+    (root / ".git" / "config").write_text("[core]\n")
+    (root / ".gitattributes").write_text("*.parquet filter=lfs diff=lfs merge=lfs -text\n")
+    (root / "README.md").write_text("---\nlicense: mit\n---\n# A dataset\n")
+    (root / "data" / "_SUCCESS").write_text("")
+    (root / "dataset_info.json").write_text('{"features": {}}')
+    table = pa.table({"id": list(range(10)), "text": [f"row {i}" for i in range(10)]})
+    pq.write_table(table, root / "data" / "train-00000-of-00001.parquet")
+    jsonl(root / "data" / "extra.jsonl", n=5)
+    return root
+
+
+def test_a_directory_walk_takes_data_files_only(tmp_path: Path) -> None:
+    repo = hf_repo(tmp_path / "repo")
+    found = find_inputs([repo])
+    assert [p.name for p in found.files] == ["extra.jsonl", "train-00000-of-00001.parquet"]
+    line = found.describe()
+    assert line.startswith("2 input files, ")
+    assert "1 jsonl (" in line and "1 parquet (" in line
+    assert "1 hidden directories (e.g." in line and "1 hidden files (e.g." in line
+    assert "3 files that are not data (e.g." in line
+    s = build([repo], tmp_path / "out")
+    assert s.documents == 15
+    doc = tokload.Documents(tmp_path / "out")[0]
+    assert isinstance(doc, np.ndarray)
+    first = bytes(t for t in doc.tolist() if t < 256)
+    assert first.decode().startswith("document 0 of extra.jsonl")  # not "*.parquet filter=lfs ..."
+
+
+def test_include_and_exclude_globs(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "a.py").write_text("print('a')\n")
+    (src / "pkg" / "test_a.py").write_text("assert True\n")
+    (src / "b.txt").write_text("plain text\n")
+    assert [p.name for p in find_inputs([src]).files] == ["b.txt"]
+    found = find_inputs([src], include=["*.py"], exclude=["test_*"])
+    assert [p.name for p in found.files] == ["a.py"]
+    assert found.passed_over["files matching --exclude"] == 1
+    # a pattern may name the path under the directory walked
+    assert [p.name for p in find_inputs([src], include=["pkg/*"]).files] == ["a.py", "test_a.py"]
+    # a file named explicitly is read whatever its name
+    assert find_inputs([src / "pkg" / "a.py"]).files == [src / "pkg" / "a.py"]
+    with pytest.raises(UsageError, match=r"no input files .*--include"):
+        build([src / "pkg"], tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    ("name", "data"),
+    [
+        ("x.jsonl", True),
+        ("x.json.gz", True),
+        ("x.ndjson.zst", True),
+        ("x.parquet", True),
+        ("x.txt", True),
+        ("README.md", False),
+        ("_SUCCESS", False),
+        (".gitattributes", False),
+        ("dataset_info.json", False),
+        ("tokenizer.json", False),
+        ("x.tar.gz", False),
+        ("x.rows", False),
+    ],
+)
+def test_which_names_are_data(name: str, data: bool) -> None:
+    assert is_data_file(name) is data
+
+
+# ---- errors, not empty datasets ------------------------------------------------------------
+
+
+def test_a_wrong_text_field_fails_instead_of_building_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = jsonl(tmp_path / "a.jsonl", n=1000, field="content")
+    out = tmp_path / "out"
+    code, err = run_cli(
+        ["build", str(src), "-o", str(out), "--tokenizer", "bytes", "--on-error", "skip"], capsys
+    )
+    assert code == 1
+    assert (
+        "the build produced no documents: all 1000 records were skipped (missing text field: "
+        "1000); is the text in another field than 'text'? (--text-field)"
+    ) in err
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(
+        BuildError, match=r"a\.jsonl:1: no text field 'text' \(the record's fields: "
+    ):
+        build([src], out)
+    with pytest.raises(BuildError, match="content, id; --text-field names another"):
+        build([src], out)
+
+
+def test_an_empty_input_fails(tmp_path: Path) -> None:
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(BuildError, match="the build produced no documents: the inputs are empty"):
+        build([tmp_path / "empty.jsonl"], tmp_path / "out")
+
+
+def test_skipping_past_the_threshold_fails_and_keeps_the_chunks(tmp_path: Path) -> None:
+    p = tmp_path / "a.jsonl"
+    p.write_text("".join('{"text": "ok"}\n' if i % 4 else "{broken\n" for i in range(100)))
+    out = tmp_path / "out"
+    with pytest.raises(
+        BuildError,
+        match=r"skipped 25 of 100 records \(25\.0%; malformed JSON: 25\), more than the 10%",
+    ):
+        build([p], out, on_error="skip")
+    assert not (out / "manifest.json").exists()
+    s = build([p], out, on_error="skip", max_skipped=0.25)
+    assert (s.documents, s.built) == (75, 0)  # the chunk built above, reused
+    with pytest.raises(UsageError, match="max_skipped must be a fraction from 0 to 1, got 2"):
+        build([p], out, max_skipped=2)
+
+
+def test_a_parquet_file_without_the_text_column_lists_its_columns(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"id": [1, 2], "content": ["a", "b"], "url": ["u", "v"]}), path)
+    with pytest.raises(
+        BuildError,
+        match=r"t\.parquet: no column 'text'; its columns are id, content, url; "
+        r"use --text-field content",
+    ):
+        build([path], tmp_path / "out", on_error="skip")
+
+
+# ---- the tokenizer a user names ------------------------------------------------------------
+
+
+def fake_hub_cache(root: Path, repo: str, tokenizer: Path) -> Path:
+    """A Hugging Face cache holding ``repo``'s tokenizer.json, laid out as the hub client does."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    folder = root / ("models--" + repo.replace("/", "--"))
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(commit)
+    snap = folder / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (snap / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    return root
+
+
+def test_a_hugging_face_name_from_the_local_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from huggingface_hub import constants
+    from test_build import _hf_tokenizer
+
+    tj = _hf_tokenizer(tmp_path / "tokenizer.json")
+    cache = fake_hub_cache(tmp_path / "hub", "acme/tiny-bpe", tj)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    src = jsonl(tmp_path / "a.jsonl")
+    code, err = run_cli(
+        ["build", str(src), "-o", str(tmp_path / "out"), "--tokenizer", "acme/tiny-bpe"], capsys
+    )
+    assert code == 0, err
+    first = err.splitlines()[0]
+    assert first.startswith("tokload build: tokenizer acme/tiny-bpe (")
+    assert "vocabulary 300, tokens stored as uint16" in first
+    m = read_manifest(tmp_path / "out")
+    assert m.user["tokenizer"]["hub_name"] == "acme/tiny-bpe"
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == tj.read_bytes()
+    # a directory holding a tokenizer.json (a model checkout) works too
+    assert build([src], tmp_path / "out2", tokenizer=tmp_path).documents == 40
+    # a name that is nowhere: what was tried
+    code, err = run_cli(
+        ["build", str(src), "-o", str(tmp_path / "o3"), "--tokenizer", "acme/missing"], capsys
+    )
+    assert code == 1
+    assert (
+        f"no tokenizer: tried no file or directory 'acme/missing'; the Hugging Face cache "
+        f"{cache} (no acme/missing/tokenizer.json); no download (HF_HUB_OFFLINE is set)"
+    ) in err
+
+
+def test_no_tokenizer_given_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_cli(
+        ["build", str(jsonl(tmp_path / "a.jsonl")), "-o", str(tmp_path / "o")], capsys
+    )
+    assert code == 0
+    lines = err.splitlines()
+    assert lines[0].startswith("tokload build: no --tokenizer given: the built-in byte tokenizer")
+    assert lines[1] == (
+        "tokload build: tokenizer bytes (built in), vocabulary 258, tokens stored as uint16, "
+        "BOS 256, EOS 257"
+    )

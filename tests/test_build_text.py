@@ -1,0 +1,203 @@
+"""Plain-text inputs in bounded memory, and progress a user sees without a terminal.
+
+A plain-text file is one document read in pieces (``_text_pieces``): the pieces
+join to the text, cut where a byte-level BPE pre-tokenizer splits anyway, so the
+document's tokens are those of the whole text; the ``Writer`` appends the pieces
+to one document; a piece cut short by an unreadable byte is taken back.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_build import _hf_tokenizer
+
+import tokload
+import tokload.builder
+from tokload import BuildError, build
+from tokload.builder import FIRST, LAST, _text_pieces
+from tokload.format import read_manifest
+from tokload.progress import Progress
+from tokload.tokenizer import load_tokenizer
+
+WORDS = ["alpha", "beta", " ", "  ", "\n", "\n\n", " \n", "x.", "é", "\t", "it's", "12345", "!!"]
+
+
+def soft_cuts(pieces: list[str]) -> bool:
+    """Whether every cut is one ``_text_pieces`` prefers (not a forced one)."""
+    for a, b in itertools.pairwise(pieces):
+        line_break = a.endswith("\n") and len(a) > 1 and not a[-2].isspace() and not b[0].isspace()
+        word = b.startswith(" ") and not a[-1].isspace() and len(b) > 1 and not b[1].isspace()
+        if not (line_break or word):
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory: pytest.TempPathFactory) -> tokload.tokenizer.Tokenizer:
+    return load_tokenizer(_hf_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(words=st.lists(st.sampled_from(WORDS), max_size=300), piece=st.integers(4, 64))
+def test_pieces_join_to_the_text_and_tokenize_as_it(
+    bpe: tokload.tokenizer.Tokenizer, words: list[str], piece: int
+) -> None:
+    text = "".join(words)
+    got = list(_text_pieces(io.BytesIO(text.encode()), piece))
+    pieces = [p for _, p in got]
+    assert "".join(pieces) == text
+    flags = [f for f, _ in got]
+    assert flags[0] & FIRST and flags[-1] & LAST
+    assert all(not f & FIRST for f in flags[1:]) and all(not f & LAST for f in flags[:-1])
+    # bounded: a piece is at most a few times the piece size (in characters)
+    assert all(len(p) <= 5 * piece + 4 for p in pieces)
+    if soft_cuts([p for p in pieces if p]):
+        whole = bpe.encode_many([text], offsets=False).ids
+        parts = bpe.encode_many(pieces, offsets=False).ids
+        assert whole.tolist() == parts.tolist()
+
+
+def test_a_text_without_places_to_cut_is_cut_where_it_stands() -> None:
+    text = "x" * 1000
+    got = list(_text_pieces(io.BytesIO(text.encode()), 16))
+    assert "".join(p for _, p in got) == text and len(got) > 1
+
+
+def test_a_multibyte_character_across_reads_is_whole() -> None:
+    text = "é" * 100 + " word " * 10
+    got = list(_text_pieces(io.BytesIO(text.encode()), 7))
+    assert "".join(p for _, p in got) == text
+
+
+@pytest.mark.parametrize(("kind", "bos"), [("bpe", False), ("bytes", True)])
+def test_a_text_file_in_pieces_is_one_document_with_the_whole_texts_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, bos: bool
+) -> None:
+    tj: Path | str = _hf_tokenizer(tmp_path / "tokenizer.json") if kind == "bpe" else "bytes"
+    tok = load_tokenizer(tj)
+    lines = [f"line {i}: the {'quick' if i % 3 else 'lazy'} brown fox" for i in range(3000)]
+    text = "\n".join(lines) + "\n"
+    (tmp_path / "big.txt").write_text(text)
+    (tmp_path / "small.txt").write_text("a small one")
+    monkeypatch.setattr(tokload.builder, "_TEXT_PIECE", 1024)  # about 100 pieces
+    inputs = [tmp_path / "big.txt", tmp_path / "small.txt"]
+    s = build(
+        inputs, tmp_path / "ds", tokenizer=tj, bos=bos, keep_fields=["path"], shard_bytes=4096
+    )
+    assert s.documents == 2
+    docs = tokload.Documents(tmp_path / "ds")
+    want = tok.encode_many([text, "a small one"], offsets=False)
+    for d, (a, b) in enumerate(zip(want.bounds, want.bounds[1:], strict=False)):
+        expect = want.ids[a:b].tolist()
+        expect = ([tok.bos_id] if bos else []) + expect + [tok.eos_id]
+        got = docs[d]
+        assert isinstance(got, dict)
+        assert got["token"].tolist() == expect
+    # one document of one shard, however large (the shard grows past shard_bytes)
+    m = read_manifest(tmp_path / "ds")
+    assert [sh.documents for sh in m.shards] == [1, 1]
+    # every token of the big document carries its document's record
+    stream = tokload.StreamWithMetadata(tmp_path / "ds", window=64, deserialize=json.loads)
+    records = list(stream[10].metadata)  # a window inside the big document
+    assert records == [{"document": {"path": str(tmp_path / "big.txt")}}]
+
+
+def test_an_unreadable_text_file_leaves_no_part_of_its_document(tmp_path: Path) -> None:
+    good = b"first line\nsecond line\n" * 200
+    (tmp_path / "bad.txt").write_bytes(good + b"\xff\xfe not utf-8" + good)
+    (tmp_path / "ok.txt").write_text("fine")
+    with pytest.raises(BuildError, match=r"bad\.txt: unreadable: 'utf-8' codec can't decode"):
+        build([tmp_path / "bad.txt"], tmp_path / "o1")
+    s = build(
+        [tmp_path / "bad.txt", tmp_path / "ok.txt"],
+        tmp_path / "o2",
+        on_error="skip",
+        max_skipped=0.5,
+    )
+    assert (s.documents, s.skipped) == (1, {"unreadable input": 1})
+    assert s.tokens == len("fine") + 1  # nothing of bad.txt's pieces before the bad byte
+
+
+# ---- the Writer's pieces -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["blocks", "spans", None])
+def test_writer_pieces_make_one_document(tmp_path: Path, layout: str | None) -> None:
+    meta = layout is not None
+    dtype = [("token", "<u2")] if meta else "<u2"
+    with tokload.Writer(
+        tmp_path / "ds", dtype=dtype, shard_bytes=8, metadata=meta, metadata_layout=layout
+    ) as w:
+        w.write({"token": [9, 9]} if meta else [9, 9], spans=[(0, 2, b"d0")] if meta else None)
+        for k in range(5):
+            piece = np.arange(k * 3, k * 3 + 3)
+            rows = {"token": piece} if meta else piece
+            w.write(rows, spans=[(0, 3, b"doc")] if meta else None, end=k == 4)
+        w.write({"token": [1]} if meta else [1], end=False)
+        w.discard()  # taken back
+        w.write({"token": [7]} if meta else [7])
+        w.write({"token": [8]} if meta else [8], end=False)  # never ended: dropped at close
+    docs = tokload.Documents(tmp_path / "ds")
+    got = []
+    for i in range(len(docs)):
+        d = docs[i]
+        got.append(d["token"].tolist() if isinstance(d, dict) else d.tolist())
+    assert got == [[9, 9], list(range(15)), [7]]
+    if meta:
+        stream = tokload.StreamWithMetadata(tmp_path / "ds", window=3, stride=3)
+        assert [bytes(r) for r in stream[2].metadata] == [b"doc"]
+
+
+def test_writer_refuses_a_flush_inside_a_document(tmp_path: Path) -> None:
+    with tokload.Writer(tmp_path / "ds", dtype="<u2") as w:
+        w.write([1, 2], end=False)
+        with pytest.raises(ValueError, match="flush in the middle of a document"):
+            w.flush()
+        w.write([3])
+    assert tokload.Documents(tmp_path / "ds")[0].tolist() == [1, 2, 3]  # type: ignore[union-attr]
+
+
+# ---- progress without a terminal ---------------------------------------------------------
+
+
+def test_progress_lines_every_interval_with_rate_and_eta() -> None:
+    now = [100.0]
+    lines: list[str] = []
+    p = Progress(None, 4_000_000_000, lines.append, every=30, clock=lambda: now[0])
+    p.update(1_000_000, 10, 500)
+    assert lines == []  # not yet 30 s
+    now[0] += 40
+    p.update(999_000_000, 990, 99_500)
+    assert lines == [
+        "25.0% of 4.00 GB, 1,000 documents, 100,000 tokens, 25.0 MB/s, 2 min 00 s left"
+    ]
+    now[0] += 10
+    p.update(1, 0, 0)
+    assert len(lines) == 1
+    p.close()
+    Progress(False, 10, lines.append, every=0).update(5)  # off: no line
+    assert len(lines) == 1
+
+
+def test_a_build_without_a_terminal_logs_progress(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokload.__main__ import main
+
+    with open(tmp_path / "a.jsonl", "w") as f:
+        for _ in range(3000):
+            f.write(json.dumps({"text": "some words here " * 100}) + "\n")
+    args = ["build", str(tmp_path / "a.jsonl"), "-o", str(tmp_path / "o"), "--tokenizer", "bytes"]
+    assert main([*args, "--progress-every", "0.000001"]) == 0
+    err = capsys.readouterr().err
+    progress = [line for line in err.splitlines() if " documents, " in line and "/s" in line]
+    assert progress, err
+    assert progress[0].startswith("tokload build: ") and "% of " in progress[0]

@@ -1,0 +1,258 @@
+"""Which files a build reads: the inputs a user means, never a dataset.
+
+The one job of this module: turn the files, globs and directories given to
+``tokload build`` into a sorted list of input files, and say what was found
+and what was passed over.
+
+- A file named on the command line is always an input, whatever its name.
+- A glob's matches are taken like named files, except hidden ones (a shell
+  would not have matched them either) and those ``exclude`` matches.
+- A directory is walked recursively and gives only **data files**: the
+  known extensions (``.jsonl``/``.json``/``.ndjson``, optionally ``.gz``,
+  ``.bz2``, ``.xz``, ``.zst``; ``.parquet``; ``.txt``), never hidden files or
+  directories (``.git``, ``.gitattributes``, ``.cache``), never the usual
+  metadata files of dataset repositories (``dataset_info.json``,
+  ``state.json``, ``tokenizer.json``, ...), and never a tokload dataset
+  (a directory holding a tokload ``manifest.json`` or a build's marker),
+  so a dataset built inside its own input directory is not read back as
+  text. ``include`` globs replace the extension rule (``--include '*.py'``
+  takes Python files); ``exclude`` globs drop files. A pattern matches a
+  file's path relative to the walked directory, or its name.
+- Whatever is given, nothing inside ``output`` is an input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import glob
+import os
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokload.errors import TokloadError
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+TEXT_SUFFIXES = (".txt",)
+
+BUILD_MARKER = ".tokload-build"
+"""A file ``tokload build`` writes into its output before anything else: the
+output is then known to hold a build (finished or not) that it may update."""
+
+NON_DATA_NAMES = frozenset(
+    {
+        # Hugging Face datasets and hub repositories
+        "dataset_info.json",
+        "dataset_infos.json",
+        "dataset_dict.json",
+        "state.json",
+        # tokenizers and model configurations kept beside data
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "config.json",
+        "generation_config.json",
+        "vocab.json",
+        # dataset indexes of tokload and other loaders (MosaicML streaming, litdata)
+        "manifest.json",
+        "index.json",
+    }
+)
+"""File names that are metadata, not data, though their extension is a data one."""
+
+
+class InputError(TokloadError, ValueError):
+    """An input cannot be used as given (e.g. it lies inside the output); names the path."""
+
+
+def kind(path: str | os.PathLike[str]) -> str:
+    """``"jsonl"``, ``"parquet"`` or ``"text"``: how ``path`` is read (by its name)."""
+    p = Path(path)
+    suffixes = p.suffixes
+    base = suffixes[-2] if len(suffixes) >= 2 and suffixes[-1] in COMPRESSED_SUFFIXES else p.suffix
+    if base in JSONL_SUFFIXES:
+        return "jsonl"
+    if p.suffix == ".parquet":
+        return "parquet"
+    return "text"
+
+
+def compressed(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is read through a decompressor (by its last suffix)."""
+    return Path(path).suffix in COMPRESSED_SUFFIXES
+
+
+def is_data_file(name: str) -> bool:
+    """Whether a directory walk takes a file called ``name`` (without include globs)."""
+    if name.startswith(".") or name in NON_DATA_NAMES:
+        return False
+    p = Path(name)
+    if p.suffix == ".parquet" or p.suffix in TEXT_SUFFIXES:
+        return True
+    suffixes = p.suffixes
+    if suffixes and suffixes[-1] in COMPRESSED_SUFFIXES:
+        suffixes = suffixes[:-1]
+    return bool(suffixes) and suffixes[-1] in JSONL_SUFFIXES
+
+
+def is_dataset_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds a tokload dataset or build (its manifest or build marker).
+
+    A ``manifest.json`` counts when it is a JSON object saying ``"format":
+    "tokload"`` (FORMAT.md): other tools' manifests do not hide a directory.
+    """
+    p = Path(path)
+    if (p / BUILD_MARKER).is_file():
+        return True
+    manifest = p / "manifest.json"
+    try:
+        if not manifest.is_file() or manifest.stat().st_size > 64 << 20:
+            return False
+        with open(manifest, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return (
+        head.lstrip().startswith(b"{") and re.search(rb'"format"\s*:\s*"tokload"', head) is not None
+    )
+
+
+@dataclass
+class Found:
+    """The inputs found, and what a walk or glob passed over (for the user's report)."""
+
+    files: list[Path] = field(default_factory=list)
+    passed_over: Counter[str] = field(default_factory=Counter)  # reason -> files
+    examples: dict[str, list[str]] = field(default_factory=dict)  # reason -> a few paths
+
+    def skip(self, reason: str, path: Path) -> None:
+        self.passed_over[reason] += 1
+        names = self.examples.setdefault(reason, [])
+        if len(names) < 3:
+            names.append(str(path))
+
+    def describe(self) -> str:
+        """One line: how many files of each kind and their bytes, and what was passed over."""
+        sizes: Counter[str] = Counter()
+        counts: Counter[str] = Counter()
+        for f in self.files:
+            k = kind(f) + (" (compressed)" if compressed(f) else "")
+            counts[k] += 1
+            with contextlib.suppress(OSError):
+                sizes[k] += f.stat().st_size
+        total = sum(sizes.values())
+        kinds = ", ".join(f"{counts[k]} {k} ({_mb(sizes[k])})" for k in sorted(counts))
+        line = f"{len(self.files)} input files, {_mb(total)}: {kinds}"
+        if self.passed_over:
+            skipped = "; ".join(
+                f"{n} {reason} (e.g. {', '.join(self.examples[reason])})"
+                for reason, n in sorted(self.passed_over.items())
+            )
+            line += f"; passed over {skipped}"
+        return line
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def _matches(rel: str, name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(rel, p) or fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _inside(path: Path, root: Path | None) -> bool:
+    return root is not None and (path == root or root in path.parents)
+
+
+def find_inputs(
+    inputs: Sequence[str | os.PathLike[str]],
+    *,
+    output: str | os.PathLike[str] | None = None,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+) -> Found:
+    """The input files ``inputs`` name (see the module docstring), sorted and unique.
+
+    Raises:
+        FileNotFoundError: an input or a glob that matches nothing.
+        InputError: an input is not a regular file or directory, or lies
+            inside ``output`` (or is it).
+    """
+    out = Path(output).resolve() if output is not None else None
+    found = Found()
+    files: set[Path] = set()
+    for spec in inputs:
+        s = os.fspath(spec)
+        is_glob = glob.has_magic(s)
+        matches = sorted(glob.glob(s, recursive=True)) if is_glob else [s]
+        if not matches:
+            raise FileNotFoundError(2, "no input matches", s)
+        for m in matches:
+            p = Path(m)
+            if _inside(p.resolve(), out):
+                if is_glob:
+                    found.skip("in the output", p)
+                    continue
+                raise InputError(
+                    f"{p}: this input is inside the output {output}; a build never reads "
+                    "its own output (name the input files, or build into another directory)"
+                )
+            if p.is_dir():
+                _walk(p, out, include, exclude, found, files)
+            elif p.is_file():
+                if is_glob and (p.name.startswith(".") or _matches(str(p), p.name, exclude)):
+                    found.skip("hidden or excluded", p)
+                    continue
+                files.add(p)
+            elif p.exists():
+                raise InputError(f"{p}: an input must be a regular file or a directory")
+            else:
+                raise FileNotFoundError(2, "no such input", str(p))
+    found.files = sorted(files)
+    return found
+
+
+def _walk(
+    top: Path,
+    out: Path | None,
+    include: Sequence[str],
+    exclude: Sequence[str],
+    found: Found,
+    files: set[Path],
+) -> None:
+    """Add the data files under ``top`` to ``files``; count what is passed over."""
+    for dirpath, dirnames, filenames in os.walk(top):
+        here = Path(dirpath)
+        if is_dataset_dir(here):
+            found.skip("tokload datasets", here)
+            dirnames.clear()
+            continue
+        kept = []
+        for d in sorted(dirnames):
+            sub = here / d
+            if d.startswith("."):
+                found.skip("hidden directories", sub)
+            elif _inside(sub.resolve(), out):
+                found.skip("the output", sub)
+            else:
+                kept.append(d)
+        dirnames[:] = kept
+        for name in sorted(filenames):
+            p = here / name
+            rel = str(p.relative_to(top))
+            if name.startswith("."):
+                found.skip("hidden files", p)
+            elif include and not _matches(rel, name, include):
+                found.skip("files not matching --include", p)
+            elif not include and not is_data_file(name):
+                found.skip("files that are not data", p)
+            elif exclude and _matches(rel, name, exclude):
+                found.skip("files matching --exclude", p)
+            elif not p.is_file():
+                found.skip("special files", p)
+            else:
+                files.add(p)
