@@ -628,6 +628,15 @@ BENCHMARKS = [
         writes_json=False,
     ),
     Bench(
+        "bench_build_memory",
+        "Building from one large plain-text file",
+        "`tokload build` of one plain-text file of 10 GB (one document, read and tokenized "
+        "in pieces of 256 kB) with the byte tokenizer, in a new process as a user runs it: its "
+        "peak resident memory (the process's own high-water mark), its speed, and how long "
+        "it takes to stop after Ctrl+C (SIGINT a second and a half in).",
+        "python -m bench.bench_build_memory --gb 10",
+    ),
+    Bench(
         "bench_remote",
         "Object storage",
         "Shuffled windows of 4,097 `uint32` tokens, batch 8, read from a local S3 server "

@@ -181,3 +181,38 @@ def test_an_interrupted_build_of_one_file_resumes_from_its_chunks(
         for f in sorted(d.iterdir()):
             assert f.read_bytes() == (fresh / "parts" / d.name / f.name).read_bytes(), f
     assert tokload.open_dataset(out).fingerprint == tokload.open_dataset(fresh).fingerprint
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_large_plain_text_build_within_a_second(tmp_path: Path) -> None:
+    """One plain-text document of 48 MB, tokenized by a BPE tokenizer (seconds of work):
+    Ctrl+C acts between its pieces of 1 MB, not after the whole file."""
+    from test_build import _hf_tokenizer
+
+    tj = _hf_tokenizer(tmp_path / "tokenizer.json")
+    big = tmp_path / "book.txt"
+    line = b"the quick brown fox jumps over a lazy dog while snowmen watch\n"
+    big.write_bytes(line * (48_000_000 // len(line)))
+    out = tmp_path / "ds"
+    cmd = [sys.executable, "-m", "tokload", "build", str(big), "-o", str(out)]
+    cmd += ["--tokenizer", str(tj), "--no-progress"]
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        # Signal once the document is being written (its temporary directory has a shard).
+        while not list((out / "parts").glob("*.tmp/*.rows")) if (out / "parts").exists() else True:
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < deadline, "the build never started writing"
+            time.sleep(0.01)
+        time.sleep(0.3)
+        sent = time.monotonic()
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+        took = time.monotonic() - sent
+        assert p.returncode == 130, err
+        assert took <= 1.0, f"took {took:.2f} s to stop"
+        assert not list((out / "parts").iterdir()), "a half-written document was kept"
+    finally:
+        big.unlink(missing_ok=True)

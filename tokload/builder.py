@@ -1145,8 +1145,11 @@ def _records(inp: _Input, text_field: str) -> Iterator[Record]:
                 yield 1, {text_field: piece, "path": str(path)}, None, flags
 
 
-_TEXT_PIECE = 1 << 20
+_TEXT_PIECE = 256 << 10
 """Bytes of a plain-text input read (and tokenized) at a time."""
+_BATCH_PIECES_CHARS = 1 << 20
+"""Characters of plain-text pieces tokenized in one batch: each tokenizer thread gets a
+piece or two, so the batch (which Ctrl+C waits for) takes a fraction of a second."""
 
 FIRST, LAST = 1, 2
 WHOLE = FIRST | LAST
@@ -1364,7 +1367,8 @@ def _build_chunk(
                 pending.append((line, text, rec))
                 places.append(place)
                 pending_chars += len(text)
-                if len(pending) >= _BATCH_DOCS or pending_chars >= _BATCH_CHARS:
+                limit = _BATCH_CHARS if place == WHOLE else _BATCH_PIECES_CHARS
+                if len(pending) >= _BATCH_DOCS or pending_chars >= limit:
                     flush()
             flush()
         except _read_errors() as e:
