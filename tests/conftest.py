@@ -12,6 +12,7 @@ and on a real GPU by ``tests/test_gpu.py`` (and the GPU guide's examples,
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,3 +39,32 @@ def _host_batches_unless_marked_gpu(request: pytest.FixtureRequest) -> Iterator[
         yield
     finally:
         setattr(tokload.loader, "make_backend", make_backend)  # noqa: B010
+
+
+LEFT_BEHIND_LIMIT = 16 << 20
+"""The most disk (allocated, not apparent) one file may keep in pytest's temporary
+directory after the run: pytest keeps the last three runs' directories."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_large_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Fail the run when a test left a file of more than 16 MB on disk in its temporary
+    directory (a sparse file counts by the blocks it holds): tests clean up after
+    themselves. A test with a large file removes it in its own fixture's teardown."""
+    yield
+    base = tmp_path_factory.getbasetemp()
+    large = []
+    for dirpath, _dirs, files in os.walk(base):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if st.st_blocks * 512 > LEFT_BEHIND_LIMIT:
+                large.append(f"{path} ({st.st_blocks * 512 / 2**20:.0f} MB)")
+    if large:
+        pytest.fail(
+            f"tests left {len(large)} large files behind: {', '.join(sorted(large)[:10])}",
+            pytrace=False,
+        )

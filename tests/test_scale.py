@@ -11,8 +11,10 @@ The same for a Megatron .idx of 10^9 sequences (20 GB sparse).
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -44,9 +46,17 @@ def pwrite_u32(path: Path, row: int, values: list[int]) -> None:
 
 
 @pytest.fixture(scope="module")
-def trillion(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, int]]:
-    """The dataset, and observation -> the token written at its first row."""
-    root = tmp_path_factory.mktemp("scale") / "ds"
+def trillion(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[int, int]]]:
+    """The dataset, and observation -> the token written at its first row (removed after:
+    4.4 TB apparent, and blocks of real data that pytest would keep for three runs)."""
+    top = tmp_path_factory.mktemp("scale")
+    try:
+        yield _write_trillion(top / "ds")
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _write_trillion(root: Path) -> tuple[Path, dict[int, int]]:
     root.mkdir()
     m = Manifest(dtype=np.dtype("<u4"), documents=True)
     for k in range(SHARDS):
@@ -121,10 +131,20 @@ def test_trillion_tokens_open_fast_and_stay_small(trillion: tuple[Path, dict[int
     )
 
 
+@pytest.fixture
+def huge_prefix(tmp_path: Path) -> Iterator[Path]:
+    """Where the sparse Megatron files go (20 GB and 4 TB apparent): removed after."""
+    try:
+        yield tmp_path / "huge"
+    finally:
+        for ext in ("idx", "bin"):
+            (tmp_path / f"huge.{ext}").unlink(missing_ok=True)
+
+
 @pytest.mark.slow
-def test_megatron_index_of_a_billion_sequences(tmp_path: Path) -> None:
+def test_megatron_index_of_a_billion_sequences(huge_prefix: Path) -> None:
     nseq, ndoc = 1_000_000_000, 1_000_000_000
-    prefix = tmp_path / "huge"
+    prefix = huge_prefix
     header = struct.pack("<9sQBQQ", b"MMIDIDX\x00\x00", 1, 4, nseq, ndoc + 1)
     len_off = len(header)
     ptr_off = len_off + 4 * nseq
