@@ -12,6 +12,7 @@ and on a real GPU by ``tests/test_gpu.py`` (and the GPU guide's examples,
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -46,15 +47,10 @@ LEFT_BEHIND_LIMIT = 16 << 20
 directory after the run: pytest keeps the last three runs' directories."""
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _nothing_large_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Fail the run when a test left a file of more than 16 MB on disk in its temporary
-    directory (a sparse file counts by the blocks it holds): tests clean up after
-    themselves. A test with a large file removes it in its own fixture's teardown."""
-    yield
-    base = tmp_path_factory.getbasetemp()
+def _large_files(top: os.PathLike[str] | str) -> list[tuple[str, int]]:
+    """The files under ``top`` holding more than LEFT_BEHIND_LIMIT bytes of blocks."""
     large = []
-    for dirpath, _dirs, files in os.walk(base):
+    for dirpath, _dirs, files in os.walk(top):
         for name in files:
             path = os.path.join(dirpath, name)
             try:
@@ -62,7 +58,32 @@ def _nothing_large_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iter
             except OSError:
                 continue
             if st.st_blocks * 512 > LEFT_BEHIND_LIMIT:
-                large.append(f"{path} ({st.st_blocks * 512 / 2**20:.0f} MB)")
+                large.append((path, st.st_blocks * 512))
+    return large
+
+
+@pytest.fixture(autouse=True)
+def _large_files_removed(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test, the large files in its ``tmp_path`` go: pytest keeps the
+    directories of the last three runs, and nobody reads a test's 30 MB input there."""
+    yield
+    tmp = getattr(request.node, "funcargs", {}).get("tmp_path")  # (torn down before us)
+    if tmp is not None:
+        for path, _ in _large_files(tmp):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_large_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Fail the run when a file of more than 16 MB is left on disk in pytest's temporary
+    directory (a sparse file counts by the blocks it holds): a module's or session's
+    fixture that makes one removes it in its own teardown."""
+    yield
+    large = [
+        f"{path} ({size / 2**20:.0f} MB)"
+        for path, size in _large_files(tmp_path_factory.getbasetemp())
+    ]
     if large:
         pytest.fail(
             f"tests left {len(large)} large files behind: {', '.join(sorted(large)[:10])}",

@@ -25,6 +25,7 @@ from tokload.errors import (
     TruncatedFileError,
 )
 from tokload.format import Source, open_dataset
+from tokload.inputs import InputError
 from tokload.interop import open_flat, open_megatron
 from tokload.loader import DataLoader
 from tokload.views import (
@@ -46,6 +47,7 @@ __all__ = [
     "DocumentBatch",
     "Documents",
     "FormatError",
+    "InputError",
     "MetadataBatch",
     "MissingShardError",
     "ObjectChangedError",
