@@ -587,3 +587,69 @@ def test_the_command_line_takes_urls(
     assert f"tokload verify: {url}: ok" in capsys.readouterr().out
     assert main(["bench", url, "--seconds", "0.3", "--window", "64", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens_per_s"] > 0
+
+
+# ---- credentials as users have them, and what is missing ---------------------------------
+
+
+def _profile_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, profile: str | None) -> None:
+    """No keys in the environment: an AWS CLI profile (files in tmp_path) holds them."""
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(k, raising=False)
+    (tmp_path / "credentials").write_text(
+        "[default]\naws_access_key_id = nope\naws_secret_access_key = nope\n"
+        "[lab]\naws_access_key_id = testing\naws_secret_access_key = testing\n"
+    )
+    (tmp_path / "config").write_text("[profile lab]\nregion = us-east-1\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    if profile is None:
+        monkeypatch.delenv("AWS_PROFILE", raising=False)
+    else:
+        monkeypatch.setenv("AWS_PROFILE", profile)
+
+
+def test_an_aws_profile_gives_the_credentials(
+    corpus: tuple[Path, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tokload.__main__ import main
+
+    local, url = corpus
+    _profile_only(monkeypatch, tmp_path, "lab")
+    a, b = TokenStream(local, 64), TokenStream(url, 64, storage_options={"retries": 0})
+    np.testing.assert_array_equal(b.read([0, 5, 9]), a.read([0, 5, 9]))
+    assert main(["inspect", url, "--debug"]) == 0
+    err = capsys.readouterr().err
+    want = f"tokload debug: tokload.remote: s3://{BUCKET}: credentials from the AWS profile"
+    assert f"{want} 'lab'" in err
+
+
+def test_an_unknown_profile_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _profile_only(monkeypatch, tmp_path, "nosuch")
+    with pytest.raises(
+        RemoteAccessError, match=r"the AWS profile 'nosuch' cannot give credentials"
+    ):
+        tokload.open_dataset(f"s3://{BUCKET}/ds", {"retries": 0})
+
+
+def test_a_missing_bucket_and_a_missing_prefix_are_told_apart(
+    corpus: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokload.__main__ import main
+
+    assert main(["inspect", "s3://no-such-bucket/ds"]) == 1
+    assert "no such bucket 'no-such-bucket'" in capsys.readouterr().err
+    assert main(["inspect", f"s3://{BUCKET}/no/such/prefix"]) == 1
+    err = capsys.readouterr().err
+    assert "no tokload manifest here: nothing is stored under this prefix" in err
+    # the views say the same
+    with pytest.raises(MissingShardError, match="no such bucket 'no-such-bucket'"):
+        TokenStream("s3://no-such-bucket/ds", 8)
+    with pytest.raises(MissingShardError, match="nothing is stored under this prefix"):
+        TokenStream(f"s3://{BUCKET}/no/such/prefix", 8)
+    _, url = corpus
+    with pytest.raises(MissingShardError, match=r"no tokload dataset \(manifest\.json\), Megatron"):
+        TokenStream(url + "/parts", 8)  # objects there, but no dataset

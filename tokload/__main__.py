@@ -10,10 +10,12 @@ problem; ``--debug`` (or ``TOKLOAD_DEBUG_CLI=1``) shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from tokload.errors import TokloadError
@@ -113,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
         "--debug",
         action="store_true",
         default=argparse.SUPPRESS,
-        help=f"show the traceback of an error (also: {_DEBUG_ENV}=1)",
+        help=f"show the traceback of an error, and what tokload decided on the way (where an "
+        f"object store's credentials come from); also: {_DEBUG_ENV}=1",
     )
     p = _Parser(
         prog="tokload",
@@ -380,6 +383,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     debug = getattr(args, "debug", False) or os.environ.get(_DEBUG_ENV) == "1"
+    with _debug_log(debug):
+        return _main(args, started, debug)
+
+
+@contextlib.contextmanager
+def _debug_log(debug: bool) -> Iterator[None]:
+    """With ``--debug``: what tokload decided on the way (e.g. where an object store's
+    credentials come from), as ``tokload debug: ...`` lines on stderr."""
+    if not debug:
+        yield
+        return
+    import logging
+
+    logger = logging.getLogger("tokload")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("tokload debug: %(name)s: %(message)s"))
+    old = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+
+
+def _main(args: argparse.Namespace, started: float, debug: bool) -> int:
     where = f"tokload {args.command}"
     try:
         return _run(args, started)

@@ -547,7 +547,13 @@ def manifest_at(loc: Location) -> Manifest:
     mpath = loc.join(MANIFEST)
     try:
         raw = loc.read(mpath, "tokload manifest")
-    except MissingShardError:
+    except MissingShardError as e:
+        if getattr(e, "missing", None) == "bucket":
+            raise  # "no such bucket": not the same mistake as a wrong prefix
+        if loc.stores_nothing():
+            raise MissingShardError(
+                2, "no tokload manifest here: nothing is stored under this prefix", str(mpath)
+            ) from None
         raise MissingShardError(2, "no tokload manifest here", str(mpath)) from None
     return parse_manifest(raw, str(mpath))
 
@@ -602,6 +608,10 @@ class Location:
     def join(self, name: str) -> str:
         return self.root + "/" + name if self.remote else os.path.join(self.root, name)
 
+    def stores_nothing(self) -> bool:
+        """Whether a remote root's listing (when one was made) holds no object at all."""
+        return self.remote and self._objects is not None and not self._objects
+
     def _object(self, path: str, what: str) -> Any:
         from tokload import remote
 
@@ -627,7 +637,9 @@ class Location:
             return os.path.isfile(path)
         try:
             self._object(path, "object")
-        except MissingShardError:
+        except MissingShardError as e:
+            if getattr(e, "missing", None) == "bucket":
+                raise
             return False
         return True
 

@@ -26,8 +26,10 @@ S3-compatible stores, GCS and Azure, with credentials from the standard
 environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
 ``AWS_SESSION_TOKEN``, ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL``;
 ``GOOGLE_APPLICATION_CREDENTIALS``; ``AZURE_STORAGE_ACCOUNT_NAME``, ...), web
-identity and instance metadata, and bodies handed over without a copy.  It is the
-optional extra ``tokload[cloud]``.  A plain ``http://`` endpoint (a local or
+identity and instance metadata, and bodies handed over without a copy; the AWS
+CLI's profiles (SSO, ``credential_process``) come from boto3's session as a
+credential provider (``_aws_credentials``).  Both are the optional extra
+``tokload[cloud]``.  A plain ``http://`` endpoint (a local or
 on-premises S3-compatible server) is allowed.
 
 ``storage_options`` (a dict, on every view, ``open_source``, ``tokload.build``)
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import os
 import random
 import re
@@ -65,6 +68,8 @@ from tokload.errors import (
 
 SCHEMES = ("s3", "gs", "az", "abfs", "abfss")
 """The URL schemes read from an object store (``file://`` is a local path)."""
+
+log = logging.getLogger("tokload.remote")
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _STATUS = re.compile(r"status code: (\d{3})")
@@ -211,6 +216,12 @@ class Store:
         }
         if endpoint.startswith("http://"):
             client["allow_http"] = True  # type: ignore[assignment]
+        provider = None
+        if scheme == "s3":
+            provider, self.credentials = _aws_credentials(config)
+        else:
+            self.credentials = "the client's default chain for " + scheme
+        log.debug("%s://%s: credentials from %s", scheme, bucket, self.credentials)
         try:
             # tokload retries itself (counted, and with the error it names):
             # obstore's own retries are off.
@@ -219,12 +230,77 @@ class Store:
                 config=config,
                 client_options=client,
                 retry_config={"max_retries": 0},
+                credential_provider=provider,
             )
         except Exception as e:  # an unknown option, a malformed endpoint
             raise ValueError(f"{scheme}://{bucket}: storage_options: {_first_line(e)}") from None
 
     def url(self, key: str) -> str:
         return f"{self.scheme}://{self.bucket}/{key}"
+
+
+_KEY_OPTIONS = ("access_key_id", "aws_access_key_id", "secret_access_key", "aws_secret_access_key")
+
+
+def _aws_credentials(config: dict[str, Any]) -> tuple[Any, str]:
+    """Where an S3 store's credentials come from: ``(credential provider or None, source)``.
+
+    object_store's own chain reads keys from ``storage_options`` and the
+    environment, web identity (``AWS_WEB_IDENTITY_TOKEN_FILE``), ECS task roles
+    and the instance metadata service. It does not read the AWS CLI's files:
+    where none of the first three is there and a profile is (``AWS_PROFILE``,
+    ``~/.aws/config`` or ``~/.aws/credentials``), boto3's session provides the
+    credentials (profiles, SSO, ``credential_process``, assumed roles; refreshed
+    as they expire), and the profile's region is used unless one is set.
+    """
+    if config.get("skip_signature") in (True, "true", "True"):
+        return None, "nowhere (skip_signature: unsigned requests)"
+    if any(k in config for k in _KEY_OPTIONS):
+        return None, "storage_options (access_key_id)"
+    env = os.environ
+    if env.get("AWS_ACCESS_KEY_ID"):
+        return None, "the environment (AWS_ACCESS_KEY_ID)"
+    if env.get("AWS_WEB_IDENTITY_TOKEN_FILE"):
+        return None, "web identity (AWS_WEB_IDENTITY_TOKEN_FILE)"
+    if env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") or env.get(
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI"
+    ):
+        return None, "the container's task role (AWS_CONTAINER_CREDENTIALS_*)"
+    home = os.path.expanduser("~")
+    files = [
+        env.get("AWS_CONFIG_FILE", os.path.join(home, ".aws", "config")),
+        env.get("AWS_SHARED_CREDENTIALS_FILE", os.path.join(home, ".aws", "credentials")),
+    ]
+    profile = env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE")
+    if profile or any(os.path.isfile(f) for f in files):
+        try:
+            import boto3
+            from obstore.auth.boto3 import Boto3CredentialProvider
+        except ImportError:
+            return None, (
+                "the instance metadata service (an AWS profile is configured, but reading "
+                "it needs boto3: pip install 'tokload[cloud]')"
+            )
+        name = profile or "default"
+        try:
+            session = boto3.Session(profile_name=profile) if profile else boto3.Session()
+            found = session.get_credentials() is not None
+        except Exception as e:  # botocore's: an unknown profile, a broken file, SSO expired
+            raise RemoteAccessError(
+                f"the AWS profile {name!r} cannot give credentials ({_first_line(e)}); "
+                f"files read: {', '.join(files)}"
+            ) from None
+        if found:
+            no_region = not (config.get("region") or config.get("aws_region")) and not (
+                env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+            )
+            if no_region and session.region_name:
+                config["region"] = session.region_name
+            return Boto3CredentialProvider(session), (
+                f"the AWS profile {name!r} (boto3: {', '.join(files)}; SSO and "
+                "credential_process included)"
+            )
+    return None, "the instance metadata service (no keys, web identity, task role or profile)"
 
 
 _ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_", "OBJECT_STORE_")
@@ -345,13 +421,18 @@ def _named(
         )
     if isinstance(e, ex.NotFoundError) or _status(e) == 404:
         if "NoSuchBucket" in str(e):
-            return MissingShardError(2, f"no such bucket ({what})", url)
+            bucket = split_url(url)[1]
+            err = MissingShardError(2, f"no such bucket {bucket!r} ({what})", url)
+            err.missing = "bucket"  # type: ignore[attr-defined]
+            return err
         return MissingShardError(2, f"missing {what}", url)
     if _no_credentials(e):
         return RemoteAccessError(
-            f"{where}: no credentials found for this store (tried the environment and the "
-            "instance metadata service); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
-            "pass storage_options={'skip_signature': True} for a public bucket",
+            f"{where}: no credentials found for this store (tried storage_options, the "
+            "environment, web identity, a task role, AWS profiles (~/.aws, AWS_PROFILE) and "
+            "the instance metadata service); set AWS_PROFILE or AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or pass storage_options={'skip_signature': True} for a "
+            "public bucket",
             url,
             start,
             end,
@@ -682,10 +763,12 @@ def head(url: str, what: str, options: Mapping[str, Any] | None = None) -> Remot
 
 
 def exists(url: str, options: Mapping[str, Any] | None = None) -> bool:
-    """Whether there is an object at ``url``."""
+    """Whether there is an object at ``url`` (a missing bucket raises ``MissingShardError``)."""
     try:
         head(url, "object", options)
-    except MissingShardError:
+    except MissingShardError as e:
+        if getattr(e, "missing", None) == "bucket":
+            raise
         return False
     return True
 

@@ -95,10 +95,11 @@ def _open_remote(url: str, options: Mapping[str, Any] | None) -> Source:
         return interop.open_megatron(prefix, options)
     if url.endswith(".npy") and remote.exists(url, options):
         return interop.open_flat(url, storage_options=options)
+    empty = "; nothing is stored under this prefix" if loc.stores_nothing() else ""
     raise MissingShardError(
         2,
-        f"no tokload dataset ({MANIFEST}), Megatron .idx or .npy token file at this URL "
-        "(flat .bin objects need tokload.open_flat(url, dtype=...))",
+        f"no tokload dataset ({MANIFEST}), Megatron .idx or .npy token file at this URL"
+        f"{empty} (flat .bin objects need tokload.open_flat(url, dtype=...))",
         url,
     )
 
