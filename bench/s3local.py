@@ -47,7 +47,7 @@ ACCESS_DENIED = (
 
 @dataclass
 class Fault:
-    kind: str  # "503", "429", "500", "403", "drop", "truncate", "short", "delay"
+    kind: str  # "503", "429", "500", "403", "drop", "truncate", "short", "norange", "delay"
     times: int  # how many matching requests it applies to (-1: all)
     match: str  # "GET", "PUT", "HEAD", ... or "" for any; and an optional " key-substring"
     seconds: float = 0.0  # for "delay"
@@ -96,8 +96,9 @@ class FaultProxy(ThreadingHTTPServer):
         ``"500"``, ``"403"`` (AccessDenied), ``"drop"`` (close the connection
         without an answer), ``"truncate"`` (promise the whole body, send half,
         then close), ``"short"`` (a complete answer of half the body: a server
-        that returns fewer bytes than asked) or ``"delay"`` (wait ``seconds``
-        more)."""
+        that returns fewer bytes than asked), ``"norange"`` (the request is sent on
+        without its ``Range``: ``200`` and the whole object, as a server or proxy that
+        ignores ranges answers) or ``"delay"`` (wait ``seconds`` more)."""
         with self._lock:
             self._faults.append(Fault(kind, times, match, seconds))
 
@@ -167,7 +168,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)
                 return
-            status, headers, data = self._upstream(body)
+            status, headers, data = self._upstream(
+                body, ranged=not (fault and fault.kind == "norange")
+            )
             if fault and fault.kind == "truncate" and len(data) > 1:
                 self.send_response(status)
                 for k, v in headers:
@@ -203,13 +206,19 @@ class _Handler(BaseHTTPRequestHandler):
             out += self.rfile.read(size)
             self.rfile.readline()
 
-    def _upstream(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+    def _upstream(
+        self, body: bytes, ranged: bool = True
+    ) -> tuple[int, list[tuple[str, str]], bytes]:
         conn = self._conn
         for attempt in range(2):
             if conn is None:
                 conn = http.client.HTTPConnection(*self.server.upstream, timeout=60)
                 self._conn = conn
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+            headers = {
+                k: v
+                for k, v in self.headers.items()
+                if k.lower() not in _HOP and (ranged or k.lower() != "range")
+            }
             headers["Content-Length"] = str(len(body))
             try:
                 conn.request(self.command, self.path, body=body, headers=headers)

@@ -653,3 +653,27 @@ def test_a_missing_bucket_and_a_missing_prefix_are_told_apart(
     _, url = corpus
     with pytest.raises(MissingShardError, match=r"no tokload dataset \(manifest\.json\), Megatron"):
         TokenStream(url + "/parts", 8)  # objects there, but no dataset
+
+
+def test_a_whole_object_for_a_ranged_get_is_retried(corpus: tuple[Path, str], s3: LocalS3) -> None:
+    local, url = corpus
+    assert s3.proxy is not None
+    s3.proxy.inject("norange", times=2, match="GET .rows")
+    before = remote.counters()["retries"]
+    got = TokenStream(url, 64, storage_options=FAST).read([3, 40])
+    np.testing.assert_array_equal(got, TokenStream(local, 64).read([3, 40]))
+    assert remote.counters()["retries"] - before == 2
+    assert s3.proxy.faults_done["norange"] == 2
+
+
+def test_a_server_that_ignores_ranges_is_named(corpus: tuple[Path, str], s3: LocalS3) -> None:
+    _, url = corpus
+    assert s3.proxy is not None
+    s3.proxy.inject("norange", times=-1, match="GET .rows")
+    with pytest.raises(
+        tokload.RangesIgnoredError,
+        match=r"\.rows bytes \[\d+, \d+\): the server answered the ranged GET with the whole "
+        r"object after 3 attempts \(HTTP 200, not 206 Partial Content\)",
+    ):
+        TokenStream(url, 64, storage_options=FAST).read([3])
+    assert s3.proxy.faults_done["norange"] == 3  # not all of FAST's retries

@@ -68,6 +68,12 @@ class ObjectChangedError(RemoteError):
     its bytes could belong to other data, so tokload refuses to read them."""
 
 
+class RangesIgnoredError(RemoteError):
+    """The server answered ranged GETs with the whole object (``200``, not ``206``),
+    again and again: it, or a proxy in front of it, does not honour ``Range``,
+    which every read of tokload needs."""
+
+
 class StateError(TokloadError, ValueError):
     """A saved loader state does not belong to this dataset or configuration."""
 

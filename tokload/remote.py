@@ -62,6 +62,7 @@ from tokload.errors import (
     FormatError,
     MissingShardError,
     ObjectChangedError,
+    RangesIgnoredError,
     RemoteAccessError,
     RemoteError,
 )
@@ -382,9 +383,22 @@ def _no_credentials(e: BaseException) -> bool:
     return "169.254.169.254" in str(e)
 
 
+NOT_PARTIAL_TRIES = 3
+"""Answers of the whole object to a ranged GET after which the server is taken to
+ignore ranges (``RangesIgnoredError``) rather than to have hiccupped."""
+
+
+def _not_partial(e: BaseException) -> bool:
+    """A ranged GET answered with ``200`` and the whole object. object_store reports it
+    as a generic error (``GetResultError::NotPartial``): its message is all there is."""
+    return "non-partial response" in str(e)
+
+
 def _retryable(e: BaseException) -> bool:
     if isinstance(e, (_ShortBody, TimeoutError, ConnectionError)):
         return True
+    if _not_partial(e):
+        return True  # a proxy or a server that dropped the Range once
     obs = _obstore()
     if not isinstance(e, obs.exceptions.GenericError):
         return False
@@ -444,6 +458,17 @@ def _named(
     ):
         return RemoteAccessError(
             f"{where}: access denied ({what}): {cause}", url, start, end, attempts
+        )
+    if _not_partial(e):
+        return RangesIgnoredError(
+            f"{where}: the server answered the ranged GET with the whole object{tries} "
+            "(HTTP 200, not 206 Partial Content): it, or a proxy in front of it, ignores "
+            "Range headers, and tokload reads byte ranges only; S3, GCS, Azure and MinIO "
+            "honour them",
+            url,
+            start,
+            end,
+            attempts,
         )
     if isinstance(e, _ShortBody):
         return RemoteError(
@@ -611,14 +636,15 @@ async def _retrying(call: Any, settings: Settings) -> Any:
     attempts made. Retryable failures wait ``settings.delay(attempt)`` first,
     while the attempts stay within ``retries + 1`` and the time within
     ``retry_seconds``."""
-    attempt = 0
+    attempt = whole = 0
     t0 = time.monotonic()
     while True:
         attempt += 1
         try:
             return await call(), attempt
         except Exception as e:
-            if attempt > settings.retries or not _retryable(e):
+            whole = whole + 1 if _not_partial(e) else 0
+            if attempt > settings.retries or not _retryable(e) or whole >= NOT_PARTIAL_TRIES:
                 raise _Failed(e, attempt) from None
             delay = settings.delay(attempt)
             if time.monotonic() - t0 + delay > settings.retry_seconds:
