@@ -5,7 +5,7 @@
 # here only, and those modules compile against this layout (rebuild them all
 # when it changes).
 
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint64_t
 
 cimport tokload._lib as lib
 
@@ -26,6 +26,8 @@ cdef class FileSet:
 
 
 cdef const int64_t[::1] _indices(indices) except *
+cdef str _layout(a)
+cdef uint8_t[::1] _out_bytes(out, uint64_t item, need, bint exact, str what)
 cdef int _window_starts(const int64_t[::1] iv, uint64_t first, uint64_t count,
                         uint64_t stride, uint64_t *starts) except -1
 cdef int _checked_window_starts(const int64_t[::1] iv, uint64_t first, uint64_t count,

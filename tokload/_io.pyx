@@ -315,6 +315,48 @@ cdef object _raise_io(lib.tl_io_error *err, list paths, str what):
     raise OSError(code, msg, path)
 
 
+cdef str _layout(a):
+    """How ``a`` (an array that is not C-contiguous) is laid out, for messages."""
+    if a.ndim > 1 and a.flags.f_contiguous:
+        return f"a Fortran-ordered array of shape {a.shape}"
+    return f"an array of shape {a.shape} and strides {a.strides}"
+
+
+cdef uint8_t[::1] _out_bytes(out, uint64_t item, need, bint exact, str what):
+    """The bytes of ``out``, a caller's buffer that C fills in place (as
+    numpy/random's ``check_output``): a writable C-contiguous array (or buffer)
+    of plain items of ``item`` bytes or of single bytes, holding exactly
+    ``need`` bytes (``exact``) or at least that many (the first are filled).
+    A copy made to fit would be filled instead of ``out``, which would come
+    back unchanged without an error: anything else is refused here, before
+    any read, with a ValueError naming what was expected and what was given
+    (a TypeError for an object that is no buffer)."""
+    if isinstance(out, np.ndarray):
+        a = out
+    else:
+        try:
+            a = np.asarray(memoryview(out))
+        except TypeError:
+            raise TypeError(f"{what} must be a writable buffer such as a NumPy array, "
+                            f"got {type(out).__name__}") from None
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{what} must be a writable C-contiguous array (it is filled in "
+                         f"place), got {_layout(a)}")
+    if not a.flags.writeable:
+        raise ValueError(f"{what} must be writable, got a read-only {type(out).__name__}")
+    dt = a.dtype
+    if dt.hasobject:
+        raise ValueError(f"{what} must hold plain bytes, got dtype {dt} (holds Python objects)")
+    if dt.itemsize != item and dt.itemsize != 1:
+        size = "1 byte" if item == 1 else f"{item} bytes or of 1 byte"
+        raise ValueError(f"{what} must have items of {size}, got dtype {dt} "
+                         f"({dt.itemsize} bytes)")
+    if (exact and a.nbytes != need) or a.nbytes < need:
+        raise ValueError(f"{what} holds {a.nbytes} bytes, expected "
+                         f"{'' if exact else 'at least '}{need}")
+    return a.reshape(-1).view(np.uint8)
+
+
 cdef const int64_t[::1] _indices(indices) except *:
     """Observation indices as a contiguous int64 array (for the compiled range
     checks of the batch readers): TypeError for non-integers, IndexError for

@@ -20,7 +20,7 @@ from libc.string cimport memcmp, memcpy, memset
 cimport numpy as cnp
 
 cimport tokload._lib as lib
-from tokload._io cimport _checked_window_starts, _indices, _raise_io
+from tokload._io cimport _checked_window_starts, _indices, _layout, _raise_io
 from tokload._rows cimport RowSet
 from tokload._tables cimport ShardTables
 
@@ -331,13 +331,16 @@ cdef struct Windows:
     bint held_pos, held_dst
 
 
-cdef int _acquire(obj, Py_buffer *v, uint64_t nbytes, bint int32, str what) except -1:
+cdef int _acquire(obj, Py_buffer *v, uint64_t nbytes, bint int32, str what,
+                  uint64_t item=0) except -1:
     """Hold ``obj``'s memory in ``v`` (PyBuffer_Release gives it back): a
     writable C-contiguous buffer of at least ``nbytes`` bytes, exactly that
-    many of int32 items, aligned to 4 bytes, when ``int32``.  Held, it cannot
+    many of int32 items, aligned to 4 bytes, when ``int32``; with ``item``,
+    of plain items of ``item`` bytes or of single bytes.  Held, it cannot
     move or shrink while C writes into it without the GIL; cheaper than a
     typed memoryview (a batch takes four).  ValueError (TypeError for an object that is no
-    buffer) names ``what`` when it does not fit."""
+    buffer) names ``what`` and what was given when it does not fit: a copy
+    made to fit would be filled in its place."""
     try:
         PyObject_GetBuffer(obj, v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS
                            | (PyBUF_FORMAT if int32 else 0))
@@ -345,7 +348,16 @@ cdef int _acquire(obj, Py_buffer *v, uint64_t nbytes, bint int32, str what) exce
         raise TypeError(f"{what} must be a writable buffer such as a NumPy array, "
                         f"got {type(obj).__name__}") from None
     except (BufferError, ValueError) as e:
-        raise ValueError(f"{what} must be a writable C-contiguous buffer: {e}") from None
+        flags = getattr(obj, "flags", None)
+        got = (f", got {_layout(obj)}" if flags is not None and not flags.c_contiguous
+               else "")
+        raise ValueError(f"{what} must be a writable C-contiguous buffer: {e}{got}") from None
+    if item and (v.itemsize != <Py_ssize_t>item and v.itemsize != 1
+                 or isinstance(obj, np.ndarray) and obj.dtype.hasobject):
+        PyBuffer_Release(v)
+        dt = getattr(obj, "dtype", f"items of {v.itemsize} bytes")
+        raise ValueError(f"{what} must have plain items of {item} bytes or of 1 byte, "
+                         f"got {dt}")
     cdef const char *f = v.format
     if f != NULL and f[0] == b"=":  # NumPy's format of an int32 array off its alignment: "=i"
         f += 1
@@ -381,7 +393,7 @@ cdef int _window_args(RowSet rows, const int64_t[::1] iv, uint64_t first, uint64
     w.held_pos = True
     w.pos = <int32_t *>w.pos_view.buf
     if out is not None:
-        _acquire(out, &w.dst_view, cells * rows.rs.row_bytes, False, "out")
+        _acquire(out, &w.dst_view, cells * rows.rs.row_bytes, False, "out", rows.rs.row_bytes)
         w.held_dst = True
         w.dst = <uint8_t *>w.dst_view.buf
     if w.nwin == 0 or window == 0:

@@ -8,7 +8,7 @@ from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
 
 cimport tokload._lib as lib
-from tokload._io cimport FileSet, _indices, _raise_io, _checked_window_starts
+from tokload._io cimport FileSet, _checked_window_starts, _indices, _out_bytes, _raise_io
 from tokload._rows cimport RowSet
 
 import numpy as np
@@ -136,15 +136,16 @@ cdef class MetaSet:
         return items[:nitems], spans[:nspans], blob
 
     def read(self, spans, out):
-        """Read the spans from ``gather`` into ``out`` (bytes, ``blob_bytes`` long)."""
+        """Read the spans from ``gather`` into ``out`` (bytes, ``blob_bytes`` long:
+        a writable C-contiguous uint8 array or buffer, else a ValueError)."""
         self.data_files.check_open()
+        cdef uint8_t[::1] dst = _out_bytes(out, 1, 0, False, "out")
         sarr = np.ascontiguousarray(spans, dtype=_SPAN_DTYPE)
         cdef size_t n = sarr.shape[0]
         if n == 0:
             return
         cdef uint8_t[::1] sp_raw = sarr.view(np.uint8)
         cdef lib.tl_meta_span *sp = <lib.tl_meta_span *>&sp_raw[0]
-        cdef uint8_t[::1] dst = out
         cdef uint8_t *dptr = &dst[0] if dst.shape[0] else NULL
         cdef lib.tl_io_error err
         cdef lib.tl_engine eng

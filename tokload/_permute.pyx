@@ -329,7 +329,14 @@ cdef class Permutation:
         if out.shape != tuple(shape):
             raise ValueError(f"{name} has shape {out.shape}, expected {tuple(shape)}")
         if not out.flags.c_contiguous or not out.flags.writeable:
-            raise ValueError(f"{name} must be a writeable C-contiguous array")
+            # A copy made to fit would be filled instead: refused, saying what was given.
+            if not out.flags.writeable:
+                got = "a read-only array"
+            elif out.ndim > 1 and out.flags.f_contiguous:
+                got = f"a Fortran-ordered array of shape {out.shape}"
+            else:
+                got = f"an array of shape {out.shape} and strides {out.strides}"
+            raise ValueError(f"{name} must be a writeable C-contiguous array, got {got}")
         return out
 
     cdef _note_bulk(self, uint64_t count):

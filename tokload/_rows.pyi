@@ -30,7 +30,7 @@ class RowSet:
         count: int,
         stride: int,
         window: int,
-        out: np.ndarray[Any, Any],
+        out: np.ndarray[Any, Any] | bytearray | memoryview,
     ) -> None: ...
     def hint_windows(
         self, indices: npt.ArrayLike, first: int, count: int, stride: int, window: int

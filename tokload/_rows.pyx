@@ -11,7 +11,8 @@ from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
 
 cimport tokload._lib as lib
-from tokload._io cimport FileSet, _checked_window_starts, _fdcache, _indices, _raise_io, _window_starts
+from tokload._io cimport (FileSet, _checked_window_starts, _fdcache, _indices, _out_bytes,
+                         _raise_io, _window_starts)
 
 import numpy as np
 
@@ -74,18 +75,20 @@ cdef class RowSet:
             PyMem_Free(reqs)
 
     def read(self, starts, lengths, dst_offsets, out):
-        """Read row ranges into ``out`` (a writable C-contiguous buffer).
+        """Read row ranges into ``out``.
 
         Range i is rows ``[starts[i], starts[i] + lengths[i])``, written at byte
-        ``dst_offsets[i]`` of ``out``.  Ranges may span shards.  Every range and
-        destination is checked here; the reads then run in C without the GIL.
+        ``dst_offsets[i]`` of ``out``.  Ranges may span shards.  ``out`` is a
+        writable C-contiguous array or buffer with items of ``row_bytes`` or of
+        one byte (anything else is a ValueError: it would be filled in a copy).
+        Every range and destination is checked here; the reads then run in C
+        without the GIL.
         """
         self.files.check_open()
+        cdef uint8_t[::1] dst = _out_bytes(out, self.rs.row_bytes, 0, False, "out")
         cdef const uint64_t[::1] s = np.ascontiguousarray(starts, dtype=np.uint64)
         cdef const uint64_t[::1] l = np.ascontiguousarray(lengths, dtype=np.uint64)
         cdef const uint64_t[::1] d = np.ascontiguousarray(dst_offsets, dtype=np.uint64)
-        cdef uint8_t[::1] dst = np.frombuffer(out, dtype=np.uint8) if not isinstance(
-            out, np.ndarray) else out.reshape(-1).view(np.uint8)
         cdef size_t n = s.shape[0]
         if l.shape[0] != n or d.shape[0] != n:
             raise ValueError("starts, lengths and dst_offsets must have the same length")
@@ -126,17 +129,18 @@ cdef class RowSet:
 
         Observation ``i`` (``0 <= i < count``) is rows ``[(first + i) * stride,
         (first + i) * stride + window)``; window ``b`` lands at byte
-        ``b * window * row_bytes`` of ``out``.  Indices are checked in a
-        compiled loop (no per-batch NumPy calls); the reads run without the GIL.
+        ``b * window * row_bytes`` of ``out``: a writable C-contiguous array of
+        at least those bytes (``[B, window]`` of the rows' dtype, or bytes);
+        anything else is a ValueError.  Indices are checked in a compiled loop
+        (no per-batch NumPy calls); the reads run without the GIL.
         """
         self.files.check_open()
         cdef const int64_t[::1] iv = _indices(indices)
-        cdef uint8_t[::1] dst = out.reshape(-1).view(np.uint8)
         cdef size_t n = iv.shape[0]
+        cdef uint8_t[::1] dst = _out_bytes(
+            out, self.rs.row_bytes, (<object>n) * window * self.rs.row_bytes, False, "out")
         if n == 0:
             return
-        if <uint64_t>dst.shape[0] < n * window * self.rs.row_bytes:
-            raise ValueError(f"out holds {dst.shape[0]} bytes, need {n * window * self.rs.row_bytes}")
         cdef uint64_t *starts = <uint64_t *>PyMem_Malloc(n * sizeof(uint64_t))
         if starts is NULL:
             raise MemoryError()
@@ -233,34 +237,36 @@ cdef class RowSet:
 def split_fields(rows, uint64_t nrows, uint64_t row_bytes, offsets, sizes, outs):
     """De-interleave ``nrows`` rows of a structured dtype into one array per field.
 
-    ``rows`` is a C-contiguous buffer of ``nrows * row_bytes`` bytes; field f
+    ``rows`` is a buffer of ``nrows * row_bytes`` bytes; field f
     (``offsets[f]``, ``sizes[f]`` bytes) of each row goes to ``outs[f]``, a
-    C-contiguous array of ``nrows * sizes[f]`` bytes.  Runs without the GIL.
+    writable C-contiguous array of exactly ``nrows * sizes[f]`` bytes with
+    items of ``sizes[f]`` bytes or of one byte.  Every out is checked (a
+    ValueError names the first that does not fit) before any is written;
+    then the fields are split without the GIL.
     """
     cdef const uint8_t[::1] src = np.frombuffer(rows, dtype=np.uint8) if not isinstance(
         rows, np.ndarray) else rows.reshape(-1).view(np.uint8)
     cdef const uint64_t[::1] off = np.ascontiguousarray(offsets, dtype=np.uint64)
     cdef const uint64_t[::1] siz = np.ascontiguousarray(sizes, dtype=np.uint64)
     cdef size_t nf = off.shape[0], f
-    if src.shape[0] < nrows * row_bytes:
-        raise ValueError(f"rows holds {src.shape[0]} bytes, need {nrows * row_bytes}")
+    if src.shape[0] < (<object>nrows) * row_bytes:
+        raise ValueError(f"rows holds {src.shape[0]} bytes, need {(<object>nrows) * row_bytes}")
     if siz.shape[0] != nf or len(outs) != nf:
         raise ValueError("offsets, sizes and outs must have the same length")
+    cdef uint8_t[::1] view
+    keep = []
+    for f in range(nf):
+        if (<object>off[f]) + siz[f] > row_bytes:
+            raise ValueError(f"field {f} ({off[f]}+{siz[f]} bytes) overruns a {row_bytes}-byte row")
+        keep.append(_out_bytes(outs[f], siz[f], (<object>nrows) * siz[f], True, f"outs[{f}]"))
     if nf == 0 or nrows == 0:
         return
     cdef uint8_t **dst = <uint8_t **>PyMem_Malloc(nf * sizeof(uint8_t *))
     if dst is NULL:
         raise MemoryError()
-    cdef uint8_t[::1] view
-    keep = []
     try:
         for f in range(nf):
-            if off[f] + siz[f] > row_bytes:
-                raise ValueError(f"field {f} ({off[f]}+{siz[f]} bytes) overruns a {row_bytes}-byte row")
-            view = outs[f].reshape(-1).view(np.uint8)
-            if view.shape[0] < nrows * siz[f]:
-                raise ValueError(f"out {f} holds {view.shape[0]} bytes, need {nrows * siz[f]}")
-            keep.append(view)
+            view = keep[f]
             dst[f] = &view[0]
         with nogil:
             lib.tl_split_fields(&src[0], nrows, row_bytes, nf, &off[0], &siz[0], dst)
