@@ -1,14 +1,20 @@
 """The seams between tokload's C core and what it does not own: the caller's ``out``
-buffers.
+buffers, and a process forked under the engine.
 
 1. Every binding that writes into a caller's ``out`` refuses one it cannot fill in
    place (strided, Fortran-ordered, read-only, of the wrong item size or size) with
    a ValueError naming what it expected and what it got, before any read: a copy
    filled in its place would leave ``out`` as it was, with no error.
+2. A forked child's descriptor cache holds no pins of the parent's threads: it can
+   read, evict and close every file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -39,6 +45,81 @@ def _restore_engine_settings() -> Iterator[None]:
     _io.set_max_open_files(None)
     if _io.FAULTS_BUILT:
         _io._set_fault_injection(0, 0.0)
+
+
+class _BlockedRead:
+    """A read that stays in flight until released: its destination is memory
+    registered with userfaultfd, so the kernel's copy into it waits on a fault that
+    nobody resolves until ``release()`` (which closes the userfaultfd: the fault then
+    completes with a zero page and the read finishes).  While it waits, the read's
+    file is pinned and, with io_uring, its ring is in use."""
+
+    API, REGISTER = 0xC018AA3F, 0xC020AA00  # _IOWR(0xAA, 0x3F, 24), _IOWR(0xAA, 0x00, 32)
+
+    def __init__(self, nbytes: int) -> None:
+        import ctypes
+        import fcntl
+        import mmap
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        nr = {"x86_64": 323, "aarch64": 282}.get(os.uname().machine)
+        if nr is None:
+            pytest.skip("userfaultfd's syscall number is not known here")
+        fd = libc.syscall(nr, os.O_CLOEXEC | os.O_NONBLOCK)
+        if fd < 0:
+            pytest.skip(f"userfaultfd: {os.strerror(ctypes.get_errno())}")
+        self.fd = fd
+        api = bytearray(np.array([0xAA, 0, 0], np.uint64).tobytes())
+        fcntl.ioctl(fd, self.API, api)
+        self.size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        reg = bytearray(np.array([addr, self.size, 1, 0], np.uint64).tobytes())  # MODE_MISSING
+        fcntl.ioctl(fd, self.REGISTER, reg)
+        self.out = np.frombuffer(self.map, np.uint8)[:nbytes]
+
+    def faulted(self, timeout: float) -> bool:
+        """Whether a read touched the memory (and now waits) within ``timeout`` s."""
+        import select
+
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        return bool(ready)
+
+    def wait_until_blocked(self, timeout: float = 10.0) -> None:
+        assert self.faulted(timeout), "the read never reached its destination"
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _io_uring_fds() -> int:
+    n = 0
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += "io_uring" in os.readlink(f"/proc/self/fd/{name}")
+    return n
+
+
+def _in_child(check: Callable[[], None], timeout: int = 10) -> int:
+    """Fork; the child runs ``check`` (killed by SIGALRM after ``timeout`` s if it
+    hangs) and exits 0 if it returned, 1 if it raised. Returns the exit code."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.alarm(timeout)
+            check()
+            code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
 
 
 def _fortran(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -234,3 +315,62 @@ def test_packed_rows_refuse_a_fortran_alloc(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"C-contiguous.*Fortran-ordered"):
         view.read_batch(np.arange(4), fortran_alloc)
     assert view.read_batch(np.arange(4), np.empty)["tokens"].any()
+
+
+# ---- 3. fork ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("io", ["sync", "threads", "uring"])
+@pytest.mark.parametrize("closed", [False, True], ids=["open", "closed"])
+def test_a_child_forked_during_a_read_holds_no_pins_of_the_parent(
+    tmp_path: Path, io: str, closed: bool
+) -> None:
+    """A thread of the parent is inside a read (its file pinned, with io_uring its
+    ring in use) when another forks. The child has no such thread: it must not wait
+    for that pin, keep that descriptor open past the bound, or hold that ring."""
+    if io == "uring" and not _io.uring_available():
+        pytest.skip(f"io_uring is not available here: {_io.uring_error()}")
+    paths, stream = _shards(tmp_path, [4096, 4096])
+    rows = _rows.RowSet(_io.FileSet(paths, io=io, queue_depth=4), [4096, 4096], 4)
+    rows.read_windows([0], 0, 8, 1024, 1024, np.zeros(1024, np.uint32))  # a ring, a pool
+    blocked = _BlockedRead(2 * 1024 * 4)
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:  # windows 0 and 1 of shard 0: two requests, so the backend runs them
+            rows.read_windows([0, 1], 0, 8, 1024, 1024, blocked.out)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        blocked.wait_until_blocked()
+        if closed:  # a closed set's pinned file closes when unpinned: in the child, at once
+            rows.files.close()
+
+        def child() -> None:
+            assert _io_uring_fds() == 0, "the child holds the parent's io_uring ring"
+            fds = rows.files.fds()
+            assert fds[0] >= 0 or closed
+            if closed:
+                assert fds == [-1, -1], fds
+                return
+            _io.set_max_open_files(1)  # room for one: shard 0's must be closed for shard 1
+            out = np.zeros((2, 1024), np.uint32)
+            rows.read_windows([4, 5], 0, 8, 1024, 1024, out)  # shard 1
+            assert (out.reshape(-1) == stream[4096:6144]).all()
+            assert rows.files.fds()[0] == -1 and _io.open_files() == 1
+            rows.read_windows([0, 1], 0, 8, 1024, 1024, out)  # and back to shard 0
+            assert (out.reshape(-1) == stream[:2048]).all()
+            assert rows.files.fds()[1] == -1 and _io.open_files() == 1
+
+        code = _in_child(child)
+    finally:
+        blocked.release()
+        t.join(10)
+    assert not t.is_alive()
+    assert code == 0, f"the child exited with {code} (-14: it hung and was killed by SIGALRM)"
+    if not closed:  # (closed: a request not yet started when it closed fails, EBADF)
+        assert not errors, errors
+        assert (blocked.out.view("<u4") == stream[:2048]).all()

@@ -19,6 +19,7 @@ cdef class FileSet:
     cdef int backend
     cdef unsigned depth
     cdef readonly list remote
+    cdef object __weakref__
 
     cdef int check_open(self) except -1
     cdef int engine_begin(self, lib.tl_engine *e) except -1

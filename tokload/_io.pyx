@@ -26,7 +26,7 @@ soft ``RLIMIT_NOFILE``), least recently used closed first.
 
 from cpython.bytes cimport PyBytes_AS_STRING
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_RawFree, PyMem_RawMalloc
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.errno cimport ENOMEM as _ENOMEM
 from libc.string cimport memcpy, strerror
@@ -37,6 +37,7 @@ from tokload._remote cimport remote_run
 import errno as _errno
 import os
 import resource
+import weakref
 
 import numpy as np
 
@@ -65,6 +66,10 @@ cdef int _nrings = 0
 cdef int _uring_state = -1  # -1: not probed, 0: unavailable, 1: available
 cdef int _uring_errno = 0
 cdef bint _max_explicit = False
+# Rings handed to a call now (their addresses), and every FileSet alive: what
+# a forked child must take back from threads it does not have (_after_fork_in_child).
+_rings_out = set()
+_live_sets = weakref.WeakSet()
 
 
 def _default_max_open_files():
@@ -222,18 +227,32 @@ cdef void _put_ring(lib.tl_uring *r) noexcept:
 
 
 def _after_fork_in_child():
-    # The child has none of the parent's pool threads, and its rings are the
-    # parent's: start over with the descriptors (still valid) and nothing else.
-    # Its reads are its own: the totals start from zero.
+    # The child has none of the parent's threads: no read is in flight here.
+    # The descriptors are still valid, but the pins of the reads the parent's
+    # threads were making would never be released: the cache starts over and
+    # takes back every live set's files, unpinned.  The pool's threads are
+    # gone, and every ring (idle, or in use by a thread of the parent) is the
+    # parent's, its memory shared with it: the child closes its copies and
+    # makes rings of its own.  Its reads are its own: the totals start from zero.
     global _nrings, _counters
+    cdef FileSet fs
+    cdef lib.tl_uring *r
     _counters.calls = _counters.requests = _counters.bytes = _counters.failed = 0
     _counters.ns = 0
     lib.tl_fdcache_after_fork(&_cache)
+    for fs in list(_live_sets):
+        if fs.files is not NULL:
+            lib.tl_fdcache_adopt(&_cache, fs.files, fs.nfiles)
     lib.tl_pool_after_fork(&_pool)
     while _nrings:
         _nrings -= 1
         lib.tl_uring_destroy(_rings[_nrings])
         PyMem_RawFree(_rings[_nrings])
+    for addr in _rings_out:
+        r = <lib.tl_uring *><uintptr_t>addr
+        lib.tl_uring_destroy(r)
+        PyMem_RawFree(r)
+    _rings_out.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -448,6 +467,7 @@ cdef class FileSet:
             if self.remote is not None:
                 self.files[i].remote = <void *>self.remote[i]
         self.nfiles = n
+        _live_sets.add(self)  # a forked child takes its files back (_after_fork_in_child)
 
     def configure(self, io=None, queue_depth=None):
         """Choose the I/O backend and/or the reads in flight per batch
@@ -509,9 +529,13 @@ cdef class FileSet:
                 if _pool.nthreads + 1 < e.depth:
                     lib.tl_pool_grow(&_pool, e.depth - 1)
                 e.pool = &_pool
+            else:
+                _rings_out.add(<uintptr_t>e.ring)
         return 0
 
     cdef void engine_end(self, lib.tl_engine *e) noexcept:
+        if e.ring is not NULL:
+            _rings_out.discard(<uintptr_t>e.ring)
         _put_ring(e.ring)
         e.ring = NULL
 

@@ -89,6 +89,7 @@ cdef extern from "tokload/fdcache.h" nogil:
     void tl_fdcache_set_max(tl_fdcache *c, size_t max) noexcept
     size_t tl_fdcache_open_count(tl_fdcache *c) noexcept
     void tl_fdcache_after_fork(tl_fdcache *c) noexcept
+    void tl_fdcache_adopt(tl_fdcache *c, tl_fent *ents, size_t n) noexcept
 
 
 cdef extern from "tokload/ioreq.h" nogil:

@@ -263,13 +263,53 @@ TL_INLINE size_t tl_fdcache_open_count(tl_fdcache *c)
     return n;
 }
 
-/* After fork(2) in the child: the mutex may have been held by a thread that
- * does not exist there.  Descriptors stay valid (O_CLOEXEC closes them only
- * at exec). */
+/*
+ * After fork(2), in the child (one thread): start the cache over, empty.  The
+ * mutex may have been held by a thread that does not exist there, the list
+ * may have been half changed, and the pins and reservations of the parent's
+ * reads belong to threads the child does not have: nothing would ever
+ * release them, so their files could never be closed and, once every open
+ * file counted as pinned, a read would wait for ever.  The descriptors stay
+ * valid (O_CLOEXEC closes them only at exec): the caller then hands every
+ * entry that may hold one to tl_fdcache_adopt, each array once.  An entry
+ * it does not hand back must never be used with this cache again.
+ */
 TL_INLINE void tl_fdcache_after_fork(tl_fdcache *c)
 {
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->freed, NULL);
+    c->lru.prev = c->lru.next = &c->lru;
+    c->open = 0;
+}
+
+/*
+ * After tl_fdcache_after_fork: take back ents[0..n) as the child has them.
+ * No read is in flight in the child, so every pin is dropped; an open file
+ * becomes idle (least recently used first, in array order), a retired one is
+ * closed, and files beyond the bound are closed.  A file being opened by the
+ * parent at the fork has fd -1 here: nothing was reserved for it.
+ */
+TL_INLINE void tl_fdcache_adopt(tl_fdcache *c, tl_fent *ents, size_t n)
+{
+    pthread_mutex_lock(&c->mu);
+    for (size_t i = 0; i < n; i++) {
+        tl_fent *e = &ents[i];
+        e->pins = 0;
+        e->prev = e->next = NULL;
+        if (e->fd < 0) continue;
+        if (e->retired) {
+            close(e->fd);
+            e->fd = -1;
+            continue;
+        }
+        e->next = &c->lru;
+        e->prev = c->lru.prev;
+        c->lru.prev->next = e;
+        c->lru.prev = e;
+        c->open++;
+    }
+    tl_fdcache_shrink_(c, c->max);
+    pthread_mutex_unlock(&c->mu);
 }
 
 #endif /* TOKLOAD_FDCACHE_H */
