@@ -1,17 +1,21 @@
 """The seams between tokload's C core and what it does not own: the caller's ``out``
-buffers, and a process forked under the engine.
+buffers, the kernel's io_uring, and a process forked under the engine.
 
 1. Every binding that writes into a caller's ``out`` refuses one it cannot fill in
    place (strided, Fortran-ordered, read-only, of the wrong item size or size) with
    a ValueError naming what it expected and what it got, before any read: a copy
    filled in its place would leave ``out`` as it was, with no error.
-2. A forked child's descriptor cache holds no pins of the parent's threads: it can
+2. When ``io_uring_enter`` fails for good, every read the kernel may still be doing
+   into the caller's buffer is waited for before the error is raised (debug builds
+   inject the failure).
+3. A forked child's descriptor cache holds no pins of the parent's threads: it can
    read, evict and close every file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import threading
@@ -45,6 +49,7 @@ def _restore_engine_settings() -> Iterator[None]:
     _io.set_max_open_files(None)
     if _io.FAULTS_BUILT:
         _io._set_fault_injection(0, 0.0)
+        _io._debug_fail_enter_after(-1)
 
 
 class _BlockedRead:
@@ -315,6 +320,73 @@ def test_packed_rows_refuse_a_fortran_alloc(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"C-contiguous.*Fortran-ordered"):
         view.read_batch(np.arange(4), fortran_alloc)
     assert view.read_batch(np.arange(4), np.empty)["tokens"].any()
+
+
+# ---- 2. a ring that fails ----------------------------------------------------------
+
+needs_debug_uring = pytest.mark.skipif(
+    not _io.FAULTS_BUILT or not _io.uring_available(),
+    reason="needs a debug build (TOKLOAD_DEBUG=1) and io_uring",
+)
+
+
+@needs_debug_uring
+@pytest.mark.parametrize("waits", [False, True], ids=["submit-fails", "every-enter-fails"])
+def test_a_failing_ring_waits_for_the_reads_the_kernel_has(tmp_path: Path, waits: bool) -> None:
+    """io_uring_enter fails for good while the kernel still reads into the batch's
+    buffer (held there by a fault nobody resolves yet): the call must not return,
+    and so let its caller free that buffer, until the kernel is done with it; then
+    it raises OSError with the errno and the file, and every pin is released."""
+    paths, stream = _shards(tmp_path, [4096, 4096])
+    rows = _rows.RowSet(_io.FileSet(paths, io="uring", queue_depth=4), [4096, 4096], 4)
+    before = _io._debug_uring_broken()
+    blocked = _BlockedRead(8 * 512 * 4)
+    _io._debug_fail_enter_after(2, errno.EIO, waits=waits)  # 2 of 4 reach the kernel
+    got: list[BaseException] = []
+    returned = threading.Event()
+
+    def read() -> None:
+        try:
+            rows.read_windows(np.arange(8), 0, 16, 512, 512, blocked.out)
+        except BaseException as e:
+            got.append(e)
+        returned.set()
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        # Two reads are in the kernel's hands: they reach the buffer (and wait there on
+        # the fault) whenever the kernel's workers get to them, before or after the
+        # failure. The batch must wait for them, whatever their progress.
+        reached = blocked.faulted(10.0)
+        assert not returned.is_set(), "the batch returned while the kernel still had its reads"
+        assert reached, "the read never reached its destination"
+        assert not returned.wait(0.5), "the batch returned while the kernel still read into it"
+    finally:
+        blocked.release()
+        t.join(10)
+    assert not t.is_alive()
+    assert len(got) == 1 and isinstance(got[0], OSError), got
+    e = got[0]
+    assert e.errno == errno.EIO and e.filename == str(paths[0]), (e.errno, e.filename)
+    after = _io._debug_uring_broken()
+    assert after["rings"] == before["rings"] + 1
+    assert after["inflight"] == before["inflight"], "reads were in flight when it returned"
+    _io._debug_fail_enter_after(-1)
+    rows.files.close()  # a pinned file would stay open until its pin is released
+    assert rows.files.fds() == [-1, -1], "a read's pin was never released"
+    out = np.zeros((8, 512), np.uint32)  # a fresh ring reads as before
+    rows2 = _rows.RowSet(_io.FileSet(paths, io="uring", queue_depth=4), [4096, 4096], 4)
+    rows2.read_windows(np.arange(8), 0, 16, 512, 512, out)
+    rows2.files.close()
+    np.testing.assert_array_equal(out.reshape(-1), stream[:4096])
+
+
+def test_the_ring_failure_hook_is_refused_in_release_builds() -> None:
+    if _io.FAULTS_BUILT:
+        pytest.skip("a debug build: the hook is available")
+    with pytest.raises(RuntimeError, match="needs a debug build"):
+        _io._debug_fail_enter_after(1)
 
 
 # ---- 3. fork ----------------------------------------------------------------------

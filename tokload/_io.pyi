@@ -35,6 +35,15 @@ def _set_fault_injection(
     seed: int = 0, rate: float = 0.0, kinds: Sequence[str] = ("short", "eintr", "eagain", "eio")
 ) -> None: ...
 
+# Debug builds only (RuntimeError otherwise): an io_uring batch submits at most
+# `n` reads, then io_uring_enter fails with errno `code` (waits: the calls that
+# only wait fail too); n < 0 switches it off.
+def _debug_fail_enter_after(n: int, code: int = ..., waits: bool = False) -> None: ...
+
+# Rings destroyed as broken, and the reads the kernel still had in them when
+# their batch returned (summed).
+def _debug_uring_broken() -> dict[str, int]: ...
+
 # Files read through the I/O engine, opened lazily, descriptors bounded
 # process-wide.  io: "auto" | "uring" | "threads" | "sync" (None: TOKLOAD_IO,
 # else "auto"); queue_depth: reads in flight per batch, 1 to MAX_QUEUE_DEPTH

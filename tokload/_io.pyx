@@ -66,6 +66,13 @@ cdef int _nrings = 0
 cdef int _uring_state = -1  # -1: not probed, 0: unavailable, 1: available
 cdef int _uring_errno = 0
 cdef bint _max_explicit = False
+# Debug builds: the injected io_uring_enter failure of every ring handed out
+# (_debug_fail_enter_after), and what the rings destroyed as broken had left.
+cdef int64_t _enter_fail_after = -1
+cdef int _enter_fail_code = 0
+cdef int _enter_fail_waits = 0
+cdef uint64_t _broken_rings = 0
+cdef uint64_t _broken_inflight = 0
 # Rings handed to a call now (their addresses), and every FileSet alive: what
 # a forked child must take back from threads it does not have (_after_fork_in_child).
 _rings_out = set()
@@ -215,9 +222,12 @@ cdef lib.tl_uring *_take_ring() noexcept:
 
 
 cdef void _put_ring(lib.tl_uring *r) noexcept:
-    global _nrings
+    global _nrings, _broken_rings, _broken_inflight
     if r is NULL:
         return
+    if r.broken:
+        _broken_rings += 1
+        _broken_inflight += r.inflight
     if r.broken or _nrings == 64:
         lib.tl_uring_destroy(r)
         PyMem_RawFree(r)
@@ -306,6 +316,31 @@ def _set_fault_injection(seed=0, rate=0.0, kinds=("short", "eintr", "eagain", "e
     _faults.kinds = mask
     _faults.rate = <uint32_t>min(int(rate * 4294967296.0), 0xFFFFFFFF)
     _faults_on = rate > 0 and mask != 0
+
+
+def _debug_fail_enter_after(n, code=_errno.EIO, waits=False):
+    """Debug builds only: every later io_uring batch submits at most ``n``
+    reads; its next ``io_uring_enter`` that would submit more fails with errno
+    ``code`` (without reaching the kernel), as a ring that fails for good;
+    ``waits``: so do the calls that only wait for completions.  While armed,
+    reads go to the kernel's workers and a submission does not wait, so reads
+    are in flight when it fails.  ``n < 0`` switches it off."""
+    global _enter_fail_after, _enter_fail_code, _enter_fail_waits
+    if not FAULTS_BUILT:
+        raise RuntimeError("fault injection needs a debug build (TOKLOAD_DEBUG=1 pip install -e .)")
+    code = int(code)
+    if n >= 0 and code <= 0:
+        raise ValueError(f"code must be a positive errno, got {code}")
+    _enter_fail_after = -1 if n < 0 else int(n)
+    _enter_fail_code = code
+    _enter_fail_waits = bool(waits)
+
+
+def _debug_uring_broken():
+    """Rings destroyed after an io_uring_enter failed for good, and the reads
+    the kernel still had in them when their batch returned (summed): 0 means
+    no completion could come after the caller freed its buffer."""
+    return {"rings": _broken_rings, "inflight": _broken_inflight}
 
 
 cdef object _raise_io(lib.tl_io_error *err, list paths, str what):
@@ -531,6 +566,9 @@ cdef class FileSet:
                 e.pool = &_pool
             else:
                 _rings_out.add(<uintptr_t>e.ring)
+                e.ring.fail_after = _enter_fail_after
+                e.ring.fail_code = _enter_fail_code
+                e.ring.fail_waits = _enter_fail_waits
         return 0
 
     cdef void engine_end(self, lib.tl_engine *e) noexcept:

@@ -124,6 +124,10 @@ cdef extern from "tokload/uring.h" nogil:
         int fd
         unsigned entries
         int broken
+        unsigned inflight
+        int64_t fail_after
+        int fail_code
+        int fail_waits
 
     int tl_uring_setup(tl_uring *r, unsigned entries) noexcept
     void tl_uring_destroy(tl_uring *r) noexcept

@@ -30,6 +30,7 @@
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifndef __NR_io_uring_setup
@@ -47,6 +48,7 @@
 #define TL_IORING_FEAT_SINGLE_MMAP 1u
 #define TL_IORING_ENTER_GETEVENTS 1u
 #define TL_IORING_OP_READV 1
+#define TL_IOSQE_ASYNC (1u << 4)
 
 typedef struct tl_uring_sqe {
     uint8_t opcode;
@@ -110,6 +112,17 @@ typedef struct tl_uring {
     unsigned *cq_head, *cq_tail, *cq_mask;
     tl_uring_cqe *cqes;
     int broken; /* an io_uring_enter failed for good: destroy, do not reuse */
+    unsigned inflight; /* reads of the last tl_uring_run the kernel still had when it returned */
+    /* Debug builds (TL_FAULT_INJECTION) only, set by the caller before a run:
+     * the run's io_uring_enter calls submit at most fail_after SQEs in all
+     * (< 0: no limit); once there, a call that would submit fails with errno
+     * fail_code without reaching the kernel (fail_waits: a call that only
+     * waits, too).  While armed, reads go to the kernel's workers
+     * (IOSQE_ASYNC) and a submission does not wait, so that reads are still
+     * in flight when the failure comes. */
+    int64_t fail_after;
+    int fail_code;
+    int fail_waits;
     unsigned nfree;
     unsigned free_slots[TL_URING_MAX];
     tl_uring_slot slots[TL_URING_MAX];
@@ -129,6 +142,10 @@ TL_INLINE int tl_uring_setup(tl_uring *r, unsigned entries)
     r->sq_map = r->cq_map = MAP_FAILED;
     r->sqes = (tl_uring_sqe *)MAP_FAILED;
     r->broken = 0;
+    r->inflight = 0;
+    r->fail_after = -1;
+    r->fail_code = 0;
+    r->fail_waits = 0;
     if (entries > TL_URING_MAX) entries = TL_URING_MAX;
     long fd = syscall(__NR_io_uring_setup, entries, &p);
     if (fd < 0) return -errno;
@@ -204,6 +221,9 @@ TL_INLINE void tl_uring_prep_(tl_uring *r, const tl_ioreq *reqs, unsigned s)
     unsigned char *z = (unsigned char *)sqe;
     for (size_t i = 0; i < sizeof *sqe; i++) z[i] = 0;
     sqe->opcode = TL_IORING_OP_READV;
+#ifdef TL_FAULT_INJECTION
+    if (r->fail_after >= 0) sqe->flags = TL_IOSQE_ASYNC;
+#endif
     sqe->fd = sl->fd;
     sqe->off = q->offset + sl->got;
     sqe->addr = (uint64_t)(uintptr_t)&sl->iov;
@@ -213,19 +233,79 @@ TL_INLINE void tl_uring_prep_(tl_uring *r, const tl_ioreq *reqs, unsigned s)
     __atomic_store_n(r->sq_tail, tail + 1, __ATOMIC_RELEASE);
 }
 
+/* io_uring_enter: submit `to_submit` SQEs and, with `wait`, wait for one
+ * completion.  *submitted counts the SQEs submitted by this run (for the
+ * debug builds' injected failure). */
+TL_INLINE long tl_uring_enter_(tl_uring *r, unsigned to_submit, int wait, uint64_t *submitted)
+{
+#ifdef TL_FAULT_INJECTION
+    if (r->fail_after >= 0) {
+        uint64_t cap = (uint64_t)r->fail_after;
+        uint64_t room = cap > *submitted ? cap - *submitted : 0;
+        if (room == 0 && (to_submit || r->fail_waits)) {
+            errno = r->fail_code;
+            return -1;
+        }
+        if (to_submit > room) to_submit = (unsigned)room; /* the kernel takes only some */
+        if (to_submit) wait = 0;
+    }
+#endif
+    long ret = syscall(__NR_io_uring_enter, r->fd, to_submit, wait ? 1u : 0u,
+                       wait ? TL_IORING_ENTER_GETEVENTS : 0u, NULL, 0);
+    if (ret > 0) *submitted += (uint64_t)ret;
+    return ret;
+}
+
+/*
+ * The ring failed for good: withdraw the SQEs the kernel has not taken (the
+ * SQ head says which; without SQPOLL the kernel reads the SQ only inside
+ * io_uring_enter, so moving the tail back is safe).  Their reads never
+ * started: their pins are released and their slots freed.  Returns how many
+ * were withdrawn; *lowest becomes the lowest request among them.
+ */
+TL_INLINE unsigned tl_uring_withdraw_(tl_uring *r, const tl_ioreq *reqs, tl_fdcache *cache,
+                                      size_t *lowest)
+{
+    unsigned head = __atomic_load_n(r->sq_head, __ATOMIC_ACQUIRE);
+    unsigned tail = *r->sq_tail, k;
+    for (k = head; k != tail; k++) {
+        unsigned s = (unsigned)r->sqes[r->sq_array[k & *r->sq_mask]].user_data;
+        size_t req = r->slots[s].req;
+        if (req < *lowest) *lowest = req;
+        tl_fdcache_release(cache, reqs[req].file);
+        r->free_slots[r->nfree++] = s;
+    }
+    __atomic_store_n(r->sq_tail, head, __ATOMIC_RELEASE);
+    return tail - head;
+}
+
 /*
  * Run a batch with up to `depth` reads in flight.  Returns 0, or the error of
- * the lowest failing request (*failed, err).  If the ring itself fails
- * (io_uring_enter errors other than EINTR/EAGAIN/EBUSY) the batch fails with
- * that errno on its lowest unfinished request and r->broken is set.
+ * the lowest failing request (*failed, err).
+ *
+ * If the ring itself fails (io_uring_enter errors other than EINTR, EAGAIN
+ * and EBUSY), r->broken is set and the batch fails with that errno on its
+ * lowest unfinished request -- but only once the kernel is done with every
+ * read it took: the caller frees its buffers (and the ring) when this
+ * returns, and a completion after that would write into freed memory.  The
+ * SQEs it had not taken are withdrawn; the reads it had each end with one
+ * CQE (the kernel posts one for every SQE it consumed, cancelled or not).
+ * They are waited for with io_uring_enter while that still waits, else by
+ * reading the CQ tail between 1 ms sleeps: completions are posted by the
+ * kernel's workers, or by task work that runs when this thread returns from
+ * any system call, nanosleep's included.  No cancellation
+ * (IORING_OP_ASYNC_CANCEL) is tried: it would need the submission that just
+ * failed, and a read of a regular file ends on its own.  Every pin is
+ * released before returning; r->inflight is then 0.
  */
 TL_INLINE int tl_uring_run(tl_uring *r, const tl_ioreq *reqs, size_t n, unsigned depth,
                            tl_fdcache *cache, tl_io_faults *faults, tl_io_error *err,
                            size_t *failed)
 {
-    size_t next = 0;
+    size_t next = 0, lowest = n; /* lowest: the lowest request a dead ring left unfinished */
     unsigned inflight = 0, unsubmitted = 0;
-    int rc = 0, stop = 0;
+    uint64_t submitted = 0;
+    int rc = 0, stop = 0, dead = 0, poll = 0;
     if (depth == 0) depth = 1;
     if (depth > r->entries) depth = r->entries;
 #ifndef TL_FAULT_INJECTION
@@ -266,21 +346,30 @@ TL_INLINE int tl_uring_run(tl_uring *r, const tl_ioreq *reqs, size_t n, unsigned
             next++;
         }
         if (inflight == 0) break;
-        long ret = syscall(__NR_io_uring_enter, r->fd, unsubmitted, 1, TL_IORING_ENTER_GETEVENTS,
-                           NULL, 0);
-        if (ret < 0) {
-            int e = errno;
-            if (e != EINTR && e != EAGAIN && e != EBUSY) {
-                /* The ring cannot be driven (never seen with valid SQEs):
-                 * report it; the caller destroys the ring, which makes the
-                 * kernel cancel what is still in flight.  The pins of those
-                 * reads are kept, so their descriptors are never reused. */
-                r->broken = 1;
-                TL_URING_FAIL_(next ? next - 1 : 0, -e, 0);
-                return rc;
+        if (!dead) {
+            long ret = tl_uring_enter_(r, unsubmitted, 1, &submitted);
+            if (ret >= 0) {
+                unsubmitted -= (unsigned)ret;
+            } else {
+                int e = errno;
+                if (e != EINTR && e != EAGAIN && e != EBUSY) {
+                    /* The ring cannot be driven (never seen with valid SQEs). */
+                    r->broken = 1;
+                    dead = -e;
+                    stop = 1;
+                    inflight -= tl_uring_withdraw_(r, reqs, cache, &lowest);
+                    unsubmitted = 0;
+                    if (next < lowest) lowest = next; /* never issued */
+                    continue;
+                }
             }
-        } else {
-            unsubmitted -= (unsigned)ret;
+        } else if (!poll) {
+            long ret = tl_uring_enter_(r, 0, 1, &submitted);
+            int e = ret < 0 ? errno : 0;
+            if (ret < 0 && e != EINTR && e != EAGAIN && e != EBUSY) poll = 1;
+        } else if (*r->cq_head == __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE)) {
+            struct timespec ms = {0, 1000000};
+            nanosleep(&ms, NULL);
         }
         unsigned head = *r->cq_head;
         unsigned tail = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
@@ -294,19 +383,15 @@ TL_INLINE int tl_uring_run(tl_uring *r, const tl_ioreq *reqs, size_t n, unsigned
 #ifdef TL_FAULT_INJECTION
             res = tl_io_fault_apply(tl_io_fault_draw(faults), res);
 #endif
-            if (res == -EINTR || res == -EAGAIN) {
-                tl_uring_prep_(r, reqs, s);
-                unsubmitted++;
-                continue;
-            }
-            if (res > 0) {
-                sl->got += (uint64_t)res;
-                if (sl->got < q->length) { /* short read: the rest */
+            if (res > 0) sl->got += (uint64_t)res;
+            if (res == -EINTR || res == -EAGAIN || (res > 0 && sl->got < q->length)) {
+                if (!dead) { /* again, or the rest of a short read */
                     tl_uring_prep_(r, reqs, s);
                     unsubmitted++;
                     continue;
                 }
-            } else {
+                if (sl->req < lowest) lowest = sl->req; /* a dead ring takes no more */
+            } else if (res <= 0) {
                 TL_URING_FAIL_(sl->req, res == 0 ? TL_IO_EOF : (int)res, sl->got);
             }
             tl_fdcache_release(cache, q->file);
@@ -315,7 +400,9 @@ TL_INLINE int tl_uring_run(tl_uring *r, const tl_ioreq *reqs, size_t n, unsigned
         }
         __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
     }
+    if (dead && lowest < n) TL_URING_FAIL_(lowest, dead, 0);
 #undef TL_URING_FAIL_
+    r->inflight = inflight;
     return rc;
 }
 
