@@ -4,18 +4,40 @@ The one job of this module: run ``build(step)`` for consecutive step numbers on
 a few threads, at most ``depth`` steps ahead of the consumer, and hand the
 results out strictly in step order. Threads never raise: a failure travels to
 the consumer as the result of its step and is re-raised, with its original
-traceback, by the ``get`` that would have returned that step. ``close()`` (or
-garbage collection of the owner) stops the threads within a fraction of a
-second; they are daemons, so they can never keep the interpreter alive.
+traceback, by the ``get`` that would have returned that step.
+
+Stopping. ``close()`` sets the stop flag, which the threads read between steps
+and which ``build`` can read inside a step (the ``cancel`` event: the loader's
+tasks look at it between the batches of a task), then joins the threads against
+one deadline for all of them. ``close(timeout=0)`` only tells them to stop (what
+garbage collection does: the thread that drops the last reference, often the
+training thread, never waits for a read in progress). The threads are daemons,
+so one still inside a read can never keep the interpreter alive; once its read
+returns it sees the flag and exits without building anything more.
+
+Fork. The reader threads do not exist in a child made by ``os.fork()``, and the
+lock of the condition they share may have been held by one of them at the
+moment of the fork. An ``os.register_at_fork`` hook (as CPython's
+``concurrent/futures/thread.py`` has) marks every live Prefetcher as forked in
+the child and gives it a new condition: ``forked`` is then True, and ``get``
+raises RuntimeError at once instead of waiting forever for threads that are not
+there. An owner that can rebuild its steps (the DataLoader) checks ``forked``
+and starts a new Prefetcher with the child's own threads.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 POLL_S = 0.05  # how often waiting threads look at the stop flag
+
+CLOSE_S = 1.0
+"""How long ``close()`` waits, by default, for all the threads together."""
 
 
 class _Failure:
@@ -23,6 +45,17 @@ class _Failure:
 
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
+
+
+_live: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for pf in list(_live):
+        pf._forget_threads()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Prefetcher:
@@ -36,6 +69,9 @@ class Prefetcher:
         depth: how many steps may be built ahead of the consumer (>= 1).
         threads: reader threads (>= 1).
         name: thread name prefix.
+        cancel: an event that ``close()`` sets (a new one by default): ``build``
+            may look at it to give up a long step early. What it returns then is
+            dropped.
     """
 
     def __init__(
@@ -46,6 +82,7 @@ class Prefetcher:
         depth: int,
         threads: int,
         name: str = "tokload-reader",
+        cancel: threading.Event | None = None,
     ) -> None:
         if depth < 1 or threads < 1:
             raise ValueError(f"depth and threads must be >= 1, got {depth} and {threads}")
@@ -57,10 +94,13 @@ class Prefetcher:
         self._next = first  # next step the consumer gets
         self._results: dict[int, Any] = {}
         self._closed = False
+        self._forked = False
+        self.cancel = cancel if cancel is not None else threading.Event()
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{k}", daemon=True)
             for k in range(threads)
         ]
+        _live.add(self)
         for t in self._threads:
             t.start()
 
@@ -86,6 +126,20 @@ class Prefetcher:
                     return
                 self._results[step] = item
                 cond.notify_all()
+
+    def _forget_threads(self) -> None:
+        """In a forked child (the at-fork hook): the threads are gone and the
+        condition's lock may be held by one of them; keep nothing of either."""
+        self._cond = threading.Condition()
+        self._threads = []
+        self._forked = True
+        self._results.clear()
+
+    @property
+    def forked(self) -> bool:
+        """Whether this process is a child forked after the threads started: the
+        threads are not here; ``get`` raises RuntimeError."""
+        return self._forked
 
     @property
     def depth(self) -> int:
@@ -114,7 +168,13 @@ class Prefetcher:
         """The next step's item, in order; raises StopIteration past ``stop``.
 
         A failure in ``build`` is re-raised here, for the step it happened on.
+        RuntimeError when the Prefetcher was closed, or in a forked child.
         """
+        if self._forked:
+            raise RuntimeError(
+                "this prefetcher's reader threads did not survive fork(): make a new one "
+                "in the child (a DataLoader's iterator does so by itself)"
+            )
         cond = self._cond
         with cond:
             step = self._next
@@ -133,16 +193,26 @@ class Prefetcher:
             raise exc
         return item
 
-    def close(self, timeout: float = 1.0) -> None:
-        """Stop the threads and drop built items (idempotent)."""
+    def close(self, timeout: float = CLOSE_S) -> bool:
+        """Stop the threads and drop built items (idempotent).
+
+        Waits until the threads have exited, at most ``timeout`` seconds for all
+        of them together (0: do not wait). Returns whether they all did; a thread
+        still inside a step exits when the step returns, building nothing more.
+        """
         with self._cond:
             self._closed = True
             self._results.clear()
+            # after _closed, under the lock: a build that gave up early because of
+            # it finds _closed set, so what it returns is never handed out
+            self.cancel.set()
             self._cond.notify_all()
         me = threading.current_thread()
+        deadline = time.monotonic() + timeout
         for t in self._threads:
             if t is not me:
-                t.join(timeout)
+                t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads if t is not me)
 
     @property
     def alive(self) -> bool:
