@@ -15,13 +15,28 @@ and the interval reports ``DataLoader.stats()`` and the periodic log line give.
 Counters only grow; each report subtracts the totals it last saw (its mark), so
 ``stats()`` and the log line keep separate intervals. Waits are kept in a ring
 of the last ``WAIT_RING`` batches, from which an interval's percentiles come.
+
+Failures that a retry hid are counted where the retry happens: the remote
+backend counts every attempt it repeats after a throttled, failed or cut-short
+request (``remote_retries``), whether a later attempt then succeeded or not.
+The loader itself never retries: a failed read reaches the ``next()`` that
+needed it (and the engine's ``io_failed``), never a second read that might
+succeed and hide it. (The C engine's own retries of ``EINTR`` and ``EAGAIN``
+are not counted: its counters have no field for them.)
+
+Fork: a child made by ``os.fork()`` gets a new lock for every LoaderStats (a
+reader thread may have held the old one at the fork), and a mark taken in
+another process counts the I/O engine's totals from zero, as the engine's own
+counters do in a child: an interval that spans a fork is never negative.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -34,12 +49,24 @@ WAIT_RING = 1 << 16
 log = logging.getLogger("tokload")
 
 
+_live: weakref.WeakSet[LoaderStats] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for st in list(_live):
+        st._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class LoaderStats:
     """Counters of one DataLoader (see ``DataLoader.stats``)."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
         self._lock = threading.Lock()  # reader-side totals (several threads)
+        _live.add(self)
         # training-thread totals (one thread: no lock)
         self.batches = 0
         self.samples = 0
@@ -83,6 +110,7 @@ class LoaderStats:
             "reader": reader,
             "io": _io.io_counters(),
             "remote": remote.counters(),
+            "pid": os.getpid(),
         }
 
     def report(
@@ -102,7 +130,9 @@ class LoaderStats:
         else:
             p50 = p99 = wmax = 0.0
         tasks, build_s, built = (a - b for a, b in zip(now["reader"], since["reader"], strict=True))
-        io = {k: now["io"][k] - since["io"][k] for k in now["io"]}
+        # the engine's totals restart from zero in a forked child (tokload._io)
+        io_since = since["io"] if since.get("pid") == now["pid"] else dict.fromkeys(now["io"], 0)
+        io = {k: now["io"][k] - io_since[k] for k in now["io"]}
         rem = {k: now["remote"][k] - since["remote"][k] for k in now["remote"]}
         tokens = now["tokens"] - since["tokens"]
         wait = now["wait_s"] - since["wait_s"]
