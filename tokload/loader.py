@@ -30,7 +30,7 @@ import numpy as np
 from tokload.assembly import Assembly, check_view, fingerprint_upto
 from tokload.errors import StateError
 from tokload.packing import PackedSchedule
-from tokload.prefetch import Prefetcher
+from tokload.prefetch import CLOSE_S, POLL_S, Prefetcher
 from tokload.readahead import ReadAhead, wanted
 from tokload.schedule import Schedule
 from tokload.stats import LoaderStats, TokenCounter, format_report, log
@@ -159,6 +159,21 @@ class DataLoader:
     indices) and ``"position"`` (int64, the global positions). Host tensors
     share memory with the buffers the data was read into; no buffer is ever
     reused by tokload.
+
+    Errors, closing, fork. A reader thread's error is raised by the ``next()``
+    that would have returned its batch, and the cursor stays before that batch.
+    The error of a call that served several batches (a rowwise view's read of a
+    whole task) is raised at the first of them, with a note naming their
+    cursors; nothing is read a second time to find the batch that failed. The
+    error of a batch's own call (reads of a view that is not rowwise, packed
+    rows, ``collate``) is raised at that batch. ``close()`` waits for the
+    threads one second (``tokload.prefetch.CLOSE_S``) at most for all of them;
+    garbage collection only tells them to stop. A thread stops between the
+    batches of a task, or when a read in progress returns (the I/O engine
+    cannot cancel one). In a child made by ``os.fork()``, an iterator's next
+    ``next()`` starts the child's own threads at the cursor (the parent's are
+    not there), so it gets the batches the parent gets next; a dataset in an
+    object store refuses a forked child (``RemoteError``).
     """
 
     def __init__(
@@ -251,11 +266,9 @@ class DataLoader:
         )
         # A view that packs documents into rows: the schedule packs, the view reads rows.
         self.packing = getattr(view, "packing", None)
-        self.schedule: Schedule = (
-            Schedule(n, batch_size, **order)
-            if self.packing is None
-            else PackedSchedule(n, batch_size, extents=view.extents, packing=self.packing, **order)
-        )
+        self._order = order
+        self.schedule: Schedule = self._new_schedule()
+        self._pid = os.getpid()  # the process the schedule's locks belong to
         if transfer is None:
             explicit = device is not None and not (isinstance(device, str) and device == "auto")
             if collate is not None and explicit:
@@ -268,11 +281,29 @@ class DataLoader:
         self.assembly = Assembly(view, self.transfer.alloc)
         self._cursor = 0
         self._iter: weakref.ref[_LoaderIter] | None = None
+        self._stopping: list[Prefetcher] = []  # told to stop, not joined yet
         self._stats = LoaderStats(self.rank, self.world_size)
         self._tokens = TokenCounter()
         self._stats_mark = self._stats.mark()
         self.log_every = None if log_every is None else float(log_every)
         self._log_mark = self._stats_mark
+
+    def _new_schedule(self) -> Schedule:
+        """The schedule of this configuration (pure: a new one gives the same order)."""
+        if self.packing is None:
+            return Schedule(self.n, self.batch_size, **self._order)
+        return PackedSchedule(
+            self.n, self.batch_size, extents=self.view.extents, packing=self.packing, **self._order
+        )
+
+    def _own_process(self) -> None:
+        """In a child made by ``os.fork()``: a new schedule. A reader thread of the
+        parent may have held one of the old one's locks at the fork (a permutation
+        building its table holds one while it works without the GIL); the child's
+        threads would wait for it forever."""
+        if self._pid != os.getpid():
+            self.schedule = self._new_schedule()
+            self._pid = os.getpid()
 
     @property
     def pinned(self) -> bool:
@@ -385,52 +416,134 @@ class DataLoader:
         return self._build(spans)[0]
 
     def _build(self, spans: list[tuple[int, int]]) -> tuple[list[Any], list[int]]:
-        """``build_steps``, and the tokens of each batch (for ``stats``), timed."""
+        """``build_steps``, and the tokens of each batch (for ``stats``): the first
+        failure is raised."""
+        items, tokens, failure = self._build_task(spans)
+        if failure is not None:
+            raise failure[0]
+        return items, tokens
+
+    def _build_task(
+        self, spans: list[tuple[int, int]], cancel: threading.Event | None = None
+    ) -> tuple[list[Any], list[int], tuple[BaseException, int] | None]:
+        """The batches of consecutive global batches ``spans``, as far as they go.
+
+        Returns the batches of the first ``k`` spans, their tokens, and, when
+        building span ``k`` failed, ``(exception, served)``: ``served`` is how
+        many spans from ``k`` on the call that failed was building. Where one
+        call serves several steps (a rowwise view's read of the whole task, a
+        view's ``read_batches``, a task's tensors and device copy) its failure
+        stops the build at the first of them (``served > 1``): nothing is read a
+        second time to find the step that failed, so an object store's retries
+        are waited out once. Where each step has a call of its own (the reads of
+        a view that is not rowwise, a packed view's rows, ``collate``) a failure
+        lands on its own step (``served == 1``) and the steps before it are built.
+
+        ``cancel`` (a closed prefetcher's event) is looked at between the steps
+        and before each call: once it is set, the build stops where it is (with
+        fewer batches and no failure; the caller drops them). A call in progress
+        is not interrupted: the I/O engine has no way to abandon its reads.
+        """
         t0 = time.perf_counter()
         sched, asm = self.schedule, self.assembly
-        if not asm.rowwise:
-            if isinstance(sched, PackedSchedule):
-                raws = [asm.read_rows(sched.rows(*sp)) for sp in spans]
-            else:
-                parts = [(sched.indices(p), p) for p in (sched.positions(*sp) for sp in spans)]
-                raws = asm.read_many(parts)
-            tokens = [self._tokens.one(r) for r in raws]
-            if self.collate is not None:
-                out = [self.collate(r) for r in raws]
-            else:
-                out = self.transfer.copy_all([self.transfer.tensors(r) for r in raws])
-            self._stats.built(time.perf_counter() - t0, sum(tokens))
-            return out, tokens
-        pos, ends = sched.task_positions(spans)
-        cuts = list(zip([0, *ends], ends, strict=False))
-        steps: list[dict[str, Any]] | None = None
-        per_batch = _NO_KEYS  # the keys of values per batch, not per row
-        if asm.stepwise:  # rows, and values per batch (cu_seqlens)
-            raw, steps = asm.read_steps(sched.indices(pos), pos, cuts)
-            per_batch = frozenset(k for st in steps for k in st)
-        else:
-            raw = asm.read(sched.indices(pos), pos)
-        asm.check_rows(raw, len(pos), per_batch)
         collate = self.collate
-        tokens = self._tokens.rows(raw, cuts)
+        if cancel is not None and cancel.is_set():
+            return [], [], None
+        if not asm.rowwise:
+            raws: list[dict[str, Any]] = []
+            failure: tuple[BaseException, int] | None = None
+            rows_of = sched.rows if isinstance(sched, PackedSchedule) else None
+            # a view that reads several batches in one round of I/O does so (one
+            # call: its failure is the task's); others are read a step at a time
+            many = (
+                rows_of is None
+                and len(spans) > 1
+                and getattr(asm.view, "read_batches", None) is not None
+            )
+            try:
+                if many:
+                    parts = [(sched.indices(p), p) for p in (sched.positions(*sp) for sp in spans)]
+                    raws = asm.read_many(parts)
+                else:
+                    for sp in spans:
+                        if cancel is not None and cancel.is_set():
+                            break
+                        if rows_of is not None:
+                            raws.append(asm.read_rows(rows_of(*sp)))
+                        else:
+                            pos = sched.positions(*sp)
+                            raws.append(asm.read(sched.indices(pos), pos))
+            except Exception as e:
+                failure = (e, len(spans) if many else 1)
+            tokens = [self._tokens.one(r) for r in raws]
+            if collate is not None:
+                out = []
+                for r in raws:
+                    if cancel is not None and cancel.is_set():
+                        failure = None  # given up: the caller drops what it gets
+                        break
+                    try:
+                        out.append(collate(r))
+                    except Exception as e:
+                        failure = (e, 1)
+                        break
+            elif raws and not (cancel is not None and cancel.is_set()):
+                try:
+                    out = self.transfer.copy_all([self.transfer.tensors(r) for r in raws])
+                except Exception as e:
+                    out, failure = [], (e, len(raws))
+            else:
+                out = []
+            tokens = tokens[: len(out)]
+            if out:
+                self._stats.built(time.perf_counter() - t0, sum(tokens))
+            return out, tokens, failure
+        try:
+            pos, ends = sched.task_positions(spans)
+            cuts = list(zip([0, *ends], ends, strict=False))
+            steps: list[dict[str, Any]] | None = None
+            per_batch = _NO_KEYS  # the keys of values per batch, not per row
+            if asm.stepwise:  # rows, and values per batch (cu_seqlens)
+                raw, steps = asm.read_steps(sched.indices(pos), pos, cuts)
+                per_batch = frozenset(k for st in steps for k in st)
+            else:
+                raw = asm.read(sched.indices(pos), pos)
+            asm.check_rows(raw, len(pos), per_batch)
+            tokens = self._tokens.rows(raw, cuts)
+            if collate is not None:
+                rows = [(k, v) for k, v in raw.items() if k not in per_batch]
+                batches = [_rows(rows, a, e) for a, e in cuts]
+                if steps:
+                    _add_step_values(batches, raw, steps)
+            elif cancel is not None and cancel.is_set():
+                return [], [], None
+            else:
+                whole = self.transfer.copy(self.transfer.tensors(raw))
+                items = list(whole.items())
+                if per_batch:
+                    items = [(k, v) for k, v in items if k not in per_batch]
+                out = [_rows(items, a, e) for a, e in cuts]
+                if steps:
+                    _add_step_values(out, whole, steps)
+                for b in out:
+                    b.ready = whole.ready
+        except Exception as e:
+            return [], [], (e, len(spans))
+        failure = None
         if collate is not None:
-            rows = [(k, v) for k, v in raw.items() if k not in per_batch]
-            out = [_rows(rows, a, e) for a, e in cuts]
-            if steps:
-                _add_step_values(out, raw, steps)
-            out = [collate(b) for b in out]
-        else:
-            whole = self.transfer.copy(self.transfer.tensors(raw))
-            items = list(whole.items())
-            if per_batch:
-                items = [(k, v) for k, v in items if k not in per_batch]
-            out = [_rows(items, a, e) for a, e in cuts]
-            if steps:
-                _add_step_values(out, whole, steps)
-            for b in out:
-                b.ready = whole.ready
-        self._stats.built(time.perf_counter() - t0, sum(tokens))
-        return out, tokens
+            out = []
+            for b in batches:
+                if cancel is not None and cancel.is_set():
+                    break
+                try:
+                    out.append(collate(b))
+                except Exception as e:
+                    failure = (e, 1)
+                    break
+            tokens = tokens[: len(out)]
+        if out:
+            self._stats.built(time.perf_counter() - t0, sum(tokens))
+        return out, tokens, failure
 
     # ---- statistics ----------------------------------------------------------------------
 
@@ -455,7 +568,12 @@ class DataLoader:
           and view of this process (its totals are process-wide);
         - ``remote_gets``, ``remote_retries``: for datasets in an object store,
           the ranged GETs that succeeded and the attempts repeated after a
-          throttled, failed or cut-short request (process-wide too);
+          throttled, failed or cut-short request, whether a later attempt
+          succeeded or not (process-wide too). A failure that a retry got past
+          never reaches ``next()``: it is counted here. ``io_failed`` counts
+          the engine's calls that failed after any retries; the loader itself
+          never retries a read (a failure reaches the ``next()`` that needed
+          it: see the class docstring);
         - ``batches_ready``: built batches waiting for ``next()`` now, and
           ``prefetch_batches``: the most that can wait (the prefetch's tasks
           of ``steps_per_task`` batches, and the task being handed out; 0
@@ -502,14 +620,32 @@ class DataLoader:
             raise TypeError("an endless DataLoader (epochs=None) has no length")
         return self.schedule.steps_left(self._cursor)
 
-    def _close_iter(self) -> None:
+    def _close_iter(self, timeout: float = CLOSE_S) -> None:
+        """Stop the iterator's threads and wait for them and for those of earlier
+        iterators still stopping (garbage collection only tells threads to stop):
+        ``timeout`` seconds at most for all of them."""
+        deadline = time.monotonic() + timeout
         it = self._iter() if self._iter is not None else None
         if it is not None:
-            it.close()
+            it.close(timeout)
         self._iter = None
+        for pf in self._stopping:
+            pf.close(max(0.0, deadline - time.monotonic()))
+        self._stopping = [pf for pf in self._stopping if pf.alive]
+
+    def _still_stopping(self, pf: Prefetcher) -> None:
+        """``pf`` was told to stop, and its threads have not all exited yet: the
+        next ``close()`` or pass waits for them."""
+        self._stopping = [p for p in self._stopping if p.alive]
+        self._stopping.append(pf)
 
     def close(self) -> None:
-        """Stop the reader threads (idempotent); the cursor is kept."""
+        """Stop the reader threads (idempotent); the cursor is kept.
+
+        Waits until they have exited, at most ``CLOSE_S`` (one second) for all of
+        them together; a thread still inside a read then exits when the read
+        returns, without building anything more (the I/O engine cannot abandon a
+        read in progress)."""
         self._close_iter()
 
     def __enter__(self) -> Self:
@@ -520,7 +656,7 @@ class DataLoader:
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
-            self.close()
+            self._close_iter(0.0)  # never wait on the collecting thread
 
 
 class _LoaderIter:
@@ -528,7 +664,12 @@ class _LoaderIter:
 
     Reader task 0 builds the first step after the cursor the threads started
     from, task ``k > 0`` the ``c = steps_per_task`` steps after task ``k - 1``'s;
-    the consumer takes them in order. ``restart`` starts over from the loader's current cursor.
+    the consumer takes them in order. ``restart`` starts over from the loader's
+    current cursor: the old threads are stopped and joined first (one deadline,
+    ``CLOSE_S``), so moving the cursor never piles threads up. In a child made by
+    ``os.fork()`` the parent's threads do not exist (the prefetcher is marked
+    ``forked``): the next ``next()`` restarts from the cursor with the child's
+    own threads, and so gets the batches the parent gets next.
     """
 
     def __init__(self, loader: DataLoader) -> None:
@@ -544,6 +685,7 @@ class _LoaderIter:
 
     def _start(self) -> None:
         loader = self._loader
+        loader._own_process()
         self._ready = []
         if loader.num_threads > 0:
             # The threads see only the build function, never this object, so
@@ -555,20 +697,24 @@ class _LoaderIter:
             self._largest = 0
             # read ahead as far as the prefetch reaches: [tasks, the ReadAhead]
             self._lead: list[Any] = [depth]
+            cancel = threading.Event()  # set by the prefetcher's close: tasks give up
             self._pf = Prefetcher(
-                _task_builder(loader, loader.cursor, self._lead),
+                _task_builder(loader, loader.cursor, self._lead, cancel),
                 0,
                 None,
                 depth,
                 loader.num_threads,
+                cancel=cancel,
             )
 
     def restart(self) -> None:
-        """Drop what was prefetched and go on from the loader's cursor."""
+        """Drop what was prefetched and go on from the loader's cursor (the old
+        threads stopped and joined, ``CLOSE_S`` at most for all of them)."""
         if self._closed:
             return
         if self._pf is not None:
-            self._pf.close()
+            if not self._pf.close(CLOSE_S):
+                self._loader._still_stopping(self._pf)
             self._pf = None
         self._start()
 
@@ -580,6 +726,8 @@ class _LoaderIter:
             raise StopIteration
         loader = self._loader
         wait = 0.0
+        if self._pf is not None and self._pf.forked:  # in a forked child: threads of its own
+            self.restart()
         if self._pf is None:
             span = loader.schedule.span(loader.cursor)
             if span is None:
@@ -643,15 +791,20 @@ class _LoaderIter:
         self._lead[0] = tasks
         self._pf.set_depth(tasks)
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_S) -> None:
+        """Stop the reader threads, waiting ``timeout`` seconds at most for all of
+        them (0: tell them to stop and return)."""
         if not self._closed:
             self._closed = True
             self._ready = []
-            if self._pf is not None:
-                self._pf.close()
+            if self._pf is not None and not self._pf.close(timeout):
+                self._loader._still_stopping(self._pf)
 
     def __del__(self) -> None:
-        self.close()
+        # Garbage collection runs on whatever thread drops the last reference (the
+        # training thread, usually): it only tells the threads to stop, and they exit
+        # on their own once a read in progress returns.
+        self.close(0.0)
 
 
 MAX_AUTO_PREFETCH = 512
@@ -733,15 +886,25 @@ FIRST_ALONE_S = 0.5
 
 
 def _task_builder(
-    loader: DataLoader, base: int, lead: list[Any] | None = None
+    loader: DataLoader,
+    base: int,
+    lead: list[Any] | None = None,
+    cancel: threading.Event | None = None,
 ) -> Callable[[int], Any]:
-    """``build(task)``: the (span, batch) pairs of the task's steps, in order.
+    """``build(task)``: the (span, batch, tokens) triples of the task's steps, in order.
 
     Spans follow one another from ``base`` (with drop_last they skip epoch
     tails), so they are computed in task order under a lock, whichever thread
     asks first; each task is asked for once.  ``lead`` (when given) is
     ``[tasks to read ahead]``, kept current by the caller; the builder appends
-    its ``ReadAhead`` (or None) to it.
+    its ``ReadAhead`` (or None) to it.  ``cancel`` (the prefetcher's, set by its
+    ``close``) makes a task give up between its steps.
+
+    A failure ends the task's list: its step gets a ``_Failed`` (re-raised by
+    the ``next()`` that would return it) and no step after it is built. The
+    failure of a call that served several steps (``DataLoader._build_task``)
+    goes to the first of them, with a note naming their cursors: a task is never
+    read a second time to find the step that failed.
     """
     per = loader.steps_per_task
     schedule = loader.schedule
@@ -783,33 +946,43 @@ def _task_builder(
                 return _build(task)
             finally:
                 first_done.set()
-        # The first batch's reads go alone (on an object store the other tasks' hundreds
-        # of requests would queue beside them): the others wait for it, half a second
-        # at most.
-        first_done.wait(FIRST_ALONE_S)
+        if not first_done.is_set():
+            # The first batch's reads go alone (on an object store the other tasks'
+            # hundreds of requests would queue beside them): the others wait for it,
+            # half a second at most, and not at all once the prefetcher is closed.
+            deadline = time.monotonic() + FIRST_ALONE_S
+            while not (cancel is not None and cancel.is_set()):
+                left = deadline - time.monotonic()
+                if left <= 0 or first_done.wait(min(left, POLL_S)):
+                    break
         return _build(task)
 
     def _build(task: int) -> list[tuple[tuple[int, int], Any, int]]:
         spans = spans_of(task)
-        try:
-            if ahead is not None and lead:
+        if not spans:  # past the end: the consumer's pass is over
+            return []
+        if ahead is not None and lead:
+            # advice only: a read that then fails reports it at its own step
+            with contextlib.suppress(Exception):
                 ahead.ahead(task, lead[0])
-            items, tokens = loader._build(spans)
-            return list(zip(spans, items, tokens, strict=True))
-        except Exception:
-            pass  # rebuild one by one, so the failure lands on its own step
-        out: list[tuple[tuple[int, int], Any, int]] = []
-        for sp in spans:
-            try:
-                items, tokens = loader._build([sp])
-                out.append((sp, items[0], tokens[0]))
-            except BaseException as e:
-                e.add_note(
-                    f"(raised in a tokload reader thread while building the batch "
-                    f"at cursor {sp[0]})"
+        items, tokens, failure = loader._build_task(spans, cancel)
+        out: list[tuple[tuple[int, int], Any, int]] = list(zip(spans, items, tokens, strict=False))
+        if failure is not None:
+            exc, served = failure
+            k = len(items)
+            a = spans[k][0]
+            if served > 1:
+                exc.add_note(
+                    f"(raised in a tokload reader thread while building the {served} batches "
+                    f"at cursors [{a}, {spans[k + served - 1][1]}) in one call: the failure "
+                    f"is delivered at the first of them, cursor {a}; none of them was read "
+                    "again to find the one that failed)"
                 )
-                out.append((sp, _Failed(e), 0))
-                break  # the consumer stops at the failure: nothing after it is needed
+            else:
+                exc.add_note(
+                    f"(raised in a tokload reader thread while building the batch at cursor {a})"
+                )
+            out.append((spans[k], _Failed(exc), 0))
         return out
 
     return build

@@ -1,0 +1,683 @@
+"""The loader's seams: fork, close, cursor moves, failures and retries.
+
+1. A forked child's ``next()`` goes on from the loader's cursor with fresh reader
+   threads (the parent's do not exist in the child): it gets exactly the batches
+   the parent gets next. An object store still refuses a forked child
+   (``RemoteError``), at once.
+2. ``close()`` joins every reader thread against one deadline; garbage collection
+   of an iterator only tells the threads to stop; a closed loader's task gives up
+   between steps.
+3. Moving the cursor inside a loop leaves no reader threads behind.
+4. A task whose one read failed is not read again step by step: the failure is
+   delivered at the task's first step, with a note naming the task's cursors.
+5. Failures that a retry hid are counted in ``stats()``; none is hidden by the
+   loader itself.
+6. A randomized run of all of it (threads, I/O backends, local files and a local
+   S3 server) under a 10 s watchdog per run: ``TOKLOAD_SEAM_RUNS`` runs (a few by
+   default; the ``slow`` variant runs 1,000).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import gc
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tokload
+from tokload import DataLoader, Documents, TokenStream, Writer
+from tokload.prefetch import Prefetcher
+
+WATCHDOG_S = 10.0
+BUCKET = "tokload-seams"
+FAST = {"retries": 2, "retry_seconds": 10}  # tests' retries: few, quick
+
+# ---- helpers ----------------------------------------------------------------------------
+
+
+class Hang(AssertionError):
+    """A scenario ran past the watchdog."""
+
+
+_before: set[threading.Thread] = set()  # reader threads alive when the test began
+
+
+@pytest.fixture(autouse=True)
+def _others_readers() -> None:
+    """Reader threads that other test files left running (a Prefetcher never closed)
+    are not this file's to count."""
+    _before.clear()
+    _before.update(t for t in threading.enumerate() if t.name.startswith("tokload-reader"))
+
+
+def reader_threads() -> list[threading.Thread]:
+    """This test's reader threads that are alive."""
+    return [
+        t for t in threading.enumerate() if t.name.startswith("tokload-reader") and t not in _before
+    ]
+
+
+def wait_no_readers(timeout: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while reader_threads() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return not reader_threads()
+
+
+def _stacks() -> str:
+    frames = sys._current_frames()
+    out = []
+    for t in threading.enumerate():
+        f = frames.get(t.ident or -1)
+        if f is not None:
+            out.append(f"--- {t.name}\n" + "".join(traceback.format_stack(f)))
+    return "\n".join(out)
+
+
+def within(seconds: float, fn: Callable[[], Any], what: str = "") -> Any:
+    """``fn()`` on a thread of its own; Hang (with every thread's stack) when it has
+    not returned after ``seconds``. Its exception, if any, is raised here."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="seam-scenario", daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        raise Hang(f"{what} still running after {seconds} s\n{_stacks()}")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def in_child(fn: Callable[[], Any], seconds: float = WATCHDOG_S) -> dict[str, Any]:
+    """``fn()`` in a child made by ``os.fork()``: ``{"value": ...}`` (JSON) or
+    ``{"error": type name, "message": ...}``. Hang when the child has not exited
+    after ``seconds`` (it is killed)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the test runner
+        # a hung child says where, on the stderr the test captures, before it is killed
+        faulthandler.dump_traceback_later(max(0.5, seconds - 1))
+        code = 0
+        try:
+            try:
+                out: dict[str, Any] = {"value": fn()}
+            except BaseException as e:
+                out = {"error": type(e).__name__, "message": str(e)}
+            os.write(w, json.dumps(out).encode())
+        except BaseException:
+            code = 2
+        os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + seconds
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise Hang(f"a forked child still running after {seconds} s")
+            time.sleep(0.002)
+        data = b""
+        while chunk := os.read(r, 1 << 16):
+            data += chunk
+    finally:
+        os.close(r)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+    return dict(json.loads(data))
+
+
+class Rows:
+    """A rowwise in-memory view: row ``i`` is ``[i, i, i]``. ``hook(indices)`` runs
+    at the start of every read (delays, gates, failures); ``reads`` lists the
+    indices of every read."""
+
+    rowwise = True
+    fingerprint = "rows"
+
+    def __init__(self, n: int, hook: Callable[[np.ndarray], None] | None = None) -> None:
+        self.n, self.hook = n, hook
+        self.reads: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def read_batch(self, indices: np.ndarray, alloc: Any) -> dict[str, Any]:
+        self.reads.append(indices.copy())
+        if self.hook is not None:
+            self.hook(indices)
+        out = alloc((len(indices), 3), np.int64)
+        out[:] = indices[:, None]
+        return {"x": out}
+
+
+class Steps(Rows):
+    """The same, not rowwise: the loader reads it one step at a time."""
+
+    rowwise = False
+
+
+def _blocking(gate: threading.Event, after: int) -> Callable[[np.ndarray], None]:
+    """A hook that blocks reads of indices >= ``after`` until ``gate`` is set."""
+
+    def hook(indices: np.ndarray) -> None:
+        if indices.max() >= after:
+            gate.wait(30)
+
+    return hook
+
+
+def _sleeping(seconds: float) -> Callable[[np.ndarray], None]:
+    def hook(indices: np.ndarray) -> None:
+        time.sleep(seconds)
+
+    return hook
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Documents k = 0..119 whose tokens are k*1000 + (0, 1, ...)."""
+    path = tmp_path_factory.mktemp("seams") / "ds"
+    with Writer(path, "<u4", shard_bytes=3000) as w:
+        for k in range(120):
+            w.write(np.arange(k * 1000, k * 1000 + 5 + k % 23, dtype=np.uint32))
+    return path
+
+
+def _backends() -> list[str]:
+    from tokload import _io
+
+    return ["sync", "threads"] + (["uring"] if _io.uring_available() else [])
+
+
+# ---- 1. fork ------------------------------------------------------------------------------
+
+
+def _firsts(it: Iterator[Any], k: int) -> list[list[int]]:
+    return [next(it)["position"].tolist() for _ in range(k)]
+
+
+@pytest.mark.parametrize(("threads", "per_task"), [(1, 1), (2, 4), (3, 16)])
+def test_a_forked_child_goes_on_with_the_batches_the_parent_gets_next(
+    corpus: Path, threads: int, per_task: int
+) -> None:
+    view = TokenStream(corpus, window=9)
+    ld = DataLoader(view, 4, seed=5, num_threads=threads, steps_per_task=per_task, prefetch=8)
+    it = iter(ld)
+    _firsts(it, 3)
+    time.sleep(0.05)  # the readers run ahead: the parent holds built batches
+
+    def child() -> Any:
+        got = _firsts(it, 40)  # far past what the parent had built
+        return {"got": got, "cursor": ld.cursor, "readers": len(reader_threads())}
+
+    out = within(WATCHDOG_S + 5, lambda: in_child(child))
+    assert "error" not in out, out
+    parent = _firsts(it, 40)
+    assert out["value"]["got"] == parent
+    assert out["value"]["cursor"] == ld.cursor
+    assert out["value"]["readers"] == threads  # fresh threads, the child's own
+    ld.close()
+
+
+def test_a_forked_child_s_stats_count_its_own_reads(corpus: Path) -> None:
+    view = TokenStream(corpus, window=9)
+    for _ in range(50):  # the process has read more than the child will
+        view.read(np.arange(len(view)))
+    ld = DataLoader(view, 4, num_threads=2, steps_per_task=2)
+    it = iter(ld)
+    _firsts(it, 5)
+
+    def child() -> Any:
+        _firsts(it, 10)
+        return ld.stats()
+
+    st = within(WATCHDOG_S + 5, lambda: in_child(child))["value"]
+    assert st["batches"] == 15
+    # the engine's totals start from zero in a child: never a negative interval
+    for key in ("io_calls", "io_requests", "io_bytes", "io_s"):
+        assert st[key] >= 0, (key, st)
+    assert st["io_calls"] >= 1
+    ld.close()
+
+
+@pytest.mark.parametrize("lock", ["schedule", "stats"])
+def test_a_forked_child_never_waits_for_a_lock_a_parent_s_reader_held(
+    corpus: Path, lock: str
+) -> None:
+    """A reader thread of the parent may hold a lock at the fork (a permutation of the
+    schedule building its table holds one while it works without the GIL; a task's
+    statistics are added under one): the child's threads must not wait for it. Here
+    a thread of the parent holds the lock (private: the test stands in for a reader
+    caught at the fork)."""
+    ld = DataLoader(TokenStream(corpus, window=9), 4, seed=2, num_threads=2, steps_per_task=2)
+    it = iter(ld)
+    _firsts(it, 2)
+    held, release = threading.Event(), threading.Event()
+    the_lock = ld.schedule._lock if lock == "schedule" else ld._stats._lock
+
+    def hold() -> None:
+        with the_lock:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert held.wait(5)
+    try:
+        out = within(WATCHDOG_S + 5, lambda: in_child(lambda: _firsts(it, 40)))
+    finally:
+        release.set()
+        t.join()
+    assert "error" not in out, out
+    assert out["value"] == _firsts(it, 40)
+    ld.close()
+
+
+def test_a_prefetcher_used_in_a_forked_child_raises_at_once() -> None:
+    pf = Prefetcher(lambda s: s, 0, None, 2, 2)
+    assert pf.get() == 0
+
+    def child() -> Any:
+        return [pf.get() for _ in range(10)]
+
+    out = within(WATCHDOG_S + 5, lambda: in_child(child))
+    pf.close()
+    assert out["error"] == "RuntimeError", out
+    assert "did not survive fork()" in out["message"]
+
+
+# ---- 2. close ---------------------------------------------------------------------------
+
+
+def test_close_waits_one_deadline_for_all_threads() -> None:
+    gate = threading.Event()
+    ld = DataLoader(Rows(400, _blocking(gate, 4)), 4, shuffle=False, num_threads=3, prefetch=48)
+    it = iter(ld)
+    next(it)
+    deadline = time.monotonic() + 5
+    while len([t for t in reader_threads() if t.is_alive()]) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # all three are inside a blocked read
+    try:
+        t0 = time.monotonic()
+        ld.close()
+        took = time.monotonic() - t0
+    finally:
+        gate.set()
+    assert 0.9 <= took < 1.5, took  # one second for the three, not one each
+    assert wait_no_readers()
+
+
+def test_garbage_collection_does_not_wait_for_reads() -> None:
+    gate = threading.Event()
+    ld = DataLoader(Rows(400, _blocking(gate, 4)), 4, shuffle=False, num_threads=3, prefetch=48)
+    it = iter(ld)
+    next(it)
+    time.sleep(0.2)
+    try:
+        t0 = time.monotonic()
+        del it
+        gc.collect()
+        took = time.monotonic() - t0
+    finally:
+        gate.set()
+    assert took < 0.2, took  # the training thread goes on at once
+    assert wait_no_readers()  # the threads stop by themselves once their read returns
+
+
+@pytest.mark.parametrize("kind", ["steps", "collate"])
+def test_a_closed_loader_s_task_gives_up_between_steps(kind: str) -> None:
+    """Reads of a view that is not rowwise, and collate, run one step at a time: a
+    close is seen before the next step, not at the end of the task."""
+    if kind == "steps":
+        view: Rows = Steps(10_000, _sleeping(0.05))
+        ld = DataLoader(view, 2, shuffle=False, num_threads=2, steps_per_task=16, prefetch=64)
+    else:
+        view = Rows(10_000)
+
+        def collate(raw: dict[str, Any]) -> Any:
+            time.sleep(0.05)
+            return raw["position"]
+
+        ld = DataLoader(view, 2, shuffle=False, num_threads=2, steps_per_task=16, prefetch=64,
+                        collate=collate)  # fmt: skip
+    it = iter(ld)
+    next(it)
+    time.sleep(0.7)  # both threads are inside a task of 16 steps of 50 ms
+    t0 = time.monotonic()
+    ld.close()
+    took = time.monotonic() - t0
+    assert took < 0.3, took
+    assert not reader_threads()
+    built = len(view.reads)
+    time.sleep(0.2)
+    assert len(view.reads) == built  # nothing more is read
+    del it
+
+
+# ---- 3. cursor moves ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("view_kind", ["rows", "steps"])
+def test_cursor_moves_leave_no_threads_behind(view_kind: str) -> None:
+    assert wait_no_readers()
+    view = (Steps if view_kind == "steps" else Rows)(100_000, _sleeping(0.01))
+    ld = DataLoader(view, 4, shuffle=False, num_threads=2, steps_per_task=8, prefetch=32)
+    rng = np.random.default_rng(1)
+    it = iter(ld)
+    for _ in range(25):
+        next(it)
+        at = int(rng.integers(0, 90_000)) // 4 * 4
+        t0 = time.monotonic()
+        ld.cursor = at
+        took = time.monotonic() - t0
+        assert took < 0.5, took
+        assert len(reader_threads()) == 2, [t.name for t in reader_threads()]
+        assert next(it)["position"].tolist() == [at, at + 1, at + 2, at + 3]
+    state = ld.state_dict()
+    for _ in range(10):
+        next(it)
+        ld.load_state_dict(state)
+        assert len(reader_threads()) == 2
+    ld.close()
+    assert not reader_threads()
+
+
+# ---- 4. a failed task --------------------------------------------------------------------
+
+
+def _failing_at(bad: int, times: int | None = None) -> Callable[[np.ndarray], None]:
+    """A hook raising OSError for reads holding index ``bad`` (the first ``times``)."""
+    left = [times]
+
+    def hook(indices: np.ndarray) -> None:
+        if bad in indices and (left[0] is None or left[0] > 0):
+            if left[0] is not None:
+                left[0] -= 1
+            raise OSError(5, f"cannot read sample {bad}", "shard-7.bin")
+
+    return hook
+
+
+def test_a_failed_task_is_not_read_again_and_fails_at_its_first_step() -> None:
+    # shuffle=False, batches of 2, tasks of 4 steps: task 0 is step 0 (positions 0-1),
+    # task 1 steps 1-4 (2-9), task 2 steps 5-8 (10-17); sample 14 is in task 2, step 7
+    view = Rows(40, _failing_at(14))
+    ld = DataLoader(view, 2, shuffle=False, epochs=1, num_threads=1, steps_per_task=4, prefetch=4)
+    it = iter(ld)
+    got = [next(it)["position"].tolist() for _ in range(5)]
+    assert got == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    with pytest.raises(OSError, match="cannot read sample 14") as e:
+        next(it)
+    assert e.value.errno == 5 and e.value.filename == "shard-7.bin"
+    notes = " ".join(e.value.__notes__)
+    assert "4 batches at cursors [10, 18)" in notes, notes
+    assert "delivered at the first of them, cursor 10" in notes, notes
+    assert ld.cursor == 10  # the task's batches were not delivered
+    assert sum(14 in r for r in view.reads) == 1  # read once, not again step by step
+    with pytest.raises(StopIteration):
+        next(it)
+    # a resume builds the batches again, in tasks that start at its cursor: the first
+    # (one step) is read alone and delivered, the next holds sample 14 again
+    it = iter(ld)
+    assert next(it)["position"].tolist() == [10, 11]
+    with pytest.raises(OSError, match="cannot read sample 14") as e:
+        next(it)
+    assert "4 batches at cursors [12, 20)" in " ".join(e.value.__notes__)
+    assert ld.cursor == 12 and sum(14 in r for r in view.reads) == 2
+    ld.close()
+
+
+def test_a_transient_failure_reaches_next_and_a_resume_goes_on() -> None:
+    view = Rows(40, _failing_at(14, times=1))
+    ld = DataLoader(view, 2, shuffle=False, epochs=1, num_threads=2, steps_per_task=4, prefetch=8)
+    seen: list[int] = []
+    with pytest.raises(OSError, match="cannot read sample 14"):
+        for b in ld:
+            seen += b["position"].tolist()
+    assert seen == list(range(10))  # not hidden by a second read that succeeded
+    for b in ld:  # the resume reads the task again, and it succeeds now
+        seen += b["position"].tolist()
+    assert seen == list(range(40))
+
+
+def test_a_failure_in_a_step_of_its_own_lands_on_that_step() -> None:
+    """Reads one step at a time (a view that is not rowwise): the failing step is
+    known without a second read, and the steps before it are delivered."""
+    view = Steps(40, _failing_at(14))
+    ld = DataLoader(view, 2, shuffle=False, epochs=1, num_threads=2, steps_per_task=4, prefetch=8)
+    seen: list[int] = []
+    with pytest.raises(OSError, match="cannot read sample 14") as e:
+        for b in ld:
+            seen += b["position"].tolist()
+    assert seen == list(range(14))
+    assert any("building the batch at cursor 14" in n for n in e.value.__notes__)
+    assert ld.cursor == 14 and sum(14 in r for r in view.reads) == 1
+
+
+# ---- the object store ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[Any]:
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto")
+    pytest.importorskip("boto3")
+    from bench.s3local import LocalS3
+
+    with LocalS3() as server:
+        server.create_bucket(BUCKET)
+        yield server
+
+
+@pytest.fixture
+def s3env(s3: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The standard AWS variables point at the proxy; the proxy starts clean."""
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    s3.proxy.clear()
+    yield s3
+    s3.proxy.clear()
+
+
+@pytest.fixture(scope="module")
+def remote_url(s3: Any, corpus: Path) -> str:
+    s3.upload_dir(str(corpus), BUCKET, "ds")
+    return f"s3://{BUCKET}/ds"
+
+
+def test_a_failed_remote_read_waits_out_its_retries_once(s3env: Any, remote_url: str) -> None:
+    # one sample, one GET: its attempts are the retries plus one, not twice that
+    view = TokenStream(remote_url, 9, storage_options=FAST).subset(3, 4)
+    ld = DataLoader(view, 1, epochs=1, num_threads=1)
+    s3env.proxy.inject("503", times=100, match="GET")
+    with pytest.raises(tokload.RemoteError, match=r"failed after 3 attempts: HTTP 503"):
+        next(iter(ld))
+    assert s3env.proxy.faults_done["503"] == FAST["retries"] + 1
+    ld.close()
+
+
+def test_retried_failures_are_counted_in_stats(s3env: Any, remote_url: str) -> None:
+    ld = DataLoader(TokenStream(remote_url, 9, storage_options=FAST), 4, num_threads=1)
+    ld.stats()
+    s3env.proxy.inject("503", times=2, match="GET")
+    it = iter(ld)
+    _firsts(it, 3)
+    st = ld.stats()
+    ld.close()
+    assert s3env.proxy.faults_done["503"] == 2
+    assert st["remote_retries"] == 2
+    assert st["io_failed"] == 0  # retried, then read: no failure reached a reader
+
+
+def test_a_forked_child_is_refused_by_the_object_store_not_hung(
+    s3env: Any, remote_url: str
+) -> None:
+    ld = DataLoader(TokenStream(remote_url, 9, storage_options=FAST), 4, num_threads=2)
+    it = iter(ld)
+    _firsts(it, 2)
+
+    def child() -> Any:
+        return _firsts(it, 30)
+
+    out = within(WATCHDOG_S + 5, lambda: in_child(child))
+    ld.close()
+    assert out["error"] == "RemoteError", out
+    assert "does not survive fork()" in out["message"]
+
+
+# ---- 6. randomized: fork, close and cursor moves under a watchdog --------------------------
+
+DEFAULT_RUNS = 40
+
+
+def _scenario(rng: random.Random, views: dict[str, Any], remote: bool) -> str:
+    """One randomized run: a loader with random threads, task size, prefetch, batch
+    size and I/O backend, driven through random actions; every batch is checked
+    against the schedule. Returns what it did (for a failure's message)."""
+    kind = "remote" if remote else rng.choice(["stream", "docs"])
+    view = views[kind]
+    io = None if remote else rng.choice(_backends())
+    threads = rng.choice([0, 1, 2, 3])
+    per_task = rng.choice([1, 2, 4, 16])
+    prefetch = rng.choice([None, 1, 4, 12])
+    batch = rng.randint(1, 6)
+    epochs = rng.choice([None, 3])
+    ld = DataLoader(
+        view, batch, seed=rng.randint(0, 99), num_threads=threads, steps_per_task=per_task,
+        prefetch=prefetch, io=io, epochs=epochs,
+    )  # fmt: skip
+    did = [f"{kind} io={io} threads={threads} per_task={per_task} prefetch={prefetch} "
+           f"batch={batch} epochs={epochs}:"]  # fmt: skip
+    it: Iterator[Any] | None = iter(ld)
+
+    def take(k: int) -> list[list[int]]:
+        assert it is not None
+        out = []
+        for _ in range(k):
+            c = ld.cursor
+            try:
+                b = next(it)
+            except StopIteration:
+                break
+            span = ld.schedule.span(c)
+            assert span is not None
+            want = ld.schedule.positions(*span).astype(np.int64).tolist()
+            assert b["position"].tolist() == want, (c, b["position"].tolist(), want)
+            out.append(want)
+        return out
+
+    def in_fork(k: int) -> dict[str, Any]:
+        def child() -> Any:
+            return {"got": take(k), "readers": len(reader_threads())}
+
+        return in_child(child)
+
+    for _ in range(rng.randint(1, 8)):
+        action = rng.choice(["next", "next", "cursor", "state", "fork", "close", "reiter", "gc"])
+        did.append(action)
+        if action == "next":
+            take(rng.randint(1, 20))
+        elif action == "cursor":
+            for _ in range(rng.randint(1, 5)):
+                ld.cursor = rng.randrange(0, ld.n * 2)
+        elif action == "state":
+            st = ld.state_dict()
+            take(rng.randint(0, 5))
+            ld.load_state_dict(st)
+        elif action == "fork":
+            k = rng.randint(1, 12)
+            out = in_fork(k)
+            if remote:
+                assert out.get("error") == "RemoteError", out
+                assert "does not survive fork()" in out["message"]
+            else:
+                assert "error" not in out, out
+                assert out["value"]["got"] == take(k)
+                assert out["value"]["readers"] <= threads
+        elif action == "close":
+            t0 = time.monotonic()
+            ld.close()
+            assert time.monotonic() - t0 < 1.5
+            it = iter(ld)
+        elif action == "reiter":
+            it = iter(ld)
+        else:  # the iterator is collected: its threads are told to stop
+            it = None
+            gc.collect()
+            it = iter(ld)
+        # threads never pile up: each pass's were joined before the next began
+        assert len(reader_threads()) <= threads, [t.name for t in reader_threads()]
+        time.sleep(rng.choice([0.0, 0.0, 0.002, 0.02]))  # let the readers get ahead
+    t0 = time.monotonic()
+    ld.close()
+    assert time.monotonic() - t0 < 1.5
+    assert not reader_threads()
+    return " ".join(did)
+
+
+def _run_scenarios(runs: int, views: dict[str, Any], remote_share: float) -> float:
+    """``runs`` scenarios under the watchdog; returns the seconds they took."""
+    master = random.Random(int(os.environ.get("TOKLOAD_SEAM_SEED", "20240611")))
+    t0 = time.monotonic()
+    for k in range(runs):
+        seed = master.randrange(1 << 32)
+        rng = random.Random(seed)
+        remote = "remote" in views and rng.random() < remote_share
+
+        def run(rng: random.Random = rng, remote: bool = remote) -> str:
+            return _scenario(rng, views, remote)
+
+        try:
+            within(WATCHDOG_S, run, f"run {k} (seed {seed})")
+        except BaseException as e:
+            e.add_note(f"seam run {k}, seed {seed} (TOKLOAD_SEAM_SEED reproduces the series)")
+            raise
+    return time.monotonic() - t0
+
+
+def _views(corpus: Path, request: pytest.FixtureRequest) -> dict[str, Any]:
+    views: dict[str, Any] = {
+        "stream": TokenStream(corpus, window=9, stride=5),
+        "docs": Documents(corpus),
+    }
+    try:  # the object store where moto and obstore are installed
+        url = request.getfixturevalue("remote_url")
+        request.getfixturevalue("s3env")
+    except pytest.skip.Exception:
+        return views
+    views["remote"] = TokenStream(url, 9, stride=5, storage_options=FAST)
+    return views
+
+
+def test_seams_randomized(corpus: Path, request: pytest.FixtureRequest) -> None:
+    runs = int(os.environ.get("TOKLOAD_SEAM_RUNS", DEFAULT_RUNS))
+    took = _run_scenarios(runs, _views(corpus, request), 0.25)
+    print(f"{runs} seam runs in {took:.1f} s")
+
+
+@pytest.mark.slow
+def test_seams_randomized_1000(corpus: Path, request: pytest.FixtureRequest) -> None:
+    took = _run_scenarios(1000, _views(corpus, request), 0.25)
+    print(f"1000 seam runs in {took:.1f} s")
