@@ -514,8 +514,12 @@ def test_automatic_prefetch_follows_the_batch_size_in_bytes(corpus: Path) -> Non
     next(it)
     assert it._pf is not None and it._pf.depth == 6
     it.close()
-    with pytest.raises(ValueError, match="depth must be >= 1, got 0"):
-        tokload.prefetch.Prefetcher(lambda s: s, 0, None, 1, 1).set_depth(0)
+    pf = tokload.prefetch.Prefetcher(lambda s: s, 0, None, 1, 1)
+    try:
+        with pytest.raises(ValueError, match="depth must be >= 1, got 0"):
+            pf.set_depth(0)
+    finally:
+        pf.close()  # its reader thread would otherwise run for the rest of the session
 
 
 def test_automatic_prefetch_shrinks_for_larger_later_batches(corpus: Path) -> None:
