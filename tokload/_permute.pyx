@@ -11,6 +11,7 @@ from libc.stdint cimport uint32_t, uint64_t
 cimport tokload._lib as lib
 
 import operator
+import os
 import threading
 
 import numpy as np
@@ -92,6 +93,7 @@ cdef class Permutation:
     cdef uint32_t *_table
     cdef object _table_mode
     cdef object _table_lock
+    cdef object _lock_pid  # the process whose lock _table_lock is (see _build_table)
     cdef uint64_t _bulk_seen
 
     def __cinit__(self, n, seed=0, rounds=6, *, table=None):
@@ -108,6 +110,7 @@ cdef class Permutation:
             raise TypeError(f"table must be True, False or None, got {table!r}")
         self._table_mode = table
         self._table_lock = threading.Lock()
+        self._lock_pid = os.getpid()
         self._bulk_seen = 0
         if crounds:
             self._keys = <uint32_t *>PyMem_Malloc(lib.tl_gfc_keys_len(crounds) * sizeof(uint32_t))
@@ -354,6 +357,12 @@ cdef class Permutation:
         cdef uint32_t *table
         if self._g.rounds == 0 or self._g.a < 2:
             return  # nothing to look up
+        if self._lock_pid != os.getpid():
+            # A forked child: a parent's thread may have held the lock at the fork (it
+            # fills the table without the GIL) and is not here to release it. The
+            # table is published only once complete, so a new lock is all it needs.
+            self._table_lock = threading.Lock()
+            self._lock_pid = os.getpid()
         with self._table_lock:
             if self._table is not NULL:
                 return

@@ -42,7 +42,6 @@ segments plus the layout of its block (``O(M)`` to compute, cached for the
 from __future__ import annotations
 
 import bisect
-import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ import numpy.typing as npt
 
 from tokload._permute import Permutation, epoch_seed
 from tokload.assembly import Alloc
+from tokload.forksafe import ForkSafeLock
 from tokload.views import Fields, StreamWithMetadata, TokenStream, View, _check_out
 
 # Domain separation for the keys derived from the blend seed.
@@ -191,7 +191,7 @@ class Blend(View):
         self._lo, self._hi = 0, self._total
         self._cache: OrderedDict[tuple[int, int], Permutation] = OrderedDict()
         self._layouts: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()  # a forked child never finds it held
 
     # ---- compilation --------------------------------------------------------------
 

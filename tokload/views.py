@@ -33,6 +33,7 @@ from tokload._pack import row_boundaries, row_offsets
 from tokload._rows import split_fields
 from tokload.assembly import Alloc
 from tokload.errors import FormatError, MissingShardError
+from tokload.forksafe import ForkSafeLock
 from tokload.format import (
     MANIFEST,
     METADATA_FIELD,
@@ -842,7 +843,7 @@ class StreamWithMetadata(_Windows):
             raise FormatError(f"{self.source.description} has no metadata")
         self.deserialize = deserialize or bytes
         self._local = threading.local()  # per reader thread: the span reader's scratch
-        self._hint_lock = threading.Lock()
+        self._hint_lock = ForkSafeLock()  # a forked child never finds it held
         # (lo, hi, windows) whose blocks the next hint advises (subset() copies it: lo, hi
         # tell a view's own windows apart)
         self._hint_prev: tuple[int, int, np.ndarray] | None = None
