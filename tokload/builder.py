@@ -1429,16 +1429,14 @@ def _with_bos_eos(
     opts: BuildOptions,
     tok: Tokenizer,
     dtype: np.dtype[Any],
-    places: np.ndarray | None = None,
+    places: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The batch's ids with BOS/EOS around each text, as ``dtype``, and the new bounds.
 
-    ``places`` (``FIRST``/``LAST`` flags per text; all ``WHOLE`` by default):
+    ``places`` (``FIRST``/``LAST`` flags per text, ``WHOLE`` for a whole document):
     BOS goes only before a document's first piece, EOS only after its last.
     """
     lengths = np.diff(batch.bounds)
-    if places is None:
-        places = np.full(len(lengths), WHOLE, np.int8)
     has_bos = (places & FIRST).astype(bool) & opts.bos
     has_eos = (places & LAST).astype(bool) & opts.eos
     bounds = np.zeros(len(lengths) + 1, dtype=np.int64)

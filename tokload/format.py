@@ -548,7 +548,9 @@ def manifest_at(loc: Location) -> Manifest:
     try:
         raw = loc.read(mpath, "tokload manifest")
     except MissingShardError as e:
-        if getattr(e, "missing", None) == "bucket":
+        from tokload import remote
+
+        if remote.missing_bucket(e):
             raise  # "no such bucket": not the same mistake as a wrong prefix
         if loc.stores_nothing():
             raise MissingShardError(
@@ -638,7 +640,9 @@ class Location:
         try:
             self._object(path, "object")
         except MissingShardError as e:
-            if getattr(e, "missing", None) == "bucket":
+            from tokload import remote
+
+            if remote.missing_bucket(e):
                 raise
             return False
         return True

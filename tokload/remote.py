@@ -788,12 +788,17 @@ def head(url: str, what: str, options: Mapping[str, Any] | None = None) -> Remot
     return RemoteObject(st, key, int(meta["size"]), meta.get("e_tag"))
 
 
+def missing_bucket(e: BaseException) -> bool:
+    """Whether ``e`` says the bucket itself is missing (not only an object or a prefix)."""
+    return getattr(e, "missing", None) == "bucket"
+
+
 def exists(url: str, options: Mapping[str, Any] | None = None) -> bool:
     """Whether there is an object at ``url`` (a missing bucket raises ``MissingShardError``)."""
     try:
         head(url, "object", options)
     except MissingShardError as e:
-        if getattr(e, "missing", None) == "bucket":
+        if missing_bucket(e):
             raise
         return False
     return True
