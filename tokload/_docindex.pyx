@@ -9,7 +9,8 @@ from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
 
 cimport tokload._lib as lib
-from tokload._io cimport FileSet, _indices, _raise_io, _window_starts, _checked_window_starts
+from tokload._io cimport (FileSet, _indices, _out_bytes, _raise_io, _window_starts,
+                          _checked_window_starts)
 from tokload._pack cimport token_arrays
 from tokload._rows cimport RowSet
 from tokload._tables cimport ShardTables
@@ -430,7 +431,9 @@ def read_documents(ExtentIndex index not None, RowSet rows not None, ids, uint64
             total = n * L
             values = alloc((n, L), dtype)
         if total:
-            dst = values.reshape(-1).view(np.uint8)
+            # alloc's array is filled in place: one that is not C-contiguous is refused
+            # (a reshape would copy it, and the copy would be filled instead)
+            dst = _out_bytes(values, rb, total * rb, True, "the alloc'd values array")
             dptr = &dst[0]
         nreq = lib.tl_rows_count_reqs(&rows.rs, st, ln, 0, n)
         reqs = <lib.tl_ioreq *>PyMem_Malloc(max(nreq, 1) * sizeof(lib.tl_ioreq))
