@@ -1,4 +1,4 @@
-"""Best-fit packing (``Documents(batch="fill")``): padding, the packer's cost, throughput.
+"""Best-fit packing (``Fill(window)``): padding, the packer's cost, throughput.
 
     python -m bench.bench_packing
 
@@ -12,7 +12,7 @@ rows of 4,096 tokens:
 - **the packer**: nanoseconds per document of ``tokload._pack.best_fit`` for
   each look-ahead (one core, median of 5 passes over the lengths);
 - **a batch**: the time to read a batch of 8 packed rows with their attention
-  metadata (``Documents.read_rows``) against a plain ``TokenStream`` batch of 8
+  metadata (``the Fill policy``) against a plain ``TokenStream`` batch of 8
   windows of 4,096 from the same tokens (32M ``uint32``, page cache warm); and
   through the DataLoader flat out (1 reader thread, host batches), the time per
   batch of a token stream with ``cu_seqlens`` and ``max_seqlen``, with all the
@@ -39,7 +39,7 @@ import numpy as np
 import tokload
 from bench import _results
 from tokload._pack import best_fit
-from tokload.packing import PackedSchedule, padding_report
+from tokload.packing import padding_report
 
 WINDOW, BATCH = 4096, 8
 TOKENS = 32 << 20
@@ -151,13 +151,13 @@ def ratio(times: dict[str, list[float]], label: str, base: str) -> tuple[float, 
 def batch_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     stream = tokload.TokenStream(path, window=WINDOW)
     stream_bounds = tokload.TokenStream(path, window=WINDOW, boundaries=True)
-    fill = tokload.Documents(path, batch="fill", window=WINDOW)
-    fill_plain = tokload.Documents(path, batch="fill", window=WINDOW, boundaries=False)
-    assert fill.packing is not None
-    sched = PackedSchedule(len(fill), BATCH, extents=fill.extents, packing=fill.packing, seed=1)
-    steps = sched.spans(0, 400)
-    packed = [sched.rows(*sp) for sp in steps]
-    real = statistics.mean(int(p.lengths.sum()) for p in packed)
+    docs = tokload.Documents(path)
+    fill_all, fill_none = tokload.Fill(WINDOW), tokload.Fill(WINDOW, attention=False)
+    sched = fill_all.schedule(docs, BATCH, seed=1)
+    steps = [[sp] for sp in sched.spans(0, 400)]
+    real = statistics.mean(int(sched.rows(*sp).lengths.sum()) for (sp,) in steps)
+    fill = fill_all.reader(docs, sched, np.empty)
+    fill_plain = fill_none.reader(docs, sched, np.empty)
     rng = np.random.default_rng(0)
     pool = [rng.integers(0, len(stream), BATCH) for _ in range(400)]
     it = {"k": 0}
@@ -167,18 +167,15 @@ def batch_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         return seq[it["k"]]
 
     plain = "TokenStream.read_batch"
-    fill_base = 'Documents(batch="fill").read_rows, boundaries=False'
+    fill_base = "Fill(attention=False), one step"
     calls: dict[str, tuple[Any, float]] = {
         plain: (lambda: stream.read_batch(nxt(pool), np.empty), BATCH * WINDOW),
         "TokenStream.read_batch, boundaries=True": (
             lambda: stream_bounds.read_batch(nxt(pool), np.empty),
             BATCH * WINDOW,
         ),
-        fill_base: (lambda: fill_plain.read_rows(nxt(packed), np.empty), real),
-        'Documents(batch="fill").read_rows (all attention metadata)': (
-            lambda: fill.read_rows(nxt(packed), np.empty),
-            real,
-        ),
+        fill_base: (lambda: fill_plain.read(nxt(steps), None), real),
+        "Fill (all attention keys), one step": (lambda: fill.read(nxt(steps), None), real),
     }
     times = in_rounds({label: (lambda fn=fn: timed(fn, 0.3)) for label, (fn, _) in calls.items()})
     rows = []
@@ -199,14 +196,12 @@ def batch_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             f"{label}: {t * 1e6:.0f} us per batch, {over:.2f}x a plain batch "
             f"({lo:.2f}-{hi:.2f} over {ROUNDS} rounds)"
         )
-    over, lo, hi = ratio(
-        times, 'Documents(batch="fill").read_rows (all attention metadata)', fill_base
-    )
+    over, lo, hi = ratio(times, "Fill (all attention keys), one step", fill_base)
     print(f"packed rows, metadata over none: {over:.2f}x ({lo:.2f}-{hi:.2f})")
     goals = [
         _results.make_goal(
             "packed rows: a batch with all the attention metadata over the same rows "
-            f"without it (read_rows, time; median of {ROUNDS} rounds, {lo:.2f}-{hi:.2f})",
+            f"without it (one step's read, time; median of {ROUNDS} rounds, {lo:.2f}-{hi:.2f})",
             1.10,
             over,
             higher_is_better=False,
@@ -219,18 +214,23 @@ def batch_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 def loader_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Each view through the DataLoader flat out (1 reader thread, host batches):
     time per batch, in turns with a plain TokenStream's, rounds of 1 s."""
-    views = {
-        "TokenStream": tokload.TokenStream(path, window=WINDOW),
-        "TokenStream, cu_seqlens and max_seqlen": tokload.TokenStream(
-            path, window=WINDOW, boundaries=["cu_seqlens", "max_seqlen"]
+    views: dict[str, tuple[Any, Any]] = {
+        "TokenStream": (tokload.TokenStream(path, window=WINDOW), None),
+        "TokenStream, cu_seqlens and max_seqlen": (
+            tokload.TokenStream(path, window=WINDOW, boundaries=["cu_seqlens", "max_seqlen"]),
+            None,
         ),
-        "TokenStream, boundaries=True": tokload.TokenStream(path, window=WINDOW, boundaries=True),
-        'Documents(batch="fill")': tokload.Documents(path, batch="fill", window=WINDOW),
+        "TokenStream, boundaries=True": (
+            tokload.TokenStream(path, window=WINDOW, boundaries=True),
+            None,
+        ),
+        "Documents, Fill (all attention keys)": (tokload.Documents(path), tokload.Fill(WINDOW)),
     }
     rates: dict[str, list[tuple[float, float]]] = {label: [] for label in views}
 
     def measure(label: str) -> float:
-        loader = tokload.DataLoader(views[label], BATCH, seed=1, num_threads=1, device=None)
+        view, how = views[label]
+        loader = tokload.DataLoader(view, BATCH, batching=how, seed=1, num_threads=1, device=None)
         it = iter(loader)
         for _ in range(50):
             next(it)

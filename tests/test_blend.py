@@ -224,8 +224,29 @@ def test_bad_blends(
 def test_bad_components(views: list[TokenStream], tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="component 1 is empty"):
         Blend([(views[0], 1), (views[1].subset(0, 0), 1)], length=10)
-    with pytest.raises(TypeError, match="component 0 must be a TokenStream or a Blend"):
-        Blend([(Documents(views[0].source), 1)], length=10)
+    docs = Documents(views[0].source)
+    with pytest.raises(
+        TypeError, match="component 1 is a view of documents, component 0 of windows"
+    ):
+        Blend([(views[0], 1), (docs, 1)], length=10)
+    with pytest.raises(
+        TypeError, match="component 1 is a view of windows, component 0 of documents"
+    ):
+        Blend([(docs, 1), (views[0], 1)], length=10)
+
+    class Rows:  # a view, but neither windows nor documents
+        fingerprint = "rows"
+
+        def __len__(self) -> int:
+            return 3
+
+        def read_batch(self, indices: Any, alloc: Any) -> dict[str, Any]:
+            return {}
+
+    with pytest.raises(TypeError, match="component 0 must be a TokenStream, a view of documents"):
+        Blend([(Rows(), 1)], length=10)
+    with pytest.raises(TypeError, match="component 0 is not a view"):
+        Blend([(object(), 1)], length=10)
     other = TokenStream(views[0].source, window=3)
     with pytest.raises(ValueError, match="component 1 has window 3"):
         Blend([(views[0], 1), (other, 1)], length=10)

@@ -363,10 +363,11 @@ def test_a_task_of_steps_is_one_read(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["tensor", "numpy"])
 def test_each_step_gets_its_slice_of_a_tasks_values(kind: str) -> None:
-    """``loader._add_step_values``: slices back to back from 0 are cut with one split
-    (of a tensor, or of an array under a collate function), others one by one, and
-    values that are not slices are given as they are."""
-    from tokload.loader import _add_step_values
+    """``batching.cut``: rows of the row keys; slices back to back from 0 are
+    cut with one split (of a tensor, or of an array under a collate function),
+    others one by one; a ``Part`` is a flat range reshaped; values that are not
+    slices are given as they are."""
+    from tokload.batching import Part, Task, cut
 
     arr = np.arange(20, dtype=np.int32)
     whole = {"cu": torch.from_numpy(arr) if kind == "tensor" else arr}
@@ -374,8 +375,13 @@ def test_each_step_gets_its_slice_of_a_tasks_values(kind: str) -> None:
     scattered = [slice(5, 8), slice(0, 2), slice(2, 2)]
     for slices in (back_to_back, scattered):
         steps = [{"cu": s, "top": k} for k, s in enumerate(slices)]
-        batches: list[Any] = [{} for _ in slices]
-        _add_step_values(batches, whole, steps)
+        batches = cut(Task(whole, steps, []), whole)
         for b, s, k in zip(batches, slices, range(len(slices)), strict=True):
             np.testing.assert_array_equal(np.asarray(b["cu"]), arr[s])
             assert b["top"] == k
+    rows = cut(Task(whole, [{}, {}], [], rows=[(0, 2), (2, 5)], row_keys=["cu"]), whole)
+    np.testing.assert_array_equal(np.asarray(rows[1]["cu"]), arr[2:5])
+    steps = [{"cu": Part(2, 8, (2, 3))}, {"cu": Part(8, 8, (0, 4))}]
+    parts = cut(Task(whole, steps, []), whole)
+    np.testing.assert_array_equal(np.asarray(parts[0]["cu"]), arr[2:8].reshape(2, 3))
+    assert tuple(parts[1]["cu"].shape) == (0, 4)

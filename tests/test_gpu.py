@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+import tokload
 from tokload import DataLoader, Documents, StreamWithMetadata, TokenStream, Writer
-from tokload.packing import PackedRows
 
 pytestmark = [
     pytest.mark.gpu,
@@ -114,8 +114,8 @@ def test_each_rank_gets_its_own_device(corpus: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_documents_and_other_streams(corpus: Path) -> None:
-    docs = Documents(corpus, batch="pack")
-    ld = DataLoader(docs, 4, num_threads=2, device="cuda")
+    docs = Documents(corpus)
+    ld = DataLoader(docs, 4, batching=tokload.Pack(), num_threads=2, device="cuda")
     s = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     for batch in zip(range(50), ld, strict=False):
         b = batch[1]
@@ -145,26 +145,21 @@ def test_token_stream_boundaries_on_the_device(corpus: Path) -> None:
 
 @pytest.mark.usefixtures("host_load")
 def test_packed_rows_on_the_device(corpus: Path) -> None:
-    """Documents(batch="fill"): each row's documents, the padding and the attention
-    metadata arrive on the device, equal to the view's rows read on the host."""
-    view = Documents(corpus, batch="fill", window=4096, lookahead=64)
-    ld = DataLoader(view, 8, seed=3, num_threads=2, prefetch=16, device="cuda")
-    for step, batch in zip(range(100), ld, strict=False):
+    """Fill: each row's documents, the padding and the attention metadata arrive
+    on the device, equal to the same run's batches built on the host."""
+    view = Documents(corpus)
+    fill = tokload.Fill(4096, lookahead=64)
+    ld = DataLoader(view, 8, batching=fill, seed=3, num_threads=2, prefetch=16, device="cuda")
+    host = DataLoader(view, 8, batching=fill, seed=3, num_threads=1, device=None)
+    for step, (batch, want) in zip(range(100), zip(ld, host, strict=False), strict=False):
         busy_stream()
-        ids = batch["index"].cpu().numpy()
-        rows = PackedRows(
-            batch["position"].cpu().numpy().view(np.uint64),
-            ids,
-            view.extents(ids)[0],
-            batch["lengths"].cpu().numpy().astype(np.uint64),
-            batch["doc_counts"].cpu().numpy(),
-        )
-        want = view.read_rows(rows, np.empty)
         assert batch["max_seqlen"] == want.pop("max_seqlen")
+        assert sorted(batch) == sorted([*want, "max_seqlen"])
         for key, value in want.items():
             assert batch[key].device == ld.device
-            np.testing.assert_array_equal(batch[key].cpu().numpy(), value, f"{key} {step}")
+            np.testing.assert_array_equal(batch[key].cpu().numpy(), value.numpy(), f"{key} {step}")
     ld.close()
+    host.close()
 
 
 @pytest.mark.usefixtures("host_load")
@@ -206,8 +201,9 @@ def test_device_copies_cost_the_reader_little_python(corpus: Path) -> None:
     host = calls_per_batch(view)
     pinned = calls_per_batch(view, pin_memory=True, device=None)
     dev = calls_per_batch(view, pin_memory="auto", device="auto")
-    docs = calls_per_batch(Documents(corpus, batch="pack"), pin_memory="auto", device="auto")
-    docs_host = calls_per_batch(Documents(corpus, batch="pack"))
+    pack = tokload.Pack()
+    docs = calls_per_batch(Documents(corpus), pin_memory="auto", device="auto", batching=pack)
+    docs_host = calls_per_batch(Documents(corpus), batching=pack)
     print(f"\ncalls per batch: host {host}, pinned {pinned}, device {dev}")
     print(f"packed documents: host {docs_host}, device {docs}")
     assert dev <= host + 16, (host, pinned, dev)

@@ -309,7 +309,9 @@ def test_packed_rows_refuse_a_fortran_alloc(tmp_path: Path) -> None:
     with tokload.Writer(tmp_path / "ds", np.uint32) as w:
         for _ in range(20):
             w.write(rng.integers(1, 1000, int(rng.integers(3, 30)), dtype=np.uint32))
-    view = tokload.Documents(tmp_path / "ds", batch="fill", window=32, boundaries=False)
+    view = tokload.Documents(tmp_path / "ds")
+    fill = tokload.Fill(32, attention=["position_ids"])
+    sched = fill.schedule(view, 4)
     made: list[np.ndarray] = []
 
     def fortran_alloc(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -318,7 +320,13 @@ def test_packed_rows_refuse_a_fortran_alloc(tmp_path: Path) -> None:
         return a
 
     with pytest.raises(ValueError, match=r"C-contiguous.*Fortran-ordered"):
-        view.read_batch(np.arange(4), fortran_alloc)
+        view.read_batch(np.arange(4), fortran_alloc)  # padded rows
+    span = sched.span(0)
+    assert span is not None
+    with pytest.raises(ValueError, match=r"not C-contiguous"):  # Cython's own check
+        fill.reader(view, sched, fortran_alloc).read([span], None)  # packed rows' metadata
+    task = fill.reader(view, sched, np.empty).read([span], None)
+    assert task.whole is not None and task.whole["tokens"].any()
     assert view.read_batch(np.arange(4), np.empty)["tokens"].any()
 
 

@@ -313,8 +313,8 @@ def test_batch_contents_per_view_kind(corpus: Path, meta_corpus: Path) -> None:
     for k, i in enumerate(b["index"].tolist()):
         np.testing.assert_array_equal(b["tokens"][k, : lengths[k]].numpy(), docs[i])
         assert (b["tokens"][k, lengths[k] :] == 0).all()
-    fixed_docs = Documents(corpus, pad_to=8, pad_value=7)
-    fixed = next(iter(DataLoader(fixed_docs, 3, seed=4, num_threads=0)))
+    fixed_pad = tokload.Pad(to=8, value=7)
+    fixed = next(iter(DataLoader(docs, 3, batching=fixed_pad, seed=4, num_threads=0)))
     assert fixed["tokens"].shape == (3, 8)
     for k, i in enumerate(fixed["index"].tolist()):
         n = int(fixed["lengths"][k])
@@ -322,7 +322,8 @@ def test_batch_contents_per_view_kind(corpus: Path, meta_corpus: Path) -> None:
         assert n == min(8, len(doc))
         np.testing.assert_array_equal(fixed["tokens"][k, :n].numpy(), doc[:n])
         assert (fixed["tokens"][k, n:] == 7).all()
-    packed = next(iter(DataLoader(Documents(corpus, batch="pack"), 3, seed=4, num_threads=0)))
+    packed = next(iter(DataLoader(docs, 3, batching=tokload.Pack(), seed=4, num_threads=0)))
+    assert sorted(packed) == ["cu_seqlens", "index", "lengths", "position", "tokens"]
     cu = packed["cu_seqlens"].tolist()
     for k, i in enumerate(packed["index"].tolist()):
         np.testing.assert_array_equal(packed["tokens"][cu[k] : cu[k + 1]].numpy(), docs[i])
@@ -471,7 +472,7 @@ def test_bad_arguments(corpus: Path) -> None:
         DataLoader(view, 1000, rank=0, world_size=8, drop_last=True)
     with pytest.raises(ValueError, match="the view is empty"):
         DataLoader(view.subset(0, 0), 2)
-    with pytest.raises(ValueError, match="batch must be 'pad', 'pack' or 'fill', got 'ragged'"):
+    with pytest.raises(TypeError, match=r"Documents\(data, batch='ragged'\) was retired"):
         Documents(view.source, batch="ragged")
     with pytest.raises(ValueError, match="past the end"):
         DataLoader(view, 2, epochs=1).cursor = len(view) + 1
@@ -678,9 +679,7 @@ def test_every_io_path_gives_the_same_batches(io: str, corpus: Path) -> None:
     def run(io: str | None, depth: int | None) -> list[Any]:
         view = TokenStream(corpus, window=9, stride=4)
         ld = DataLoader(view, 5, seed=2, epochs=1, num_threads=2, io=io, io_depth=depth)
-        files = [f for f in view.source._closers if isinstance(f, _io.FileSet)]
-        if io is not None:
-            assert {f.io for f in files} == {_io.resolve_io(io)}
+        assert ld._io is not None and ld._io.value[0] >= 0  # the loader's own backend
         return [b["tokens"].numpy().copy() for b in ld]
 
     ref = run("sync", None)
@@ -691,17 +690,30 @@ def test_every_io_path_gives_the_same_batches(io: str, corpus: Path) -> None:
             np.testing.assert_array_equal(a, b)
 
 
-def test_io_needs_a_view_that_can_configure_it(corpus: Path) -> None:
-    class Bare:
-        fingerprint = "bare"
+def test_io_is_the_loaders_own(corpus: Path) -> None:
+    """``io=``/``io_depth=`` apply to this loader's reads, not to the dataset: the
+    files keep their settings, and another loader of the same view keeps its own."""
+    from tokload import _io
 
-        def __len__(self) -> int:
-            return 10
-
-        def read_batch(self, indices: np.ndarray, alloc: Any) -> dict[str, Any]:
-            return {"x": indices.copy()}
-
-    with pytest.raises(TypeError, match="io= and io_depth= need a view with configure_io"):
-        DataLoader(Bare(), 2, io="threads")
+    view = TokenStream(corpus, window=9, stride=4)
+    files = [f for f in view.source._closers if isinstance(f, _io.FileSet)]
+    settings = [(f.io, f.queue_depth) for f in files]
+    depth = min(_io.MAX_QUEUE_DEPTH, _io._pool_threads() + 7)
+    ld = DataLoader(view, 5, seed=2, epochs=1, num_threads=1, io="threads", io_depth=depth)
+    other = DataLoader(view, 5, seed=2, epochs=1, num_threads=1)
+    assert [b["tokens"].numpy().tolist() for b in ld] == [
+        b["tokens"].numpy().tolist() for b in other
+    ]
+    # the threads backend grew its pool to the loader's depth: its reads used both
+    assert _io._pool_threads() >= depth - 1
+    assert [(f.io, f.queue_depth) for f in files] == settings
+    # a scope is this thread's: nested ones restore what they replaced
+    with _io.io_scope("sync", 2) as outer:
+        with _io.io_scope(queue_depth=3):
+            view.read(np.arange(3))
+        assert outer.value[1] == 2
+        view.read(np.arange(3))
+    with pytest.raises(ValueError, match="io_depth"):
+        DataLoader(view, 2, io_depth=0)
     with pytest.raises(ValueError, match="io"):
         DataLoader(TokenStream(corpus, window=9), 2, io="fast")

@@ -1,4 +1,4 @@
-"""Best-fit packing: ``Documents(batch="fill")`` and ``tokload.packing``.
+"""Best-fit packing: ``DataLoader(..., batching=Fill(window))`` and ``tokload.packing``.
 
 The packer is checked against the definition of best-fit decreasing (hypothesis:
 each document goes to the open row with the least room that holds it, a new row
@@ -28,13 +28,7 @@ from hypothesis import strategies as st
 import tokload
 from tokload._pack import best_fit, greedy_rows, row_boundaries, row_offsets
 from tokload.errors import StateError
-from tokload.packing import PackedRows, PackedSchedule, Packing, padding_report
-
-
-def packing(view: tokload.Documents) -> Packing:
-    assert view.packing is not None
-    return view.packing
-
+from tokload.packing import PackedSchedule, Packing, padding_report
 
 MEGATRON = Path(__file__).resolve().parent / "data" / "megatron" / "tiny_uint16"
 
@@ -213,15 +207,16 @@ def check_batch(batch: Any, docs: list[np.ndarray], window: int, pad: int = 0) -
 
 def test_every_document_once_per_epoch_on_any_world_size(tmp_path: Path) -> None:
     docs = corpus(tmp_path / "ds", 700, seed=1)
-    view = tokload.Documents(tmp_path / "ds", batch="fill", window=128, lookahead=64)
+    view = tokload.Documents(tmp_path / "ds")
+    fill = tokload.Fill(128, lookahead=64)
     rows_of_run: list[list[int]] = []
     for world in (1, 3):
         seen: collections.Counter[int] = collections.Counter()
         positions = []
         for rank in range(world):
             loader = tokload.DataLoader(
-                view, 6 // world, seed=3, rank=rank, world_size=world, epochs=2,
-                device=None, num_threads=2, steps_per_task=3,
+                view, 6 // world, batching=fill, seed=3, rank=rank, world_size=world,
+                epochs=2, device=None, num_threads=2, steps_per_task=3,
             )  # fmt: skip
             for batch in loader:
                 seen.update(check_batch(batch, docs, 128))
@@ -235,10 +230,11 @@ def test_every_document_once_per_epoch_on_any_world_size(tmp_path: Path) -> None
 
 def test_exactly_once_across_a_resume_on_another_world_size_and_batch(tmp_path: Path) -> None:
     docs = corpus(tmp_path / "ds", 500, seed=2)
-    view = tokload.Documents(tmp_path / "ds", batch="fill", window=96, lookahead=50)
+    view = tokload.Documents(tmp_path / "ds")
 
     def make(**kw: Any) -> tokload.DataLoader:
-        return tokload.DataLoader(view, seed=9, epochs=1, device=None, **kw)
+        fill = tokload.Fill(96, lookahead=50)
+        return tokload.DataLoader(view, batching=fill, seed=9, epochs=1, device=None, **kw)
 
     got = run_segments(make, [Segment(2, 4, 7), Segment(3, 1, 5), Segment(1, 5, None)])
     seen = [d for b in got.batches.values() for d in check_batch(b, docs, 96)]
@@ -247,29 +243,28 @@ def test_exactly_once_across_a_resume_on_another_world_size_and_batch(tmp_path: 
 
 def test_a_state_is_refused_for_another_packing(tmp_path: Path) -> None:
     corpus(tmp_path / "ds", 100, seed=3)
-    loader = tokload.DataLoader(
-        tokload.Documents(tmp_path / "ds", batch="fill", window=64), 2, device=None
-    )
+    view = tokload.Documents(tmp_path / "ds")
+    loader = tokload.DataLoader(view, 2, batching=tokload.Fill(64), device=None)
     next(iter(loader))
     state = loader.state_dict()
     loader.close()
-    for other in (
-        tokload.Documents(tmp_path / "ds", batch="fill", window=65),
-        tokload.Documents(tmp_path / "ds", batch="fill", window=64, lookahead=99),
-        tokload.Documents(tmp_path / "ds", batch="pack"),
-    ):
+    for other in (tokload.Fill(65), tokload.Fill(64, lookahead=99), tokload.Pack()):
         with pytest.raises(StateError, match=r"the state was saved for fingerprint="):
-            tokload.DataLoader(other, 2, device=None).load_state_dict(state)
-    # the metadata asked for is not part of the run
-    same = tokload.Documents(tmp_path / "ds", batch="fill", window=64, boundaries=False)
-    tokload.DataLoader(same, 2, device=None).load_state_dict(state)
+            tokload.DataLoader(view, 2, batching=other, device=None).load_state_dict(state)
+    # the metadata asked for and the padding are not part of the run
+    same = tokload.Fill(64, value=3, attention=False)
+    tokload.DataLoader(view, 2, batching=same, device=None).load_state_dict(state)
+    # padded and packed documents are the same run of samples
+    state = tokload.DataLoader(view, 2, batching=tokload.Pad(), device=None).state_dict()
+    tokload.DataLoader(view, 2, batching=tokload.Pack(), device=None).load_state_dict(state)
 
 
 def test_drop_last_steps_stay_within_an_epoch(tmp_path: Path) -> None:
     docs = corpus(tmp_path / "ds", 300, seed=4)
-    view = tokload.Documents(tmp_path / "ds", batch="fill", window=100, lookahead=40)
+    view = tokload.Documents(tmp_path / "ds")
+    packing = Packing(100, 40)
     sched = PackedSchedule(
-        len(view), 7, extents=view.extents, packing=packing(view), seed=1, epochs=3, drop_last=True
+        len(view), 7, extents=view.extents, packing=packing, seed=1, epochs=3, drop_last=True
     )
     c, steps = 0, 0
     while (sp := sched.span(c)) is not None:
@@ -280,15 +275,16 @@ def test_drop_last_steps_stay_within_an_epoch(tmp_path: Path) -> None:
     per_epoch = [sum(sched.group(e, g).nrows for g in range(-(-300 // 40))) for e in range(3)]
     assert steps == sum(n // 7 for n in per_epoch)
     with pytest.raises(ValueError, match=r"drop_last: epoch 0 packs into \d+ rows, fewer than"):
-        PackedSchedule(
-            len(view), 290, extents=view.extents, packing=packing(view), drop_last=True
-        ).span(0)
+        PackedSchedule(len(view), 290, extents=view.extents, packing=packing, drop_last=True).span(
+            0
+        )
 
 
 def test_a_cursor_between_rows_goes_on_from_the_next_row(tmp_path: Path) -> None:
     corpus(tmp_path / "ds", 200, seed=5)
-    view = tokload.Documents(tmp_path / "ds", batch="fill", window=256, lookahead=100)
-    sched = PackedSchedule(len(view), 1, extents=view.extents, packing=packing(view), epochs=1)
+    view = tokload.Documents(tmp_path / "ds")
+    fill = tokload.Fill(256, lookahead=100)
+    sched = PackedSchedule(len(view), 1, extents=view.extents, packing=Packing(256, 100), epochs=1)
     nrows = sched.group(0, 0).nrows
     assert nrows < 100
     # positions nrows..99 are no rows of group 0: the step starts at group 1's first row
@@ -296,15 +292,18 @@ def test_a_cursor_between_rows_goes_on_from_the_next_row(tmp_path: Path) -> None
     assert sched.span(nrows - 1) == (nrows - 1, 100)
     assert sched.span(200) is None
     with pytest.raises(TypeError, match=r"a run of packed rows has no length"):
-        len(tokload.DataLoader(view, 2, epochs=1, device=None))
+        len(tokload.DataLoader(view, 2, batching=fill, epochs=1, device=None))
     with pytest.raises(ValueError, match=r"\[3, 9\) is not a step of this run"):
         sched.rows(3, 9)
 
 
 def test_block_diagonal_attention_equals_attention_per_document(tmp_path: Path) -> None:
     corpus(tmp_path / "ds", 300, seed=6)
-    view = tokload.Documents(tmp_path / "ds", batch="fill", window=128)
-    batch = next(iter(tokload.DataLoader(view, 4, seed=5, num_threads=0, device=None)))
+    view = tokload.Documents(tmp_path / "ds")
+    fill = tokload.Fill(128)
+    batch = next(
+        iter(tokload.DataLoader(view, 4, batching=fill, seed=5, num_threads=0, device=None))
+    )
     torch.manual_seed(0)
     x = torch.nn.Embedding(60_000, 16)(batch["tokens"].long())  # [B, W, 16]
     seg = batch["segment_ids"]
@@ -336,9 +335,9 @@ def test_padding_is_a_third_of_greedy_packings_on_log_normal_documents() -> None
 def test_megatron_and_flat_sources_and_fields(tmp_path: Path) -> None:
     mega = tokload.Documents(str(MEGATRON))
     docs = [np.asarray(mega[i]) for i in range(len(mega))]
-    view = tokload.Documents(str(MEGATRON), batch="fill", window=48, lookahead=16, pad_value=7)
+    fill = tokload.Fill(48, lookahead=16, value=7)
     seen: list[int] = []
-    for batch in tokload.DataLoader(view, 3, epochs=1, device=None, num_threads=1):
+    for batch in tokload.DataLoader(mega, 3, batching=fill, epochs=1, device=None, num_threads=1):
         seen += check_batch(batch, docs, 48, pad=7)
     assert sorted(seen) == list(range(len(docs)))
     # a flat file with an end-of-document token
@@ -346,9 +345,10 @@ def test_megatron_and_flat_sources_and_fields(tmp_path: Path) -> None:
     parts = [np.append(rng.integers(1, 500, int(n)), 0) for n in rng.integers(0, 30, 120)]
     np.concatenate(parts).astype(np.uint16).tofile(tmp_path / "flat.bin")
     flat = tokload.open_flat(tmp_path / "flat.bin", np.uint16, eos=0)
-    view = tokload.Documents(flat, batch="fill", window=40, boundaries=["cu_seqlens"])
+    view = tokload.Documents(flat)
+    fill = tokload.Fill(40, attention=["cu_seqlens"])
     seen = []
-    for batch in tokload.DataLoader(view, 2, epochs=1, device=None, num_threads=0):
+    for batch in tokload.DataLoader(view, 2, batching=fill, epochs=1, device=None, num_threads=0):
         assert sorted(batch) == ["cu_seqlens", "doc_counts", "index", "lengths", "position",
                                  "tokens"]  # fmt: skip
         seen += batch["index"].tolist()
@@ -361,39 +361,76 @@ def test_megatron_and_flat_sources_and_fields(tmp_path: Path) -> None:
     with tokload.Writer(tmp_path / "st", dt) as w:
         for r in recs:
             w.write(r)
-    view = tokload.Documents(tmp_path / "st", batch="fill", window=16, lookahead=4, pad_value=1)
-    rows = view.read_rows(PackedRows.one_per_row(np.arange(4), view.extents(np.arange(4)), 16))
-    assert sorted(rows)[:2] == ["cu_seqlens", "doc_counts"] and rows["tok"].shape == (4, 16)
+    view = tokload.Documents(tmp_path / "st")
+    assert view.fields == {"tok": np.dtype("<u2"), "w": np.dtype("<u1")}
+    # every document alone in its row: a window of 12 and a look-ahead of 1
+    fill = tokload.Fill(12, lookahead=1, value=1)
+    loader = tokload.DataLoader(view, 4, batching=fill, shuffle=False, device=None, num_threads=0)
+    rows = next(iter(loader))
+    assert sorted(rows)[:2] == ["cu_seqlens", "doc_counts"] and rows["tok"].shape == (4, 12)
+    np.testing.assert_array_equal(rows["doc_counts"], [1, 1, 1, 1])
     for k, r in enumerate(recs):
         np.testing.assert_array_equal(rows["tok"][k, : len(r)], r["tok"])
         assert (rows["tok"][k, len(r) :] == 1).all() and (rows["w"][k, : len(r)] == k).all()
-    batch = view.read_batch(np.array([3, 1]), np.empty)  # one document per row
-    np.testing.assert_array_equal(batch["tok"][0, :12], recs[3]["tok"])
-    np.testing.assert_array_equal(batch["doc_counts"], [1, 1])
+        assert (rows["w"][k, len(r) :] == 1).all()
 
 
 def test_bad_options_are_refused(tmp_path: Path) -> None:
     corpus(tmp_path / "ds", 10, seed=8)
-    for kwargs, message in (
-        (dict(batch="fill"), r"batch='fill' needs window= \(the tokens of a row\)"),
-        (dict(batch="fill", window=8, pad_to=8), r"pad_to is for 'pad'"),
-        (dict(window=8), r"window= is for batch='fill', not 'pad' \(see pad_to\)"),
-        (dict(batch="fill", window=0), r"window must be in \[1, 1073741824\], got 0"),
-        (dict(batch="fill", window=8, lookahead=0), r"lookahead must be in \[1, 1048576\], got 0"),
-        (dict(batch="fill", window=True), r"window must be a positive integer, got True"),
-        (dict(batch="filled"), r"batch must be 'pad', 'pack' or 'fill', got 'filled'"),
-        (dict(batch="fill", window=8, boundaries=["labels"]), r"unknown keys \['labels'\]"),
-        (dict(batch="pack", boundaries=True), r"boundaries= is for batch='fill', not 'pack'"),
+    for make, message in (
+        (lambda: tokload.Fill(0), r"window must be in \[1, 1073741824\], got 0"),
+        (lambda: tokload.Fill(8, lookahead=0), r"lookahead must be in \[1, 1048576\], got 0"),
+        (lambda: tokload.Fill(True), r"window must be a positive integer, got True"),
+        (lambda: tokload.Fill(8, attention=["labels"]), r"unknown keys \['labels'\]"),
+        (lambda: tokload.Fill(8, attention=[]), r"attention: an empty list of keys"),
+        (lambda: tokload.Pad(to=0), r"Pad\(to=...\) must be a positive integer or None, got 0"),
     ):
         with pytest.raises(ValueError, match=message):
-            tokload.Documents(tmp_path / "ds", **kwargs)
-    with pytest.raises(ValueError, match=r"read_rows is for batch='fill', this view has"):
-        tokload.Documents(tmp_path / "ds").read_rows(
-            PackedRows.one_per_row(np.arange(1), (np.zeros(1, np.uint64),) * 2, 8)
-        )
+            make()
+    with pytest.raises(TypeError, match=r"attention must be True, False or a list of keys"):
+        tokload.Fill(8, attention="cu_seqlens")
     assert Packing(8).lookahead == tokload.packing.DEFAULT_LOOKAHEAD
-    view = tokload.Documents(tmp_path / "ds", batch="fill", window=8)
-    assert "batch='fill', window=8, lookahead=1024, n=10" in repr(view)
+    assert tokload.Fill(8).lookahead == tokload.packing.DEFAULT_LOOKAHEAD
+    # a policy of documents on a view of windows, and something that is no policy
+    windows = tokload.TokenStream(tmp_path / "ds", 4)
+    for policy in (tokload.Pad(), tokload.Pack(), tokload.Fill(8)):
+        name = type(policy).__name__
+        with pytest.raises(TypeError, match=rf"{name} batches documents, and TokenStream is not"):
+            tokload.DataLoader(windows, 2, batching=policy, device=None)
+    with pytest.raises(TypeError, match=r"batching must be a policy \(tokload.Stack\(\)"):
+        tokload.DataLoader(windows, 2, batching="fill", device=None)  # type: ignore[arg-type]
+    # a padding value that does not fit the dtype is refused at the first batch
+    over = tokload.DataLoader(
+        tokload.Documents(tmp_path / "ds"), 2, batching=tokload.Fill(8, value=1 << 40),
+        device=None, num_threads=0,
+    )  # fmt: skip
+    with pytest.raises(OverflowError, match=r"the padding value 1099511627776 does not fit"):
+        next(iter(over))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "new"),
+    [
+        (dict(batch="fill", window=8), r"batching=tokload.Fill\(window=8\)"),
+        (
+            dict(batch="fill", window=8, lookahead=4, pad_value=1, boundaries=False),
+            r"batching=tokload.Fill\(window=8, lookahead=4, value=1, attention=False\)",
+        ),
+        (dict(batch="pack"), r"batching=tokload.Pack\(\)"),
+        (dict(batch="pad", pad_to=16), r"batching=tokload.Pad\(to=16\)"),
+        (dict(pad_value=3), r"batching=tokload.Pad\(value=3\)"),
+    ],
+)
+def test_the_retired_batch_arguments_say_what_replaces_them(
+    tmp_path: Path, kwargs: dict[str, Any], new: str
+) -> None:
+    corpus(tmp_path / "ds", 4, seed=8)
+    with pytest.raises(TypeError, match=r"was retired in tokload 0.2: batching is the DataLoader"):
+        tokload.Documents(tmp_path / "ds", **kwargs)
+    with pytest.raises(TypeError, match=new):
+        tokload.Documents(tmp_path / "ds", **kwargs)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments: colour"):
+        tokload.Documents(tmp_path / "ds", colour="red")
 
 
 @settings(max_examples=60, deadline=None)

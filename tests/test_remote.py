@@ -119,13 +119,15 @@ def test_token_stream_and_documents_read_the_same_bytes(corpus: tuple[Path, str]
 
 
 def test_packed_rows_are_the_same_as_locally(corpus: tuple[Path, str]) -> None:
-    """Documents(batch="fill") of a bucket: the packer reads the lengths through the
+    """Fill(window) of a bucket's documents: the packer reads the lengths through the
     remote index, the rows through ranged GETs; the batches equal the local ones."""
     local, url = corpus
 
     def batches(path: Path | str) -> list[dict[str, Any]]:
-        view = Documents(path, batch="fill", window=1024, lookahead=40)
-        loader = DataLoader(view, 3, seed=2, epochs=1, device=None, num_threads=1)
+        fill = tokload.Fill(1024, lookahead=40)
+        loader = DataLoader(
+            Documents(path), 3, batching=fill, seed=2, epochs=1, device=None, num_threads=1
+        )
         out = [{k: v.numpy() if hasattr(v, "numpy") else v for k, v in b.items()} for b in loader]
         loader.close()
         return out

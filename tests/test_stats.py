@@ -101,7 +101,7 @@ def test_documents_count_their_tokens_not_the_padding(corpus: Path) -> None:
     s = ld.stats()
     assert s["tokens"] == real and s["samples"] == 24
     ld.close()
-    packed = tokload.DataLoader(tokload.Documents(corpus, batch="pack"), 4, num_threads=0)
+    packed = tokload.DataLoader(docs, 4, batching=tokload.Pack(), num_threads=0)
     b = next(iter(packed))
     assert packed.stats()["tokens"] == b["tokens"].numel() == int(b["lengths"].sum())
 

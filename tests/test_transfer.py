@@ -18,8 +18,8 @@ import pytest
 import torch
 from fake_device import FakeDevice
 
+import tokload
 from tokload import DataLoader, Documents, StreamWithMetadata, TokenStream, Writer
-from tokload.packing import PackedRows
 from tokload.transfer import Batch, HostBackend, Transfer, make_backend
 
 
@@ -98,30 +98,19 @@ def test_the_fake_device_reuses_a_block_only_after_its_copies() -> None:
 
 
 def _views(corpus: Path, meta_corpus: Path, blocks_corpus: Path) -> dict[str, Any]:
+    """Each kind of batch: ``(view, batching policy)``."""
     return {
-        "stream": TokenStream(corpus, window=9, stride=5),
-        "boundaries": TokenStream(corpus, window=9, stride=5, boundaries=True),
-        "padded": Documents(corpus, pad_to=16, pad_value=9),
-        "packed": Documents(corpus, batch="pack"),
-        "filled": Documents(corpus, batch="fill", window=24, lookahead=30),
-        "metadata": StreamWithMetadata(meta_corpus, window=8, stride=3),
-        "metadata-blocks": StreamWithMetadata(blocks_corpus, window=8, stride=3),
+        "stream": (TokenStream(corpus, window=9, stride=5), None),
+        "boundaries": (TokenStream(corpus, window=9, stride=5, boundaries=True), None),
+        "padded": (Documents(corpus), tokload.Pad(to=16, value=9)),
+        "packed": (Documents(corpus), tokload.Pack()),
+        "filled": (Documents(corpus), tokload.Fill(24, lookahead=30)),
+        "metadata": (StreamWithMetadata(meta_corpus, window=8, stride=3), None),
+        "metadata-blocks": (StreamWithMetadata(blocks_corpus, window=8, stride=3), None),
     }
 
 
-def _rows_of(view: Documents, batch: Batch) -> PackedRows:
-    """The packed rows a batch of ``Documents(batch="fill")`` says it holds."""
-    ids = batch["index"].numpy()
-    return PackedRows(
-        batch["position"].numpy().view(np.uint64),
-        ids,
-        view.extents(ids)[0],
-        batch["lengths"].numpy().astype(np.uint64),
-        batch["doc_counts"].numpy(),
-    )
-
-
-def _reference(view: Any, batch: Batch) -> None:
+def _reference(view: Any, policy: Any, batch: Batch) -> None:
     """Compare a delivered batch with direct reads of its indices."""
     idx = batch["index"].numpy()
     if isinstance(view, StreamWithMetadata):
@@ -130,15 +119,29 @@ def _reference(view: Any, batch: Batch) -> None:
             np.testing.assert_array_equal(batch[name].numpy(), values)
         np.testing.assert_array_equal(batch["metadata_positions"].numpy(), ref.positions)
         assert batch["metadata"] == ref.metadata
-    elif isinstance(view, Documents) and view.packing is not None:
-        raw = view.read_rows(_rows_of(view, batch), np.empty)
-        assert batch["max_seqlen"] == raw.pop("max_seqlen")  # an int: not copied
-        for k, v in raw.items():
-            np.testing.assert_array_equal(batch[k].numpy(), v, err_msg=k)
-    elif isinstance(view, Documents):
-        raw = view.read_batch(idx, np.empty)
-        for k, v in raw.items():
-            np.testing.assert_array_equal(batch[k].numpy(), v)
+    elif isinstance(policy, tokload.Fill):  # each row: its documents back to back, then 0
+        tokens, lengths = batch["tokens"].numpy(), batch["lengths"].numpy()
+        k = 0
+        for row, count in enumerate(batch["doc_counts"].tolist()):
+            at = 0
+            for d in range(k, k + count):
+                n = int(lengths[d])
+                np.testing.assert_array_equal(tokens[row, at : at + n], view[int(idx[d])][:n])
+                at += n
+            assert (tokens[row, at:] == 0).all()
+            k += count
+        assert k == len(idx)
+        cu = batch["cu_seqlens"].numpy()
+        assert cu[0] == 0 and cu[-1] == tokens.size and batch["max_seqlen"] == np.diff(cu).max()
+    elif isinstance(policy, tokload.Pack):
+        got = view.read(idx)
+        np.testing.assert_array_equal(batch["tokens"].numpy(), got.values)
+        np.testing.assert_array_equal(batch["cu_seqlens"].numpy(), got.offsets)
+        np.testing.assert_array_equal(batch["lengths"].numpy(), got.lengths)
+    elif isinstance(policy, tokload.Pad):
+        values, lengths = view.read_padded(idx, policy.to, policy.value)
+        np.testing.assert_array_equal(batch["tokens"].numpy(), values)
+        np.testing.assert_array_equal(batch["lengths"].numpy(), lengths)
     else:
         np.testing.assert_array_equal(batch["tokens"].numpy(), view.read(idx))
         if getattr(view, "with_boundaries", False):  # the batch's extras, on the device
@@ -156,11 +159,12 @@ def test_device_copies_under_randomized_timing(
     kind: str, seed: int, corpus: Path, meta_corpus: Path, blocks_corpus: Path
 ) -> None:
     rng = random.Random(seed)
-    view = _views(corpus, meta_corpus, blocks_corpus)[kind]
+    view, policy = _views(corpus, meta_corpus, blocks_corpus)[kind]
     fd = FakeDevice(seed=seed, max_delay=0.003)
     ld = DataLoader(
         view,
         rng.choice([3, 4, 7]),
+        batching=policy,
         seed=seed,
         num_threads=rng.choice([0, 1, 2, 3]),
         prefetch=rng.choice([1, 4, 12]),
@@ -171,7 +175,7 @@ def test_device_copies_under_randomized_timing(
     held: list[Batch] = []
     for step, batch in zip(range(60), ld, strict=False):
         assert batch.ready is not None and batch.ready.query()  # next() waited for it
-        _reference(view, batch)
+        _reference(view, policy, batch)
         if rng.random() < 0.3:
             held.append(batch)  # the trainer keeps some batches for a while
         if len(held) > 5:
@@ -181,8 +185,9 @@ def test_device_copies_under_randomized_timing(
     ld.close()
     fd.close()
     assert fd.violations == []
-    # a rowwise view's task is copied once for all its steps; others once per batch
-    assert fd.copies_issued >= 60 // (spt if getattr(view, "rowwise", False) else 1)
+    # a task read in one call is copied once for all its steps; others once per batch
+    one_call = policy is not None or getattr(view, "rowwise", False)
+    assert fd.copies_issued >= 60 // (spt if one_call else 1)
     assert fd.reuses > 0  # blocks went round the pool: the test exercised reuse
 
 

@@ -163,7 +163,15 @@ def test_tokload_views_implement_the_protocol(two: tuple[Path, Path]) -> None:
     for view in (stream, docs, blend, stream.subset(3, 20)):
         assert isinstance(view, BatchView)
     assert stream.rowwise and blend.rowwise and not docs.rowwise
-    assert Documents(two[0], pad_to=4).rowwise and not Documents(two[0], batch="pack").rowwise
+    # a blend of documents is a view of documents, with provenance
+    docs_blend = tokload.Blend([(docs, 1.0), (Documents(two[1]), 1.0)], length=50)
+    assert isinstance(docs_blend, BatchView) and not docs_blend.rowwise
+    assert docs_blend.fields == docs.fields == {"tokens": docs.source.dtype}
+    assert isinstance(docs_blend.batching, tokload.Pad) and blend.batching is None
+    origin = docs_blend.origin(np.arange(6))
+    comp, index = docs_blend.locate(np.arange(6))
+    np.testing.assert_array_equal(origin["component"], comp)
+    np.testing.assert_array_equal(origin["component_index"], index)
     raw = blend.read_batch(np.arange(6), np.empty)
     np.testing.assert_array_equal(raw["tokens"], blend.read(np.arange(6)))
     t = torch.from_numpy(raw["tokens"])

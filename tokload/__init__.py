@@ -11,6 +11,7 @@ from these docstrings) has the whole picture; docs/ARCHITECTURE.md the invariant
 
 from tokload import errors, tools
 from tokload._permute import Permutation, epoch_seed
+from tokload.batching import Fill, Pack, Pad, Stack
 from tokload.blend import Blend
 from tokload.builder import BuildError, build
 from tokload.errors import (
@@ -47,17 +48,21 @@ __all__ = [
     "DataLoader",
     "DocumentBatch",
     "Documents",
+    "Fill",
     "FormatError",
     "InputError",
     "MetadataBatch",
     "MissingShardError",
     "ObjectChangedError",
+    "Pack",
+    "Pad",
     "Permutation",
     "RangesIgnoredError",
     "RecordList",
     "RemoteAccessError",
     "RemoteError",
     "Source",
+    "Stack",
     "StateError",
     "StreamWithMetadata",
     "TokenStream",

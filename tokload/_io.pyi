@@ -1,6 +1,6 @@
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 IO_CHOICES: tuple[str, ...]  # "auto", "uring", "threads", "sync"
 DEFAULT_QUEUE_DEPTH: int
@@ -20,6 +20,14 @@ def uring_error() -> str | None: ...
 # "uring", "threads" or "sync": what io ("auto", "uring", "threads", "sync";
 # None: TOKLOAD_IO, else "auto") selects here.
 def resolve_io(io: str | None = None) -> str: ...
+
+# ``with io_scope(io, queue_depth):`` this thread's reads use that backend and
+# depth whatever each FileSet's settings (None: the FileSet's); scopes nest.
+class io_scope:
+    value: tuple[int, int]
+    def __init__(self, io: str | None = None, queue_depth: int | None = None) -> None: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *exc: object) -> bool: ...
 
 # TOKLOAD_IO_DEPTH if set, else DEFAULT_QUEUE_DEPTH.
 def default_queue_depth() -> int: ...

@@ -37,6 +37,7 @@ from tokload._remote cimport remote_run
 import errno as _errno
 import os
 import resource
+import threading
 import weakref
 
 import numpy as np
@@ -77,6 +78,34 @@ cdef uint64_t _broken_inflight = 0
 # a forked child must take back from threads it does not have (_after_fork_in_child).
 _rings_out = set()
 _live_sets = weakref.WeakSet()
+
+# This thread's override of every FileSet's settings (io_scope): (backend code or -1,
+# depth or 0), or absent.
+_scope = threading.local()
+
+
+class io_scope:
+    """``with io_scope(io, queue_depth):`` the reads this thread runs use that
+    backend (``"auto"``, ``"uring"``, ``"threads"``, ``"sync"``; objects in an
+    object store keep theirs) and reads in flight, whatever each FileSet's own
+    settings are; None leaves a setting to the FileSet. A DataLoader's reader
+    threads read in its scope, so ``DataLoader(io=...)`` changes no other
+    loader of the same dataset. Scopes nest; each restores the one it replaced."""
+
+    def __init__(self, io=None, queue_depth=None):
+        self.value = (-1 if io is None else _BACKEND_CODES[resolve_io(io)],
+                      0 if queue_depth is None else _checked_depth(queue_depth, "io_depth"))
+
+    def __enter__(self):
+        here = _scope.__dict__  # this thread's: one scope object may serve several threads
+        here.setdefault("saved", []).append(here.get("value"))
+        here["value"] = self.value
+        return self
+
+    def __exit__(self, *exc):
+        here = _scope.__dict__
+        here["value"] = here["saved"].pop()
+        return False
 
 
 def _default_max_open_files():
@@ -544,6 +573,12 @@ cdef class FileSet:
         """Fill e for one call (takes a ring; give it back with engine_end)."""
         e.backend = self.backend
         e.depth = self.depth
+        scoped = getattr(_scope, "value", None)
+        if scoped is not None:
+            if scoped[0] >= 0 and self.remote is None:
+                e.backend = scoped[0]
+            if scoped[1]:
+                e.depth = scoped[1]
         e.cache = &_cache
         e.pool = NULL
         e.ring = NULL

@@ -51,7 +51,8 @@ import numpy as np
 import numpy.typing as npt
 
 from tokload._permute import Permutation, epoch_seed
-from tokload.assembly import Alloc
+from tokload.assembly import Alloc, check_view
+from tokload.batching import Pad
 from tokload.forksafe import ForkSafeLock
 from tokload.views import Fields, StreamWithMetadata, TokenStream, View, _check_out
 
@@ -87,8 +88,12 @@ class Blend(View):
     """A weighted, scheduled mixture of views; itself a view for the DataLoader.
 
     Args:
-        components: ``[(view, weight), ...]``; the views are TokenStreams (same
-            window and dtype) or Blends of them. Weights are the first stage's.
+        components: ``[(view, weight), ...]``; the views are of one kind:
+            TokenStreams (same window and dtype), or views of documents
+            (``Documents`` of tokload builds, Megatron prefixes, flat files,
+            local or in an object store, or a user's view with the document
+            contract of ``tokload.batching``; same fields and dtypes), or
+            Blends of them. Weights are the first stage's.
         seed: the blend's key (slot interleaving and component shuffles).
         length: number of positions (``len(blend)``); default: where the blend
             ends because every component is capped, else required.
@@ -99,15 +104,21 @@ class Blend(View):
         rounds: Feistel rounds of the permutations.
 
     ``blend.locate(positions)`` gives ``(component, index in component)``;
-    ``blend.read(positions)`` reads the samples; ``blend.proportions(a, b)``
-    counts the components over positions ``[a, b)``.
+    ``blend.read(positions)`` reads the samples (a blend of windows);
+    ``blend.proportions(a, b)`` counts the components over positions
+    ``[a, b)``. A blend of documents is batched by any policy of documents
+    (``Pad``, ``Pack``, ``Fill``: best-fit over the blend's documents), and
+    every batch says where each sample came from: ``"component"`` and
+    ``"component_index"`` (``origin``).
     """
 
     window: int
+    batching: Any = None
+    """The DataLoader's default policy: ``Pad()`` for a blend of documents."""
 
     def __init__(
         self,
-        components: Sequence[tuple[View, float]],
+        components: Sequence[tuple[Any, float]],
         *,
         seed: int = 0,
         length: int | None = None,
@@ -120,30 +131,42 @@ class Blend(View):
             raise ValueError("a Blend needs at least one component")
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        self.views: list[TokenStream | Blend] = []
+        self.views: list[Any] = []
         for c, (v, _w) in enumerate(components):
-            if not isinstance(v, (TokenStream, Blend)) or isinstance(v, StreamWithMetadata):
-                raise TypeError(
-                    f"component {c} must be a TokenStream or a Blend, got {type(v).__name__}"
-                )
-            if getattr(v, "with_boundaries", False):
-                raise TypeError(
-                    f"component {c} is a TokenStream with boundaries=True: a Blend reads "
-                    "tokens only; blend plain token streams"
-                )
+            try:
+                check_view(v)
+            except TypeError as err:
+                raise TypeError(f"component {c} is not a view: {err}") from None
             if len(v) == 0:
                 raise ValueError(f"component {c} is empty: {v!r}")
             self.views.append(v)
         self.sizes = [len(v) for v in self.views]
-        first = self.views[0]
-        self.window = first.window
-        self._dtype = _dtype_of(first)
+        self.kind = _kind(self.views[0], 0)
         for c, v in enumerate(self.views):
-            if v.window != self.window or _dtype_of(v) != self._dtype:
-                raise ValueError(
-                    f"component {c} has window {v.window} and dtype {_dtype_of(v)}; "
-                    f"component 0 has {self.window} and {self._dtype}"
+            if _kind(v, c) != self.kind:
+                raise TypeError(
+                    f"component {c} is a view of {_kind(v, c)}, component 0 of {self.kind}: "
+                    "a Blend mixes views of one kind"
                 )
+        first = self.views[0]
+        if self.kind == "windows":
+            self.window = first.window
+            self._dtype = _dtype_of(first)
+            for c, v in enumerate(self.views):
+                if v.window != self.window or _dtype_of(v) != self._dtype:
+                    raise ValueError(
+                        f"component {c} has window {v.window} and dtype {_dtype_of(v)}; "
+                        f"component 0 has {self.window} and {self._dtype}"
+                    )
+        else:
+            self.batching = Pad()
+            self._fields = dict(first.fields)
+            for c, v in enumerate(self.views):
+                if dict(v.fields) != self._fields:
+                    raise ValueError(
+                        f"component {c} has the fields {_names(v.fields)}; "
+                        f"component 0 has {_names(self._fields)}"
+                    )
         self.seed, self.block_size, self.rounds = int(seed), int(block_size), int(rounds)
         k = len(self.views)
         stages = [(0, list(map(float, (w for _, w in components))))]
@@ -186,7 +209,7 @@ class Blend(View):
                 f"length {length} is past the end of the blend ({end} positions: "
                 "its capped components run out)"
             )
-        self.source = first.source  # for View's close(); components keep their own
+        self.source = getattr(first, "source", None)  # type: ignore[assignment]  # components keep theirs
         self._total = int(length)
         self._lo, self._hi = 0, self._total
         self._cache: OrderedDict[tuple[int, int], Permutation] = OrderedDict()
@@ -355,35 +378,121 @@ class Blend(View):
 
     def empty(self, batch: int, alloc: Alloc = np.empty) -> Fields:
         """Arrays ``read`` can fill for ``batch`` observations (as the components')."""
-        return self.views[0].empty(batch, alloc=alloc)
+        made: Fields = self.views[0].empty(batch, alloc=alloc)
+        return made
 
-    rowwise = True
-    """Each sample is one row of every array: the loader reads many steps at once."""
+    @property
+    def rowwise(self) -> bool:
+        """A blend of windows: each sample is one row of every array (the loader
+        reads many steps at once)."""
+        return self.kind == "windows"
 
     def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, np.ndarray]:
-        """The view protocol (``tokload.assembly``), as the components' ``read_batch``."""
+        """The view protocol (``tokload.assembly``), as the components'
+        ``read_batch``: windows stacked, or documents padded to the batch's
+        longest (``"lengths"`` too), as ``Pad()`` gives them."""
+        if self.kind == "documents":
+            return self._read_padded(np.asarray(indices).reshape(-1), alloc)
         got = self.read(indices, out=self.empty(len(indices), alloc=alloc))
         return got if isinstance(got, dict) else {"tokens": got}
 
+    @property
+    def num_components(self) -> int:
+        """The components (the loader's ``stats()`` counts each one's samples and tokens)."""
+        return len(self.views)
+
+    def origin(self, indices: npt.ArrayLike) -> dict[str, np.ndarray]:
+        """Where samples ``indices`` come from: ``"component"`` and
+        ``"component_index"`` (int64; the sample's index in that component)."""
+        comp, index = self.locate(indices)
+        return {"component": comp, "component_index": index}
+
+    # ---- the document contract (tokload.batching) -------------------------------------
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        """The components' ``fields`` (a blend of documents)."""
+        if self.kind != "documents":
+            raise AttributeError("fields: a blend of windows is not a view of documents")
+        return dict(self._fields)
+
+    def extents(self, indices: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """Each sample's ``extents`` in its component (a blend of documents)."""
+        comp, index = self.locate(indices)
+        starts = np.empty(len(comp), dtype=np.uint64)
+        lengths = np.empty(len(comp), dtype=np.uint64)
+        for c, sel in _groups(comp):
+            starts[sel], lengths[sel] = self._docs(c).extents(index[sel])
+        return starts, lengths
+
+    def read_extents(
+        self,
+        indices: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        dst: np.ndarray,
+        out: Mapping[str, np.ndarray],
+    ) -> None:
+        """The samples' documents into ``out``, each component reading its own
+        straight into the same arrays (no temporary per component)."""
+        comp, index = self.locate(indices)
+        starts, lengths, dst = (np.asarray(a, dtype=np.uint64) for a in (starts, lengths, dst))
+        for c, sel in _groups(comp):
+            self._docs(c).read_extents(index[sel], starts[sel], lengths[sel], dst[sel], out)
+
+    def _docs(self, c: int) -> Any:
+        if self.kind != "documents":
+            raise TypeError("a blend of windows is not a view of documents")
+        return self.views[c]
+
+    def _read_padded(self, indices: np.ndarray, alloc: Alloc) -> dict[str, np.ndarray]:
+        starts, lengths = self.extents(indices)
+        width = max(1, int(lengths.max())) if len(lengths) else 1
+        b = len(indices)
+        out = {k: alloc((b * width,), dt) for k, dt in self._fields.items()}
+        for a in out.values():
+            a[...] = 0
+        dst = np.arange(b, dtype=np.uint64) * np.uint64(width)
+        if b:
+            self.read_extents(indices, starts, lengths, dst, out)
+        raw = {k: v.reshape(b, width) for k, v in out.items()}
+        raw["lengths"] = lengths.astype(np.int64)
+        return raw
+
     def read(self, indices: npt.ArrayLike, out: Fields | None = None) -> Fields:
-        """The samples at blend positions ``indices``, read component by component."""
+        """The samples at blend positions ``indices`` (a blend of windows), each
+        component's windows read straight into their rows of ``out`` (a plain
+        dtype; a structured one is read per component, then placed)."""
+        if self.kind != "windows":
+            raise TypeError("read() is a blend of windows'; batch documents with a policy")
         comp, index = self.locate(indices)
         b = len(comp)
         if out is None:
             out = self.empty(b)
-        for c in np.unique(comp).tolist():
-            sel = np.flatnonzero(comp == c)
-            got = self.views[c].read(index[sel])
-            if isinstance(out, dict):
-                assert isinstance(got, dict)
-                for name, arr in out.items():
-                    _check_out(arr, (b, self.window), arr.dtype, f"out[{name!r}]")
-                    arr[sel] = got[name]
-            else:
-                assert isinstance(got, np.ndarray)
-                _check_out(out, (b, self.window), out.dtype, "out")
-                out[sel] = got
+        if isinstance(out, dict):
+            for name, arr in out.items():
+                _check_out(arr, (b, self.window), arr.dtype, f"out[{name!r}]")
+        else:
+            _check_out(out, (b, self.window), out.dtype, "out")
+        self._read_rows(comp, index, np.arange(b, dtype=np.uint64), out)
         return out
+
+    def _read_rows(
+        self, comp: np.ndarray, index: np.ndarray, rows: np.ndarray, out: Fields
+    ) -> None:
+        """Samples ``(comp, index)`` into rows ``rows`` of ``out``."""
+        for c, sel in _groups(comp):
+            v = self.views[c]
+            if isinstance(v, Blend):
+                v._read_rows(*v.locate(index[sel]), rows[sel], out)
+            elif isinstance(out, np.ndarray):
+                v.read_rows_at(index[sel], rows[sel], out)
+            else:
+                got = v.read(index[sel])
+                assert isinstance(got, dict)
+                at = rows[sel].astype(np.int64)
+                for name, arr in out.items():
+                    arr[at] = got[name]
 
     def __getitem__(self, i: int) -> Fields:
         got = self.read(self._index(i))
@@ -413,19 +522,65 @@ class Blend(View):
 
     def close(self) -> None:
         for v in self.views:
-            v.close()
+            close = getattr(v, "close", None)
+            if close is not None:
+                close()
 
     def configure_io(self, io: str | None = None, queue_depth: int | None = None) -> None:
-        """``View.configure_io`` for every component."""
+        """``View.configure_io`` for every component that has it."""
         for v in self.views:
-            v.configure_io(io, queue_depth)
+            configure = getattr(v, "configure_io", None)
+            if configure is not None:
+                configure(io, queue_depth)
 
     def __repr__(self) -> str:
         return (
-            f"Blend({len(self.views)} components, stages={len(self.stages)}, "
-            f"block_size={self.block_size}, n={len(self)})"
+            f"Blend({len(getattr(self, 'views', ()))} components, "
+            f"stages={len(getattr(self, 'stages', ()))}, "
+            f"block_size={getattr(self, 'block_size', '?')}, "
+            f"n={len(self) if hasattr(self, '_total') else '?'})"
         )
 
 
 def _dtype_of(view: TokenStream | Blend) -> Any:
     return view._dtype if isinstance(view, Blend) else view.source.dtype
+
+
+def _groups(comp: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """``(component, the positions of comp that hold it)`` for each component
+    present: one stable sort, not a scan per component (a blend may have 1,000)."""
+    if len(comp) == 0:
+        return []
+    order = np.argsort(comp, kind="stable")
+    sorted_comp = comp[order]
+    cuts = np.flatnonzero(np.diff(sorted_comp)) + 1
+    return [
+        (int(sorted_comp[a]), order[a:e])
+        for a, e in zip([0, *cuts.tolist()], [*cuts.tolist(), len(comp)], strict=True)
+    ]
+
+
+def _kind(view: Any, c: int) -> str:
+    """``"windows"`` (token streams, blends of them) or ``"documents"`` (the
+    document contract of ``tokload.batching``); TypeError for any other view."""
+    if isinstance(view, Blend):
+        return view.kind
+    if isinstance(view, TokenStream) and not isinstance(view, StreamWithMetadata):
+        if view.with_boundaries:
+            raise TypeError(
+                f"component {c} is a TokenStream with boundaries=True: a Blend of windows "
+                "reads tokens only; blend plain token streams, or blend Documents and batch "
+                "them with Fill(window) for document masking"
+            )
+        return "windows"
+    if all(getattr(view, m, None) is not None for m in ("extents", "read_extents", "fields")):
+        return "documents"
+    raise TypeError(
+        f"component {c} must be a TokenStream, a view of documents (Documents, or a view "
+        "with extents, fields and read_extents: see tokload.batching) or a Blend of "
+        f"them, got {type(view).__name__}"
+    )
+
+
+def _names(fields: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}: {np.dtype(v)}" for k, v in fields.items())

@@ -17,7 +17,6 @@ task ahead of the trainer, and iteration.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import threading
 import time
@@ -27,16 +26,21 @@ from typing import Any, Self
 
 import numpy as np
 
-from tokload.assembly import Assembly, check_view, fingerprint_upto
+from tokload._io import io_scope
+from tokload.assembly import check_view, fingerprint_upto
+from tokload.batching import Batching, cut, read_step, resolve
 from tokload.errors import StateError
-from tokload.packing import PackedSchedule
 from tokload.prefetch import CLOSE_S, POLL_S, Prefetcher
 from tokload.readahead import ReadAhead, wanted
 from tokload.schedule import Schedule
-from tokload.stats import LoaderStats, TokenCounter, format_report, log
+from tokload.stats import LoaderStats, format_report, log
 from tokload.transfer import Batch, Transfer, TransferBackend, make_backend
 
 STATE_VERSION = 1
+
+Counted = tuple[int, Any]
+"""A batch's real tokens, and per component of a blend its ``[samples, tokens]``
+(an int64 array ``[components, 2]``; None for other views)."""
 
 
 def _resolve_rank(
@@ -66,14 +70,18 @@ class DataLoader:
     """Batches of a view, shuffled globally, split across ranks, resumable exactly.
 
     Args:
-        view: any view: ``TokenStream``,
-            ``Documents``,
-            ``StreamWithMetadata``, ``Blend``
-            (or a subset of one), or your own object implementing the view
-            protocol of ``tokload.assembly`` (``len``, ``fingerprint``,
-            ``read_batch``).
-        batch_size: samples per rank per step (``B``); for a view that packs
-            documents into rows (``Documents(batch="fill")``), rows.
+        view: any view: ``TokenStream``, ``Documents``,
+            ``StreamWithMetadata``, ``Blend`` (or a subset of one), or your
+            own object implementing the view protocol of ``tokload.assembly``
+            (``len``, ``fingerprint``, ``read_batch``) and, for documents, the
+            document contract of ``tokload.batching``.
+        batch_size: samples per rank per step (``B``); with ``Fill``, rows.
+        batching: how a step's samples become a batch (``tokload.batching``):
+            ``Stack()`` (the view's own arrays stacked: token windows),
+            ``Pad(to=None, value=0)``, ``Pack()`` or ``Fill(window, ...)``
+            (documents best-fit into rows, with the attention keys). Default
+            (None): the view's ``batching`` attribute (``Pad()`` for
+            ``Documents`` and blends of them), else ``Stack()``.
         seed: the run seed; epoch ``e`` uses ``Permutation.for_epoch(n, seed, e)``.
         shuffle: False reads in order (evaluation: ``shuffle=False, epochs=1``).
         rank: this rank. Default: from ``torch.distributed`` when it is
@@ -119,22 +127,26 @@ class DataLoader:
             batch. Default False: nothing is ever skipped.
         rounds: Feistel rounds of the permutation.
         steps_per_task: consecutive steps a reader thread builds per task
-            (default 16). For rowwise views (token streams, blends, fixed-length
-            padded documents) the samples of all of them are permuted and read
-            in one call each: the thread takes the GIL about once per task
+            (default 16). The samples of all of them are permuted and read in
+            one call each (every batching policy of documents, and ``Stack``
+            of rowwise views: token streams and blends of them; a stream with
+            metadata blocks in one round): the thread takes the GIL about once per task
             instead of per batch (which is what keeps the training thread at
             full speed), and the I/O engine has a whole task's reads to keep in
             flight (16 steps of 8 windows: 128 reads, what cold storage needs).
             The first task is one step, and the other tasks start when it is
             done (or after half a second), so the first batch waits only for
             its own reads. The batches are the same whatever this is.
-        io: how the view's files are read: ``"auto"`` (io_uring where the
+        io: how this loader's reads run: ``"auto"`` (io_uring where the
             kernel allows it, else a pool of C threads), ``"uring"``,
-            ``"threads"`` or ``"sync"``. None (default) leaves the view's setting
-            (``TOKLOAD_IO``, else ``"auto"``). Applied with
-            ``view.configure_io``, so it holds for every user of the dataset.
-        io_depth: the reads kept in flight per read call. None (default) leaves
-            the view's setting (``TOKLOAD_IO_DEPTH``, else the default depth).
+            ``"threads"`` or ``"sync"``. None (default): the dataset's setting
+            (``TOKLOAD_IO``, else ``"auto"``; ``view.configure_io`` changes it
+            for every user of the dataset). Applies to this loader's reads
+            only (``tokload._io.io_scope``): another loader of the same view
+            keeps its own.
+        io_depth: the reads kept in flight per read call, for this loader's
+            reads only. None (default): the dataset's setting
+            (``TOKLOAD_IO_DEPTH``, else the default depth).
         transfer: a ``TransferBackend`` to use instead of
             the one ``pin_memory`` and ``device`` describe (tests use a fake
             device).
@@ -152,11 +164,13 @@ class DataLoader:
             time has passed; None (default): none. The log keeps its own
             interval: it does not reset the one ``stats()`` reports.
 
-    Batches are ``Batch`` dicts of tensors: the view's
-    arrays (``"tokens"``, or one entry per field of a structured dtype, plus
-    ``"lengths"``/``"cu_seqlens"`` for documents and ``"metadata_positions"``/
-    ``"metadata"`` for a stream with metadata), ``"index"`` (int64, the view
-    indices) and ``"position"`` (int64, the global positions). Host tensors
+    Batches are ``Batch`` dicts of tensors: the arrays the batching policy
+    gives (``"tokens"``, or one entry per field of a structured dtype, plus
+    ``"lengths"``/``"cu_seqlens"`` and the attention keys for documents and
+    ``"metadata_positions"``/``"metadata"`` for a stream with metadata), the
+    view's provenance (a ``Blend``: ``"component"``, ``"component_index"``),
+    ``"index"`` (int64, the view indices) and ``"position"`` (int64, the
+    global positions). Host tensors
     share memory with the buffers the data was read into; no buffer is ever
     reused by tokload.
 
@@ -181,6 +195,7 @@ class DataLoader:
         view: Any,
         batch_size: int,
         *,
+        batching: Batching | None = None,
         seed: int = 0,
         shuffle: bool = True,
         rank: int | None = None,
@@ -221,14 +236,8 @@ class DataLoader:
             raise ValueError(f"epochs must be >= 1 or None, got {epochs}")
         if steps_per_task < 1:
             raise ValueError(f"steps_per_task must be >= 1, got {steps_per_task}")
-        if io is not None or io_depth is not None:
-            configure = getattr(view, "configure_io", None)
-            if configure is None:
-                raise TypeError(
-                    f"io= and io_depth= need a view with configure_io (tokload's views "
-                    f"have it); {type(view).__name__} does not"
-                )
-            configure(io, io_depth)
+        # this loader's reads only: its reader threads read in this scope
+        self._io = io_scope(io, io_depth) if io is not None or io_depth is not None else None
         self.view = view
         self.n = n
         self.rank, self.world_size = _resolve_rank(rank, world_size, mesh, mesh_dim)
@@ -264,8 +273,7 @@ class DataLoader:
             epochs=epochs,
             drop_last=self.drop_last,
         )
-        # A view that packs documents into rows: the schedule packs, the view reads rows.
-        self.packing = getattr(view, "packing", None)
+        self.batching = resolve(batching, view)
         self._order = order
         self.schedule: Schedule = self._new_schedule()
         self._pid = os.getpid()  # the process the schedule's locks belong to
@@ -278,31 +286,28 @@ class DataLoader:
                 )
             transfer = make_backend(pin_memory, None if collate is not None else device)
         self.transfer = Transfer(transfer)
-        self.assembly = Assembly(view, self.transfer.alloc)
+        self._reader = self.batching.reader(view, self.schedule, self.transfer.alloc)
         self._cursor = 0
         self._iter: weakref.ref[_LoaderIter] | None = None
         self._stopping: list[Prefetcher] = []  # told to stop, not joined yet
         self._stats = LoaderStats(self.rank, self.world_size)
-        self._tokens = TokenCounter()
         self._stats_mark = self._stats.mark()
         self.log_every = None if log_every is None else float(log_every)
         self._log_mark = self._stats_mark
 
     def _new_schedule(self) -> Schedule:
         """The schedule of this configuration (pure: a new one gives the same order)."""
-        if self.packing is None:
-            return Schedule(self.n, self.batch_size, **self._order)
-        return PackedSchedule(
-            self.n, self.batch_size, extents=self.view.extents, packing=self.packing, **self._order
-        )
+        made: Schedule = self.batching.schedule(self.view, self.batch_size, **self._order)
+        return made
 
     def _own_process(self) -> None:
-        """In a child made by ``os.fork()``: a new schedule. A reader thread of the
-        parent may have held one of the old one's locks at the fork (a permutation
-        building its table holds one while it works without the GIL); the child's
-        threads would wait for it forever."""
+        """In a child made by ``os.fork()``: a new schedule (and a reader of it). A
+        reader thread of the parent may have held one of the old one's locks at
+        the fork (a permutation building its table holds one while it works
+        without the GIL); the child's threads would wait for it forever."""
         if self._pid != os.getpid():
             self.schedule = self._new_schedule()
+            self._reader = self.batching.reader(self.view, self.schedule, self.transfer.alloc)
             self._pid = os.getpid()
 
     @property
@@ -358,10 +363,15 @@ class DataLoader:
         }
 
     def _fingerprint(self, cursor: int) -> str:
-        """The view's fingerprint for what the positions before ``cursor`` read."""
+        """The view's fingerprint for what the positions before ``cursor`` read
+        (and the batching's, where positions are not samples: ``Fill``'s rows)."""
         if cursor == 0:
-            return fingerprint_upto(self.view, 0)
-        return fingerprint_upto(self.view, self.n if self.shuffle else min(cursor, self.n))
+            stop = 0
+        else:
+            stop = self.n if self.shuffle else self.batching.read_upto(cursor, self.n)
+        view = fingerprint_upto(self.view, stop)
+        how = self.batching.fingerprint
+        return f"{view}:{how}" if how else view
 
     def load_state_dict(self, state: Mapping[str, Any], *, force: bool = False) -> None:
         """Resume at ``state["cursor"]``; any world size and batch size may differ.
@@ -415,7 +425,7 @@ class DataLoader:
         """
         return self._build(spans)[0]
 
-    def _build(self, spans: list[tuple[int, int]]) -> tuple[list[Any], list[int]]:
+    def _build(self, spans: list[tuple[int, int]]) -> tuple[list[Any], list[Counted]]:
         """``build_steps``, and the tokens of each batch (for ``stats``): the first
         failure is raised."""
         items, tokens, failure = self._build_task(spans)
@@ -425,19 +435,21 @@ class DataLoader:
 
     def _build_task(
         self, spans: list[tuple[int, int]], cancel: threading.Event | None = None
-    ) -> tuple[list[Any], list[int], tuple[BaseException, int] | None]:
+    ) -> tuple[list[Any], list[Counted], tuple[BaseException, int] | None]:
         """The batches of consecutive global batches ``spans``, as far as they go.
 
-        Returns the batches of the first ``k`` spans, their tokens, and, when
+        Returns the batches of the first ``k`` spans, their tokens (and those of
+        each component of a blend: ``Counted``), and, when
         building span ``k`` failed, ``(exception, served)``: ``served`` is how
         many spans from ``k`` on the call that failed was building. Where one
-        call serves several steps (a rowwise view's read of the whole task, a
-        view's ``read_batches``, a task's tensors and device copy) its failure
-        stops the build at the first of them (``served > 1``): nothing is read a
-        second time to find the step that failed, so an object store's retries
-        are waited out once. Where each step has a call of its own (the reads of
-        a view that is not rowwise, a packed view's rows, ``collate``) a failure
-        lands on its own step (``served == 1``) and the steps before it are built.
+        call serves several steps (the batching policy's read of the whole
+        task, a view's ``read_batches``, a task's tensors and device copy) its
+        failure stops the build at the first of them (``served > 1``): nothing
+        is read a second time to find the step that failed, so an object
+        store's retries are waited out once. Where each step has a call of its
+        own (the reads of a view that is neither rowwise nor has
+        ``read_batches``, ``collate``) a failure lands on its own step
+        (``served == 1``) and the steps before it are built.
 
         ``cancel`` (a closed prefetcher's event) is looked at between the steps
         and before each call: once it is set, the build stops where it is (with
@@ -445,104 +457,53 @@ class DataLoader:
         is not interrupted: the I/O engine has no way to abandon its reads.
         """
         t0 = time.perf_counter()
-        sched, asm = self.schedule, self.assembly
-        collate = self.collate
         if cancel is not None and cancel.is_set():
             return [], [], None
-        if not asm.rowwise:
-            raws: list[dict[str, Any]] = []
-            failure: tuple[BaseException, int] | None = None
-            rows_of = sched.rows if isinstance(sched, PackedSchedule) else None
-            # a view that reads several batches in one round of I/O does so (one
-            # call: its failure is the task's); others are read a step at a time
-            many = (
-                rows_of is None
-                and len(spans) > 1
-                and getattr(asm.view, "read_batches", None) is not None
-            )
-            try:
-                if many:
-                    parts = [(sched.indices(p), p) for p in (sched.positions(*sp) for sp in spans)]
-                    raws = asm.read_many(parts)
-                else:
-                    for sp in spans:
-                        if cancel is not None and cancel.is_set():
-                            break
-                        if rows_of is not None:
-                            raws.append(asm.read_rows(rows_of(*sp)))
-                        else:
-                            pos = sched.positions(*sp)
-                            raws.append(asm.read(sched.indices(pos), pos))
-            except Exception as e:
-                failure = (e, len(spans) if many else 1)
-            tokens = [self._tokens.one(r) for r in raws]
-            if collate is not None:
-                out = []
-                for r in raws:
-                    if cancel is not None and cancel.is_set():
-                        failure = None  # given up: the caller drops what it gets
-                        break
-                    try:
-                        out.append(collate(r))
-                    except Exception as e:
-                        failure = (e, 1)
-                        break
-            elif raws and not (cancel is not None and cancel.is_set()):
-                try:
-                    out = self.transfer.copy_all([self.transfer.tensors(r) for r in raws])
-                except Exception as e:
-                    out, failure = [], (e, len(raws))
-            else:
-                out = []
-            tokens = tokens[: len(out)]
-            if out:
-                self._stats.built(time.perf_counter() - t0, sum(tokens))
-            return out, tokens, failure
         try:
-            pos, ends = sched.task_positions(spans)
-            cuts = list(zip([0, *ends], ends, strict=False))
-            steps: list[dict[str, Any]] | None = None
-            per_batch = _NO_KEYS  # the keys of values per batch, not per row
-            if asm.stepwise:  # rows, and values per batch (cu_seqlens)
-                raw, steps = asm.read_steps(sched.indices(pos), pos, cuts)
-                per_batch = frozenset(k for st in steps for k in st)
+            if self._io is None:
+                task = self._reader.read(spans, cancel)
             else:
-                raw = asm.read(sched.indices(pos), pos)
-            asm.check_rows(raw, len(pos), per_batch)
-            tokens = self._tokens.rows(raw, cuts)
-            if collate is not None:
-                rows = [(k, v) for k, v in raw.items() if k not in per_batch]
-                batches = [_rows(rows, a, e) for a, e in cuts]
-                if steps:
-                    _add_step_values(batches, raw, steps)
-            elif cancel is not None and cancel.is_set():
-                return [], [], None
-            else:
-                whole = self.transfer.copy(self.transfer.tensors(raw))
-                items = list(whole.items())
-                if per_batch:
-                    items = [(k, v) for k, v in items if k not in per_batch]
-                out = [_rows(items, a, e) for a, e in cuts]
-                if steps:
-                    _add_step_values(out, whole, steps)
-                for b in out:
-                    b.ready = whole.ready
+                with self._io:
+                    task = self._reader.read(spans, cancel)
         except Exception as e:
             return [], [], (e, len(spans))
-        failure = None
+        failure = task.failure
+        collate = self.collate
+        out: list[Any] = []
         if collate is not None:
-            out = []
-            for b in batches:
+            raws = task.steps if task.whole is None else cut(task, task.whole)
+            for r in raws:
                 if cancel is not None and cancel.is_set():
+                    failure = None  # given up: the caller drops what it gets
                     break
                 try:
-                    out.append(collate(b))
+                    out.append(collate(r))
                 except Exception as e:
                     failure = (e, 1)
                     break
-            tokens = tokens[: len(out)]
+        elif cancel is not None and cancel.is_set():
+            return [], [], None
+        elif task.whole is None:
+            if task.steps:
+                try:
+                    out = self.transfer.copy_all([self.transfer.tensors(r) for r in task.steps])
+                except Exception as e:
+                    out, failure = [], (e, len(task.steps))
+        else:
+            try:
+                whole = self.transfer.copy(self.transfer.tensors(task.whole))
+                out = cut(task, whole, Batch)
+                for b in out:
+                    b.ready = whole.ready
+            except Exception as e:
+                return [], [], (e, len(spans))
+        counts = task.tokens[: len(out)]
+        by = task.by_component
+        tokens: list[Counted] = list(
+            zip(counts, by if by is not None else [None] * len(counts), strict=True)
+        )
         if out:
-            self._stats.built(time.perf_counter() - t0, sum(tokens))
+            self._stats.built(time.perf_counter() - t0, sum(counts))
         return out, tokens, failure
 
     # ---- statistics ----------------------------------------------------------------------
@@ -574,6 +535,10 @@ class DataLoader:
           the engine's calls that failed after any retries; the loader itself
           never retries a read (a failure reaches the ``next()`` that needed
           it: see the class docstring);
+        - ``component_samples``, ``component_tokens`` (for a ``Blend``: lists
+          with one entry per component): the samples (documents with
+          ``Fill``) and real tokens of each component in the batches
+          delivered;
         - ``batches_ready``: built batches waiting for ``next()`` now, and
           ``prefetch_batches``: the most that can wait (the prefetch's tasks
           of ``steps_per_task`` batches, and the task being handed out; 0
@@ -596,15 +561,15 @@ class DataLoader:
     def raw_batch(self, start: int, end: int) -> dict[str, Any]:
         """The NumPy arrays of this rank's part of the global batch ``[start, end)``.
 
-        This is what ``collate`` gets: the view's ``read_batch`` result (for a
-        view that packs documents, its ``read_rows`` of the step's rows) plus
-        ``"index"`` and ``"position"``.
+        This is what ``collate`` gets: the batching policy's arrays of the step
+        (for ``Stack``, the view's ``read_batch`` result) plus ``"index"`` and
+        ``"position"``.
         """
-        sched = self.schedule
-        if isinstance(sched, PackedSchedule):
-            return self.assembly.read_rows(sched.rows(start, end))
-        pos = sched.positions(start, end)
-        return self.assembly.read(sched.indices(pos), pos)
+        if self._io is None:
+            return read_step(self._reader, (start, end))
+        with self._io:
+            got = read_step(self._reader, (start, end))
+        return got
 
     # ---- iteration -----------------------------------------------------------------------
 
@@ -675,7 +640,7 @@ class _LoaderIter:
     def __init__(self, loader: DataLoader) -> None:
         self._loader = loader
         self._closed = False
-        self._ready: list[tuple[tuple[int, int], Any, int]] = []
+        self._ready: list[tuple[tuple[int, int], Any, Counted]] = []
         self._pf: Prefetcher | None = None
         self._auto = False  # the automatic prefetch: sized by the batches it sees
         self._largest = 0  # bytes of the largest batch measured
@@ -757,7 +722,7 @@ class _LoaderIter:
                 raise item.exc
             span = (start, end)
         loader._cursor = end  # delivered: counts now, not when it was built
-        loader._stats.delivered(wait, loader.schedule.samples(*span), ntok)
+        loader._stats.delivered(wait, loader.schedule.samples(*span), *ntok)
         if loader.log_every is not None:
             loader._log_stats()
         if self._deliver is not None:
@@ -835,43 +800,6 @@ def auto_prefetch(nbytes: int, budget: int) -> int:
     return max(1, min(MAX_AUTO_PREFETCH, budget // nbytes))
 
 
-def _rows(items: list[tuple[str, Any]], start: int, end: int) -> Batch:
-    """Rows ``[start, end)`` of every array of a task: one step's batch (views, no copy)."""
-    b = Batch()
-    for k, v in items:
-        b[k] = v[start:end]
-    return b
-
-
-_NO_KEYS: frozenset[str] = frozenset()
-
-
-def _add_step_values(
-    batches: list[Batch], whole: Mapping[str, Any], steps: list[dict[str, Any]]
-) -> None:
-    """Give each step's batch its per-batch values (``read_steps``): slices of the
-    task's arrays (cut with one ``split`` per array when the slices follow one
-    another from 0), or values as they are."""
-    for key in steps[0]:
-        values = [st[key] for st in steps]
-        if not isinstance(values[0], slice):
-            for b, v in zip(batches, values, strict=True):
-                b[key] = v
-            continue
-        arr = whole[key]
-        sizes = [v.stop - v.start for v in values]
-        if values[0].start != 0 or any(
-            a.stop != b.start for a, b in itertools.pairwise(values)
-        ):  # not back to back: one slice each
-            pieces = [arr[v] for v in values]
-        elif hasattr(arr, "split"):  # a tensor
-            pieces = arr[: values[-1].stop].split(sizes)
-        else:
-            pieces = np.split(arr[: values[-1].stop], list(itertools.accumulate(sizes[:-1])))
-        for b, p in zip(batches, pieces, strict=True):
-            b[key] = p
-
-
 class _Failed:
     """A batch whose building raised: re-raised by the next() that would return it."""
 
@@ -940,7 +868,7 @@ def _task_builder(
 
     first_done = threading.Event()
 
-    def build(task: int) -> list[tuple[tuple[int, int], Any, int]]:
+    def build(task: int) -> list[tuple[tuple[int, int], Any, Counted]]:
         if task == 0:
             try:
                 return _build(task)
@@ -957,8 +885,12 @@ def _task_builder(
                     break
         return _build(task)
 
-    def _build(task: int) -> list[tuple[tuple[int, int], Any, int]]:
-        spans = spans_of(task)
+    def _build(task: int) -> list[tuple[tuple[int, int], Any, Counted]]:
+        if loader._io is None:
+            spans = spans_of(task)
+        else:
+            with loader._io:  # the loader's own io and io_depth (a packer reads lengths)
+                spans = spans_of(task)
         if not spans:  # past the end: the consumer's pass is over
             return []
         if ahead is not None and lead:
@@ -966,7 +898,9 @@ def _task_builder(
             with contextlib.suppress(Exception):
                 ahead.ahead(task, lead[0])
         items, tokens, failure = loader._build_task(spans, cancel)
-        out: list[tuple[tuple[int, int], Any, int]] = list(zip(spans, items, tokens, strict=False))
+        out: list[tuple[tuple[int, int], Any, Counted]] = list(
+            zip(spans, items, tokens, strict=False)
+        )
         if failure is not None:
             exc, served = failure
             k = len(items)
@@ -982,7 +916,7 @@ def _task_builder(
                 exc.add_note(
                     f"(raised in a tokload reader thread while building the batch at cursor {a})"
                 )
-            out.append((spans[k], _Failed(exc), 0))
+            out.append((spans[k], _Failed(exc), (0, None)))
         return out
 
     return build

@@ -73,6 +73,7 @@ class LoaderStats:
         self.tokens = 0
         self.wait_s = 0.0
         self._waits = [0.0] * WAIT_RING
+        self.by_component: np.ndarray | None = None  # a blend's [samples, tokens] per component
         # reader-side totals
         self.tasks = 0
         self.build_s = 0.0
@@ -80,13 +81,19 @@ class LoaderStats:
 
     # ---- adding --------------------------------------------------------------------------
 
-    def delivered(self, wait_s: float, samples: int, tokens: int) -> None:
-        """A batch left ``next()`` after waiting ``wait_s`` (training thread)."""
+    def delivered(self, wait_s: float, samples: int, tokens: int, by_component: Any = None) -> None:
+        """A batch left ``next()`` after waiting ``wait_s`` (training thread);
+        ``by_component``: a blend's ``[samples, tokens]`` per component (int64
+        ``[components, 2]``) or None."""
         self._waits[self.batches % WAIT_RING] = wait_s
         self.batches += 1
         self.samples += samples
         self.tokens += tokens
         self.wait_s += wait_s
+        if by_component is not None:
+            if self.by_component is None:
+                self.by_component = np.zeros(by_component.shape, dtype=np.int64)
+            self.by_component += by_component
 
     def built(self, seconds: float, tokens: int) -> None:
         """A reader built a task's batches in ``seconds`` (any thread)."""
@@ -107,6 +114,7 @@ class LoaderStats:
             "samples": self.samples,
             "tokens": self.tokens,
             "wait_s": self.wait_s,
+            "by_component": None if self.by_component is None else self.by_component.copy(),
             "reader": reader,
             "io": _io.io_counters(),
             "remote": remote.counters(),
@@ -161,6 +169,12 @@ class LoaderStats:
             "remote_retries": int(rem["retries"]),
             **queue,
         }
+        by = now["by_component"]
+        if by is not None:
+            was = since.get("by_component")
+            grew = by - was if was is not None else by
+            report["component_samples"] = grew[:, 0].tolist()
+            report["component_tokens"] = grew[:, 1].tolist()
         return report, now
 
 

@@ -29,9 +29,9 @@ import numpy.typing as npt
 from tokload._docindex import read_documents, split_cu_seqlens, window_boundaries
 from tokload._io import FileSet
 from tokload._meta import BlockSet, Scratch, compact_records
-from tokload._pack import row_boundaries, row_offsets
 from tokload._rows import split_fields
 from tokload.assembly import Alloc
+from tokload.batching import ATTENTION_KEYS, Fill, Pack, Pad, attention_keys
 from tokload.errors import FormatError, MissingShardError
 from tokload.forksafe import ForkSafeLock
 from tokload.format import (
@@ -42,7 +42,6 @@ from tokload.format import (
     open_dataset,
     open_dataset_at,
 )
-from tokload.packing import DEFAULT_LOOKAHEAD, PackedRows, Packing
 
 DataLike = str | os.PathLike[str] | Source
 Fields = np.ndarray | dict[str, np.ndarray]
@@ -260,6 +259,18 @@ class _Windows(View):
         """Windows of observations ``indices`` (checked in C) back to back into dst."""
         self.source.rows.read_windows(indices, self._lo, len(self), self.stride, self.window, dst)
 
+    def read_rows_at(self, indices: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+        """Windows of observations ``indices`` into rows ``rows`` of ``out`` (a
+        plain dtype's ``[B, window]`` array): one compiled read, no temporary
+        (a ``Blend`` reads each component's windows this way)."""
+        g = self._global(indices)
+        st = np.uint64(self.stride)
+        w = np.uint64(self.window)
+        starts = g * st
+        lengths = np.full(len(g), w, dtype=np.uint64)
+        dst = np.asarray(rows, dtype=np.uint64) * (w * np.uint64(out.dtype.itemsize))
+        self.source.rows.read(starts, lengths, dst, out)
+
     def storage_paths(self) -> list[str]:
         """The files a read of this view touches (the loader's read-ahead looks
         at the filesystem they are on)."""
@@ -279,7 +290,7 @@ class _Windows(View):
         return a.reshape(-1)
 
 
-BOUNDARY_KEYS = ("position_ids", "segment_ids", "loss_mask", "cu_seqlens", "max_seqlen")
+BOUNDARY_KEYS = ATTENTION_KEYS
 """What ``TokenStream(..., boundaries=True)`` adds to a batch."""
 
 BATCH_KEYS = ("cu_seqlens", "max_seqlen")
@@ -288,26 +299,7 @@ BATCH_KEYS = ("cu_seqlens", "max_seqlen")
 
 def _boundary_keys(boundaries: object) -> tuple[str, ...]:
     """The keys ``boundaries=`` asks for, in ``BOUNDARY_KEYS`` order."""
-    if boundaries is True:
-        return BOUNDARY_KEYS
-    if boundaries is False:
-        return ()
-    if isinstance(boundaries, (str, bytes)) or not isinstance(
-        boundaries, (list, tuple, set, frozenset)
-    ):
-        raise TypeError(
-            f"boundaries must be True, False or a list of keys out of {', '.join(BOUNDARY_KEYS)}; "
-            f"got {boundaries!r}"
-        )
-    wanted = set(boundaries)
-    unknown = sorted(str(k) for k in wanted - set(BOUNDARY_KEYS))
-    if unknown or not wanted:
-        raise ValueError(
-            f"boundaries: unknown keys {unknown} (valid: {', '.join(BOUNDARY_KEYS)})"
-            if unknown
-            else "boundaries: an empty list of keys; give False for none"
-        )
-    return tuple(k for k in BOUNDARY_KEYS if k in wanted)
+    return attention_keys(boundaries, "boundaries")
 
 
 class TokenStream(_Windows):
@@ -535,6 +527,41 @@ class DocumentBatch:
     offsets: np.ndarray
 
 
+_RETIRED_DOCUMENTS_ARGS = ("batch", "pad_to", "pad_value", "window", "lookahead", "boundaries")
+
+
+def _retired_documents_args(given: Mapping[str, Any]) -> str:
+    """The message for ``Documents(batch=..., ...)``: batching moved to the DataLoader."""
+    unknown = sorted(k for k in given if k not in _RETIRED_DOCUMENTS_ARGS)
+    if unknown:
+        return f"Documents() got unexpected keyword arguments: {', '.join(unknown)}"
+    batch = given.get("batch", "pad")
+    if batch == "fill":
+        args = [f"window={given.get('window')!r}"]
+        if "lookahead" in given:
+            args.append(f"lookahead={given['lookahead']!r}")
+        if "pad_value" in given:
+            args.append(f"value={given['pad_value']!r}")
+        if "boundaries" in given:
+            args.append(f"attention={given['boundaries']!r}")
+        new = f"{Fill.__name__}({', '.join(args)})"
+    elif batch == "pack":
+        new = f"{Pack.__name__}()"
+    else:
+        args = []
+        if given.get("pad_to") is not None:
+            args.append(f"to={given['pad_to']!r}")
+        if "pad_value" in given:
+            args.append(f"value={given['pad_value']!r}")
+        new = f"{Pad.__name__}({', '.join(args)})"
+    return (
+        f"Documents(data, {', '.join(f'{k}={v!r}' for k, v in given.items())}) was retired "
+        "in tokload 0.2: "
+        "batching is the DataLoader's policy now. Write "
+        f"DataLoader(Documents(data), batch_size, batching=tokload.{new})"
+    )
+
+
 class Documents(View):
     """Observation ``i`` is document ``i``.
 
@@ -543,25 +570,16 @@ class Documents(View):
             document is a Megatron *sequence*, as ``IndexedDataset[i]``), or a
             flat token file opened with a document index; local or an
             object-store URL.
-        batch: how the DataLoader batches documents: ``"pad"`` (``[B, L]`` plus
-            ``lengths``), ``"pack"`` (back to back plus ``cu_seqlens``) or
-            ``"fill"`` (rows of ``window`` tokens filled with whole documents,
-            best-fit: see ``tokload.packing``).
-        pad_to: with ``"pad"``, a fixed ``L`` (longer documents are truncated);
-            None pads to the longest document of each batch.
-        pad_value: the padding token.
-        window: with ``"fill"`` (and only then), the tokens of a row.
-        lookahead: with ``"fill"``, how many consecutive documents of the
-            shuffle are packed together (default 1024): more packs tighter, and
-            each rank packs that many documents' lengths at a time.
-        boundaries: with ``"fill"`` (and only then), the attention metadata
-            added to each batch, as for ``TokenStream(boundaries=...)``: True
-            (the default with ``"fill"``) for all of ``"position_ids"``,
-            ``"segment_ids"``, ``"loss_mask"``, ``"cu_seqlens"``,
-            ``"max_seqlen"``; a list of them; False for none.
         storage_options: for an object-store URL, what overrides the
             environment's settings (endpoint, credentials, retries; see
             ``tokload.remote``).
+
+    How the DataLoader batches documents is its ``batching=`` policy
+    (``tokload.batching``): ``Pad()`` by default (``[B, L]`` plus
+    ``lengths``), ``Pack()`` (back to back plus ``cu_seqlens``) or
+    ``Fill(window)`` (rows filled best-fit, with the attention keys). The view
+    implements the document contract those policies read through:
+    ``extents``, ``fields`` and ``read_extents``.
 
     ``view[i]`` is the document's rows (an array, or a dict of per-field
     arrays); ``read(indices)`` packs a batch into one ``DocumentBatch``;
@@ -570,120 +588,78 @@ class Documents(View):
     its index entries and one ``preadv`` of its rows.
     """
 
+    batching = Pad()
+    """The DataLoader's default policy for this view (``tokload.batching``)."""
+
+    rowwise = False
+    """Documents vary in length: ``read_batch`` is not one row per sample."""
+
     def __init__(
         self,
         data: DataLike,
         *,
-        batch: str = "pad",
-        pad_to: int | None = None,
-        pad_value: int = 0,
-        window: int | None = None,
-        lookahead: int = DEFAULT_LOOKAHEAD,
-        boundaries: bool | Sequence[str] | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        **retired: Any,
     ) -> None:
-        if batch not in ("pad", "pack", "fill"):
-            raise ValueError(f"batch must be 'pad', 'pack' or 'fill', got {batch!r}")
-        if pad_to is not None and (isinstance(pad_to, bool) or pad_to < 1):
-            raise ValueError(f"pad_to must be a positive integer or None, got {pad_to!r}")
-        self.packing: Packing | None = None
-        self.boundary_keys: tuple[str, ...] = ()
-        if batch == "fill":
-            if window is None:
-                raise ValueError("batch='fill' needs window= (the tokens of a row)")
-            if pad_to is not None:
-                raise ValueError("batch='fill' fills rows of window= tokens; pad_to is for 'pad'")
-            self.packing = Packing(window, lookahead)
-            self.boundary_keys = _boundary_keys(True if boundaries is None else boundaries)
-        elif window is not None:
-            raise ValueError(f"window= is for batch='fill', not {batch!r} (see pad_to)")
-        elif boundaries is not None:
-            raise ValueError(
-                f"boundaries= is for batch='fill', not {batch!r} (batch='pack' gives "
-                "cu_seqlens already)"
-            )
+        if retired:
+            raise TypeError(_retired_documents_args(retired))
         super().__init__(data, storage_options)
         if self.source.docs is None:
             raise FormatError(f"{self.source.description} has no document index")
-        self.batch, self.pad_to, self.pad_value = batch, pad_to, pad_value
-        # Padded to a fixed length, every document is one row of every array.
-        self.rowwise = batch == "pad" and pad_to is not None
         self._total = self.source.num_documents
         self._init_range()
 
-    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
-        """The view protocol (``tokload.assembly``), as the constructor's ``batch`` says.
-
-        ``"pad"``: ``"tokens"`` ``[B, L]`` padded with ``pad_value`` (``L`` is
-        ``pad_to``, or the batch's longest document) and ``"lengths"``;
-        ``"pack"``: ``"tokens"`` ``[sum of lengths]`` back to back, ``"lengths"``
-        and ``"cu_seqlens"`` (``B + 1`` offsets). A structured dtype gives one
-        array per field instead of ``"tokens"``. ``"fill"``: each document alone
-        in a row (``read_rows``); the DataLoader packs several into each row.
-        """
-        raw: dict[str, Any]
-        if self.packing is not None:
-            ids = np.asarray(indices).reshape(-1)
-            window = self.packing.window
-            return self.read_rows(PackedRows.one_per_row(ids, self.extents(ids), window), alloc)
-        if self.batch == "pad":
-            values, lengths = self.read_padded(indices, self.pad_to, self.pad_value, alloc)
-            raw = dict(values) if isinstance(values, dict) else {"tokens": values}
-            raw["lengths"] = lengths
-            return raw
-        got = self.read(indices, alloc=alloc)
-        raw = dict(got.values) if isinstance(got.values, dict) else {"tokens": got.values}
-        raw["lengths"] = got.lengths
-        raw["cu_seqlens"] = got.offsets
-        return raw
-
-    def _config(self) -> str:
-        # A cursor counts rows of a packing: another window or look-ahead is another run.
-        p = self.packing
-        return "" if p is None else f"batch='fill', window={p.window}, lookahead={p.lookahead},"
-
-    def read_rows(self, rows: PackedRows, alloc: Alloc = np.empty) -> dict[str, Any]:
-        """Rows of ``window`` tokens holding the documents ``rows`` says (``"fill"``).
-
-        ``"tokens"`` ``[B, window]``: each row's documents back to back, then
-        ``pad_value`` (for a structured dtype, one array per field);
-        ``"lengths"`` (int64, ``[D]``): the tokens of each document, row
-        by row (a document longer than ``window`` gives its first ``window``);
-        ``"doc_counts"`` (int64, ``[B]``): the documents of each row; and the
-        attention metadata ``boundaries`` names (computed in C by
-        ``tokload._pack.row_boundaries``: the padding is its row's last segment,
-        where ``loss_mask`` is False). The documents are read in one compiled
-        call, without the GIL.
-        """
-        if self.packing is None:
-            raise ValueError(f"read_rows is for batch='fill', this view has batch={self.batch!r}")
-        w = self.packing.window
-        counts = np.asarray(rows.counts, dtype=np.int64)
-        lengths = np.asarray(rows.lengths, dtype=np.uint64)
-        b = len(counts)
+    @property
+    def fields(self) -> dict[str, np.dtype[Any]]:
+        """The document contract (``tokload.batching``): ``{"tokens": dtype}``, or
+        one entry per field of a structured dtype."""
         dt = self.source.dtype
-        raw: dict[str, Any]
         if dt.fields is None:
-            dst = row_offsets(lengths, counts, w, dt.itemsize)  # bytes; checks each row fits
-            tokens = alloc((b, w), dt)
-            tokens[...] = self.pad_value
-            self.source.rows.read(rows.starts, lengths, dst, tokens)
-            raw = {"tokens": tokens}
-        else:
-            dst = row_offsets(lengths, counts, w, 1)  # rows
-            fields = self._read_fields(rows.starts, lengths, dst, b * w, self.pad_value, alloc)
-            raw = {k: v.reshape(b, w) for k, v in fields.items()}
-        raw["lengths"] = lengths.astype(np.int64)
-        raw["doc_counts"] = counts
-        keys = self.boundary_keys
-        if keys:
-            arrays, cu, longest = row_boundaries(lengths, counts, w, alloc, keys)
-            raw.update(arrays)
-            if "cu_seqlens" in keys:
-                raw["cu_seqlens"] = cu
-            if "max_seqlen" in keys:
-                raw["max_seqlen"] = longest
+            return {"tokens": dt}
+        return {name: ft for name, ft, _ in _field_layout(dt)}
+
+    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
+        """The view protocol (``tokload.assembly``): ``"tokens"`` ``[B, L]``
+        padded with 0 to the batch's longest document (one array per field of a
+        structured dtype) and ``"lengths"`` (int64): what ``Pad()`` gives."""
+        values, lengths = self.read_padded(indices, None, 0, alloc)
+        raw: dict[str, Any] = dict(values) if isinstance(values, dict) else {"tokens": values}
+        raw["lengths"] = lengths
         return raw
+
+    def read_extents(
+        self,
+        indices: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        dst: np.ndarray,
+        out: Mapping[str, np.ndarray],
+    ) -> None:
+        """The document contract (``tokload.batching``): the first ``lengths[k]``
+        rows of the document that starts at row ``starts[k]`` (as ``extents``
+        gave it) into rows ``[dst[k], dst[k] + lengths[k])`` of each flat array
+        of ``out`` (one per field of ``fields``); other rows are left as they
+        are. A plain dtype is one compiled read without the GIL, straight into
+        ``out["tokens"]``."""
+        dt = self.source.dtype
+        lengths = np.ascontiguousarray(lengths, dtype=np.uint64)
+        dst = np.ascontiguousarray(dst, dtype=np.uint64)
+        if dt.fields is None:
+            tokens = out["tokens"]
+            _check_out(tokens, tokens.shape, dt, "out['tokens']")
+            self.source.rows.read(starts, lengths, dst * np.uint64(dt.itemsize), tokens)
+            return
+        # A structured dtype: the rows back to back into scratch, split into fields,
+        # then each field's rows scattered to their places (NumPy, no loop per document).
+        total = int(lengths.sum())
+        packed = np.zeros(len(lengths) + 1, dtype=np.uint64)
+        np.cumsum(lengths, out=packed[1:])
+        fields = self._read_fields(starts, lengths, packed[:-1], total)
+        where = np.repeat(dst - packed[:-1], lengths.astype(np.int64)) + np.arange(
+            total, dtype=np.uint64
+        )
+        for name, values in fields.items():
+            out[name][where] = values
 
     def __getitem__(self, i: int) -> Fields:
         return self.read(self._index(i)).values
