@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokload import Blend, DataLoader, Documents, TokenStream, Writer
-from tokload.blend import largest_remainder
 from tokload.errors import StateError
+from tokload.views.blend import largest_remainder
 
 
 @pytest.fixture(scope="module")

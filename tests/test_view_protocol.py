@@ -20,7 +20,7 @@ from harness import Segment, assert_exactly_once, run_segments
 
 import tokload
 from tokload import DataLoader, Documents, TokenStream, Writer
-from tokload.assembly import Alloc, BatchView, check_view
+from tokload.views.contract import Alloc, BatchView, check_view
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "guide" / "custom-views.md"
 

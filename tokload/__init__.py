@@ -12,7 +12,6 @@ from these docstrings) has the whole picture; docs/ARCHITECTURE.md the invariant
 from tokload import errors, tools
 from tokload._permute import Permutation, epoch_seed
 from tokload.batching import Fill, Pack, Pad, Stack
-from tokload.blend import Blend
 from tokload.builder import BuildError, build
 from tokload.errors import (
     CorruptDataError,
@@ -31,6 +30,7 @@ from tokload.inputs import InputError
 from tokload.interop import open_flat, open_megatron
 from tokload.loader import DataLoader
 from tokload.views import (
+    Blend,
     DocumentBatch,
     Documents,
     MetadataBatch,
@@ -82,4 +82,4 @@ __all__ = [
     "tools",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -28,25 +28,10 @@ them (no copy).
 
 The document contract
 ---------------------
-``Pad``, ``Pack`` and ``Fill`` work on any view that offers
-
-- ``len(view)`` and ``view.fingerprint`` (as every view);
-- ``view.extents(indices) -> (starts, lengths)``: two uint64 arrays, the
-  documents' lengths in rows and a value per document that the view's own
-  ``read_extents`` understands (its first row in the source, for tokload's
-  views);
-- ``view.fields``: ``{name: dtype}`` of the arrays a read of documents fills
-  (``{"tokens": dtype}``, or one entry per field of a structured dtype);
-- ``view.read_extents(indices, starts, lengths, dst, out)``: write document
-  ``k`` (``indices[k]``, with ``starts[k]`` from ``extents``) into rows
-  ``[dst[k], dst[k] + lengths[k])`` of each flat array of ``out`` (one per
-  field of ``fields``; ``lengths[k]`` may be shorter than the document: its
-  first rows), leaving every other row as it is.
-
-and, optionally, ``view.origin(indices) -> dict`` of int64 arrays saying where
-each sample came from (a ``Blend``: ``"component"`` and ``"component_index"``);
-every policy adds them to the batch, one entry per sample (per document with
-``Fill``).
+``Pad``, ``Pack`` and ``Fill`` read through the document contract of
+``tokload.views.contract`` (``extents``, ``fields``, ``read_extents``, and
+optionally ``origin``): ``Documents``, a ``Blend`` of them and a user's view
+of documents all keep it.
 
 The policy protocol (for the loader)
 ------------------------------------
@@ -72,13 +57,17 @@ import numpy as np
 
 from tokload._docindex import split_cu_seqlens
 from tokload._pack import row_boundaries, row_offsets
-from tokload.assembly import RESERVED_KEYS, Alloc, Assembly, check_view
+from tokload.assembly import Assembly
 from tokload.packing import DEFAULT_LOOKAHEAD, PackedRows, PackedSchedule, Packing
 from tokload.schedule import Schedule
 from tokload.stats import TokenCounter
-
-ATTENTION_KEYS = ("position_ids", "segment_ids", "loss_mask", "cu_seqlens", "max_seqlen")
-"""The attention keys ``Fill`` can add (``TokenStream(boundaries=...)`` names the same)."""
+from tokload.views.contract import (
+    RESERVED_KEYS,
+    Alloc,
+    attention_keys,
+    check_documents,
+    check_view,
+)
 
 
 @dataclass(frozen=True)
@@ -352,21 +341,6 @@ class _StackReader:
 # ---- documents -------------------------------------------------------------------------------
 
 
-_DOC_NEEDS = ("extents", "read_extents", "fields")
-
-
-def check_documents(view: Any, policy: str) -> None:
-    """TypeError naming what ``view`` lacks of the document contract."""
-    check_view(view)
-    missing = [m for m in _DOC_NEEDS if getattr(view, m, None) is None]
-    if missing:
-        raise TypeError(
-            f"{policy} batches documents, and {type(view).__name__} is not a view of "
-            f"documents: it lacks {', '.join(missing)} (Documents, a Blend of them, or a "
-            "view with extents, fields and read_extents: see tokload.batching)"
-        )
-
-
 def _flat(view: Any, total: int, alloc: Alloc, value: int | None) -> dict[str, np.ndarray]:
     """One flat array of ``total`` rows per field of the view, set to ``value``
     (None: left uninitialized)."""
@@ -563,29 +537,6 @@ class _PackReader:
             row_keys=rowkeys,
             by_component=_by_component(view, origin, lengths, cuts),
         )
-
-
-def attention_keys(value: object, name: str = "attention") -> tuple[str, ...]:
-    """The attention keys ``value`` asks for (True: all, False: none, or a list
-    of them), in ``ATTENTION_KEYS`` order; ``name`` is the argument's, for errors."""
-    if value is True:
-        return ATTENTION_KEYS
-    if value is False:
-        return ()
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, frozenset)):
-        raise TypeError(
-            f"{name} must be True, False or a list of keys out of "
-            f"{', '.join(ATTENTION_KEYS)}; got {value!r}"
-        )
-    wanted = set(value)
-    unknown = sorted(str(k) for k in wanted - set(ATTENTION_KEYS))
-    if unknown or not wanted:
-        raise ValueError(
-            f"{name}: unknown keys {unknown} (valid: {', '.join(ATTENTION_KEYS)})"
-            if unknown
-            else f"{name}: an empty list of keys; give False for none"
-        )
-    return tuple(k for k in ATTENTION_KEYS if k in wanted)
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,10 @@ It composes three stages, one job each:
 
 - the **schedule** (``tokload.schedule``): cursor -> steps -> this rank's
   positions -> sample indices, pure arithmetic (ARCHITECTURE.md, invariants 2-4);
-- the **assembly** (``tokload.assembly``): sample indices -> raw arrays,
-  through the view protocol that every view implements (no type dispatch);
+- the **batching** (``tokload.batching``): the policy that makes the
+  schedule and turns a task's sample indices into its batches' arrays,
+  through the contracts every view keeps (``tokload.views.contract``: no
+  type dispatch);
 - the **transfer** (``tokload.transfer``): host buffers with an explicit
   lifetime, tensors, device copies on a side stream.
 
@@ -27,7 +29,6 @@ from typing import Any, Self
 import numpy as np
 
 from tokload._io import io_scope
-from tokload.assembly import check_view, fingerprint_upto
 from tokload.batching import Batching, cut, read_step, resolve
 from tokload.errors import StateError
 from tokload.prefetch import CLOSE_S, POLL_S, Prefetcher
@@ -35,6 +36,7 @@ from tokload.readahead import ReadAhead, wanted
 from tokload.schedule import Schedule
 from tokload.stats import LoaderStats, format_report, log
 from tokload.transfer import Batch, Transfer, TransferBackend, make_backend
+from tokload.views.contract import check_view, fingerprint_upto
 
 STATE_VERSION = 1
 
@@ -72,7 +74,7 @@ class DataLoader:
     Args:
         view: any view: ``TokenStream``, ``Documents``,
             ``StreamWithMetadata``, ``Blend`` (or a subset of one), or your
-            own object implementing the view protocol of ``tokload.assembly``
+            own object implementing the view protocol of ``tokload.views.contract``
             (``len``, ``fingerprint``, ``read_batch``) and, for documents, the
             document contract of ``tokload.batching``.
         batch_size: samples per rank per step (``B``); with ``Fill``, rows.

@@ -51,10 +51,11 @@ import numpy as np
 import numpy.typing as npt
 
 from tokload._permute import Permutation, epoch_seed
-from tokload.assembly import Alloc, check_view
-from tokload.batching import Pad
 from tokload.forksafe import ForkSafeLock
-from tokload.views import Fields, StreamWithMetadata, TokenStream, View, _check_out
+from tokload.views.base import Fields, View, _check_out
+from tokload.views.contract import Alloc, check_view, is_documents
+from tokload.views.metadata import StreamWithMetadata
+from tokload.views.windows import TokenStream
 
 # Domain separation for the keys derived from the blend seed.
 _SLOT_TAG = 0x736C6F74  # "slot"
@@ -159,6 +160,8 @@ class Blend(View):
                         f"component 0 has {self.window} and {self._dtype}"
                     )
         else:
+            from tokload.batching import Pad  # the policies read views: imported when used
+
             self.batching = Pad()
             self._fields = dict(first.fields)
             for c, v in enumerate(self.views):
@@ -388,7 +391,7 @@ class Blend(View):
         return self.kind == "windows"
 
     def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, np.ndarray]:
-        """The view protocol (``tokload.assembly``), as the components'
+        """The view protocol (``tokload.views.contract``), as the components'
         ``read_batch``: windows stacked, or documents padded to the batch's
         longest (``"lengths"`` too), as ``Pad()`` gives them."""
         if self.kind == "documents":
@@ -573,7 +576,7 @@ def _kind(view: Any, c: int) -> str:
                 "them with Fill(window) for document masking"
             )
         return "windows"
-    if all(getattr(view, m, None) is not None for m in ("extents", "read_extents", "fields")):
+    if is_documents(view):
         return "documents"
     raise TypeError(
         f"component {c} must be a TokenStream, a view of documents (Documents, or a view "

@@ -1,0 +1,208 @@
+"""What every view shares: opening a source, a range of observations, ``split``."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Self, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from tokload._io import FileSet
+from tokload.errors import MissingShardError
+from tokload.format import (
+    MANIFEST,
+    Location,
+    Source,
+    open_dataset,
+    open_dataset_at,
+)
+
+DataLike = str | os.PathLike[str] | Source
+Fields = np.ndarray | dict[str, np.ndarray]
+V = TypeVar("V", bound="View")
+
+
+def open_source(data: DataLike, storage_options: Mapping[str, Any] | None = None) -> Source:
+    """A Source from a tokload dataset directory, a Megatron prefix, a ``.npy``
+    token file, or a Source.
+
+    Each may be an object-store URL (``s3://bucket/prefix``, ``gs://``,
+    ``az://``), read in place with ranged GETs; ``storage_options`` overrides
+    the store's settings from the environment (see ``tokload.remote``).
+    """
+    if isinstance(data, Source):
+        return data
+    from tokload import interop, remote
+
+    path = os.fspath(data)
+    if remote.is_url(path):
+        return _open_remote(path, storage_options)
+    path = remote.local_path(path)
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST)):
+        return open_dataset(path)
+    prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
+    if os.path.exists(prefix + ".idx"):
+        return interop.open_megatron(prefix)
+    if path.endswith(".npy") and os.path.isfile(path):
+        return interop.open_flat(path)
+    if os.path.isdir(path):
+        return open_dataset(path)  # raises: no manifest
+    raise FileNotFoundError(
+        2,
+        "not a tokload dataset, a Megatron .bin/.idx prefix or a .npy token file "
+        "(flat .bin files need tokload.interop.open_flat(path, dtype=...))",
+        path,
+    )
+
+
+def _open_remote(url: str, options: Mapping[str, Any] | None) -> Source:
+    """``open_source`` of an object-store URL: one LIST of the prefix finds a
+    tokload dataset (and is the one its opening uses), else a HEAD or two."""
+    from tokload import interop, remote
+
+    url = url.rstrip("/")
+    loc = Location(url, options)
+    if loc.exists(loc.join(MANIFEST)):
+        return open_dataset_at(loc)
+    prefix = url[:-4] if url.endswith((".idx", ".bin")) else url
+    if remote.exists(prefix + ".idx", options):
+        return interop.open_megatron(prefix, options)
+    if url.endswith(".npy") and remote.exists(url, options):
+        return interop.open_flat(url, storage_options=options)
+    empty = "; nothing is stored under this prefix" if loc.stores_nothing() else ""
+    raise MissingShardError(
+        2,
+        f"no tokload dataset ({MANIFEST}), Megatron .idx or .npy token file at this URL"
+        f"{empty} (flat .bin objects need tokload.open_flat(url, dtype=...))",
+        url,
+    )
+
+
+class View:
+    """What every view shares: a Source and a contiguous range of observations."""
+
+    _total: int
+
+    def __init__(self, data: DataLike, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.source = open_source(data, storage_options)
+        self._lo = 0
+        self._hi = -1  # set by subclasses once _total is known
+
+    def _init_range(self) -> None:
+        self._hi = self._total
+
+    def __len__(self) -> int:
+        return self._hi - self._lo
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the data and the view's configuration (for resume checks)."""
+        kind = type(self).__name__
+        return f"{self.source.fingerprint}:{kind}:{self._config()}:{self._lo}:{self._hi}"
+
+    def _config(self) -> str:
+        return ""
+
+    def subset(self, start: int, stop: int) -> Self:
+        """The observations ``[start, stop)`` of this view, as a view of the same kind."""
+        n = len(self)
+        if not 0 <= start <= stop <= n:
+            raise IndexError(f"subset [{start}, {stop}) is not within [0, {n}]")
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other._lo, other._hi = self._lo + start, self._lo + stop
+        return other
+
+    def _global(self, indices: npt.ArrayLike) -> np.ndarray:
+        """Validate observation indices and map them to the underlying numbering."""
+        a = np.asarray(indices)
+        if a.dtype.kind not in "iu":
+            if a.size == 0:
+                a = a.astype(np.int64)
+            else:
+                raise TypeError(f"indices must be integers, got dtype {a.dtype}")
+        a = a.reshape(-1)
+        n = len(self)
+        if a.size:
+            lo, hi = a.min(), a.max()
+            if lo < 0 or hi >= n:
+                bad = lo if lo < 0 else hi
+                raise IndexError(
+                    f"observation {bad} is out of range for a view of {n} (valid: 0 <= i < {n})"
+                )
+        return a.astype(np.uint64) + np.uint64(self._lo)
+
+    def _index(self, i: int) -> np.ndarray:
+        n = len(self)
+        try:
+            j = int(np.asarray(i).item()) if not isinstance(i, int) else i
+        except (TypeError, ValueError):
+            raise TypeError(f"view indices must be integers, not {type(i).__name__}") from None
+        if j < 0:
+            j += n
+        if not 0 <= j < n:
+            raise IndexError(f"observation {i} is out of range for a view of {n}")
+        return np.array([j], dtype=np.int64)
+
+    def close(self) -> None:
+        """Close the dataset's files (shared by every subset of this view)."""
+        self.source.close()
+
+    def configure_io(self, io: str | None = None, queue_depth: int | None = None) -> None:
+        """Choose how the dataset's files are read (shared by every view of the source).
+
+        ``io``: ``"auto"`` (io_uring where the kernel allows it, else a pool of C
+        threads), ``"uring"``, ``"threads"`` or ``"sync"``; ``queue_depth``: reads
+        kept in flight per read call. None leaves a setting as it is (initially
+        ``TOKLOAD_IO`` / ``TOKLOAD_IO_DEPTH``, else the defaults).
+        """
+        for f in self.source._closers:
+            if isinstance(f, FileSet):
+                f.configure(io=io, queue_depth=queue_depth)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.source.description!r}, {self._config()} n={len(self)})"
+
+
+def split(view: V, weights: str | Sequence[float]) -> list[V]:
+    """Cut a view into consecutive, non-overlapping parts by weight.
+
+    ``split(view, "969,30,1")`` gives train/validation/test views like
+    Megatron's ``split`` argument: part ``k`` gets observations
+    ``[round(n*c_k), round(n*c_{k+1}))`` where ``c`` are the normalized
+    cumulative weights. The parts cover the view exactly.
+    """
+    w = [float(x) for x in weights.split(",")] if isinstance(weights, str) else list(weights)
+    if not w or any(x < 0 for x in w) or sum(w) <= 0:
+        raise ValueError(f"split weights must be non-negative with a positive sum, got {weights!r}")
+    n = len(view)
+    total = sum(w)
+    bounds = [0]
+    acc = 0.0
+    for x in w:
+        acc += x
+        bounds.append(min(n, round(n * acc / total)))
+    bounds[-1] = n
+    return [view.subset(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def _field_layout(
+    dtype: np.dtype[Any], skip: str | None = None
+) -> list[tuple[str, np.dtype[Any], int]]:
+    assert dtype.fields is not None
+    return [(name, ft, off) for name, (ft, off, *_r) in dtype.fields.items() if name != skip]
+
+
+def _check_out(arr: Any, shape: tuple[int, ...], dtype: np.dtype[Any], what: str) -> np.ndarray:
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"{what} must be a numpy array, got {type(arr).__name__}")
+    if arr.dtype != dtype:
+        raise TypeError(f"{what} must have dtype {dtype}, got {arr.dtype}")
+    if arr.shape != shape:
+        raise ValueError(f"{what} has shape {arr.shape}, expected {shape}")
+    if not arr.flags.c_contiguous or not arr.flags.writeable:
+        raise ValueError(f"{what} must be a writeable C-contiguous array")
+    return arr

@@ -1,0 +1,298 @@
+"""``TokenStream``: windows of the concatenated token stream (and what windowed views share)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from tokload._docindex import split_cu_seqlens, window_boundaries
+from tokload._rows import split_fields
+from tokload.errors import FormatError
+from tokload.views.base import DataLike, Fields, View, _check_out, _field_layout
+from tokload.views.contract import ATTENTION_KEYS, Alloc, attention_keys
+
+
+class _Windows(View):
+    """Shared by the two windowed views: windows of a row stream."""
+
+    def __init__(
+        self,
+        data: DataLike,
+        window: int,
+        stride: int | None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(data, storage_options)
+        stride = window if stride is None else stride
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive integer, got {window!r}")
+        if not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"stride must be a positive integer, got {stride!r}")
+        self.window, self.stride = window, stride
+        rows = self.source.num_rows
+        self._total = 0 if rows < window else (rows - window) // stride + 1
+        self._init_range()
+
+    def _config(self) -> str:
+        return f"window={self.window}, stride={self.stride},"
+
+    def _read_windows(self, indices: np.ndarray, dst: np.ndarray) -> None:
+        """Windows of observations ``indices`` (checked in C) back to back into dst."""
+        self.source.rows.read_windows(indices, self._lo, len(self), self.stride, self.window, dst)
+
+    def read_rows_at(self, indices: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+        """Windows of observations ``indices`` into rows ``rows`` of ``out`` (a
+        plain dtype's ``[B, window]`` array): one compiled read, no temporary
+        (a ``Blend`` reads each component's windows this way)."""
+        g = self._global(indices)
+        st = np.uint64(self.stride)
+        w = np.uint64(self.window)
+        starts = g * st
+        lengths = np.full(len(g), w, dtype=np.uint64)
+        dst = np.asarray(rows, dtype=np.uint64) * (w * np.uint64(out.dtype.itemsize))
+        self.source.rows.read(starts, lengths, dst, out)
+
+    def storage_paths(self) -> list[str]:
+        """The files a read of this view touches (the loader's read-ahead looks
+        at the filesystem they are on)."""
+        return list(self.source.rows.files.paths)
+
+    def hint(self, indices: npt.ArrayLike) -> None:
+        """The view protocol's read-ahead (``tokload.views.contract``): the kernel
+        starts reading the rows of observations ``indices`` into the page cache
+        in the background; this returns at once."""
+        self.source.rows.hint_windows(indices, self._lo, len(self), self.stride, self.window)
+
+    @staticmethod
+    def _indices(indices: npt.ArrayLike) -> np.ndarray:
+        a = np.asarray(indices)
+        if a.dtype.kind not in "iu" and a.size:
+            raise TypeError(f"indices must be integers, got dtype {a.dtype}")
+        return a.reshape(-1)
+
+
+BOUNDARY_KEYS = ATTENTION_KEYS
+"""What ``TokenStream(..., boundaries=True)`` adds to a batch."""
+
+BATCH_KEYS = ("cu_seqlens", "max_seqlen")
+"""Those of ``BOUNDARY_KEYS`` that belong to a batch, not to its rows."""
+
+
+def _boundary_keys(boundaries: object) -> tuple[str, ...]:
+    """The keys ``boundaries=`` asks for, in ``BOUNDARY_KEYS`` order."""
+    return attention_keys(boundaries, "boundaries")
+
+
+class TokenStream(_Windows):
+    """Windows of the concatenated token stream.
+
+    Args:
+        data: a tokload dataset directory, a Megatron ``.bin/.idx`` prefix, a
+            ``.npy`` token file, or a ``Source``; any of them may be an
+            object-store URL (``s3://bucket/prefix``, ``gs://``, ``az://``).
+        window: rows per observation (e.g. 4097 for 4096-token training with
+            the next-token target).
+        stride: rows between the starts of consecutive observations (default
+            ``window``: non-overlapping). ``len(view)`` is
+            ``(rows - window) // stride + 1``.
+        boundaries: add, to each batch the DataLoader reads, where the
+            documents inside each window start (``boundaries(indices)``): per
+            token ``"position_ids"`` (int64, 0 at the start of each document
+            and of the window), ``"segment_ids"`` (int32, the document's number
+            in the window) and ``"loss_mask"`` (bool, False where a token starts
+            the window or a document: as a next-token target it would be
+            predicted across a boundary); per batch ``"cu_seqlens"`` (int32,
+            the segments' starts over the flattened ``[B * window]`` batch, then
+            ``B * window``) and ``"max_seqlen"`` (int). Needs a source with
+            documents (a tokload dataset, a Megatron prefix, flat files opened
+            with ``eos=`` or ``doc_index=``). The tokens are the same as without,
+            and so is the fingerprint (a checkpoint resumes either way). A list
+            of those keys computes only them: ``["cu_seqlens", "max_seqlen"]``
+            for a variable-length attention kernel writes nothing per token.
+        storage_options: for an object-store URL, what overrides the
+            environment's settings (endpoint, credentials, retries, requests
+            merged; see ``tokload.remote``).
+
+    ``view[i]`` and ``view.read(indices)`` give, for a plain dtype, arrays of
+    shape ``[window]`` / ``[B, window]``; for a structured dtype a dict with
+    one such array per field. Reads cost one binary search and one ``preadv``
+    per shard a window spans, whatever ``i`` is.
+    """
+
+    rowwise = True
+    """Each observation is one row of every array: the loader reads many steps at once
+    (with ``boundaries``, through ``read_steps``: ``cu_seqlens`` and ``max_seqlen``
+    belong to a batch, not to its rows)."""
+
+    def __init__(
+        self,
+        data: DataLike,
+        window: int,
+        stride: int | None = None,
+        *,
+        boundaries: bool | Sequence[str] = False,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(data, window, stride, storage_options)
+        self.boundary_keys = _boundary_keys(boundaries)
+        self.with_boundaries = bool(self.boundary_keys)
+        # the values of a whole batch, not of its rows: the loader reads tasks with read_steps
+        self.batch_keys = tuple(k for k in self.boundary_keys if k in BATCH_KEYS)
+        if self.with_boundaries:
+            docs = self.source.docs
+            if docs is None or docs.total == 0:
+                raise ValueError(
+                    f"{self.source.description}: boundaries=True needs document boundaries, "
+                    "and this source has none (flat files: open them with "
+                    "tokload.open_flat(..., eos=...) or doc_index=)"
+                )
+            first, _ = docs.extents([0])
+            if int(first[0]) != 0:
+                raise FormatError(
+                    f"{self.source.description}: its first document starts at row "
+                    f"{int(first[0])}, not 0; boundaries=True needs documents that cover "
+                    "the stream in order"
+                )
+
+    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
+        """The view protocol (``tokload.views.contract``): ``"tokens"`` ``[B, window]``
+        (or one such array per field of a structured dtype), and with
+        ``boundaries`` the arrays ``boundaries`` gives."""
+        got = self.read(indices, out=self.empty(len(indices), alloc=alloc))
+        out: dict[str, Any] = got if isinstance(got, dict) else {"tokens": got}
+        if self.with_boundaries:
+            out.update(self.boundaries(indices, alloc))
+        return out
+
+    def read_steps(
+        self, indices: np.ndarray, cuts: Sequence[tuple[int, int]], alloc: Alloc
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The view protocol's read of several steps at once (``tokload.views.contract``).
+
+        ``cuts`` says which rows of ``indices`` each step has (consecutive
+        ``(a, e)``). The windows and their per-token arrays are read and
+        computed for all steps in one call each; ``"cu_seqlens"`` is each step's
+        own (over its flattened ``[rows, window]`` tokens), the steps' arrays
+        back to back in one array, and each step gets a ``slice`` of it and its
+        ``"max_seqlen"``: the same values as ``read_batch`` of each step.
+        """
+        got = self.read(indices, out=self.empty(len(indices), alloc=alloc))
+        raw: dict[str, Any] = got if isinstance(got, dict) else {"tokens": got}
+        steps: list[dict[str, Any]] = [{} for _ in cuts]
+        keys = self.boundary_keys
+        if not keys:
+            return raw, steps
+        arrays, cu, _ = self._window_boundaries(indices, alloc, keys)
+        raw.update(arrays)
+        if "cu_seqlens" not in keys and "max_seqlen" not in keys:
+            return raw, steps
+        joined, offsets, longest = split_cu_seqlens(cu, cuts, self.window)
+        off, top = offsets.tolist(), longest.tolist()
+        if "max_seqlen" not in keys:
+            steps = [{"cu_seqlens": slice(a, e)} for a, e in itertools.pairwise(off)]
+        elif "cu_seqlens" not in keys:
+            steps = [{"max_seqlen": m} for m in top]
+        else:
+            steps = [
+                {"cu_seqlens": slice(a, e), "max_seqlen": m}
+                for a, e, m in zip(off, off[1:], top, strict=False)
+            ]
+        if "cu_seqlens" in keys:
+            raw["cu_seqlens"] = joined
+        return raw, steps
+
+    def _window_boundaries(
+        self, indices: npt.ArrayLike, alloc: Alloc, keys: Sequence[str]
+    ) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
+        docs = self.source.docs
+        if docs is None:
+            raise ValueError(f"{self.source.description} has no document boundaries")
+        arrays, cu, longest = window_boundaries(
+            docs,
+            self._indices(indices),
+            self._lo,
+            len(self),
+            self.stride,
+            self.window,
+            self.source.num_rows,
+            alloc,
+            keys,
+        )
+        return arrays, cu, longest
+
+    def boundaries(self, indices: npt.ArrayLike, alloc: Alloc = np.empty) -> dict[str, Any]:
+        """Where documents start inside windows ``indices``, as attention metadata.
+
+        ``"position_ids"`` (int64), ``"segment_ids"`` (int32) and ``"loss_mask"``
+        (bool), each ``[B, window]`` (allocated with ``alloc``); ``"cu_seqlens"``
+        (int32, ``segments + 1`` offsets over the flattened batch) and
+        ``"max_seqlen"`` (int, the longest segment): the keys the view's
+        ``boundaries`` names (all of them for a view without). Pure functions of the
+        windows' rows and the document index, computed in C without the GIL.
+        The documents inside a window are found in each shard's document
+        table a window spans, where a tokload dataset holds them in memory
+        (``TOKLOAD_INDEX_MEMORY``), through the table's directory (buckets of
+        rows, about 4 documents each: a search of a few entries); otherwise (a Megatron index,
+        an index read entry by entry) by a batched search of the index: a few
+        rounds of index reads per batch, at most ``2 log2(documents)``.
+        """
+        keys = self.boundary_keys or BOUNDARY_KEYS
+        arrays, cu, longest = self._window_boundaries(indices, alloc, keys)
+        if "cu_seqlens" in keys:
+            arrays["cu_seqlens"] = cu
+        out: dict[str, Any] = dict(arrays)
+        if "max_seqlen" in keys:
+            out["max_seqlen"] = longest
+        return out
+
+    def __getitem__(self, i: int) -> Fields:
+        out = self.read(self._index(i))
+        if isinstance(out, dict):
+            return {k: v[0] for k, v in out.items()}
+        first: np.ndarray = out[0]
+        return first
+
+    def empty(self, batch: int, alloc: Alloc = np.empty) -> Fields:
+        """Arrays ``read`` can fill for ``batch`` observations."""
+        dt = self.source.dtype
+        if dt.fields is None:
+            return alloc((batch, self.window), dt)
+        return {name: alloc((batch, self.window), ft) for name, ft, _ in _field_layout(dt)}
+
+    def read(self, indices: npt.ArrayLike, out: Fields | None = None) -> Fields:
+        """Observations ``indices`` into ``out`` (new arrays when None).
+
+        ``out`` must match ``empty`` (dtype, shape ``[B, window]``,
+        C-contiguous): the loader passes pinned buffers here.
+        """
+        idx = self._indices(indices)
+        b = len(idx)
+        dt = self.source.dtype
+        if out is None:
+            out = self.empty(b)
+        if dt.fields is None:
+            dst = _check_out(out, (b, self.window), dt, "out")
+            self._read_windows(idx, dst)
+            return dst
+        if not isinstance(out, dict):
+            raise TypeError("out must be a dict of per-field arrays for a structured dtype")
+        layout = _field_layout(dt)
+        outs = [
+            _check_out(out.get(name), (b, self.window), ft, f"out[{name!r}]")
+            for name, ft, _ in layout
+        ]
+        scratch = np.empty((b, self.window), dtype=dt)
+        self._read_windows(idx, scratch)
+        split_fields(
+            scratch,
+            b * self.window,
+            dt.itemsize,
+            [o for _, _, o in layout],
+            [ft.itemsize for _, ft, _ in layout],
+            outs,
+        )
+        return out
