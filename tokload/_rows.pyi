@@ -46,3 +46,9 @@ def split_fields(
     sizes: Sequence[int],
     outs: Sequence[np.ndarray[Any, Any]],
 ) -> None: ...
+
+# RowSet.read of several row sets, in one engine call per backend: parts are
+# (rowset, starts, lengths, dst_offsets, out).
+def read_ranges(
+    parts: Sequence[tuple[RowSet, npt.ArrayLike, npt.ArrayLike, npt.ArrayLike, Any]],
+) -> None: ...

@@ -84,44 +84,28 @@ cdef class RowSet:
         Every range and destination is checked here; the reads then run in C
         without the GIL.
         """
+        read_ranges([(self, starts, lengths, dst_offsets, out)])
+
+    cdef tuple _checked(self, starts, lengths, dst_offsets, out):
+        """``read``'s arguments, checked: (starts, lengths, dst_offsets, the bytes of
+        out), the first three as uint64 arrays."""
         self.files.check_open()
-        cdef uint8_t[::1] dst = _out_bytes(out, self.rs.row_bytes, 0, False, "out")
-        cdef const uint64_t[::1] s = np.ascontiguousarray(starts, dtype=np.uint64)
-        cdef const uint64_t[::1] l = np.ascontiguousarray(lengths, dtype=np.uint64)
-        cdef const uint64_t[::1] d = np.ascontiguousarray(dst_offsets, dtype=np.uint64)
-        cdef size_t n = s.shape[0]
-        if l.shape[0] != n or d.shape[0] != n:
+        dst = _out_bytes(out, self.rs.row_bytes, 0, False, "out")
+        sa = np.ascontiguousarray(starts, dtype=np.uint64)
+        la = np.ascontiguousarray(lengths, dtype=np.uint64)
+        da = np.ascontiguousarray(dst_offsets, dtype=np.uint64)
+        n = sa.shape[0]
+        if la.shape[0] != n or da.shape[0] != n:
             raise ValueError("starts, lengths and dst_offsets must have the same length")
-        if n == 0:
-            return
-        sa, la, da = np.asarray(s), np.asarray(l), np.asarray(d)
-        end = sa + la
-        if (end < sa).any() or (end > self.total).any():
-            i = int(np.flatnonzero((end < sa) | (end > self.total))[0])
-            raise IndexError(f"rows [{sa[i]}, {sa[i] + la[i]}) are not within [0, {self.total})")
-        nbytes = la * np.uint64(self.rs.row_bytes)
-        if ((da + nbytes) > dst.shape[0]).any():
-            raise ValueError("a destination range runs past the end of out")
-        cdef uint8_t *dptr = &dst[0] if dst.shape[0] else NULL
-        cdef size_t nreq = lib.tl_rows_count_reqs(&self.rs, &s[0], &l[0], 0, n), m
-        cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>PyMem_Malloc(max(nreq, 1) * sizeof(lib.tl_ioreq))
-        if reqs is NULL:
-            raise MemoryError()
-        cdef lib.tl_engine eng
-        cdef lib.tl_io_error err
-        cdef size_t failed = 0
-        cdef int rc
-        try:
-            self.files.engine_begin(&eng)
-            with nogil:
-                m = lib.tl_rows_plan_many(&self.rs, &s[0], &l[0], 0, &d[0], n, dptr, reqs)
-                rc = lib.tl_engine_run(&eng, reqs, m, &err, &failed)
-            self.files.engine_end(&eng)
-            if rc:
-                i = reqs[failed].item
-                _raise_io(&err, self.files.paths, f"rows [{sa[i]}, {sa[i] + la[i]})")
-        finally:
-            PyMem_Free(reqs)
+        if n:
+            end = sa + la
+            if (end < sa).any() or (end > self.total).any():
+                i = int(np.flatnonzero((end < sa) | (end > self.total))[0])
+                raise IndexError(f"rows [{sa[i]}, {sa[i] + la[i]}) are not within [0, {self.total})")
+            nbytes = la * np.uint64(self.rs.row_bytes)
+            if ((da + nbytes) > dst.shape[0]).any():
+                raise ValueError("a destination range runs past the end of out")
+        return sa, la, da, dst
 
     def read_windows(self, indices, uint64_t first, uint64_t count, uint64_t stride,
                      uint64_t window, out):
@@ -232,6 +216,93 @@ cdef class RowSet:
             PyMem_Free(reqs)
         return m
 
+
+
+
+def read_ranges(parts):
+    """``RowSet.read`` of several row sets at once: one call into the I/O engine.
+
+    ``parts`` is a list of ``(rowset, starts, lengths, dst_offsets, out)``, each as
+    ``RowSet.read`` takes them (checked the same way, all before any read).  The
+    reads of every part are planned into one list and run in one engine call,
+    with the reads in flight of all of them (a blend's components read together:
+    one round of I/O where there were as many as components).  Parts whose files
+    use different backends (an object store and local files) run in one call per
+    backend.  A failure raises as ``RowSet.read`` does, naming the file of the
+    part that failed.
+    """
+    cdef list checked = []
+    cdef RowSet rs
+    cdef size_t total = 0, nreq
+    for part in parts:
+        rs = part[0]
+        sa, la, da, dst = rs._checked(part[1], part[2], part[3], part[4])
+        if sa.shape[0] == 0:
+            continue
+        nreq = _count(rs, sa, la)
+        checked.append((rs, sa, la, da, dst, nreq))
+        total += nreq
+    if not checked:
+        return
+    cdef list backends = []
+    for c in checked:
+        if (<RowSet>c[0]).files.backend not in backends:
+            backends.append((<RowSet>c[0]).files.backend)
+    for b in backends:
+        _run_group([c for c in checked if (<RowSet>c[0]).files.backend == b])
+
+
+cdef size_t _count(RowSet rs, sa, la):
+    cdef const uint64_t[::1] s = sa
+    cdef const uint64_t[::1] l = la
+    return lib.tl_rows_count_reqs(&rs.rs, &s[0], &l[0], 0, s.shape[0])
+
+
+cdef _run_group(list group):
+    """One engine call for the parts of ``group`` (files of one backend)."""
+    cdef size_t total = 0, m = 0, k, np_ = len(group)
+    for c in group:
+        total += <size_t>c[5]
+    cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>PyMem_Malloc(max(total, 1) * sizeof(lib.tl_ioreq))
+    if reqs is NULL:
+        raise MemoryError()
+    cdef size_t *firsts = <size_t *>PyMem_Malloc((np_ + 1) * sizeof(size_t))
+    if firsts is NULL:
+        PyMem_Free(reqs)
+        raise MemoryError()
+    cdef RowSet rs
+    cdef const uint64_t[::1] s
+    cdef const uint64_t[::1] l
+    cdef const uint64_t[::1] d
+    cdef uint8_t[::1] dst
+    cdef lib.tl_engine eng
+    cdef lib.tl_io_error err
+    cdef size_t failed = 0
+    cdef int rc
+    try:
+        for k in range(np_):  # plan every part (cheap: arithmetic, with the GIL)
+            c = group[k]
+            rs, s, l, d, dst = c[0], c[1], c[2], c[3], c[4]
+            firsts[k] = m
+            m += lib.tl_rows_plan_many(&rs.rs, &s[0], &l[0], 0, &d[0], s.shape[0],
+                                       &dst[0] if dst.shape[0] else NULL, reqs + m)
+        firsts[np_] = m
+        rs = group[0][0]
+        rs.files.engine_begin(&eng)
+        with nogil:
+            rc = lib.tl_engine_run(&eng, reqs, m, &err, &failed)
+        rs.files.engine_end(&eng)
+        if rc:
+            k = 0
+            while k + 1 < np_ and firsts[k + 1] <= failed:
+                k += 1
+            c = group[k]
+            i = reqs[failed].item
+            sa, la = c[1], c[2]
+            _raise_io(&err, (<RowSet>c[0]).files.paths, f"rows [{sa[i]}, {sa[i] + la[i]})")
+    finally:
+        PyMem_Free(reqs)
+        PyMem_Free(firsts)
 
 
 def split_fields(rows, uint64_t nrows, uint64_t row_bytes, offsets, sizes, outs):

@@ -22,6 +22,9 @@ from tokload.format import (
 
 DataLike = str | os.PathLike[str] | Source
 Fields = np.ndarray | dict[str, np.ndarray]
+ReadPart = tuple[Any, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""``(rowset, starts, lengths, byte offsets, out)``: one view's reads, for
+``tokload._rows.read_ranges`` (several views' reads in one engine call)."""
 V = TypeVar("V", bound="View")
 
 

@@ -51,8 +51,9 @@ import numpy as np
 import numpy.typing as npt
 
 from tokload._permute import Permutation, epoch_seed
+from tokload._rows import read_ranges
 from tokload.forksafe import ForkSafeLock
-from tokload.views.base import Fields, View, _check_out
+from tokload.views.base import Fields, ReadPart, View, _check_out
 from tokload.views.contract import Alloc, check_view, is_documents
 from tokload.views.metadata import StreamWithMetadata
 from tokload.views.windows import TokenStream
@@ -436,12 +437,43 @@ class Blend(View):
         dst: np.ndarray,
         out: Mapping[str, np.ndarray],
     ) -> None:
-        """The samples' documents into ``out``, each component reading its own
-        straight into the same arrays (no temporary per component)."""
+        """The samples' documents into ``out``: every component's reads straight
+        into the same arrays (no temporary per component), in one engine call
+        (``tokload._rows.read_ranges``)."""
+        parts: list[ReadPart] = []
+        self._extent_parts(indices, starts, lengths, dst, out, parts)
+        read_ranges(parts)
+
+    def _extent_reads(self, *args: Any) -> None:
+        """Not one part: a blend's reads are its components' (``_extent_parts``)."""
+        return None
+
+    def _extent_parts(
+        self,
+        indices: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        dst: np.ndarray,
+        out: Mapping[str, np.ndarray],
+        parts: list[ReadPart],
+    ) -> None:
+        """Add the reads of the samples' documents to ``parts`` (nested blends'
+        too); a component that cannot give its reads as a part (a structured
+        dtype, a user's view) reads its documents here."""
         comp, index = self.locate(indices)
         starts, lengths, dst = (np.asarray(a, dtype=np.uint64) for a in (starts, lengths, dst))
         for c, sel in _groups(comp):
-            self._docs(c).read_extents(index[sel], starts[sel], lengths[sel], dst[sel], out)
+            v = self._docs(c)
+            args = (index[sel], starts[sel], lengths[sel], dst[sel], out)
+            if isinstance(v, Blend):
+                v._extent_parts(*args, parts)
+                continue
+            reads = getattr(v, "_extent_reads", None)
+            part = reads(*args[1:]) if reads is not None else None
+            if part is None:
+                v.read_extents(*args)
+            else:
+                parts.append(part)
 
     def _docs(self, c: int) -> Any:
         if self.kind != "documents":
@@ -477,19 +509,28 @@ class Blend(View):
                 _check_out(arr, (b, self.window), arr.dtype, f"out[{name!r}]")
         else:
             _check_out(out, (b, self.window), out.dtype, "out")
-        self._read_rows(comp, index, np.arange(b, dtype=np.uint64), out)
+        parts: list[ReadPart] = []
+        self._read_rows(comp, index, np.arange(b, dtype=np.uint64), out, parts)
+        read_ranges(parts)
         return out
 
     def _read_rows(
-        self, comp: np.ndarray, index: np.ndarray, rows: np.ndarray, out: Fields
+        self,
+        comp: np.ndarray,
+        index: np.ndarray,
+        rows: np.ndarray,
+        out: Fields,
+        parts: list[ReadPart],
     ) -> None:
-        """Samples ``(comp, index)`` into rows ``rows`` of ``out``."""
+        """Samples ``(comp, index)`` into rows ``rows`` of ``out``: a plain
+        dtype's reads are added to ``parts`` (one engine call for every
+        component), a structured one's are read here and placed."""
         for c, sel in _groups(comp):
             v = self.views[c]
             if isinstance(v, Blend):
-                v._read_rows(*v.locate(index[sel]), rows[sel], out)
+                v._read_rows(*v.locate(index[sel]), rows[sel], out, parts)
             elif isinstance(out, np.ndarray):
-                v.read_rows_at(index[sel], rows[sel], out)
+                parts.append(v._window_reads(index[sel], rows[sel], out))
             else:
                 got = v.read(index[sel])
                 assert isinstance(got, dict)

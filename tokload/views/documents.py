@@ -10,9 +10,9 @@ import numpy as np
 import numpy.typing as npt
 
 from tokload._docindex import read_documents
-from tokload._rows import split_fields
+from tokload._rows import read_ranges, split_fields
 from tokload.errors import FormatError
-from tokload.views.base import DataLike, Fields, View, _check_out, _field_layout
+from tokload.views.base import DataLike, Fields, ReadPart, View, _check_out, _field_layout
 from tokload.views.contract import Alloc
 
 
@@ -148,14 +148,12 @@ class Documents(View):
         of ``out`` (one per field of ``fields``); other rows are left as they
         are. A plain dtype is one compiled read without the GIL, straight into
         ``out["tokens"]``."""
-        dt = self.source.dtype
+        part = self._extent_reads(starts, lengths, dst, out)
+        if part is not None:
+            read_ranges([part])
+            return
         lengths = np.ascontiguousarray(lengths, dtype=np.uint64)
         dst = np.ascontiguousarray(dst, dtype=np.uint64)
-        if dt.fields is None:
-            tokens = out["tokens"]
-            _check_out(tokens, tokens.shape, dt, "out['tokens']")
-            self.source.rows.read(starts, lengths, dst * np.uint64(dt.itemsize), tokens)
-            return
         # A structured dtype: the rows back to back into scratch, split into fields,
         # then each field's rows scattered to their places (NumPy, no loop per document).
         total = int(lengths.sum())
@@ -167,6 +165,24 @@ class Documents(View):
         )
         for name, values in fields.items():
             out[name][where] = values
+
+    def _extent_reads(
+        self,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        dst: np.ndarray,
+        out: Mapping[str, np.ndarray],
+    ) -> ReadPart | None:
+        """``read_extents``'s reads as a part for ``tokload._rows.read_ranges``
+        (a ``Blend`` reads every component's in one engine call); None for a
+        structured dtype, whose rows are split into fields after the read."""
+        dt = self.source.dtype
+        if dt.fields is not None:
+            return None
+        tokens = out["tokens"]
+        _check_out(tokens, tokens.shape, dt, "out['tokens']")
+        byte_dst = np.asarray(dst, dtype=np.uint64) * np.uint64(dt.itemsize)
+        return (self.source.rows, starts, lengths, byte_dst, tokens)
 
     def __getitem__(self, i: int) -> Fields:
         return self.read(self._index(i)).values

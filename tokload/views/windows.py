@@ -12,7 +12,7 @@ import numpy.typing as npt
 from tokload._docindex import split_cu_seqlens, window_boundaries
 from tokload._rows import split_fields
 from tokload.errors import FormatError
-from tokload.views.base import DataLike, Fields, View, _check_out, _field_layout
+from tokload.views.base import DataLike, Fields, ReadPart, View, _check_out, _field_layout
 from tokload.views.contract import ATTENTION_KEYS, Alloc, attention_keys
 
 
@@ -44,17 +44,17 @@ class _Windows(View):
         """Windows of observations ``indices`` (checked in C) back to back into dst."""
         self.source.rows.read_windows(indices, self._lo, len(self), self.stride, self.window, dst)
 
-    def read_rows_at(self, indices: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
-        """Windows of observations ``indices`` into rows ``rows`` of ``out`` (a
-        plain dtype's ``[B, window]`` array): one compiled read, no temporary
-        (a ``Blend`` reads each component's windows this way)."""
+    def _window_reads(self, indices: np.ndarray, rows: np.ndarray, out: np.ndarray) -> ReadPart:
+        """The read of windows of observations ``indices`` into rows ``rows`` of
+        ``out`` (a plain dtype's ``[B, window]`` array), as a part for
+        ``tokload._rows.read_ranges``: a ``Blend`` reads every component's
+        windows in one engine call, straight into the batch."""
         g = self._global(indices)
-        st = np.uint64(self.stride)
         w = np.uint64(self.window)
-        starts = g * st
+        starts = g * np.uint64(self.stride)
         lengths = np.full(len(g), w, dtype=np.uint64)
         dst = np.asarray(rows, dtype=np.uint64) * (w * np.uint64(out.dtype.itemsize))
-        self.source.rows.read(starts, lengths, dst, out)
+        return (self.source.rows, starts, lengths, dst, out)
 
     def storage_paths(self) -> list[str]:
         """The files a read of this view touches (the loader's read-ahead looks
