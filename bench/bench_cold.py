@@ -210,7 +210,11 @@ def _tokload_rate(corpus: list[Path], io: str | None, threads: int | None) -> fl
             tokload.open_flat(corpus, np.uint32), window=WINDOW, stride=STRIDE
         )
         loader = tokload.DataLoader(
-            view, batch_size=BATCH, seed=100 + rep, num_threads=threads, io=io
+            view,
+            batch_size=BATCH,
+            seed=100 + rep,
+            num_threads=threads,
+            read=tokload.ReadOptions(io=io),
         )
         it = iter(loader)
         try:

@@ -178,3 +178,36 @@ def test_write_puts_the_envelope_where_asked(tmp_path: Path) -> None:
 def test_the_committed_page_and_readme_match_the_committed_results() -> None:
     """What CI's ``python -m bench.report --check`` checks."""
     assert report.check(report.RESULTS_DIR, report.PAGE, ROOT / "README.md", report.ASSETS) == []
+
+
+def test_packing_shows_the_blend_and_the_engine_calls_per_task(results: Path) -> None:
+    rows = [
+        {"part": "blend", "label": "Blend of 16", "components": 16, "documents": 32000,
+         "dtype": "int32", "single_source_s": 1e-4, "blend_s": 1.25e-4,
+         "speed_of_single": 0.8, "speed_of_single_range": [0.7, 0.9]},
+        {"part": "io", "label": "Blend of 16", "components": 16, "tasks_built": 100,
+         "io_calls": 2100, "io_requests": 9000, "io_calls_per_task": 21.0, "target_per_task": 1},
+    ]  # fmt: skip
+    (results / "bench_packing.json").write_text(json.dumps(_doc("bench_packing", rows, [])))
+    page = report.render_page(results)
+    packing = page.split("## Best-fit packing", 1)[1].split("\n## ", 1)[0]
+    assert "`Documents(batch=" not in packing and "batching=tokload.Fill(4096)" in packing
+    assert "125 µs per batch against the single source's 100 µs, i.e. 0.800 of" in packing
+    assert "the target is 1 call per task" in packing
+    assert "| Blend of 16 | 16 | 100 | 2,100 | 9,000 | 21.0 |" in packing
+
+
+def test_blend_shows_many_components_and_their_heap(results: Path) -> None:
+    rows = [
+        {"label": "Blend of 1,000 local tokload builds", "components": 1000,
+         "documents_per_component": 8, "open_views_s": 0.2, "blend_constructor_s": 0.004,
+         "total_s": 0.204, "total_s_runs": [0.204, 0.21, 0.2]},
+        {"label": "heap", "components": 1000, "heap_bytes": 5.4e6, "heap_peak_bytes": 5.5e6,
+         "bytes_per_component": 5400.0},
+    ]  # fmt: skip
+    (results / "bench_blend.json").write_text(json.dumps(_doc("bench_blend", rows, [])))
+    page = report.render_page(results)
+    blend = page.split("## Blending", 1)[1].split("\n## ", 1)[0]
+    assert "opening the `Documents` takes 200 ms, the `Blend` constructor 4.00 ms" in blend
+    assert "together 204 ms (median of 3 runs: 204 ms, 210 ms, 200 ms)" in blend
+    assert "| 1,000 | 5.40 MB | 5.40 KB | 5.50 MB |" in blend

@@ -11,6 +11,7 @@ from harness import Segment, assert_exactly_once, run_segments
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tokload
 from tokload import Blend, DataLoader, Documents, TokenStream, Writer
 from tokload.errors import StateError
 from tokload.views.blend import largest_remainder
@@ -179,7 +180,7 @@ def test_through_the_dataloader_resume_and_rescale(views: list[TokenStream]) -> 
     )
 
     def make(**kw: Any) -> DataLoader:
-        return DataLoader(blend, seed=11, epochs=2, prefetch=3, **kw)
+        return DataLoader(blend, seed=11, epochs=2, **kw, read=tokload.ReadOptions(prefetch=3))
 
     got = run_segments(
         make,

@@ -39,6 +39,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tokload
 from tokload import StreamWithMetadata, Writer
 from tokload._io import uring_available
 from tokload._meta import SPAN_NONE, BlockSet, Scratch, decode_blocks, encode_blocks
@@ -822,7 +823,9 @@ def test_the_loader_reads_a_task_in_one_call(tmp_path: Path) -> None:
     view.read_batches = spy  # type: ignore[method-assign]
 
     def run(steps: int) -> list[Any]:
-        ld = DataLoader(view, 3, seed=7, epochs=2, steps_per_task=steps, num_threads=2)
+        ld = DataLoader(
+            view, 3, seed=7, epochs=2, num_threads=2, read=tokload.ReadOptions(steps_per_task=steps)
+        )
         out = list(ld)
         ld.close()
         return out

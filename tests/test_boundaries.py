@@ -350,7 +350,14 @@ def test_a_task_of_steps_is_one_read(tmp_path: Path) -> None:
         return real(*args)
 
     with mock.patch.object(view, "read_steps", counted):
-        loader = tokload.DataLoader(view, 4, epochs=1, num_threads=1, steps_per_task=5, device=None)
+        loader = tokload.DataLoader(
+            view,
+            4,
+            epochs=1,
+            num_threads=1,
+            device=None,
+            read=tokload.ReadOptions(steps_per_task=5),
+        )
         batches = list(loader)
     assert calls[0] == 1 and set(calls[1:-1]) == {5}  # the first task is one step
     assert sum(calls) == len(batches)

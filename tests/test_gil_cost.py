@@ -46,7 +46,13 @@ def calls_per_batch(
     are the same on hosts with and without CUDA (``tests/test_gpu.py`` counts the
     device path with this function)."""
     loader = {"pin_memory": False, "device": None, **loader}
-    ld = DataLoader(view, batch_size, num_threads=0, steps_per_task=steps_per_task, **loader)
+    ld = DataLoader(
+        view,
+        batch_size,
+        num_threads=0,
+        **loader,
+        read=tokload.ReadOptions(steps_per_task=steps_per_task),
+    )
     build = _task_builder(ld, 0)
     build(0)  # first tasks: permutation tables, dtype caches
     build(1)

@@ -74,7 +74,9 @@ def busy_stream() -> None:
 @pytest.mark.parametrize("threads", [1, 3])
 def test_device_batches_are_bitwise_right_under_load(threads: int, corpus: Path) -> None:
     view = TokenStream(corpus, window=4097, stride=4096)
-    ld = DataLoader(view, 8, seed=3, num_threads=threads, prefetch=16, device="cuda")
+    ld = DataLoader(
+        view, 8, seed=3, num_threads=threads, device="cuda", read=tokload.ReadOptions(prefetch=16)
+    )
     assert ld.pinned and ld.device == torch.device("cuda", torch.cuda.current_device())
     for step, batch in zip(range(300), ld, strict=False):
         assert batch["tokens"].device == ld.device and batch.ready is not None
@@ -87,7 +89,9 @@ def test_device_batches_are_bitwise_right_under_load(threads: int, corpus: Path)
 @pytest.mark.usefixtures("host_load")
 def test_the_readme_non_blocking_recipe_is_bitwise_right(corpus: Path) -> None:
     view = TokenStream(corpus, window=4097, stride=4096)
-    ld = DataLoader(view, 8, seed=4, num_threads=2, prefetch=16, device=None)
+    ld = DataLoader(
+        view, 8, seed=4, num_threads=2, device=None, read=tokload.ReadOptions(prefetch=16)
+    )
     assert ld.pinned
     kept = []
     for batch in zip(range(300), ld, strict=False):
@@ -132,7 +136,9 @@ def test_token_stream_boundaries_on_the_device(corpus: Path) -> None:
     """The attention metadata arrives on the device with its batch (max_seqlen, an
     int, stays on the host), equal to the view's own."""
     view = TokenStream(corpus, window=257, stride=200, boundaries=True)
-    ld = DataLoader(view, 8, seed=7, num_threads=2, prefetch=16, device="cuda")
+    ld = DataLoader(
+        view, 8, seed=7, num_threads=2, device="cuda", read=tokload.ReadOptions(prefetch=16)
+    )
     for step, batch in zip(range(50), ld, strict=False):
         busy_stream()
         want = view.boundaries(batch["index"].cpu().numpy())
@@ -149,7 +155,15 @@ def test_packed_rows_on_the_device(corpus: Path) -> None:
     on the device, equal to the same run's batches built on the host."""
     view = Documents(corpus)
     fill = tokload.Fill(4096, lookahead=64)
-    ld = DataLoader(view, 8, batching=fill, seed=3, num_threads=2, prefetch=16, device="cuda")
+    ld = DataLoader(
+        view,
+        8,
+        batching=fill,
+        seed=3,
+        num_threads=2,
+        device="cuda",
+        read=tokload.ReadOptions(prefetch=16),
+    )
     host = DataLoader(view, 8, batching=fill, seed=3, num_threads=1, device=None)
     for step, (batch, want) in zip(range(100), zip(ld, host, strict=False), strict=False):
         busy_stream()
@@ -175,7 +189,9 @@ def test_stream_with_metadata_on_the_device(tmp_path: Path) -> None:
             ]
             w.write(rng.integers(0, 65535, n, dtype=np.uint16), spans=spans)
     view = StreamWithMetadata(tmp_path / "m", window=257, stride=200)
-    ld = DataLoader(view, 8, seed=6, num_threads=2, prefetch=16, device="cuda")
+    ld = DataLoader(
+        view, 8, seed=6, num_threads=2, device="cuda", read=tokload.ReadOptions(prefetch=16)
+    )
     for step, batch in zip(range(200), ld, strict=False):
         busy_stream()
         assert batch["metadata_positions"].device == ld.device

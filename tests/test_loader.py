@@ -98,7 +98,13 @@ def test_global_batches_do_not_depend_on_the_number_of_ranks(
         steps: list[list[tuple[int, bytes]]] = [[] for _ in range(12)]
         for r in range(r_count):
             ld = DataLoader(
-                view(), g // r_count, seed=5, rank=r, world_size=r_count, num_threads=1, prefetch=2
+                view(),
+                g // r_count,
+                seed=5,
+                rank=r,
+                world_size=r_count,
+                num_threads=1,
+                read=tokload.ReadOptions(prefetch=2),
             )
             for s, b in zip(range(12), ld, strict=False):
                 # rank r takes positions c + r + k*R
@@ -186,7 +192,9 @@ def test_exactly_once_across_resumes_and_rescales(
     n = len(view)
 
     def make(**kw: Any) -> DataLoader:
-        return DataLoader(view, seed=seed, epochs=epochs, prefetch=3, **kw)
+        return DataLoader(
+            view, seed=seed, epochs=epochs, **kw, read=tokload.ReadOptions(prefetch=3)
+        )
 
     segs = [*segs, Segment(world_size=3, batch_size=4, steps=None)]  # finish the run
     got = run_segments(make, segs)
@@ -205,7 +213,7 @@ def test_resumed_batches_equal_an_uninterrupted_run(
             view = Documents(corpus)
         else:
             view = StreamWithMetadata(meta_corpus, window=8, stride=3)
-        return DataLoader(view, seed=99, epochs=2, prefetch=4, **kw)
+        return DataLoader(view, seed=99, epochs=2, **kw, read=tokload.ReadOptions(prefetch=4))
 
     whole = run_segments(make, [Segment(2, 5, None, num_threads=2)])
     parts = run_segments(
@@ -351,7 +359,13 @@ def test_an_error_in_a_reader_thread_reaches_the_right_next(corpus: Path) -> Non
     def raise_in_collate() -> None:
         raise ValueError("bad sample at position 40")
 
-    ld = DataLoader(TokenStream(corpus, window=9), 4, num_threads=3, prefetch=6, collate=collate)
+    ld = DataLoader(
+        TokenStream(corpus, window=9),
+        4,
+        num_threads=3,
+        collate=collate,
+        read=tokload.ReadOptions(prefetch=6),
+    )
     it = iter(ld)
     assert [next(it) for _ in range(10)] == list(range(0, 40, 4))
     with pytest.raises(ValueError, match="bad sample at position 40") as e:
@@ -368,7 +382,7 @@ def test_an_error_in_a_reader_thread_reaches_the_right_next(corpus: Path) -> Non
 
 def test_threads_stop_on_close_break_and_gc(corpus: Path) -> None:
     view = TokenStream(corpus, window=9)
-    ld = DataLoader(view, 4, num_threads=3, prefetch=8)
+    ld = DataLoader(view, 4, num_threads=3, read=tokload.ReadOptions(prefetch=8))
     it = iter(ld)
     next(it)
     assert len(reader_threads()) == 3
@@ -422,7 +436,9 @@ except KeyboardInterrupt:
 
 
 def test_prefetched_batches_are_not_counted(corpus: Path) -> None:
-    ld = DataLoader(TokenStream(corpus, window=9), 4, num_threads=2, prefetch=8)
+    ld = DataLoader(
+        TokenStream(corpus, window=9), 4, num_threads=2, read=tokload.ReadOptions(prefetch=8)
+    )
     it = iter(ld)
     next(it)
     time.sleep(0.2)  # let the threads run ahead
@@ -448,7 +464,9 @@ def test_pin_memory_without_a_gpu(corpus: Path) -> None:
 
 
 def test_buffers_are_never_reused(corpus: Path) -> None:
-    ld = DataLoader(TokenStream(corpus, window=9), 4, num_threads=2, prefetch=2)
+    ld = DataLoader(
+        TokenStream(corpus, window=9), 4, num_threads=2, read=tokload.ReadOptions(prefetch=2)
+    )
     kept: Iterator[Any] = iter(ld)
     batches = [next(kept) for _ in range(20)]
     ptrs = {b["tokens"].data_ptr() for b in batches}
@@ -477,9 +495,9 @@ def test_bad_arguments(corpus: Path) -> None:
     with pytest.raises(ValueError, match="past the end"):
         DataLoader(view, 2, epochs=1).cursor = len(view) + 1
     with pytest.raises(ValueError, match=r"prefetch must be >= 1 or None, got 0"):
-        DataLoader(view, 2, prefetch=0)
+        DataLoader(view, 2, read=tokload.ReadOptions(prefetch=0))
     with pytest.raises(ValueError, match=r"prefetch_bytes must be a positive integer, got 0"):
-        DataLoader(view, 2, prefetch_bytes=0)
+        DataLoader(view, 2, read=tokload.ReadOptions(prefetch_bytes=0))
     assert os.cpu_count()
 
 
@@ -501,7 +519,12 @@ def test_automatic_prefetch_follows_the_batch_size_in_bytes(corpus: Path) -> Non
     assert batch_nbytes(nested) == 40 + 3 + 16 and batch_nbytes("text") == 0
     view = TokenStream(corpus, window=33)
     for budget in (1 << 30, 40_000, 1):
-        ld = DataLoader(view, 4, num_threads=1, steps_per_task=4, prefetch_bytes=budget)
+        ld = DataLoader(
+            view,
+            4,
+            num_threads=1,
+            read=tokload.ReadOptions(steps_per_task=4, prefetch_bytes=budget),
+        )
         it: Any = iter(ld)
         assert it._pf is not None and it._pf.depth == 2
         first = next(it)
@@ -511,7 +534,9 @@ def test_automatic_prefetch_follows_the_batch_size_in_bytes(corpus: Path) -> Non
         assert it._pf.depth == want, (budget, nbytes)
         it.close()
     assert want == 2  # a budget below one task: still two tasks ahead
-    it = iter(DataLoader(view, 4, num_threads=1, steps_per_task=4, prefetch=24))
+    it = iter(
+        DataLoader(view, 4, num_threads=1, read=tokload.ReadOptions(steps_per_task=4, prefetch=24))
+    )
     next(it)
     assert it._pf is not None and it._pf.depth == 6
     it.close()
@@ -528,7 +553,12 @@ def test_automatic_prefetch_shrinks_for_larger_later_batches(corpus: Path) -> No
     largest batch that began a task, and never grows back."""
     from tokload.loader import auto_prefetch, batch_nbytes
 
-    ld = DataLoader(Documents(corpus), 2, num_threads=1, steps_per_task=1, prefetch_bytes=2000)
+    ld = DataLoader(
+        Documents(corpus),
+        2,
+        num_threads=1,
+        read=tokload.ReadOptions(steps_per_task=1, prefetch_bytes=2000),
+    )
     it: Any = iter(ld)
     largest, depths = 0, []
     for _ in range(40):
@@ -546,7 +576,12 @@ def test_batches_do_not_depend_on_threads_or_task_size(kind: str, corpus: Path) 
             TokenStream(corpus, window=11, stride=7) if kind == "stream" else Documents(corpus)
         )
         ld = DataLoader(
-            view, 6, seed=8, epochs=2, num_threads=threads, prefetch=5, steps_per_task=per_task
+            view,
+            6,
+            seed=8,
+            epochs=2,
+            num_threads=threads,
+            read=tokload.ReadOptions(prefetch=5, steps_per_task=per_task),
         )
         return list(ld)
 
@@ -565,7 +600,13 @@ def test_batches_do_not_depend_on_threads_or_task_size(kind: str, corpus: Path) 
 @pytest.mark.parametrize("threads", [0, 1, 3])
 def test_setting_the_cursor_inside_a_loop_goes_on_from_there(threads: int, corpus: Path) -> None:
     view = TokenStream(corpus, window=9)
-    ld = DataLoader(view, 4, seed=3, num_threads=threads, prefetch=12, steps_per_task=3)
+    ld = DataLoader(
+        view,
+        4,
+        seed=3,
+        num_threads=threads,
+        read=tokload.ReadOptions(prefetch=12, steps_per_task=3),
+    )
     got = []
     for step, b in enumerate(ld):
         got.append(b["position"].tolist())
@@ -590,7 +631,7 @@ def test_setting_the_cursor_inside_a_loop_goes_on_from_there(threads: int, corpu
 
 def test_load_state_dict_inside_a_loop_goes_on_from_the_state(corpus: Path) -> None:
     view = TokenStream(corpus, window=9)
-    ld = DataLoader(view, 4, seed=3, num_threads=2, prefetch=8, epochs=1)
+    ld = DataLoader(view, 4, seed=3, num_threads=2, epochs=1, read=tokload.ReadOptions(prefetch=8))
     saved = None
     seen: list[int] = []
     for step, b in enumerate(ld):
@@ -678,7 +719,14 @@ def test_every_io_path_gives_the_same_batches(io: str, corpus: Path) -> None:
 
     def run(io: str | None, depth: int | None) -> list[Any]:
         view = TokenStream(corpus, window=9, stride=4)
-        ld = DataLoader(view, 5, seed=2, epochs=1, num_threads=2, io=io, io_depth=depth)
+        ld = DataLoader(
+            view,
+            5,
+            seed=2,
+            epochs=1,
+            num_threads=2,
+            read=tokload.ReadOptions(io=io, io_depth=depth),
+        )
         assert ld._io is not None and ld._io.value[0] >= 0  # the loader's own backend
         return [b["tokens"].numpy().copy() for b in ld]
 
@@ -699,7 +747,14 @@ def test_io_is_the_loaders_own(corpus: Path) -> None:
     files = [f for f in view.source._closers if isinstance(f, _io.FileSet)]
     settings = [(f.io, f.queue_depth) for f in files]
     depth = min(_io.MAX_QUEUE_DEPTH, _io._pool_threads() + 7)
-    ld = DataLoader(view, 5, seed=2, epochs=1, num_threads=1, io="threads", io_depth=depth)
+    ld = DataLoader(
+        view,
+        5,
+        seed=2,
+        epochs=1,
+        num_threads=1,
+        read=tokload.ReadOptions(io="threads", io_depth=depth),
+    )
     other = DataLoader(view, 5, seed=2, epochs=1, num_threads=1)
     assert [b["tokens"].numpy().tolist() for b in ld] == [
         b["tokens"].numpy().tolist() for b in other
@@ -714,6 +769,30 @@ def test_io_is_the_loaders_own(corpus: Path) -> None:
         assert outer.value[1] == 2
         view.read(np.arange(3))
     with pytest.raises(ValueError, match="io_depth"):
-        DataLoader(view, 2, io_depth=0)
+        DataLoader(view, 2, read=tokload.ReadOptions(io_depth=0))
     with pytest.raises(ValueError, match="io"):
-        DataLoader(TokenStream(corpus, window=9), 2, io="fast")
+        DataLoader(TokenStream(corpus, window=9), 2, read=tokload.ReadOptions(io="fast"))
+
+
+def test_the_retired_read_keywords_warn_and_still_work(corpus: Path) -> None:
+    """0.1's DataLoader(prefetch=, steps_per_task=, ...) are thin aliases of
+    ReadOptions: they warn with the new spelling and do what it does."""
+    view = TokenStream(corpus, window=9)
+    new = r"write DataLoader\(\.\.\., read=tokload\.ReadOptions\(prefetch=4, steps_per_task=2\)\)"
+    with pytest.warns(DeprecationWarning, match=r"is retired since tokload 0\.2: " + new):
+        old = DataLoader(view, 2, num_threads=0, prefetch=4, steps_per_task=2)
+    assert old.read == tokload.ReadOptions(prefetch=4, steps_per_task=2)
+    assert (old.prefetch, old.steps_per_task) == (4, 2)
+    with pytest.raises(TypeError, match=r"give prefetch in read=ReadOptions\(\.\.\.\), not beside"):
+        DataLoader(view, 2, read=tokload.ReadOptions(), prefetch=4)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments: colour"):
+        DataLoader(view, 2, colour=1)
+    for bad, message in (
+        (dict(prefetch=0), r"prefetch must be >= 1 or None, got 0"),
+        (dict(steps_per_task=0), r"steps_per_task must be >= 1, got 0"),
+        (dict(readahead="yes"), r"readahead must be None, True or False, got 'yes'"),
+        (dict(io="fast"), r"io='fast': expected one of"),
+        (dict(io_depth=0), r"io_depth"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            tokload.ReadOptions(**bad)

@@ -21,6 +21,7 @@ from harness import Segment, assert_exactly_once, run_segments
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tokload
 from tokload import DataLoader, StreamWithMetadata, Writer
 from tokload.errors import CorruptDataError, FormatError
 from tokload.format import read_manifest
@@ -196,7 +197,7 @@ def test_exactly_once_across_resumes(tmp_path: Path, layout: str) -> None:
     n = len(view)
 
     def make(**kw: Any) -> DataLoader:
-        return DataLoader(view, seed=5, epochs=2, prefetch=3, **kw)
+        return DataLoader(view, seed=5, epochs=2, **kw, read=tokload.ReadOptions(prefetch=3))
 
     segs = [Segment(2, 3, 4), Segment(3, 2, 5, num_threads=2), Segment(1, 4, None)]
     got = run_segments(make, segs)

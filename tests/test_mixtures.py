@@ -259,7 +259,9 @@ def test_a_blend_of_windows_carries_provenance_and_counts(sources: list[Any]) ->
     a = tokload.TokenStream(sources[0].source, window=4)
     b = tokload.TokenStream(sources[1].source, window=4)
     blend = tokload.Blend([(a, 1), (b, 3)], length=64, block_size=16)
-    ld = tokload.DataLoader(blend, 4, epochs=1, device=None, num_threads=1, steps_per_task=3)
+    ld = tokload.DataLoader(
+        blend, 4, epochs=1, device=None, num_threads=1, read=tokload.ReadOptions(steps_per_task=3)
+    )
     samples = np.zeros(2, np.int64)
     for batch in ld:
         for c, i, row in zip(

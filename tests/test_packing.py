@@ -216,8 +216,8 @@ def test_every_document_once_per_epoch_on_any_world_size(tmp_path: Path) -> None
         for rank in range(world):
             loader = tokload.DataLoader(
                 view, 6 // world, batching=fill, seed=3, rank=rank, world_size=world,
-                epochs=2, device=None, num_threads=2, steps_per_task=3,
-            )  # fmt: skip
+                epochs=2, device=None, num_threads=2,
+            read=tokload.ReadOptions(steps_per_task=3))  # fmt: skip
             for batch in loader:
                 seen.update(check_batch(batch, docs, 128))
                 positions += batch["position"].tolist()

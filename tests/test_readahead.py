@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import tokload
 from tokload import DataLoader, Documents, TokenStream, Writer, readahead
 from tokload.readahead import filesystem_of, is_remote, parse_mountinfo
 
@@ -57,12 +58,12 @@ def test_the_automatic_choice_follows_the_mount(
     root = str(Path(corpus).resolve().anchor)
     monkeypatch.setattr(readahead, "_mounts", lambda: ((root, "nfs4"),))
     assert readahead.wanted(view) and DataLoader(view, 2).readahead is True
-    assert DataLoader(view, 2, readahead=False).readahead is False
+    assert DataLoader(view, 2, read=tokload.ReadOptions(readahead=False)).readahead is False
     assert not readahead.wanted(Documents(corpus))  # no hint: nothing to read ahead
     monkeypatch.setattr(readahead, "_mounts", lambda: ((root, "xfs"),))
     assert DataLoader(view, 2).readahead is False
     with pytest.raises(ValueError, match=r"readahead must be None, True or False, got 'yes'"):
-        DataLoader(view, 2, readahead="yes")  # type: ignore[arg-type]
+        DataLoader(view, 2, read=tokload.ReadOptions(readahead="yes"))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -70,8 +71,8 @@ def test_hints_change_nothing_in_the_batches(corpus: Path, threads: int) -> None
     view = TokenStream(corpus, window=33, stride=20)
 
     def run(ra: bool) -> tuple[list[Any], Any]:
-        ld = DataLoader(view, 3, seed=4, epochs=2, num_threads=threads, steps_per_task=2,
-                        prefetch=8, readahead=ra)  # fmt: skip
+        read = tokload.ReadOptions(steps_per_task=2, prefetch=8, readahead=ra)
+        ld = DataLoader(view, 3, seed=4, epochs=2, num_threads=threads, read=read)
         it: Any = iter(ld)
         out = [b["tokens"].clone() for b in it]
         return out, it

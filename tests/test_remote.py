@@ -226,7 +226,7 @@ def test_dataloader_exactly_once_across_a_resume_on_another_world_size(
     n = len(view)
 
     def make(**kw: Any) -> DataLoader:
-        return DataLoader(view, seed=11, epochs=1, prefetch=2, **kw)
+        return DataLoader(view, seed=11, epochs=1, **kw, read=tokload.ReadOptions(prefetch=2))
 
     got = run_segments(make, [Segment(2, 4, 5, num_threads=2), Segment(3, 3, None, num_threads=1)])
     assert_exactly_once(got, n, n)

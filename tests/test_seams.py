@@ -222,7 +222,13 @@ def test_a_forked_child_goes_on_with_the_batches_the_parent_gets_next(
     corpus: Path, threads: int, per_task: int
 ) -> None:
     view = TokenStream(corpus, window=9)
-    ld = DataLoader(view, 4, seed=5, num_threads=threads, steps_per_task=per_task, prefetch=8)
+    ld = DataLoader(
+        view,
+        4,
+        seed=5,
+        num_threads=threads,
+        read=tokload.ReadOptions(steps_per_task=per_task, prefetch=8),
+    )
     it = iter(ld)
     _firsts(it, 3)
     time.sleep(0.05)  # the readers run ahead: the parent holds built batches
@@ -244,7 +250,7 @@ def test_a_forked_child_s_stats_count_its_own_reads(corpus: Path) -> None:
     view = TokenStream(corpus, window=9)
     for _ in range(50):  # the process has read more than the child will
         view.read(np.arange(len(view)))
-    ld = DataLoader(view, 4, num_threads=2, steps_per_task=2)
+    ld = DataLoader(view, 4, num_threads=2, read=tokload.ReadOptions(steps_per_task=2))
     it = iter(ld)
     _firsts(it, 5)
 
@@ -270,7 +276,13 @@ def test_a_forked_child_never_waits_for_a_lock_a_parent_s_reader_held(
     statistics are added under one): the child's threads must not wait for it. Here
     a thread of the parent holds the lock (private: the test stands in for a reader
     caught at the fork)."""
-    ld = DataLoader(TokenStream(corpus, window=9), 4, seed=2, num_threads=2, steps_per_task=2)
+    ld = DataLoader(
+        TokenStream(corpus, window=9),
+        4,
+        seed=2,
+        num_threads=2,
+        read=tokload.ReadOptions(steps_per_task=2),
+    )
     it = iter(ld)
     _firsts(it, 2)
     held, release = threading.Event(), threading.Event()
@@ -312,7 +324,13 @@ def test_a_prefetcher_used_in_a_forked_child_raises_at_once() -> None:
 
 def test_close_waits_one_deadline_for_all_threads() -> None:
     gate = threading.Event()
-    ld = DataLoader(Rows(400, _blocking(gate, 4)), 4, shuffle=False, num_threads=3, prefetch=48)
+    ld = DataLoader(
+        Rows(400, _blocking(gate, 4)),
+        4,
+        shuffle=False,
+        num_threads=3,
+        read=tokload.ReadOptions(prefetch=48),
+    )
     it = iter(ld)
     next(it)
     deadline = time.monotonic() + 5
@@ -331,7 +349,13 @@ def test_close_waits_one_deadline_for_all_threads() -> None:
 
 def test_garbage_collection_does_not_wait_for_reads() -> None:
     gate = threading.Event()
-    ld = DataLoader(Rows(400, _blocking(gate, 4)), 4, shuffle=False, num_threads=3, prefetch=48)
+    ld = DataLoader(
+        Rows(400, _blocking(gate, 4)),
+        4,
+        shuffle=False,
+        num_threads=3,
+        read=tokload.ReadOptions(prefetch=48),
+    )
     it = iter(ld)
     next(it)
     time.sleep(0.2)
@@ -351,7 +375,13 @@ def test_a_closed_loader_s_task_gives_up_between_steps(kind: str) -> None:
     close is seen before the next step, not at the end of the task."""
     if kind == "steps":
         view: Rows = Steps(10_000, _sleeping(0.05))
-        ld = DataLoader(view, 2, shuffle=False, num_threads=2, steps_per_task=16, prefetch=64)
+        ld = DataLoader(
+            view,
+            2,
+            shuffle=False,
+            num_threads=2,
+            read=tokload.ReadOptions(steps_per_task=16, prefetch=64),
+        )
     else:
         view = Rows(10_000)
 
@@ -359,8 +389,8 @@ def test_a_closed_loader_s_task_gives_up_between_steps(kind: str) -> None:
             time.sleep(0.05)
             return raw["position"]
 
-        ld = DataLoader(view, 2, shuffle=False, num_threads=2, steps_per_task=16, prefetch=64,
-                        collate=collate)  # fmt: skip
+        read = tokload.ReadOptions(steps_per_task=16, prefetch=64)
+        ld = DataLoader(view, 2, shuffle=False, num_threads=2, collate=collate, read=read)
     it = iter(ld)
     next(it)
     time.sleep(0.7)  # both threads are inside a task of 16 steps of 50 ms
@@ -382,7 +412,13 @@ def test_a_closed_loader_s_task_gives_up_between_steps(kind: str) -> None:
 def test_cursor_moves_leave_no_threads_behind(view_kind: str) -> None:
     assert wait_no_readers()
     view = (Steps if view_kind == "steps" else Rows)(100_000, _sleeping(0.01))
-    ld = DataLoader(view, 4, shuffle=False, num_threads=2, steps_per_task=8, prefetch=32)
+    ld = DataLoader(
+        view,
+        4,
+        shuffle=False,
+        num_threads=2,
+        read=tokload.ReadOptions(steps_per_task=8, prefetch=32),
+    )
     rng = np.random.default_rng(1)
     it = iter(ld)
     for _ in range(25):
@@ -423,7 +459,14 @@ def test_a_failed_task_is_not_read_again_and_fails_at_its_first_step() -> None:
     # shuffle=False, batches of 2, tasks of 4 steps: task 0 is step 0 (positions 0-1),
     # task 1 steps 1-4 (2-9), task 2 steps 5-8 (10-17); sample 14 is in task 2, step 7
     view = Rows(40, _failing_at(14))
-    ld = DataLoader(view, 2, shuffle=False, epochs=1, num_threads=1, steps_per_task=4, prefetch=4)
+    ld = DataLoader(
+        view,
+        2,
+        shuffle=False,
+        epochs=1,
+        num_threads=1,
+        read=tokload.ReadOptions(steps_per_task=4, prefetch=4),
+    )
     it = iter(ld)
     got = [next(it)["position"].tolist() for _ in range(5)]
     assert got == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
@@ -450,7 +493,14 @@ def test_a_failed_task_is_not_read_again_and_fails_at_its_first_step() -> None:
 
 def test_a_transient_failure_reaches_next_and_a_resume_goes_on() -> None:
     view = Rows(40, _failing_at(14, times=1))
-    ld = DataLoader(view, 2, shuffle=False, epochs=1, num_threads=2, steps_per_task=4, prefetch=8)
+    ld = DataLoader(
+        view,
+        2,
+        shuffle=False,
+        epochs=1,
+        num_threads=2,
+        read=tokload.ReadOptions(steps_per_task=4, prefetch=8),
+    )
     seen: list[int] = []
     with pytest.raises(OSError, match="cannot read sample 14"):
         for b in ld:
@@ -465,7 +515,14 @@ def test_a_failure_in_a_step_of_its_own_lands_on_that_step() -> None:
     """Reads one step at a time (a view that is not rowwise): the failing step is
     known without a second read, and the steps before it are delivered."""
     view = Steps(40, _failing_at(14))
-    ld = DataLoader(view, 2, shuffle=False, epochs=1, num_threads=2, steps_per_task=4, prefetch=8)
+    ld = DataLoader(
+        view,
+        2,
+        shuffle=False,
+        epochs=1,
+        num_threads=2,
+        read=tokload.ReadOptions(steps_per_task=4, prefetch=8),
+    )
     seen: list[int] = []
     with pytest.raises(OSError, match="cannot read sample 14") as e:
         for b in ld:
@@ -564,9 +621,9 @@ def _scenario(rng: random.Random, views: dict[str, Any], remote: bool) -> str:
     batch = rng.randint(1, 6)
     epochs = rng.choice([None, 3])
     ld = DataLoader(
-        view, batch, seed=rng.randint(0, 99), num_threads=threads, steps_per_task=per_task,
-        prefetch=prefetch, io=io, epochs=epochs,
-    )  # fmt: skip
+        view, batch, seed=rng.randint(0, 99), num_threads=threads,
+        epochs=epochs,
+    read=tokload.ReadOptions(steps_per_task=per_task, prefetch=prefetch, io=io))  # fmt: skip
     did = [f"{kind} io={io} threads={threads} per_task={per_task} prefetch={prefetch} "
            f"batch={batch} epochs={epochs}:"]  # fmt: skip
     it: Iterator[Any] | None = iter(ld)

@@ -126,7 +126,9 @@ class Slow:
 
 
 def test_a_slow_view_shows_as_waits_and_a_fast_one_does_not() -> None:
-    slow = tokload.DataLoader(Slow(0.03), 2, num_threads=1, prefetch=1, steps_per_task=1)
+    slow = tokload.DataLoader(
+        Slow(0.03), 2, num_threads=1, read=tokload.ReadOptions(prefetch=1, steps_per_task=1)
+    )
     it = iter(slow)
     for _ in range(8):
         next(it)
@@ -134,7 +136,9 @@ def test_a_slow_view_shows_as_waits_and_a_fast_one_does_not() -> None:
     slow.close()
     assert s["wait_p50_s"] > 0.01 and s["wait_max_s"] >= s["wait_p99_s"] >= s["wait_p50_s"]
     assert s["wait_fraction"] > 0.5 and s["build_s"] > 8 * 0.03 * 0.9
-    fast = tokload.DataLoader(Slow(0.0), 2, num_threads=1, prefetch=64, steps_per_task=16)
+    fast = tokload.DataLoader(
+        Slow(0.0), 2, num_threads=1, read=tokload.ReadOptions(prefetch=64, steps_per_task=16)
+    )
     it = iter(fast)
     next(it)
     time.sleep(0.3)  # the prefetch fills

@@ -167,9 +167,10 @@ def test_device_copies_under_randomized_timing(
         batching=policy,
         seed=seed,
         num_threads=rng.choice([0, 1, 2, 3]),
-        prefetch=rng.choice([1, 4, 12]),
-        steps_per_task=(spt := rng.choice([1, 3, 8])),
         transfer=fd,
+        read=tokload.ReadOptions(
+            prefetch=rng.choice([1, 4, 12]), steps_per_task=(spt := rng.choice([1, 3, 8]))
+        ),
     )
     assert ld.pinned and ld.device == "fake"
     held: list[Batch] = []
@@ -196,7 +197,9 @@ def test_the_readme_non_blocking_recipe(threads: int, corpus: Path) -> None:
     """Host batches copied by the trainer itself, then dropped at once."""
     view = TokenStream(corpus, window=9, stride=5)
     fd = FakeDevice(seed=threads, max_delay=0.01, copies=False)
-    ld = DataLoader(view, 4, seed=6, num_threads=threads, prefetch=8, transfer=fd)
+    ld = DataLoader(
+        view, 4, seed=6, num_threads=threads, transfer=fd, read=tokload.ReadOptions(prefetch=8)
+    )
     assert ld.device is None
     copies = []
     for batch in zip(range(80), ld, strict=False):

@@ -86,7 +86,9 @@ def test_guide_pairs_through_resumes_and_rescales(threads: int, two: tuple[Path,
     n = len(pairs)
 
     def make(**kw: Any) -> DataLoader:
-        return DataLoader(pairs, seed=9, epochs=2, prefetch=6, steps_per_task=4, **kw)
+        return DataLoader(
+            pairs, seed=9, epochs=2, **kw, read=tokload.ReadOptions(prefetch=6, steps_per_task=4)
+        )
 
     got = run_segments(
         make,
@@ -148,8 +150,21 @@ class Reserved(BadRows):
 
 def test_a_view_breaking_the_protocol_is_named() -> None:
     with pytest.raises(ValueError, match="BadRows is rowwise, but read_batch gave 'x' as"):
-        next(iter(DataLoader(BadRows(), 4, num_threads=0, steps_per_task=2, prefetch=2)))
-    it = iter(DataLoader(BadRows(), 4, num_threads=1, steps_per_task=2, prefetch=2))
+        next(
+            iter(
+                DataLoader(
+                    BadRows(),
+                    4,
+                    num_threads=0,
+                    read=tokload.ReadOptions(steps_per_task=2, prefetch=2),
+                )
+            )
+        )
+    it = iter(
+        DataLoader(
+            BadRows(), 4, num_threads=1, read=tokload.ReadOptions(steps_per_task=2, prefetch=2)
+        )
+    )
     with pytest.raises(ValueError, match="BadRows is rowwise"):
         next(it)
     with pytest.raises(ValueError, match="returned the key 'index', which the loader sets"):

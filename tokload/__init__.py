@@ -29,6 +29,7 @@ from tokload.format import Source, open_dataset
 from tokload.inputs import InputError
 from tokload.interop import open_flat, open_megatron
 from tokload.loader import DataLoader
+from tokload.reading import ReadOptions
 from tokload.views import (
     Blend,
     DocumentBatch,
@@ -58,6 +59,7 @@ __all__ = [
     "Pad",
     "Permutation",
     "RangesIgnoredError",
+    "ReadOptions",
     "RecordList",
     "RemoteAccessError",
     "RemoteError",

@@ -28,11 +28,11 @@ from typing import Any, Self
 
 import numpy as np
 
-from tokload._io import io_scope
 from tokload.batching import Batching, cut, read_step, resolve
 from tokload.errors import StateError
 from tokload.prefetch import CLOSE_S, POLL_S, Prefetcher
 from tokload.readahead import ReadAhead, wanted
+from tokload.reading import ReadOptions, from_retired
 from tokload.schedule import Schedule
 from tokload.stats import LoaderStats, format_report, log
 from tokload.transfer import Batch, Transfer, TransferBackend, make_backend
@@ -76,7 +76,7 @@ class DataLoader:
             ``StreamWithMetadata``, ``Blend`` (or a subset of one), or your
             own object implementing the view protocol of ``tokload.views.contract``
             (``len``, ``fingerprint``, ``read_batch``) and, for documents, the
-            document contract of ``tokload.batching``.
+            document contract there.
         batch_size: samples per rank per step (``B``); with ``Fill``, rows.
         batching: how a step's samples become a batch (``tokload.batching``):
             ``Stack()`` (the view's own arrays stacked: token windows),
@@ -94,21 +94,6 @@ class DataLoader:
             data-parallel dimension; ranks differing only in other dimensions
             get identical batches.
         mesh_dim: the mesh's data-parallel dimension (name or index, default 0).
-        prefetch: batches built ahead of the trainer (per rank); keep it at
-            least twice ``steps_per_task`` so a task is always being built.
-            Default (None): as many as ``prefetch_bytes`` of batches hold, at
-            most ``MAX_AUTO_PREFETCH`` (512) and at least two tasks, sized by
-            the largest of the batches that begin a task (until the first is
-            delivered, two tasks; a ``collate`` result with no arrays in dicts,
-            lists or tuples counts as unknown: 32 batches). 512 is sized
-            by ``bench/bench_stall.py``: on storage that delays 1 read in 1,000
-            by 200 ms, it lets 8 reader threads hide most of the delay from a
-            trainer consuming half the storage's throughput (67 MB for batches
-            of 8 windows of 4097 uint32 tokens).
-        prefetch_bytes: the memory the automatic prefetch may fill per rank
-            (default 256 MiB): host batches, or with a ``device`` that much
-            device memory and the pinned host copies besides; ignored when
-            ``prefetch`` is given.
         num_threads: reader threads; 0 builds each batch in ``next()`` (handy
             for debugging). Default: half the CPU cores, between 1 and 4, so
             the training thread keeps a core of its own.
@@ -128,43 +113,16 @@ class DataLoader:
             last ``n % G`` positions are skipped), and drop a final partial
             batch. Default False: nothing is ever skipped.
         rounds: Feistel rounds of the permutation.
-        steps_per_task: consecutive steps a reader thread builds per task
-            (default 16). The samples of all of them are permuted and read in
-            one call each (every batching policy of documents, and ``Stack``
-            of rowwise views: token streams and blends of them; a stream with
-            metadata blocks in one round): the thread takes the GIL about once per task
-            instead of per batch (which is what keeps the training thread at
-            full speed), and the I/O engine has a whole task's reads to keep in
-            flight (16 steps of 8 windows: 128 reads, what cold storage needs).
-            The first task is one step, and the other tasks start when it is
-            done (or after half a second), so the first batch waits only for
-            its own reads. The batches are the same whatever this is.
-        io: how this loader's reads run: ``"auto"`` (io_uring where the
-            kernel allows it, else a pool of C threads), ``"uring"``,
-            ``"threads"`` or ``"sync"``. None (default): the dataset's setting
-            (``TOKLOAD_IO``, else ``"auto"``; ``view.configure_io`` changes it
-            for every user of the dataset). Applies to this loader's reads
-            only (``tokload._io.io_scope``): another loader of the same view
-            keeps its own.
-        io_depth: the reads kept in flight per read call, for this loader's
-            reads only. None (default): the dataset's setting
-            (``TOKLOAD_IO_DEPTH``, else the default depth).
-        transfer: a ``TransferBackend`` to use instead of
-            the one ``pin_memory`` and ``device`` describe (tests use a fake
-            device).
-        readahead: while the reader threads build a task, ask the view (when it
-            has ``hint``: token streams and streams with metadata) to start
-            reading the samples of the tasks the prefetch will reach, so a read
-            the storage delays is in flight long before it is needed
-            (``tokload.readahead``). None (default): on where the view's
-            files are on a network or FUSE filesystem (NFS, Lustre, s3fs, ...),
-            off on local disks, where the kernel's read-ahead competes with the
-            reader's own reads; True / False: always / never. ``self.readahead``
-            says what was chosen.
+        read: how this loader reads (``ReadOptions``: its prefetch, the steps
+            of a reader task, its I/O backend and depth, read-ahead); the
+            batches are the same whatever it is. Default: ``ReadOptions()``.
         log_every: seconds between log lines of ``stats()`` (logger
             ``"tokload"``, level INFO), written by ``next()`` once that much
             time has passed; None (default): none. The log keeps its own
             interval: it does not reset the one ``stats()`` reports.
+        transfer: a ``TransferBackend`` to use instead of
+            the one ``pin_memory`` and ``device`` describe (tests use a fake
+            device).
 
     Batches are ``Batch`` dicts of tensors: the arrays the batching policy
     gives (``"tokens"``, or one entry per field of a structured dtype, plus
@@ -178,11 +136,11 @@ class DataLoader:
 
     Errors, closing, fork. A reader thread's error is raised by the ``next()``
     that would have returned its batch, and the cursor stays before that batch.
-    The error of a call that served several batches (a rowwise view's read of a
-    whole task) is raised at the first of them, with a note naming their
+    The error of a call that served several batches (the batching policy's read
+    of a whole task) is raised at the first of them, with a note naming their
     cursors; nothing is read a second time to find the batch that failed. The
-    error of a batch's own call (reads of a view that is not rowwise, packed
-    rows, ``collate``) is raised at that batch. ``close()`` waits for the
+    error of a batch's own call (reads of a user's view that is neither rowwise
+    nor has ``read_batches``, ``collate``) is raised at that batch. ``close()`` waits for the
     threads one second (``tokload.prefetch.CLOSE_S``) at most for all of them;
     garbage collection only tells them to stop. A thread stops between the
     batches of a task, or when a read in progress returns (the I/O engine
@@ -204,8 +162,6 @@ class DataLoader:
         world_size: int | None = None,
         mesh: Any = None,
         mesh_dim: str | int | None = None,
-        prefetch: int | None = None,
-        prefetch_bytes: int = 256 << 20,
         num_threads: int | None = None,
         pin_memory: bool | str = "auto",
         device: Any = "auto",
@@ -213,33 +169,27 @@ class DataLoader:
         epochs: int | None = None,
         drop_last: bool = False,
         rounds: int = 6,
-        steps_per_task: int = 16,
-        io: str | None = None,
-        io_depth: int | None = None,
-        transfer: TransferBackend | None = None,
-        readahead: bool | None = None,
+        read: ReadOptions | None = None,
         log_every: float | None = None,
+        transfer: TransferBackend | None = None,
+        **retired: Any,
     ) -> None:
+        read = from_retired(read, retired)
         check_view(view)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         n = len(view)
         if n == 0:
             raise ValueError(f"the view is empty: {view!r}")
-        if prefetch is not None and (isinstance(prefetch, bool) or prefetch < 1):
-            raise ValueError(f"prefetch must be >= 1 or None, got {prefetch!r}")
-        if isinstance(prefetch_bytes, bool) or prefetch_bytes < 1:
-            raise ValueError(f"prefetch_bytes must be a positive integer, got {prefetch_bytes!r}")
         if num_threads is None:
             num_threads = min(4, max(1, (os.cpu_count() or 2) // 2))
         if num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {num_threads}")
         if epochs is not None and (isinstance(epochs, bool) or epochs < 1):
             raise ValueError(f"epochs must be >= 1 or None, got {epochs}")
-        if steps_per_task < 1:
-            raise ValueError(f"steps_per_task must be >= 1, got {steps_per_task}")
+        self.read = read
         # this loader's reads only: its reader threads read in this scope
-        self._io = io_scope(io, io_depth) if io is not None or io_depth is not None else None
+        self._io = read.scope()
         self.view = view
         self.n = n
         self.rank, self.world_size = _resolve_rank(rank, world_size, mesh, mesh_dim)
@@ -253,18 +203,16 @@ class DataLoader:
         self.seed, self.shuffle, self.rounds = int(seed), bool(shuffle), int(rounds)
         self.epochs, self.drop_last = epochs, bool(drop_last)
         self.total = None if epochs is None else epochs * n
-        self.prefetch = None if prefetch is None else int(prefetch)
-        self.prefetch_bytes, self.num_threads = int(prefetch_bytes), int(num_threads)
-        self.steps_per_task = int(steps_per_task)
+        self.prefetch = read.prefetch
+        self.prefetch_bytes, self.num_threads = read.prefetch_bytes, int(num_threads)
+        self.steps_per_task = read.steps_per_task
         if log_every is not None and (
             isinstance(log_every, bool) or not isinstance(log_every, (int, float)) or log_every <= 0
         ):
             raise ValueError(
                 f"log_every must be a positive number of seconds or None, got {log_every!r}"
             )
-        if readahead not in (None, True, False):
-            raise ValueError(f"readahead must be None, True or False, got {readahead!r}")
-        self.readahead = wanted(view) if readahead is None else bool(readahead)
+        self.readahead = wanted(view) if read.readahead is None else read.readahead
         self.collate = collate
         order: dict[str, Any] = dict(
             rank=self.rank,
