@@ -1,4 +1,5 @@
-"""Constructing a blend: tokload (nothing stored) against Megatron-style index arrays.
+"""Constructing a blend: tokload (nothing stored) against Megatron-style index arrays,
+and a blend of 1,000 components.
 
     python -m pytest bench/bench_blend.py -o python_files='bench_*.py' -s
     TOKLOAD_BENCH_BLEND_N=1000000000 python -m pytest bench/bench_blend.py ...  # 10 GB
@@ -10,11 +11,23 @@ NumPy baseline builds those two arrays for N samples of a 3-source mixture
 source). tokload's Blend over the same N positions stores only its segments;
 the figures are time and peak traced memory of construction, plus what a
 lookup of a batch costs once built.
+
+Many components (issue 36): 1,000 tiny local tokload builds (8 ``uint16``
+documents each, about 0.7 MB on disk in all, deleted after), opened as
+``Documents`` and blended with ``tokload.Blend([(Documents(p), 1), ...],
+length=..., block_size=...)``: the time to open the 1,000 views and the time of
+the ``Blend`` constructor alone (median of 3 runs, each with views opened anew;
+goal: both together under 1 s), and the Python heap the views and the blend
+hold once built (tracemalloc: Python and NumPy allocations, not C's ``malloc``)
+for 100 and 1,000 components, per component: linear when the two agree.
+``TOKLOAD_BENCH_BLEND_COMPONENTS`` changes the 1,000.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import statistics
 import tempfile
 import time
 import tracemalloc
@@ -29,6 +42,8 @@ import tokload
 from bench import _results
 
 N = int(os.environ.get("TOKLOAD_BENCH_BLEND_N", 100_000_000))
+COMPONENTS = int(os.environ.get("TOKLOAD_BENCH_BLEND_COMPONENTS", 1000))
+DOCS_PER_COMPONENT = 8
 WEIGHTS = [0.6, 0.3, 0.1]
 RESULTS: dict[str, tuple[float, int]] = {}
 
@@ -100,3 +115,88 @@ def test_construction(views: list[tokload.TokenStream]) -> None:
         f"  ratio: {t_np / t_blend:,.0f}x the time, {m_np / max(m_blend, 1):,.0f}x the memory; "
         f"a lookup of 4096 random positions then takes {t_lookup * 1e3:.1f} ms"
     )
+
+
+@pytest.fixture(scope="module")
+def many() -> Iterator[list[Path]]:
+    """``COMPONENTS`` tiny tokload builds (``DOCS_PER_COMPONENT`` documents of 16 to 23
+    ``uint16`` tokens each), removed after."""
+    tmp = Path(tempfile.mkdtemp(prefix="tokload-bench-many-"))
+    try:
+        paths = []
+        for c in range(COMPONENTS):
+            paths.append(tmp / f"c{c:04d}")
+            with tokload.Writer(paths[-1], np.uint16, durable=False) as w:
+                for d in range(DOCS_PER_COMPONENT):
+                    w.write(np.full(16 + d, c % 60_000 + 1, dtype=np.uint16))
+        disk = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+        print(f"\n{COMPONENTS:,} tokload builds: {disk / 1e6:.2f} MB on disk")
+        yield paths
+    finally:
+        shutil.rmtree(tmp)
+
+
+def _open_and_blend(paths: list[Path]) -> tuple[list[tokload.Documents], tokload.Blend, float]:
+    """The views of ``paths`` and their blend; the time of the Blend constructor alone."""
+    views = [tokload.Documents(p) for p in paths]
+    t0 = time.perf_counter()
+    blend = tokload.Blend(
+        [(v, 1) for v in views], length=DOCS_PER_COMPONENT * len(paths), block_size=len(paths)
+    )
+    return views, blend, time.perf_counter() - t0
+
+
+def test_many_components(many: list[Path]) -> None:
+    n = len(many)
+    opens, blends, totals = [], [], []
+    for _ in range(3):  # each run opens every view anew
+        t0 = time.perf_counter()
+        views, blend, t_blend = _open_and_blend(many)
+        total = time.perf_counter() - t0
+        assert len(blend) == DOCS_PER_COMPONENT * n and len(blend.views) == n
+        opens.append(total - t_blend)
+        blends.append(t_blend)
+        totals.append(total)
+        del views, blend
+    t_open, t_blend, t_total = (statistics.median(x) for x in (opens, blends, totals))
+    _results.record(
+        "bench_blend",
+        label=f"Blend of {n:,} local tokload builds",
+        components=n,
+        documents_per_component=DOCS_PER_COMPONENT,
+        open_views_s=t_open,
+        blend_constructor_s=t_blend,
+        total_s=t_total,
+        total_s_runs=totals,
+    )
+    _results.goal(
+        "bench_blend",
+        f"a Blend of {n:,} local components opens: {n:,} Documents opened plus the Blend "
+        "constructor (seconds, median of 3; issue 36)",
+        1.0,
+        t_total,
+        higher_is_better=False,
+        fmt="{:.3f} s",
+    )
+    print(f"blend of {n:,} components: open the views {t_open * 1e3:.1f} ms, Blend "
+          f"{t_blend * 1e3:.2f} ms, together {t_total * 1e3:.1f} ms "
+          f"(runs: {', '.join(f'{t * 1e3:.1f}' for t in totals)} ms)")  # fmt: skip
+    for k in sorted({min(100, n), n}):
+        tracemalloc.start()
+        before, _ = tracemalloc.get_traced_memory()
+        views, blend, _ = _open_and_blend(many[:k])
+        after, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert len(blend.views) == k
+        del views, blend
+        held, peak = after - before, peak - before
+        _results.record(
+            "bench_blend",
+            label=f"Blend of {k:,} components: Python heap held (tracemalloc)",
+            components=k,
+            heap_bytes=held,
+            heap_peak_bytes=peak,
+            bytes_per_component=held / k,
+        )
+        print(f"  {k:5,} components: {held / 1e6:.2f} MB held ({held / k:,.0f} B per "
+              f"component), peak {peak / 1e6:.2f} MB")  # fmt: skip

@@ -319,6 +319,39 @@ def packing_tables(rows: list[Row]) -> str:
                 for r in loader
             ],
         )
+    blend = _find(rows, part="blend")
+    if blend:
+        lo, hi = blend.get("speed_of_single_range") or [None, None]
+        text += (
+            f"\n\nA blend of {cell(blend.get('components'))} sources of three formats "
+            f"({cell(blend.get('documents'))} documents of `{blend.get('dtype', '?')}` tokens in "
+            f"all, the single source's log-normal lengths) with `Fill(4096)`: "
+            f"{seconds(blend.get('blend_s'))} per batch against the single source's "
+            f"{seconds(blend.get('single_source_s'))}, i.e. "
+            f"{num(blend.get('speed_of_single'))} of its speed (median of the rounds' "
+            f"ratios, {num(lo)} to {num(hi)})."
+        )
+    io = [r for r in rows if r.get("part") == "io"]
+    if io:
+        text += (
+            "\n\nI/O engine calls per reader task in those rounds (`DataLoader.stats()`: "
+            "`io_calls` over `tasks_built`, summed over the rounds; the target is 1 call "
+            "per task):\n\n"
+            + table(
+                ["view", "sources", "tasks", "engine calls", "requests", "calls per task"],
+                [
+                    [
+                        cell(r["label"]),
+                        cell(r.get("components")),
+                        cell(r.get("tasks_built")),
+                        cell(r.get("io_calls")),
+                        cell(r.get("io_requests")),
+                        num(r.get("io_calls_per_task")),
+                    ]
+                    for r in io
+                ],
+            )
+        )
     return text
 
 
@@ -481,6 +514,34 @@ def blend_tables(rows: list[Row]) -> str:
         text += (
             f"\n\nOnce built, locating 4,096 random positions takes {seconds(look['lookup_s'])}."
         )
+    many = [r for r in rows if "open_views_s" in r]
+    for r in many:
+        text += (
+            f"\n\nA blend of {cell(r.get('components'))} local tokload builds "
+            f"({cell(r.get('documents_per_component'))} documents each): opening the "
+            f"`Documents` takes {seconds(r['open_views_s'])}, the `Blend` constructor "
+            f"{seconds(r.get('blend_constructor_s'))}, together {seconds(r.get('total_s'))} "
+            f"(median of {len(r.get('total_s_runs') or []) or DASH} runs: "
+            f"{', '.join(seconds(x) for x in r.get('total_s_runs') or [])})."
+        )
+    heap = [r for r in rows if "heap_bytes" in r]
+    if heap:
+        text += (
+            "\n\nThe Python heap the views and the blend hold once built (tracemalloc: "
+            "Python and NumPy allocations):\n\n"
+            + table(
+                ["components", "held", "per component", "peak while building"],
+                [
+                    [
+                        cell(r.get("components")),
+                        nbytes(r["heap_bytes"]),
+                        nbytes(r.get("bytes_per_component")),
+                        nbytes(r.get("heap_peak_bytes")),
+                    ]
+                    for r in heap
+                ],
+            )
+        )
     return text
 
 
@@ -565,10 +626,16 @@ BENCHMARKS = [
         "Rows of 4,096 tokens filled with whole documents of log-normal lengths (median 600 "
         "tokens): the share of padding with best-fit packing by look-ahead, against greedy "
         "packing and one document per row (200,000 lengths in a shuffle's order), and the "
-        "packer's time per document; then, on 32M `uint32` tokens in the page cache, a batch "
-        'of 8 packed rows (`Documents(batch="fill").read_rows`) against a plain '
-        "`TokenStream` batch, and through the DataLoader (1 reader thread, flat out) the "
-        "time per batch of token streams with attention metadata and of packed rows.",
+        "packer's time per document; then, on 32M `uint32` tokens in the page cache, one "
+        "step's read of 8 packed rows by the `Fill` policy's reader "
+        "(`tokload.Fill(4096).reader(...)`) against a plain `TokenStream` batch, and through "
+        "the DataLoader (1 reader thread, flat out, `device=None`) the time per batch of "
+        "token streams with attention metadata, of "
+        "`DataLoader(Documents(p), 8, batching=tokload.Fill(4096))` and of the same over a "
+        "`tokload.Blend` of 16 sources of three formats (6 tokload builds, 5 Megatron "
+        "`.bin/.idx` prefixes, 5 flat `.npy` files opened with "
+        "`tokload.open_flat(path, eos=0)`; 32M `int32` tokens, since Megatron has no "
+        "`uint32`), with the I/O engine calls per reader task.",
         "python -m bench.bench_packing",
         packing_tables,
     ),
@@ -587,7 +654,10 @@ BENCHMARKS = [
         "Blending",
         "Constructing a 3-source blend: tokload's `Blend` (nothing stored per sample) "
         "against the per-sample index arrays Megatron-style blending precomputes (time and "
-        "peak traced memory), and a lookup once built.",
+        "peak traced memory), and a lookup once built. Then a blend of 1,000 tiny local "
+        "tokload builds: the time to open the 1,000 `Documents` and of "
+        "`tokload.Blend([(Documents(p), 1), ...], length=..., block_size=...)` (median of 3, "
+        "views opened anew each time), and the Python heap held at 100 and 1,000 components.",
         PYTEST.format("bench_blend.py") + " -s",
         blend_tables,
     ),
