@@ -97,8 +97,9 @@ def test_document_batches_cost_does_not_grow_with_the_batch(policy: Any, data: P
     small = calls_per_batch(Documents(data / "ds"), batch_size=4, batching=policy)
     large = calls_per_batch(Documents(data / "ds"), batch_size=64, batching=policy)
     # 16x the samples; a step of 64 packed rows also crosses more of the packer's
-    # groups of documents (a few calls each, per group, never per row)
-    assert abs(large - small) <= (5 if isinstance(policy, tokload.Fill) else 2)
+    # groups of documents (a few calls each, per group, never per row: per row it
+    # would be 60 more)
+    assert abs(large - small) <= (10 if isinstance(policy, tokload.Fill) else 2)
 
 
 @pytest.mark.parametrize("layout", ["blocks", "spans", "per_token"])

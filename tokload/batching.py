@@ -111,15 +111,19 @@ def cut(task: Task, whole: dict[str, Any], make: Any = dict) -> list[Any]:
     arrays, no copy. Slices that follow one another from 0 along a key are cut
     with one ``split`` per key."""
     steps = task.steps
-    out: list[Any] = []
-    items = [(k, whole[k]) for k in task.row_keys]
-    for a, e in task.rows:
-        b = make()
-        for k, v in items:
-            b[k] = v[a:e]
-        out.append(b)
-    if not out:
-        out = [make() for _ in steps]
+    rows = task.rows
+    out: list[Any] = [make() for _ in (rows or steps)]
+    if rows:
+        if len(rows) * len(task.row_keys) > 64:  # many slices: one split (a C call) per key
+            ends = [e for _, e in rows]
+            for k in task.row_keys:
+                for b, piece in zip(out, _split(whole[k], ends), strict=True):
+                    b[k] = piece
+        else:
+            items = [(k, whole[k]) for k in task.row_keys]
+            for b, (a, e) in zip(out, rows, strict=True):
+                for k, v in items:
+                    b[k] = v[a:e]
     if not steps:
         return out
     for key in steps[0]:
@@ -341,19 +345,25 @@ class _StackReader:
 # ---- documents -------------------------------------------------------------------------------
 
 
+def _check_value(view: Any, value: int) -> None:
+    """OverflowError when the padding ``value`` does not fit a field of the view."""
+    for name, dt in view.fields.items():
+        try:
+            np.array(value, dtype=dt)
+        except OverflowError:
+            raise OverflowError(
+                f"the padding value {value} does not fit the field {name!r} ({np.dtype(dt)})"
+            ) from None
+
+
 def _flat(view: Any, total: int, alloc: Alloc, value: int | None) -> dict[str, np.ndarray]:
     """One flat array of ``total`` rows per field of the view, set to ``value``
-    (None: left uninitialized)."""
+    (None: left uninitialized; a value was checked by the policy's ``check``)."""
     out: dict[str, np.ndarray] = {}
     for name, dt in view.fields.items():
         a = alloc((total,), dt)
         if value is not None:
-            try:
-                a[...] = np.array(value, dtype=dt)
-            except OverflowError:
-                raise OverflowError(
-                    f"the padding value {value} does not fit the field {name!r} ({dt})"
-                ) from None
+            a[...] = value
         out[name] = a
     return out
 
@@ -409,6 +419,7 @@ class Pad:
 
     def check(self, view: Any) -> None:
         check_documents(view, "Pad")
+        _check_value(view, self.value)
 
     def schedule(self, view: Any, batch_size: int, **order: Any) -> Schedule:
         return Schedule(len(view), batch_size, **order)
@@ -591,6 +602,7 @@ class Fill:
 
     def check(self, view: Any) -> None:
         check_documents(view, "Fill")
+        _check_value(view, self.value)
 
     def schedule(self, view: Any, batch_size: int, **order: Any) -> PackedSchedule:
         return PackedSchedule(
@@ -611,15 +623,16 @@ class _FillReader:
 
     def read(self, spans: list[tuple[int, int]], cancel: threading.Event | None) -> Task:
         view, alloc, w = self.view, self.alloc, self.policy.window
-        parts = [self.schedule.rows(a, e) for a, e in spans]
-        rows = _joined(parts)
-        nrows = [len(p.counts) for p in parts]
-        ndocs = [len(p.ids) for p in parts]
-        row_cuts, doc_cuts = _cuts(np.cumsum(nrows).tolist()), _cuts(np.cumsum(ndocs).tolist())
+        rows, nrows = self.schedule.task_rows(spans)
+        row_ends = np.cumsum(nrows)
+        doc_ends = np.cumsum(rows.counts)[row_ends - 1] if len(rows.counts) else row_ends
+        doc_ends[row_ends == 0] = 0  # steps before this rank's first row (none usually)
+        row_cuts, doc_cuts = _cuts(row_ends.tolist()), _cuts(doc_ends.tolist())
         r, d = len(rows.counts), len(rows.ids)
-        whole: dict[str, Any] = _flat(view, r * w, alloc, self.policy.value)
+        whole: dict[str, Any] = _flat(view, r * w, alloc, None)
         dst = row_offsets(rows.lengths, rows.counts, w, 1)  # rows; checks each row fits
         _read_docs(view, rows.ids, rows.starts, rows.lengths, dst, whole)
+        _pad_rows(whole, rows, w, self.policy.value)
         fields = list(whole)
         for f in fields:
             whole[f] = whole[f].reshape(r, w)
@@ -664,15 +677,25 @@ class _FillReader:
         )
 
 
-def _joined(parts: list[PackedRows]) -> PackedRows:
-    if len(parts) == 1:
-        return parts[0]
-    return PackedRows(
-        *(
-            np.concatenate([getattr(p, f) for p in parts])
-            for f in ("positions", "ids", "starts", "lengths", "counts")
-        )
-    )
+def _pad_rows(out: dict[str, np.ndarray], rows: PackedRows, window: int, value: int) -> None:
+    """Set each row's tokens after its documents to ``value`` (only those: a
+    row's documents fill all but a few of its tokens)."""
+    r = len(rows.counts)
+    if r == 0:
+        return
+    used = np.zeros(r, dtype=np.int64)
+    has = rows.counts > 0
+    if len(rows.lengths):
+        firsts = (np.cumsum(rows.counts) - rows.counts)[has]
+        used[has] = np.add.reduceat(rows.lengths.astype(np.int64), firsts)
+    pad = window - used
+    total = int(pad.sum())
+    if total == 0:
+        return
+    starts = np.arange(r, dtype=np.int64) * window + used
+    at = np.repeat(starts - (np.cumsum(pad) - pad), pad) + np.arange(total, dtype=np.int64)
+    for a in out.values():
+        a.reshape(-1)[at] = value  # checked against the dtype by the policy's check
 
 
 def read_step(reader: TaskReader, span: tuple[int, int]) -> dict[str, Any]:

@@ -257,6 +257,23 @@ class PackedSchedule(Schedule):
 
     def rows(self, start: int, end: int) -> PackedRows:
         """This rank's rows of the step ``[start, end)`` (a ``span``), with their documents."""
+        return self._rows_of(self._parts(start, end))
+
+    def task_rows(self, spans: list[tuple[int, int]]) -> tuple[PackedRows, list[int]]:
+        """This rank's rows of consecutive steps ``spans``, back to back, and how
+        many each step has: ``rows`` of each, computed once for the task (a
+        group's rows that several steps share are cut once)."""
+        parts: list[tuple[_Group, int, int]] = []
+        for a, e in spans:
+            parts += self._parts(a, e)
+        got = self._rows_of(parts)
+        # every step but the last holds G rows: this rank has B of them
+        b = self.batch_size
+        last = len(got.counts) - b * (len(spans) - 1)
+        return got, [b] * (len(spans) - 1) + [last]
+
+    def _parts(self, start: int, end: int) -> list[tuple[_Group, int, int]]:
+        """The step ``[start, end)``'s rows, as ``_walk`` gives them."""
         with self._glock:
             parts = self._steps.pop((start, end), None)
         if parts is None:
@@ -264,8 +281,23 @@ class PackedSchedule(Schedule):
             if step is None or step[1:] != (start, end):
                 raise ValueError(f"[{start}, {end}) is not a step of this run")
             parts = step[0]
+        return parts
+
+    def _rows_of(self, parts: list[tuple[_Group, int, int]]) -> PackedRows:
+        """This rank's rows of ``parts`` (the rows of consecutive steps, each but
+        the last ``G`` rows: rank ``r`` takes rows ``r, r + world_size, ...``
+        counted from the first)."""
         positions, ids, starts, lengths, counts = [], [], [], [], []
-        k = 0  # rows of the step before this part
+        k = 0  # rows of the parts before this one
+        if len(parts) > 1:  # parts of one group that follow one another: one part
+            merged = [parts[0]]
+            for grp, b0, b1 in parts[1:]:
+                g0, a0, e0 = merged[-1]
+                if grp is g0 and b0 == e0:
+                    merged[-1] = (g0, a0, b1)
+                else:
+                    merged.append((grp, b0, b1))
+            parts = merged
         for grp, b0, b1 in parts:
             bs = np.arange(b0 + (self.rank - k) % self.world_size, b1, self.world_size)
             k += b1 - b0
