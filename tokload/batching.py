@@ -244,16 +244,9 @@ def _index_position(
 # ---- Stack: the view's own batches ---------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Stack:
-    """Each sample as the view's ``read_batch`` gives it, stacked: a token
-    window is a ``[window]`` row of a ``[B, window]`` batch.
-
-    The default for views of windows and records and for user views. A rowwise
-    view (``view.rowwise``: token streams, blends of them) reads all the steps
-    of a task in one call; a view with ``read_batches`` (a stream with metadata
-    blocks) reads them in one round; others one step at a time.
-    """
+class _BySample:
+    """What the policies whose positions are samples share (``Stack``, ``Pad``,
+    ``Pack``): the plain schedule, and nothing but the view in the checkpoint."""
 
     @property
     def fingerprint(self) -> str:
@@ -264,11 +257,23 @@ class Stack:
         has read before ``cursor``: ``min(cursor, n)``."""
         return min(cursor, n)
 
-    def check(self, view: Any) -> None:
-        check_view(view)
-
     def schedule(self, view: Any, batch_size: int, **order: Any) -> Schedule:
         return Schedule(len(view), batch_size, **order)
+
+
+@dataclass(frozen=True)
+class Stack(_BySample):
+    """Each sample as the view's ``read_batch`` gives it, stacked: a token
+    window is a ``[window]`` row of a ``[B, window]`` batch.
+
+    The default for views of windows and records and for user views. A rowwise
+    view (``view.rowwise``: token streams, blends of them) reads all the steps
+    of a task in one call; a view with ``read_batches`` (a stream with metadata
+    blocks) reads them in one round; others one step at a time.
+    """
+
+    def check(self, view: Any) -> None:
+        check_view(view)
 
     def reader(self, view: Any, schedule: Any, alloc: Alloc) -> _StackReader:
         return _StackReader(view, schedule, alloc)
@@ -386,7 +391,7 @@ def _real_tokens(lengths: np.ndarray, cuts: list[tuple[int, int]]) -> list[int]:
 
 
 @dataclass(frozen=True)
-class Pad:
+class Pad(_BySample):
     """Documents as ``[B, L]`` rows padded with ``value``, plus ``"lengths"``.
 
     Args:
@@ -408,21 +413,9 @@ class Pad:
         ):
             raise ValueError(f"Pad(to=...) must be a positive integer or None, got {self.to!r}")
 
-    @property
-    def fingerprint(self) -> str:
-        return ""
-
-    def read_upto(self, cursor: int, n: int) -> int:
-        """The view's observations ``[0, r)`` an in-order run (``shuffle=False``)
-        has read before ``cursor``: ``min(cursor, n)``."""
-        return min(cursor, n)
-
     def check(self, view: Any) -> None:
         check_documents(view, "Pad")
         _check_value(view, self.value)
-
-    def schedule(self, view: Any, batch_size: int, **order: Any) -> Schedule:
-        return Schedule(len(view), batch_size, **order)
 
     def reader(self, view: Any, schedule: Any, alloc: Alloc) -> _PadReader:
         return _PadReader(self, view, schedule, alloc)
@@ -479,25 +472,13 @@ class _PadReader:
 
 
 @dataclass(frozen=True)
-class Pack:
+class Pack(_BySample):
     """Documents back to back: one ``[sum of lengths]`` array per field, plus
     ``"lengths"`` (int64, ``[B]``) and ``"cu_seqlens"`` (int64, ``[B + 1]``:
     where each document starts, then the total)."""
 
-    @property
-    def fingerprint(self) -> str:
-        return ""
-
-    def read_upto(self, cursor: int, n: int) -> int:
-        """The view's observations ``[0, r)`` an in-order run (``shuffle=False``)
-        has read before ``cursor``: ``min(cursor, n)``."""
-        return min(cursor, n)
-
     def check(self, view: Any) -> None:
         check_documents(view, "Pack")
-
-    def schedule(self, view: Any, batch_size: int, **order: Any) -> Schedule:
-        return Schedule(len(view), batch_size, **order)
 
     def reader(self, view: Any, schedule: Any, alloc: Alloc) -> _PackReader:
         return _PackReader(view, schedule, alloc)
