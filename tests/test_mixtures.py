@@ -192,11 +192,14 @@ def test_a_mixture_delivers_every_document_its_share_on_any_world_size(
     assert by_position(batches, how) == by_position(list(alone.batches.values()), how)
 
 
-def test_a_mixture_reads_each_task_in_one_engine_call(sources: list[Any]) -> None:
+def test_a_mixture_reads_each_task_in_one_engine_call(
+    sources: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A task of 8 steps over a blend of three formats: the rows of every
-    component are read in one engine call; before it, the index entries of the
-    one component whose index is not in memory (the Megatron prefix) take one
-    more, except with Fill, whose packer read the lengths already."""
+    component are read in one engine call, and nothing else (every index is in
+    memory: a tokload build's, a flat file's, and a Megatron prefix's, read once);
+    with the Megatron index read per batch (too large for the index memory), its
+    entries take one more call, except with Fill, whose packer read them already."""
     from tokload._io import io_counters
 
     blend = tokload.Blend([(v, 1) for v in sources], length=160, block_size=16)
@@ -208,6 +211,25 @@ def test_a_mixture_reads_each_task_in_one_engine_call(sources: list[Any]) -> Non
         got = ld.build_steps(spans)
         calls = io_counters()["calls"] - before
         assert len(got) == 8
+        assert calls == 1, (name, calls)
+        ld.close()
+    # the Megatron index too large for the index memory: read per batch
+    prefix = sources[1].source.rows.files.paths[0].removesuffix(".bin")
+    monkeypatch.setenv("TOKLOAD_INDEX_MEMORY", "0")
+    on_disk = tokload.Documents(prefix)
+    monkeypatch.delenv("TOKLOAD_INDEX_MEMORY")
+    held = [getattr(v.source.docs, "in_memory", None) for v in (on_disk, sources[1])]
+    assert held == [False, True]
+    blend = tokload.Blend(
+        [(sources[0], 1), (on_disk, 1), (sources[2], 1)], length=160, block_size=16
+    )
+    for name, how in POLICIES.items():
+        ld = tokload.DataLoader(blend, 4, batching=how, epochs=1, device=None, num_threads=0)
+        spans = ld.schedule.spans(0, 8)
+        ld.build_steps(spans)
+        before = io_counters()["calls"]
+        ld.build_steps(spans)
+        calls = io_counters()["calls"] - before
         assert calls == (1 if name == "fill" else 2), (name, calls)
         ld.close()
 

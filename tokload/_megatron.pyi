@@ -3,6 +3,7 @@ from tokload._io import FileSet
 
 class MegatronIndex(ExtentIndex):
     file: FileSet
+    in_memory: bool
     def __init__(
         self,
         file: FileSet,
@@ -11,4 +12,5 @@ class MegatronIndex(ExtentIndex):
         ptr_off: int,
         itemsize: int,
         bin_rows: int,
+        in_memory: bool = False,
     ) -> None: ...

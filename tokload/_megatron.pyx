@@ -1,5 +1,6 @@
 """Megatron ``.idx`` sequence extents read in place: int32 lengths and int64
-byte pointers, 12 bytes per sequence, read per batch on the I/O engine."""
+byte pointers, 12 bytes per sequence, read per batch on the I/O engine, or held
+in memory when the index is small enough (``in_memory``)."""
 
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
@@ -12,22 +13,58 @@ from tokload._io cimport FileSet, _raise_io
 
 import numpy as np
 
+from tokload.forksafe import ForkSafeLock
+
+
+_LOAD_CHUNK = 1 << 20
+"""Sequences whose entries one engine call of the in-memory load reads (60 MB of
+requests and entries at most)."""
+
 
 cdef class MegatronIndex(ExtentIndex):
     """Sequence extents from a Megatron ``.idx``: int32 lengths at ``len_off``,
-    int64 byte pointers at ``ptr_off``; 12 bytes read per sequence."""
+    int64 byte pointers at ``ptr_off``; 12 bytes read per sequence, or, with
+    ``in_memory``, every sequence's extents read and checked once (16 bytes
+    each held), when a batch first needs one: a blend of many Megatron prefixes
+    then reads no index entries per batch."""
 
     cdef readonly FileSet file
     cdef uint64_t len_off, ptr_off, itemsize, bin_rows
+    cdef readonly bint in_memory
+    cdef object _table  # None: not loaded; False: could not be; else (starts, lengths)
+    cdef object _lock
 
     def __cinit__(self, FileSet file, uint64_t nseq, uint64_t len_off, uint64_t ptr_off,
-                  uint64_t itemsize, uint64_t bin_rows):
+                  uint64_t itemsize, uint64_t bin_rows, bint in_memory=False):
         self.file = file
         self.total = nseq
         self.len_off = len_off
         self.ptr_off = ptr_off
         self.itemsize = itemsize
         self.bin_rows = bin_rows
+        self.in_memory = in_memory
+        self._table = None
+        self._lock = ForkSafeLock()
+
+    cdef object _loaded(self):
+        """Every sequence's (start, length), read and checked in one engine call
+        the first time a batch needs one (``in_memory``); False when the index
+        holds a bad entry: each batch then reads its own entries, and the one
+        that needs the bad entry raises, naming it, as without ``in_memory``."""
+        with self._lock:
+            if self._table is None:
+                ids = np.arange(self.total, dtype=np.uint64)
+                starts = np.empty(self.total, dtype=np.uint64)
+                lengths = np.empty(self.total, dtype=np.uint64)
+                try:
+                    for a in range(0, self.total, _LOAD_CHUNK):  # bounded scratch memory
+                        e = min(a + _LOAD_CHUNK, self.total)
+                        self._read(ids[a:e], starts[a:e], lengths[a:e])
+                except (OSError, ValueError):  # a bad entry: read per batch, as on disk
+                    self._table = False
+                else:
+                    self._table = (starts, lengths)
+            return self._table
 
     def _what(self):
         return "sequence"
@@ -37,6 +74,29 @@ cdef class MegatronIndex(ExtentIndex):
 
     cdef int fill(self, const uint64_t *ids, size_t n, uint64_t *starts,
                   uint64_t *lengths) except -1:
+        cdef const uint64_t[::1] ts
+        cdef const uint64_t[::1] tl
+        cdef size_t k
+        if self.in_memory and self.total:
+            table = self._loaded()
+            if table is not False:
+                ts, tl = table[0], table[1]
+                with nogil:  # ids were checked against total by extents()
+                    for k in range(n):
+                        starts[k] = ts[ids[k]]
+                        lengths[k] = tl[ids[k]]
+                return 0
+        return self._fill_disk(ids, n, starts, lengths)
+
+    def _read(self, ids, starts, lengths):
+        """The on-disk read of ``ids``' extents into ``starts`` and ``lengths``."""
+        cdef const uint64_t[::1] iv = ids
+        cdef uint64_t[::1] sv = starts, lv = lengths
+        if iv.shape[0]:
+            self._fill_disk(&iv[0], iv.shape[0], &sv[0], &lv[0])
+
+    cdef int _fill_disk(self, const uint64_t *ids, size_t n, uint64_t *starts,
+                        uint64_t *lengths) except -1:
         cdef lib.tl_io_error err
         cdef lib.tl_engine eng
         cdef size_t failed = 0

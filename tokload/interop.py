@@ -109,7 +109,11 @@ def open_megatron(
     bin_files = loc.fileset([bin_path])
     idx_files = loc.fileset([idx_path])
     rowset = RowSet(bin_files, [rows], dtype.itemsize)
-    seq_index = MegatronIndex(idx_files, nseq, len_off, ptr_off, dtype.itemsize, rows)
+    # every sequence's extents held (16 bytes each) when the index memory allows
+    in_memory = 16 * nseq <= index_memory()
+    seq_index = MegatronIndex(
+        idx_files, nseq, len_off, ptr_off, dtype.itemsize, rows, in_memory=in_memory
+    )
     src = Source(
         rows=rowset,
         dtype=dtype,
