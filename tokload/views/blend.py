@@ -204,6 +204,10 @@ class Blend(View):
         self.max_epochs = caps
         self._segments = self._compile()
         self._starts = [s.first_block for s in self._segments]
+        # the segments as arrays, for component_positions' vectorized lookups
+        self._seg_first = np.asarray(self._starts, dtype=np.int64)
+        self._seg_counts = np.asarray([s.counts for s in self._segments], dtype=np.int64)
+        self._seg_before = np.asarray([s.before for s in self._segments], dtype=np.int64)
         end = self._end_position()
         if length is None:
             if end is None:
@@ -328,18 +332,27 @@ class Blend(View):
         order within every block; ``p // len(component)`` is its epoch.
         """
         q = self._global(positions).astype(np.int64)
-        blocks, slots = np.divmod(q, self.block_size)
-        comp = np.empty(len(q), dtype=np.int64)
-        cpos = np.empty(len(q), dtype=np.int64)
-        for b in np.unique(blocks).tolist():
-            sel = blocks == b
-            seg = self._segments[bisect.bisect_right(self._starts, b) - 1]
-            slot_comp, slot_lane = self._layout(b, seg)
-            c = slot_comp[slots[sel]]
-            comp[sel] = c
-            counts = np.asarray(seg.counts, dtype=np.int64)
-            before = np.asarray(seg.before, dtype=np.int64)
-            cpos[sel] = before[c] + (b - seg.first_block) * counts[c] + slot_lane[slots[sel]]
+        m = self.block_size
+        blocks, slots = np.divmod(q, m)
+        if len(q) == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        # every distinct block's layout gathered once (they are cached), then one
+        # fancy index for all samples: no NumPy calls per block
+        ub, inv = np.unique(blocks, return_inverse=True)
+        segs = np.searchsorted(self._seg_first, ub, side="right") - 1
+        slot_comp = np.zeros((len(ub), m), dtype=np.int64)
+        slot_lane = np.zeros((len(ub), m), dtype=np.int64)
+        for i, (b, g) in enumerate(zip(ub.tolist(), segs.tolist(), strict=True)):
+            c_of, lane_of = self._layout(b, self._segments[g])
+            slot_comp[i, : len(c_of)] = c_of
+            slot_lane[i, : len(lane_of)] = lane_of
+        comp = slot_comp[inv, slots]
+        g = segs[inv]
+        cpos = (
+            self._seg_before[g, comp]
+            + (blocks - self._seg_first[g]) * self._seg_counts[g, comp]
+            + slot_lane[inv, slots]
+        )
         return comp, cpos
 
     def locate(self, positions: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
