@@ -93,16 +93,6 @@ class Assembly:
                 )
         return raw
 
-    def read_rows(self, rows: Any) -> dict[str, Any]:
-        """The raw batch of packed ``rows`` (a ``tokload.packing.PackedRows``)."""
-        raw = self._check(self.view.read_rows(rows, self.alloc), "read_rows")
-        index = self.alloc((len(rows.ids),), np.int64)
-        index[:] = rows.ids
-        position = self.alloc((len(rows.positions),), np.int64)
-        position[:] = rows.positions.view(np.int64)
-        raw["index"], raw["position"] = index, position
-        return raw
-
     def check_rows(
         self, raw: dict[str, Any], rows: int, skip: frozenset[str] = frozenset()
     ) -> None:

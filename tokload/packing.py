@@ -1,8 +1,8 @@
 """Best-fit packing: the order of a run whose samples are rows of whole documents.
 
-The one job of this module is the schedule of a view that packs documents into
-rows of ``window`` tokens (``Documents(batch="fill")``), as pure arithmetic
-over the documents' lengths; the view reads the rows it is given.
+The one job of this module is the schedule of a run that packs documents into
+rows of ``window`` tokens (``DataLoader(..., batching=Fill(window))``), as pure
+arithmetic over the documents' lengths; the policy reads the rows it gives.
 
 The shuffle is the documents' one (``tokload.schedule``): position ``q`` is
 document ``perm_e(q % n)`` of epoch ``e = q // n``. Each epoch's positions are
@@ -341,9 +341,9 @@ def padding_report(
 
     Returns ``{"best_fit", "greedy", "pad"}``: the fraction of the rows' tokens
     that is padding when groups of ``lookahead`` documents are packed best-fit
-    (``Documents(batch="fill")``), when documents fill rows in order and a new
+    (``Fill(window, lookahead)``), when documents fill rows in order and a new
     row starts whenever the next one does not fit (greedy), and with one
-    document per row (``Documents(batch="pad", pad_to=window)``); plus
+    document per row (``Pad(to=window)``); plus
     ``"rows"`` for each. Longer documents count ``window`` tokens each way.
     """
     Packing(window, lookahead)
