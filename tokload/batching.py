@@ -397,8 +397,8 @@ class Pad(_BySample):
     Args:
         to: a fixed ``L`` (longer documents are cut to their first ``to``
             tokens); None pads to the longest document of each batch (at least 1).
-        value: the padding token (OverflowError at the first batch when it does
-            not fit the dtype).
+        value: the padding token (OverflowError when the loader is made, if
+            it does not fit the dtype).
 
     A batch holds one array per field (``"tokens"`` for a plain dtype) and
     ``"lengths"`` (int64, the real tokens of each row).
