@@ -540,7 +540,8 @@ class Fill:
         lookahead: consecutive documents of the shuffle packed together
             (default 1024): more packs tighter; each rank packs that many
             documents' lengths at a time.
-        value: the padding token after each row's documents.
+        value: the padding token after each row's documents (OverflowError when
+            the loader is made, if it does not fit the dtype).
         attention: the attention keys added to each batch: True (default) for
             all of ``"position_ids"`` (int64), ``"segment_ids"`` (int32),
             ``"loss_mask"`` (bool; False on each document's first token and on
