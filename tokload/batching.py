@@ -385,6 +385,18 @@ def _read_docs(
         view.read_extents(indices, starts, lengths, dst, out)
 
 
+def _task_documents(
+    sched: Schedule, view: Any, spans: list[tuple[int, int]]
+) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray, np.ndarray]:
+    """A task's positions, where each step ends in them, its documents (view
+    indices), and their extents (``starts``, uint64 ``lengths``): what ``Pad``
+    and ``Pack`` read before they place the documents."""
+    pos, ends = sched.task_positions(spans)
+    idx = sched.indices(pos)
+    starts, lengths = view.extents(idx)
+    return pos, ends, idx, starts, np.asarray(lengths, dtype=np.uint64)
+
+
 def _real_tokens(lengths: np.ndarray, cuts: list[tuple[int, int]]) -> list[int]:
     csum = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
     return [int(csum[e] - csum[a]) for a, e in cuts]
@@ -426,12 +438,9 @@ class _PadReader:
         self.policy, self.view, self.schedule, self.alloc = policy, view, schedule, alloc
 
     def read(self, spans: list[tuple[int, int]], cancel: threading.Event | None) -> Task:
-        sched, view, alloc = self.schedule, self.view, self.alloc
-        pos, ends = sched.task_positions(spans)
+        view, alloc = self.view, self.alloc
+        pos, ends, idx, starts, lengths = _task_documents(self.schedule, view, spans)
         cuts = _cuts(ends)
-        idx = sched.indices(pos)
-        starts, lengths = view.extents(idx)
-        lengths = np.asarray(lengths, dtype=np.uint64)
         sizes = np.diff([0, *ends]).astype(np.int64)
         if self.policy.to is not None:
             width = np.full(len(cuts), self.policy.to, dtype=np.int64)
@@ -492,12 +501,9 @@ class _PackReader:
         self.view, self.schedule, self.alloc = view, schedule, alloc
 
     def read(self, spans: list[tuple[int, int]], cancel: threading.Event | None) -> Task:
-        sched, view, alloc = self.schedule, self.view, self.alloc
-        pos, ends = sched.task_positions(spans)
+        view, alloc = self.view, self.alloc
+        pos, ends, idx, starts, lengths = _task_documents(self.schedule, view, spans)
         cuts = _cuts(ends)
-        idx = sched.indices(pos)
-        starts, lengths = view.extents(idx)
-        lengths = np.asarray(lengths, dtype=np.uint64)
         csum = np.zeros(len(idx) + 1, dtype=np.int64)
         np.cumsum(lengths, out=csum[1:])
         whole: dict[str, Any] = _flat(view, int(csum[-1]), alloc, None)
