@@ -184,7 +184,9 @@ def test_shuffled_windows_from_s3(server: tuple[FastS3Process, str], latency_ms:
         one_get = {"merge_gap": 0}  # one GET per window, as the plain loop's
         stream = tokload.TokenStream(url, WINDOW, storage_options=one_get)
         defaults = _tokload(stream, SECONDS, waits=latency_ms == 20)
-        tuned = _tokload(stream, SECONDS, waits=False, num_threads=4, io_depth=256)
+        tuned = _tokload(
+            stream, SECONDS, waits=False, num_threads=4, read=tokload.ReadOptions(io_depth=256)
+        )
         docs = (
             _tokload(tokload.Documents(url, storage_options=one_get), SECONDS, waits=False)
             if latency_ms == 100

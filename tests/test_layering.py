@@ -90,3 +90,10 @@ def test_headers_name_their_cython_mirror(header: Path) -> None:
     assert "tokload/_lib.pxd" in text
     lib = (ROOT / "tokload" / "_lib.pxd").read_text()
     assert f'cdef extern from "tokload/{header.name}"' in lib
+
+
+@pytest.mark.parametrize("pyx", PYX, ids=lambda p: p.name)
+def test_no_compiled_code_takes_the_gil_back_inside_a_nogil_section(pyx: Path) -> None:
+    """C never calls into Python: the remote backend hands its batches to the fetcher
+    and waits (csrc/tokload/handoff.h) instead of taking the GIL inside the engine."""
+    assert not re.search(r"\bwith\s+gil\b", pyx.read_text()), f"{pyx.name}: `with gil`"

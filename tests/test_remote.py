@@ -46,6 +46,7 @@ from tokload import (
     StreamWithMetadata,
     TokenStream,
     Writer,
+    _remote,
     remote,
 )
 
@@ -491,37 +492,43 @@ def test_exit_waits_for_a_runtime_thread_handing_over_a_result(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """obstore's runtime threads (not Python's) hand each result to the event loop in
-    ``loop.call_soon_threadsafe``, whose self-pipe write lets the GIL go: if the process
-    finalized before such a thread took the GIL back, it would abort.  At exit tokload
-    waits for them (here, a thread that ``threading`` does not know, held inside the
-    write)."""
-    remote._get_loop()
-    loop = asyncio.new_event_loop()
+    ``loop.call_soon_threadsafe``: if the process finalized while such a thread was in
+    Python, it would abort.  The fetcher's loop counts the threads inside, and exit
+    waits for them (here, a thread that ``threading`` does not know, held inside)."""
+    loop = remote._get_loop()
     entered, release = threading.Event(), threading.Event()
+    ran = threading.Event()
 
-    def write_to_self() -> None:
+    def call_soon(callback: Any, *args: Any, context: Any = None) -> Any:
         entered.set()
         release.wait(10)
+        return asyncio.SelectorEventLoop.call_soon(
+            loop,  # type: ignore[arg-type]
+            callback,
+            *args,
+            context=context,
+        )
 
-    loop._write_to_self = write_to_self  # type: ignore[attr-defined]
-    # called from outside Python, as obstore's threads call it
-    _thread.start_new_thread(loop.call_soon_threadsafe, (lambda: None,))
+    loop.call_soon = call_soon  # type: ignore[method-assign,assignment]
     try:
+        # called from outside Python, as obstore's threads call it
+        _thread.start_new_thread(loop.call_soon_threadsafe, (ran.set,))
         assert entered.wait(10)
-        assert len(remote._handing_over()) == 1
+        assert _remote.inside() == 1
         assert not remote._quiesce(limit=0.05)
         err = capsys.readouterr().err
-        assert "1 of obstore's threads still handing a result over" in err
+        assert "1 of the client's threads still handing a result over" in err
         threading.Timer(0.2, release.set).start()
         t0 = time.monotonic()
         assert remote._quiesce(limit=10)
         assert time.monotonic() - t0 >= 0.15
-        assert not remote._handing_over()
+        assert _remote.inside() == 0
+        assert ran.wait(10)  # and the loop was woken to run the callback
     finally:
         release.set()
-        while remote._handing_over():
+        del loop.call_soon
+        while _remote.inside():
             time.sleep(0.001)
-        loop.close()
 
 
 def test_a_cancelled_read_lets_its_request_complete_before_exit() -> None:
@@ -569,6 +576,77 @@ def test_a_failed_batch_exits_with_its_error_not_an_abort(
     assert "RemoteAccessError" in r.stderr and "still in flight" not in r.stderr
     assert s3.proxy.faults_done["403"] == 1 and s3.proxy.faults_done["delay"] >= 2
     assert ended - float(r.stdout) >= 0.3  # it waited for the delayed GETs
+
+
+def test_a_batch_the_fetcher_drops_fails_its_read_instead_of_hanging(
+    corpus: tuple[Path, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader waits, without the GIL, until the fetcher ends its batch: a batch the
+    fetcher loses (a bug) is ended when it is collected, and the read fails naming the
+    file rather than waiting forever."""
+    _, url = corpus
+    view = TokenStream(url, 64)
+    with monkeypatch.context() as m:
+        m.setattr(remote, "_BatchFetch", lambda batch: None)
+        with pytest.raises(OSError, match=r"\.rows: a remote read failed while reading rows"):
+            view.read([0, 5])
+    assert np.asarray(view.read([0])).shape == (1, 64)  # the next batch is fetched as usual
+
+
+def test_reads_of_many_threads_share_the_process_limit(corpus: tuple[Path, str]) -> None:
+    """Readers on several threads hand their batches to one fetcher, which keeps at
+    most its limit of GETs in flight for all of them; every read gets its own bytes."""
+    local, url = corpus
+    ref = TokenStream(local, 32)
+    view = TokenStream(url, 32, storage_options={"merge_gap": 0})
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, len(view), 40) for _ in range(24)]
+    got: dict[int, np.ndarray] = {}
+
+    def read(k: int) -> None:
+        got[k] = np.asarray(view.read(batches[k]))
+
+    threads = [threading.Thread(target=read, args=(k,)) for k in range(len(batches))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(got) == list(range(len(batches)))
+    for k, idx in enumerate(batches):
+        np.testing.assert_array_equal(got[k], ref.read(idx))
+    assert remote._flow.inflight == 0 and _remote.queued() == 0
+
+
+@pytest.mark.slow
+def test_thirty_processes_that_fail_mid_read_all_exit_cleanly(
+    s3: LocalS3, corpus: tuple[Path, str]
+) -> None:
+    """Each process fails (an exception in its main thread) while a reader thread's
+    batch has GETs in flight, delayed by the proxy: all 30 exit with status 1 and the
+    error, after those GETs complete, none with SIGABRT."""
+    _, url = corpus
+    assert s3.proxy is not None
+    s3.proxy.inject("delay", times=-1, match="GET .rows", seconds=0.3)
+    script = (
+        "import sys, threading, time, numpy as np, tokload\n"
+        "view = tokload.TokenStream(sys.argv[1], 300, storage_options={'merge_gap': 0})\n"
+        "threading.Thread(target=view.read, args=(np.arange(0, len(view), 5),),\n"
+        "                 daemon=True).start()\n"
+        "time.sleep(0.1)\n"
+        "raise RuntimeError('the trainer failed')\n"
+    )
+    codes: list[tuple[int, str]] = []
+    for _ in range(5):
+        procs = [
+            subprocess.Popen([sys.executable, "-c", script, url], stderr=subprocess.PIPE, text=True)
+            for _ in range(6)
+        ]
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            codes.append((p.returncode, err[-300:]))
+    assert [c for c, _ in codes] == [1] * 30, codes
+    assert all("the trainer failed" in e and "still in flight" not in e for _, e in codes)
+    assert s3.proxy.faults_done["delay"] >= 30
 
 
 def test_the_command_line_takes_urls(

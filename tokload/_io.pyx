@@ -32,7 +32,7 @@ from libc.errno cimport ENOMEM as _ENOMEM
 from libc.string cimport memcpy, strerror
 
 cimport tokload._lib as lib
-from tokload._remote cimport remote_run
+from tokload._remote cimport ready as _remote_ready, remote_run
 
 import errno as _errno
 import os
@@ -495,7 +495,9 @@ cdef class FileSet:
         io: ``"auto"``, ``"uring"``, ``"threads"`` or ``"sync"`` (default:
             ``TOKLOAD_IO``, else ``"auto"``).
         queue_depth: reads in flight per batch, 1 to MAX_QUEUE_DEPTH
-            (default: ``TOKLOAD_IO_DEPTH``, else DEFAULT_QUEUE_DEPTH).
+            (default: ``TOKLOAD_IO_DEPTH``, else DEFAULT_QUEUE_DEPTH; for
+            objects in a store, else MAX_QUEUE_DEPTH: the process sizes its
+            GETs in flight from the latency, ``tokload.remote``).
         remote: for objects in an object store, one ``tokload.remote.RemoteObject``
             per path: every read is then a ranged GET (the ``"remote"``
             backend, ``tokload/_remote.pyx``), and ``io`` is ignored.
@@ -517,8 +519,14 @@ cdef class FileSet:
             raise ValueError(f"{n} files but {len(self.remote)} remote objects")
         self.backend = (lib.TL_IO_REMOTE if self.remote is not None
                         else _BACKEND_CODES[resolve_io(io)])
-        self.depth = (default_queue_depth() if queue_depth is None
-                      else _checked_depth(queue_depth, "queue_depth"))
+        if queue_depth is not None:
+            self.depth = _checked_depth(queue_depth, "queue_depth")
+        elif self.remote is not None and not os.environ.get("TOKLOAD_IO_DEPTH"):
+            # GETs in flight are sized process-wide from the latency seen
+            # (tokload.remote._Flow): a batch's own bound stays out of the way
+            self.depth = MAX_QUEUE_DEPTH
+        else:
+            self.depth = default_queue_depth()
         if not _max_explicit:
             # The default follows the limit in force when a dataset is opened.
             lib.tl_fdcache_set_max(&_cache, _default_max_open_files())
@@ -587,6 +595,7 @@ cdef class FileSet:
         e.remote = NULL
         e.remote_ctx = NULL
         if e.backend == lib.TL_IO_REMOTE:
+            _remote_ready()  # this process's fetcher runs (tokload/_remote.pyx)
             e.remote = remote_run
         elif e.backend == lib.TL_IO_THREADS:
             if _pool.nthreads + 1 < e.depth:

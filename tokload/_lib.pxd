@@ -166,6 +166,28 @@ cdef extern from "tokload/engine.h" nogil:
     void tl_io_counters_read(const tl_io_counters *c, tl_io_counters *out) noexcept
 
 
+cdef extern from "tokload/handoff.h" nogil:
+    ctypedef struct tl_handoff_batch:
+        const tl_ioreq *reqs
+        size_t n
+        unsigned depth
+        uint64_t waiter
+        tl_handoff_batch *next
+
+    ctypedef struct tl_handoff:
+        size_t queued
+        int efd
+
+    int tl_handoff_open(tl_handoff *h) noexcept
+    void tl_handoff_wake(const tl_handoff *h) noexcept
+    int tl_handoff_run(tl_handoff *h, const tl_ioreq *reqs, size_t n, unsigned depth,
+                       tl_io_error *err, size_t *failed) noexcept
+    tl_handoff_batch *tl_handoff_take(tl_handoff *h) noexcept
+    void tl_handoff_finish(tl_handoff *h, tl_handoff_batch *b, int rc, const tl_io_error *err,
+                           size_t failed) noexcept
+    void tl_handoff_copy(const tl_ioreq *reqs, size_t n, const uint8_t *const *src) noexcept
+
+
 cdef extern from "tokload/bounds.h" nogil:
     ctypedef struct tl_bsearch:
         uint64_t key

@@ -6,3 +6,4 @@ cimport tokload._lib as lib
 
 cdef int remote_run(void *ctx, const lib.tl_ioreq *reqs, size_t n, unsigned depth,
                     lib.tl_io_error *err, size_t *failed) noexcept nogil
+cdef int ready() except -1

@@ -57,7 +57,9 @@ class ReadOptions:
             the dataset). Another loader of the same view keeps its own.
         io_depth: the reads kept in flight per read call, for this loader's
             reads only. None (default): the dataset's setting
-            (``TOKLOAD_IO_DEPTH``, else the default depth).
+            (``TOKLOAD_IO_DEPTH``, else the default depth; for objects in a
+            store, no bound of the call's own: the process sizes the GETs it
+            keeps in flight from the latency, see ``tokload.remote``).
         readahead: while the reader threads build a task, ask the view (when
             it has ``hint``: token streams and streams with metadata) to start
             reading the samples of the tasks the prefetch will reach, so a read

@@ -3,12 +3,15 @@ remote backend.
 
 A dataset whose path is a URL is opened here (its manifest or index headers are
 fetched, its objects listed with their sizes and ETags) and read through the
-same I/O engine as local files: the engine hands each batch's read requests
-(object, offset, length, destination) to ``tokload/_remote.pyx``, which calls
-``fetch`` below once per batch and copies the ranges it returns into the batch
-buffers.  ``fetch`` merges requests for nearby bytes of one object, keeps up to
-``queue_depth`` ranged GETs in flight, retries what a retry can help, and checks
-every answer:
+same I/O engine as local files, in two phases: the engine plans each batch's
+read requests (object, offset, length, destination) in C and its reader thread
+hands them over (``tokload/_remote.pyx``) and waits without the GIL; this
+module, on the process's event loop thread, fetches them (``_BatchFetch``) and
+has their bytes copied into the batch buffers without the GIL.  Requests for
+nearby bytes of one object are merged; the process keeps as many GETs in flight,
+for all its readers together, as cover the store's latency at the rate the reads
+go (``_Limit``, found by trying); what a retry can help is retried; and every
+answer is checked:
 
 - every GET names the ETag the object had when the dataset was opened
   (``If-Match``): an object replaced since then is refused
@@ -47,6 +50,8 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
+import functools
 import logging
 import os
 import random
@@ -58,6 +63,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokload import _remote
 from tokload.errors import (
     FormatError,
     MissingShardError,
@@ -509,12 +515,23 @@ def counters() -> dict[str, int]:
     return {"gets": _counts.gets, "retries": _counts.retries, "bytes": _counts.bytes}
 
 
+class _Loop(asyncio.SelectorEventLoop):
+    """The fetcher's event loop.  Its ``call_soon_threadsafe``, through which the
+    client's runtime threads hand every result over, wakes it through the
+    handoff's eventfd without letting the GIL go (``_remote.loop_call_soon_threadsafe``)."""
+
+    call_soon_threadsafe = _remote.loop_call_soon_threadsafe  # type: ignore[assignment]
+
+
 def _get_loop() -> asyncio.AbstractEventLoop:
-    """The process's event loop thread (a new one in a forked child)."""
+    """The process's event loop thread, the fetcher of the engine's remote batches
+    (a new one in a forked child)."""
     global _loop, _loop_pid
     with _loop_lock:
         if _loop is None or _loop_pid != os.getpid():
-            loop = asyncio.new_event_loop()
+            efd = _remote.open_handoff()
+            loop = _Loop()
+            loop.add_reader(efd, _on_wake)
             threading.Thread(target=loop.run_forever, name="tokload-remote", daemon=True).start()
             if _loop is None:
                 atexit.register(_quiesce)
@@ -522,20 +539,18 @@ def _get_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-# ---- exit: obstore's threads leave Python before the interpreter finalizes ----------------
+# ---- exit: the client's threads leave Python before the interpreter finalizes ---------------
 #
 # obstore completes each request on one of its runtime's threads (Rust tokio, not
 # Python's): it takes the GIL and hands the result to the event loop
-# (``loop.call_soon_threadsafe``), whose self-pipe write lets the GIL go for a moment.
-# Python code waiting on that result may then finish, and the process exit, while the
-# runtime's thread has yet to take the GIL back: taking it once the interpreter is
-# finalizing ends the thread with pthread_exit, which cannot unwind through Rust's frames,
-# and the process aborts (SIGABRT, nothing printed) after a run that did all its work.
-# Abandoned requests (a failed batch's other GETs, an interrupt) would do the same when
-# they complete.  Two things close the window: a request is never cancelled on
-# obstore's side (``_settled``: the task awaiting it may be, the request runs to its end
-# and its result is dropped), and at exit ``_quiesce`` waits until every request has
-# completed and no thread of obstore's runtime is still inside ``call_soon_threadsafe``.
+# (``loop.call_soon_threadsafe``).  A thread of that runtime that has to take the GIL
+# once the interpreter is finalizing is ended with pthread_exit, which cannot unwind
+# through Rust's frames: the process would abort (SIGABRT, nothing printed) after a run
+# that did all its work.  Three things close the window: a request is never cancelled on
+# obstore's side (a failed batch's other GETs run to their end, their results dropped;
+# ``_settled`` shields the few awaited ones); the loop's ``call_soon_threadsafe`` never
+# lets the GIL go and counts the threads inside it (``_remote.inside``); and at exit
+# ``_quiesce`` waits until every request has completed and no thread is inside.
 
 _pending: set[asyncio.Future[Any]] = set()  # obstore's requests not completed (loop thread)
 
@@ -556,22 +571,6 @@ def _completed(fut: asyncio.Future[Any]) -> None:
         fut.exception()  # retrieved: an abandoned request's error is not logged
 
 
-def _handing_over() -> set[int]:
-    """Threads that ``threading`` did not start which are inside
-    ``loop.call_soon_threadsafe`` called from outside Python: obstore's runtime
-    threads handing a result to the event loop."""
-    ours = {t.ident for t in threading.enumerate() if not isinstance(t, threading._DummyThread)}
-    found = set()
-    for ident, frame in sys._current_frames().items():
-        if ident in ours:
-            continue
-        while frame.f_back is not None:
-            frame = frame.f_back
-        if frame.f_code.co_name == "call_soon_threadsafe":
-            found.add(ident)
-    return found
-
-
 def _quiesce(limit: float | None = None) -> bool:
     """Wait until obstore's requests have completed and its threads have handed their
     results over, at most ``limit`` seconds (by default the longest request
@@ -583,11 +582,11 @@ def _quiesce(limit: float | None = None) -> bool:
         with _stores_lock:
             limit = max((s.settings.timeout for s in _stores.values()), default=0.0) + 5.0
     deadline = time.monotonic() + limit
-    while _pending or _handing_over():
+    while _pending or _remote.inside():
         if time.monotonic() > deadline:
             print(
                 f"tokload: at exit, after waiting {limit:g} s, {len(_pending)} object-store "
-                f"request(s) still in flight and {len(_handing_over())} of obstore's threads "
+                f"request(s) still in flight and {_remote.inside()} of the client's threads "
                 "still handing a result over: the process may abort",
                 file=sys.stderr,
             )
@@ -630,12 +629,25 @@ def _run(coro: Any) -> Any:
         raise
 
 
+def _retry_delay(
+    e: BaseException, attempt: int, whole: int, t0: float, s: Settings
+) -> float | None:
+    """The wait before attempt ``attempt + 1`` of a request whose attempt ``attempt``
+    failed with ``e`` (``whole``: answers of the whole object in a row so far), or
+    None when it has failed for good: not retryable, or past ``retries`` attempts or
+    ``retry_seconds``."""
+    if attempt > s.retries or not _retryable(e) or whole >= NOT_PARTIAL_TRIES:
+        return None
+    delay = s.delay(attempt)
+    if time.monotonic() - t0 + delay > s.retry_seconds:
+        return None
+    return delay
+
+
 async def _retrying(call: Any, settings: Settings) -> Any:
     """``await call()`` until it succeeds or fails for good: returns ``(result,
     attempts)``, or raises ``_Failed`` holding the last exception and the
-    attempts made. Retryable failures wait ``settings.delay(attempt)`` first,
-    while the attempts stay within ``retries + 1`` and the time within
-    ``retry_seconds``."""
+    attempts made (``_retry_delay`` decides)."""
     attempt = whole = 0
     t0 = time.monotonic()
     while True:
@@ -644,10 +656,8 @@ async def _retrying(call: Any, settings: Settings) -> Any:
             return await call(), attempt
         except Exception as e:
             whole = whole + 1 if _not_partial(e) else 0
-            if attempt > settings.retries or not _retryable(e) or whole >= NOT_PARTIAL_TRIES:
-                raise _Failed(e, attempt) from None
-            delay = settings.delay(attempt)
-            if time.monotonic() - t0 + delay > settings.retry_seconds:
+            delay = _retry_delay(e, attempt, whole, t0, settings)
+            if delay is None:
                 raise _Failed(e, attempt) from None
             _counts.retries += 1
             await asyncio.sleep(delay)
@@ -659,11 +669,16 @@ class _Failed(Exception):
         self.cause, self.attempts = cause, attempts
 
 
-async def _get_range(obj: RemoteObject, start: int, end: int) -> Any:
-    obs = _obstore()
+def _get_options(obj: RemoteObject, start: int, end: int) -> dict[str, Any]:
     opts: dict[str, Any] = {"range": (start, end)}
     if obj.etag:
-        opts["if_match"] = obj.etag
+        opts["if_match"] = obj.etag  # an object replaced since it was opened is refused
+    return opts
+
+
+async def _get_range(obj: RemoteObject, start: int, end: int) -> Any:
+    obs = _obstore()
+    opts = _get_options(obj, start, end)
 
     async def once() -> Any:
         r = await _settled(obs.get_async(obj.store.store, obj.key, options=opts))
@@ -687,16 +702,31 @@ def plan(
     """The GETs of a batch: per object, requested ranges sorted and merged
     where the gap between them is at most the store's ``merge_gap`` (and the
     merged range at most MAX_MERGED bytes).  Each GET is ``(object, start, end,
-    requests)``; empty requests need none."""
+    requests)``; empty requests need none.
+
+    Raises:
+        RemoteError: a request past its object's end (as opened), with
+            ``request`` set to its number; before any GET.
+    """
     by_obj: dict[int, list[int]] = {}
     for i, o in enumerate(objs):
         if lengths[i]:
+            if offsets[i] + lengths[i] > o.size:
+                e = RemoteError(
+                    f"{o.url}{_span(offsets[i], offsets[i] + lengths[i])}: past the object's "
+                    f"end ({o.size} bytes when opened)",
+                    o.url,
+                    offsets[i],
+                    offsets[i] + lengths[i],
+                )
+                e.request = i  # type: ignore[attr-defined]
+                raise e
             by_obj.setdefault(id(o), []).append(i)
     gets: list[tuple[RemoteObject, int, int, list[int]]] = []
     for idx in by_obj.values():
         obj = objs[idx[0]]
         gap = obj.store.settings.merge_gap
-        idx.sort(key=lambda i: offsets[i])
+        idx.sort(key=offsets.__getitem__)
         cur: list[int] = []
         start = end = 0
         for i in idx:
@@ -712,61 +742,322 @@ def plan(
     return gets
 
 
-def fetch(
-    objs: Sequence[RemoteObject], offsets: Sequence[int], lengths: Sequence[int], depth: int
-) -> list[memoryview | None]:
-    """The bytes of each request (``None`` for an empty one), read as the
-    merged GETs of ``plan`` with up to ``depth`` in flight.
+SYNC_BODY = 1 << 18
+"""Bodies up to this many bytes are taken from an answer at once (they come with its
+headers); a larger one is read from the stream without holding the event loop."""
 
-    A request past its object's end (as opened) is refused before any GET.  On
-    failure the exception carries ``request``: the lowest-numbered request of
-    the GETs that failed."""
-    n = len(objs)
-    for i in range(n):
-        if offsets[i] + lengths[i] > objs[i].size:
-            e = RemoteError(
-                f"{objs[i].url}{_span(offsets[i], offsets[i] + lengths[i])}: past the object's "
-                f"end ({objs[i].size} bytes when opened)",
-                objs[i].url,
-                offsets[i],
-                offsets[i] + lengths[i],
+MIN_IN_FLIGHT = 16
+"""The fewest GETs the process keeps in flight (when reads wait for them)."""
+
+MAX_IN_FLIGHT = 4096
+"""The most GETs the process keeps in flight, whatever the latency."""
+
+IN_FLIGHT_BYTES = 512 << 20
+"""The most bytes of GETs in flight (a GET larger than that still goes, alone)."""
+
+
+def _on_wake() -> None:
+    """The handoff's eventfd is readable: start the batches the readers queued."""
+    for batch in _remote.take():
+        _BatchFetch(batch)
+
+
+class _Limit:
+    """How many GETs the process keeps in flight: found by trying, as the rate shows.
+
+    Requests in flight are what covers a store's latency (Little's law: ``rate *
+    latency`` are needed), but past what covers it more only cost: connections, and
+    the client's CPU per GET, which grows with them; and the latency under load is
+    not the store's alone (a client short of CPU queues its answers).  So the limit
+    is set by trying: each period (``PERIOD`` seconds, four round trips at least)
+    compares the GETs/s that completed with the period before.  A limit raised by
+    ``STEP`` that raised the rate by ``GAIN`` or more stays and is raised again (by
+    two while the rate follows it almost in proportion: the first ramp);
+    one that did not is taken back, the limit held ``HOLD`` periods, and then tried
+    once higher and once lower (a lower limit that keeps the rate within ``GAIN``
+    stays: latency may have fallen).  Between ``MIN_IN_FLIGHT`` and
+    ``MAX_IN_FLIGHT``.  A period in which the readers did not keep the limit full
+    (the demand set the rate), or that an idle spell stretched, decides nothing.
+    Pure arithmetic on the completions it is told of (``answered``), so a test
+    drives it with a simulated store."""
+
+    PERIOD = 0.25
+    STEP = 1.25
+    GAIN = 0.05
+    HOLD = 8
+
+    def __init__(self, now: float, start: int = 4 * 16) -> None:
+        self.limit = start
+        self.t0, self.done, self.bound, self.least = now, 0, 0, float("inf")
+        self.base_limit: int | None = None  # the limit the last accepted rate was at
+        self.base_rate = 0.0
+        self.hold = 0
+        self.down = False  # the next probe goes down
+
+    def answered(self, now: float, latency: float, bound: bool) -> None:
+        """A GET completed at ``now`` after ``latency`` seconds; ``bound``: other
+        GETs were waiting for a slot (the limit, not the demand, set the rate)."""
+        self.done += 1
+        self.bound += bound
+        if latency < self.least:
+            self.least = latency
+        period = max(self.PERIOD, 4 * self.least)
+        if now - self.t0 < period:
+            return
+        rate = self.done / (now - self.t0)
+        # a period the readers did not keep the limit full says nothing of it
+        said = 2 * self.bound >= self.done and now - self.t0 < 2 * period
+        self.t0, self.done, self.bound, self.least = now, 0, 0, float("inf")
+        if said:
+            self._decide(rate)
+
+    def _set(self, limit: float) -> None:
+        self.limit = max(MIN_IN_FLIGHT, min(MAX_IN_FLIGHT, int(limit)))
+
+    def _decide(self, rate: float) -> None:
+        base = self.base_limit
+        if base is None or self.limit == base:  # a period at the accepted limit
+            self.base_limit, self.base_rate = self.limit, rate
+            if base is None or self.hold == 0:
+                self._set(self.limit / self.STEP if self.down else self.limit * self.STEP)
+                self.down = False if base is None else not self.down
+                if self.limit == self.base_limit:  # at a bound: nothing to try
+                    self.hold = self.HOLD
+            else:
+                self.hold -= 1
+            return
+        up = self.limit > base
+        if up and rate >= self.base_rate * (1 + self.GAIN):
+            grew = rate / max(self.base_rate, 1e-9)
+            ramp = grew >= 1 + 0.8 * (self.limit / base - 1)  # the rate follows the limit
+            self.base_limit, self.base_rate = self.limit, rate
+            self._set(self.limit * (2 if ramp else self.STEP))
+            if self.limit == self.base_limit:
+                self.hold = self.HOLD
+        elif not up and rate >= self.base_rate * (1 - self.GAIN):
+            self.base_limit, self.base_rate = self.limit, rate  # as fast with fewer
+            self.hold = self.HOLD
+        else:
+            self.limit = base  # it did not pay: back, and hold
+            self.hold = self.HOLD
+
+
+class _Flow:
+    """The GETs in flight for the whole process, from every reader's batches: at
+    most ``_Limit``'s limit and ``IN_FLIGHT_BYTES``.  Batches take free slots in the
+    order they came (the oldest task's GETs first: it is needed first), each also
+    within its own ``depth``."""
+
+    def __init__(self) -> None:
+        self.inflight = 0
+        self.bytes = 0
+        self.ctl = _Limit(time.monotonic())
+        self.waiting: collections.deque[_BatchFetch] = collections.deque()
+
+    @property
+    def limit(self) -> int:
+        return self.ctl.limit
+
+    def add(self, b: _BatchFetch) -> None:
+        b.queued = True
+        self.waiting.append(b)
+        self.pump()
+
+    def pump(self) -> None:
+        waiting = self.waiting
+        while waiting and self.inflight < self.ctl.limit:
+            b = waiting[0]
+            if b.ended or b.next >= len(b.gets) or b.inflight >= b.batch.depth:
+                waiting.popleft()  # back in line once one of its GETs completes
+                b.queued = False
+                continue
+            size = b.gets[b.next][2] - b.gets[b.next][1]
+            if self.inflight and self.bytes + size > IN_FLIGHT_BYTES:
+                break
+            self.inflight += 1
+            self.bytes += size
+            b.launch()
+
+    def release(self, b: _BatchFetch, size: int, latency: float | None) -> None:
+        """A GET of ``b`` is over (``latency``: since its last attempt was sent, for
+        one that succeeded)."""
+        self.inflight -= 1
+        self.bytes -= size
+        if latency is not None:
+            bound = self.inflight + 1 >= self.ctl.limit and bool(self.waiting)
+            self.ctl.answered(time.monotonic(), latency, bound)
+        if not b.queued and not b.ended and b.next < len(b.gets):
+            b.queued = True
+            self.waiting.append(b)
+        self.pump()
+
+
+_flow = _Flow()  # used on the event loop thread only
+
+
+class _BatchFetch:
+    """One reader's batch (``_remote.Batch``), fetched on the event loop thread: its
+    merged GETs (``plan``), launched as ``_flow`` gives them slots (at most the
+    batch's ``depth`` at once), each answer checked (size, ETag through
+    ``If-Match``) and retried as ``_retry_delay`` says.  The batch ends once: with
+    every body copied into place (``Batch.finish``), or with the error of the first
+    GET that failed for good (``Batch.fail``), naming the lowest request it served.
+    A failed batch's other GETs are not cancelled: they run to their end and their
+    results are dropped.
+
+    Per GET this costs one request of the client's and one callback: no task, no
+    coroutine, no shield (the cost of the client's plain loop)."""
+
+    __slots__ = (
+        "attempts",
+        "batch",
+        "bodies",
+        "ended",
+        "first",
+        "gets",
+        "inflight",
+        "left",
+        "lengths",
+        "next",
+        "offsets",
+        "queued",
+        "sent",
+        "whole",
+    )
+
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
+        self.ended = self.queued = False
+        self.next = self.inflight = 0
+        self.gets: list[tuple[RemoteObject, int, int, list[int]]] = []
+        try:
+            objs, self.offsets, self.lengths = batch.requests()
+            self.gets = plan(objs, self.offsets, self.lengths)
+        except BaseException as e:
+            self._fail(e, getattr(e, "request", 0))
+            return
+        n = len(self.gets)
+        self.bodies: list[Any] = [None] * n
+        self.attempts = [0] * n
+        self.whole = [0] * n
+        self.first = [0.0] * n  # when the first attempt was sent
+        self.sent = [0.0] * n  # when the last one was
+        self.left = n
+        if n == 0:
+            self._finish()
+        else:
+            _flow.add(self)
+
+    def launch(self) -> None:
+        """Send the next GET (``_flow`` gave it a slot)."""
+        k = self.next
+        self.next += 1
+        self.inflight += 1
+        self.first[k] = time.monotonic()
+        self._get(k)
+
+    def _get(self, k: int) -> None:
+        obj, start, end, _ = self.gets[k]
+        self.attempts[k] += 1
+        self.sent[k] = time.monotonic()
+        try:
+            fut = _obstore().get_async(
+                obj.store.store, obj.key, options=_get_options(obj, start, end)
             )
-            e.request = i  # type: ignore[attr-defined]
-            raise e
-    gets = plan(objs, offsets, lengths)
-    bodies = _run(_fetch_all(gets, max(1, depth)))
-    out: list[memoryview | None] = [None] * n
-    for (_, start, _end, reqs), body in zip(gets, bodies, strict=True):
-        mv = memoryview(body)
-        for i in reqs:
-            out[i] = mv[offsets[i] - start : offsets[i] - start + lengths[i]]
-    return out
+        except Exception as e:  # refused before it was sent
+            self._error(k, e)
+            return
+        _pending.add(fut)
+        fut.add_done_callback(functools.partial(self._answered, k))
 
+    def _over(self, k: int, ok: bool) -> None:
+        """GET ``k`` holds its slot no more."""
+        self.inflight -= 1
+        _, start, end, _ = self.gets[k]
+        _flow.release(self, end - start, time.monotonic() - self.sent[k] if ok else None)
 
-async def _fetch_all(gets: list[tuple[RemoteObject, int, int, list[int]]], depth: int) -> list[Any]:
-    sem = asyncio.Semaphore(depth)
+    def _answered(self, k: int, fut: asyncio.Future[Any]) -> None:
+        _pending.discard(fut)
+        e = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+        if self.ended:
+            self._over(k, False)
+            return
+        if e is not None:
+            self._error(k, e)
+            return
+        _, start, end, _ = self.gets[k]
+        answer = fut.result()
+        if end - start > SYNC_BODY:  # a large body: stream it without holding the loop
+            body = asyncio.ensure_future(answer.bytes_async())
+            _pending.add(body)
+            body.add_done_callback(functools.partial(self._read, k))
+            return
+        try:
+            self._got(k, answer.bytes())
+        except Exception as err:
+            self._error(k, err)
 
-    async def one(obj: RemoteObject, start: int, end: int) -> Any:
-        async with sem:
-            return await _get_range(obj, start, end)
+    def _read(self, k: int, fut: asyncio.Future[Any]) -> None:
+        _pending.discard(fut)
+        e = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+        if self.ended:
+            self._over(k, False)
+        elif e is not None:
+            self._error(k, e)
+        else:
+            self._got(k, fut.result())
 
-    tasks = [asyncio.ensure_future(one(o, s, e)) for o, s, e, _ in gets]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        for t in tasks:
-            if not t.done():
-                t.cancel()
-    failed = [k for k, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception()]
-    if failed:
-        k = min(failed, key=lambda k: min(gets[k][3]))
-        f = tasks[k].exception()
-        obj, start, end, reqs = gets[k]
-        assert isinstance(f, _Failed)
-        err = _named(f.cause, obj.url, start, end, f.attempts, "a range")
-        err.request = min(reqs)  # type: ignore[attr-defined]
-        raise err
-    return [t.result() for t in tasks]
+    def _got(self, k: int, body: Any) -> None:
+        _, start, end, _ = self.gets[k]
+        if len(body) != end - start:
+            self._error(k, _ShortBody(len(body), end - start))
+            return
+        self.bodies[k] = body
+        self.left -= 1
+        _counts.gets += 1
+        _counts.bytes += end - start
+        if self.left == 0:
+            self._finish()
+        self._over(k, True)
+
+    def _error(self, k: int, e: BaseException) -> None:
+        obj, start, end, reqs = self.gets[k]
+        self.whole[k] = self.whole[k] + 1 if _not_partial(e) else 0
+        delay = (
+            _retry_delay(e, self.attempts[k], self.whole[k], self.first[k], obj.store.settings)
+            if isinstance(e, Exception)
+            else None
+        )
+        if delay is None:
+            self._fail(_named(e, obj.url, start, end, self.attempts[k], "a range"), min(reqs))
+            self._over(k, False)
+            return
+        _counts.retries += 1
+        _get_loop().call_later(delay, self._retry, k)  # it keeps its slot meanwhile
+
+    def _retry(self, k: int) -> None:
+        if self.ended:
+            self._over(k, False)
+        else:
+            self._get(k)
+
+    def _finish(self) -> None:
+        out: list[Any] = [None] * len(self.offsets)
+        offsets, lengths = self.offsets, self.lengths
+        for (_, start, end, reqs), body in zip(self.gets, self.bodies, strict=True):
+            if len(reqs) == 1 and end - start == lengths[reqs[0]]:
+                out[reqs[0]] = body  # the common case: one GET per request
+                continue
+            mv = memoryview(body)
+            for i in reqs:
+                out[i] = mv[offsets[i] - start : offsets[i] - start + lengths[i]]
+        self.ended = True
+        self.bodies = []
+        self.batch.finish(out)
+
+    def _fail(self, e: BaseException, request: int) -> None:
+        self.ended = True
+        self.batch.fail(e, request)
 
 
 # ---- opening ------------------------------------------------------------------------

@@ -9,7 +9,8 @@
  *   TL_IO_URING    io_uring, up to `depth` reads in flight (uring.h);
  *   TL_IO_REMOTE   objects in an object store: the whole batch is handed to
  *                  `remote(remote_ctx, ...)`, a function the caller supplies
- *                  (tokload/_remote.pyx: ranged GETs, up to `depth` in flight).
+ *                  (tokload/_remote.pyx: it queues the batch for the process's
+ *                  fetcher and waits without the GIL, handoff.h).
  * The caller (tokload/_io.pyx) owns the process-wide descriptor cache and
  * pool, hands a ring to one call at a time, and picks the backend.
  */

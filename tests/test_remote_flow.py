@@ -1,0 +1,90 @@
+"""How many GETs the remote backend keeps in flight (``tokload.remote._Limit``), driven by
+a simulated store: no server, no client, simulated time.
+
+The store answers ``n`` GETs in flight at ``min(n / latency, capacity(n))`` per second,
+where ``capacity(n)`` is what the client's CPU allows, and falls as connections grow (as
+measured with obstore: ``bench/bench_remote.py``).  The limit should settle near the knee,
+``n = latency * capacity``: enough to cover the latency, not so many that CPU is wasted.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokload.remote import MAX_IN_FLIGHT, MIN_IN_FLIGHT, _Limit
+
+CPU_PER_GET = 110e-6  # seconds of client CPU per GET with few connections
+
+
+def _capacity(n: int) -> float:
+    return 1.0 / (CPU_PER_GET * (1 + n / 2000))
+
+
+def _simulate(latency: float, seconds: float, demand: int | None = None) -> tuple[_Limit, float]:
+    """Run the store for ``seconds``; returns the controller and the rate at the end."""
+    ctl = _Limit(0.0)
+    t = rate = 0.0
+    while t < seconds:
+        n = ctl.limit if demand is None else min(ctl.limit, demand)
+        rate = min(n / latency, _capacity(n))
+        t += 1.0 / rate
+        ctl.answered(t, n / rate, demand is None or demand >= ctl.limit)
+    return ctl, rate
+
+
+def _knee(latency: float) -> int:
+    n = 1
+    while n / latency < _capacity(n):
+        n += 1
+    return n
+
+
+def test_the_limit_settles_near_what_covers_the_latency() -> None:
+    for latency in (0.0005, 0.02, 0.1):
+        ctl, rate = _simulate(latency, 30.0)
+        knee = max(MIN_IN_FLIGHT, _knee(latency))
+        best = max(min(n / latency, _capacity(n)) for n in range(1, 4 * knee))
+        assert rate >= 0.85 * best, (latency, ctl.limit, knee, rate, best)
+        assert ctl.limit <= 3 * knee, (latency, ctl.limit, knee)
+
+
+def test_the_limit_ramps_up_within_seconds_at_100_ms() -> None:
+    ctl, _ = _simulate(0.1, 4.0)
+    assert ctl.limit >= 0.8 * _knee(0.1), ctl.limit
+
+
+def test_a_demand_below_the_limit_decides_nothing() -> None:
+    """Readers that keep fewer GETs in flight than allowed: the rate says nothing of
+    the limit, which stays where it was."""
+    ctl, _ = _simulate(0.02, 10.0, demand=20)
+    assert ctl.limit == 64
+
+
+def test_an_idle_spell_decides_nothing() -> None:
+    ctl = _Limit(0.0)
+    for k in range(100):
+        ctl.answered(k * 0.001, 0.001, True)
+    before = ctl.limit
+    ctl.answered(60.0, 0.001, True)  # the first answer after a minute of nothing
+    assert ctl.limit == before
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(min_value=1e-5, max_value=2.0),
+            st.floats(min_value=1e-5, max_value=5.0),
+            st.booleans(),
+        ),
+        max_size=400,
+    )
+)
+def test_the_limit_stays_within_its_bounds(events: list[tuple[float, float, bool]]) -> None:
+    ctl = _Limit(0.0)
+    t = 0.0
+    for dt, latency, bound in events:
+        t += dt
+        ctl.answered(t, latency, bound)
+        assert MIN_IN_FLIGHT <= ctl.limit <= MAX_IN_FLIGHT
