@@ -796,3 +796,59 @@ def test_the_retired_read_keywords_warn_and_still_work(corpus: Path) -> None:
     ):
         with pytest.raises(ValueError, match=message):
             tokload.ReadOptions(**bad)
+
+
+class _Waiting:
+    """A view whose reads wait ``wait`` seconds a batch, using no CPU (a slow store)."""
+
+    def __init__(self, wait: float = 0.0) -> None:
+        self.wait = wait
+
+    def __len__(self) -> int:
+        return 10_000
+
+    def fingerprint(self) -> str:
+        return f"waiting-{self.wait}"
+
+    def read_batch(self, indices: np.ndarray, alloc: Any) -> dict[str, Any]:
+        time.sleep(self.wait)
+        out = alloc((len(indices),), np.int64)
+        out[:] = indices
+        return {"tokens": out}
+
+
+def _threads_after(view: Any, batches: int, **kw: Any) -> int:
+    loader = tokload.DataLoader(view, 4, seed=0, device=None, **kw)
+    it: Any = iter(loader)
+    try:
+        for _ in range(batches):
+            next(it)
+        assert it._pf is not None
+        return int(it._pf.threads)
+    finally:
+        it.close()
+
+
+def test_reader_threads_grow_while_tasks_wait_for_reads() -> None:
+    """Tasks that mostly wait (an object store's latency) get more reader threads, up
+    to MAX_WAITING_THREADS: the waits overlap, so the loader keeps up."""
+    from tokload.loader import MAX_WAITING_THREADS
+
+    read = tokload.ReadOptions(steps_per_task=2, prefetch=16)
+    base = tokload.DataLoader(_Waiting(), 4, device=None).num_threads
+    grown = _threads_after(_Waiting(wait=0.01), 40, read=read)
+    assert base < grown <= MAX_WAITING_THREADS
+    # asked for: as many as asked, whatever the waits
+    assert _threads_after(_Waiting(wait=0.01), 40, read=read, num_threads=1) == 1
+
+
+def test_how_many_threads_waiting_tasks_get() -> None:
+    from tokload.loader import MAX_WAITING_THREADS, waiting_threads
+
+    assert waiting_threads(1, 1.0, 0.9, 32) == 1  # busy with their own work
+    assert waiting_threads(1, 0.01, 0.0, 32) == 1  # too little seen
+    assert waiting_threads(1, 1.0, 0.2, 32) == 5  # a fifth of the time busy: five
+    assert waiting_threads(2, 1.0, 0.2, 32) == 10
+    assert waiting_threads(1, 10.0, 0.01, 32) == MAX_WAITING_THREADS
+    assert waiting_threads(1, 1.0, 0.2, 3) == 4  # no more than the prefetch's tasks, + 1
+    assert waiting_threads(4, 1.0, 0.45, 1) == 4  # never fewer than asked

@@ -19,6 +19,7 @@ task ahead of the trainer, and iteration.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -96,7 +97,11 @@ class DataLoader:
         mesh_dim: the mesh's data-parallel dimension (name or index, default 0).
         num_threads: reader threads; 0 builds each batch in ``next()`` (handy
             for debugging). Default: half the CPU cores, between 1 and 4, so
-            the training thread keeps a core of its own.
+            the training thread keeps a core of its own; more, up to
+            ``MAX_WAITING_THREADS``, while tasks take more than twice their
+            own CPU time (they wait for reads: an object store's latency, a
+            network file system), so that enough reads are in flight to cover
+            the wait (``num_threads`` threads' worth of work going at once).
         pin_memory: ``"auto"`` pins when CUDA is available; ``True`` requires
             it (RuntimeError otherwise); ``False`` never pins.
         device: where batches are delivered. ``"auto"`` (default): this rank's
@@ -181,6 +186,7 @@ class DataLoader:
         n = len(view)
         if n == 0:
             raise ValueError(f"the view is empty: {view!r}")
+        self.auto_threads = num_threads is None
         if num_threads is None:
             num_threads = min(4, max(1, (os.cpu_count() or 2) // 2))
         if num_threads < 0:
@@ -661,6 +667,8 @@ class _LoaderIter:
                 self._ready.reverse()
                 if self._auto and self._ready:
                     self._size_prefetch(self._ready[-1][1])
+                if loader.auto_threads:
+                    self._size_threads()
             if not self._ready:  # an empty task: the pass is over
                 self.close()
                 raise StopIteration
@@ -706,6 +714,19 @@ class _LoaderIter:
         self._lead[0] = tasks
         self._pf.set_depth(tasks)
 
+    def _size_threads(self) -> None:
+        """More reader threads while the tasks wait for their reads: a task that
+        takes ``r`` times its CPU time (r > 2) leaves a thread idle most of the
+        time, so ``num_threads * r`` threads keep ``num_threads`` threads' worth
+        of work going; at most ``MAX_WAITING_THREADS`` and the tasks the prefetch
+        may hold.  Threads that wait for reads cost neither CPU nor the GIL."""
+        pf = self._pf
+        if pf is None:
+            return
+        want = waiting_threads(self._loader.num_threads, *pf.load(), pf.depth)
+        if want > pf.threads:
+            pf.add_threads(want - pf.threads)
+
     def close(self, timeout: float = CLOSE_S) -> None:
         """Stop the reader threads, waiting ``timeout`` seconds at most for all of
         them (0: tell them to stop and return)."""
@@ -720,6 +741,23 @@ class _LoaderIter:
         # training thread, usually): it only tells the threads to stop, and they exit
         # on their own once a read in progress returns.
         self.close(0.0)
+
+
+MAX_WAITING_THREADS = 16
+"""The most reader threads the default ``num_threads`` grows to while tasks wait for
+their reads."""
+
+
+def waiting_threads(base: int, wall: float, cpu: float, tasks: int) -> int:
+    """Reader threads for tasks that took ``wall`` seconds (summed) and used ``cpu``
+    seconds of their threads' CPU: ``base`` while a task takes less than twice its CPU
+    time (or too little is seen yet), else ``base * wall / cpu``, at most
+    MAX_WAITING_THREADS and one more than the ``tasks`` the prefetch may hold.  (A
+    CPU too busy to run the threads looks like waiting too: the threads added then
+    mostly sleep.)"""
+    if wall < 2 * cpu or wall < 0.05:
+        return base
+    return max(base, min(math.ceil(base * wall / max(cpu, 1e-6)), MAX_WAITING_THREADS, tasks + 1))
 
 
 MAX_AUTO_PREFETCH = 512

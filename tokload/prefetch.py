@@ -96,13 +96,38 @@ class Prefetcher:
         self._closed = False
         self._forked = False
         self.cancel = cancel if cancel is not None else threading.Event()
-        self._threads = [
-            threading.Thread(target=self._work, name=f"{name}-{k}", daemon=True)
-            for k in range(threads)
-        ]
+        self._name = name
+        self._wall = self._cpu = 0.0  # seconds the builds took, and their threads' CPU
+        self._threads: list[threading.Thread] = []
         _live.add(self)
-        for t in self._threads:
+        self.add_threads(threads)
+
+    def add_threads(self, n: int) -> None:
+        """Start ``n`` more reader threads (none once closed or in a forked child)."""
+        with self._cond:
+            if self._closed or self._forked:
+                return
+            new = [
+                threading.Thread(
+                    target=self._work, name=f"{self._name}-{len(self._threads) + k}", daemon=True
+                )
+                for k in range(n)
+            ]
+            self._threads.extend(new)
+        for t in new:
             t.start()
+
+    @property
+    def threads(self) -> int:
+        """Reader threads started."""
+        return len(self._threads)
+
+    def load(self) -> tuple[float, float]:
+        """``(wall, cpu)``: seconds the builds so far took, summed, and the CPU
+        seconds their threads used meanwhile: ``wall / cpu`` is how much longer a
+        build takes than its own work (it waits for reads the rest of the time)."""
+        with self._cond:
+            return self._wall, self._cpu
 
     def _work(self) -> None:
         cond = self._cond
@@ -117,11 +142,15 @@ class Prefetcher:
                     return
                 step = self._claim
                 self._claim += 1
+            wall, cpu = time.perf_counter(), time.thread_time()
             try:
                 item: Any = self._build(step)
             except BaseException as e:  # travels to the consumer, never raised here
                 item = _Failure(e)
+            wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
             with cond:
+                self._wall += wall
+                self._cpu += cpu
                 if self._closed:
                     return
                 self._results[step] = item
