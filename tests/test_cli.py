@@ -18,7 +18,7 @@ from test_build import _hf_tokenizer, write_corpus
 import tokload
 from tokload.__main__ import main
 
-COMMANDS = ["demo", "build", "merge", "inspect", "verify", "bench"]
+COMMANDS = ["demo", "build", "merge", "inspect", "verify", "plan", "bench"]
 
 
 def cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -86,6 +86,18 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["bench", "ds", "--window", "1"], "argument --window: must be at least 2, got 1"),
         (["bench", "ds", "--threads", "0"], "argument --threads: must be at least 1, got 0"),
         (["inspect", "ds", "--sample", "-1"], "argument --sample: must be at least 0, got -1"),
+        (
+            ["plan", "ds", "--world-size", "8"],
+            "the following arguments are required: --tokens-per-s",
+        ),
+        (
+            ["plan", "ds", "--world-size", "0", "--tokens-per-s", "1"],
+            "argument --world-size: must be at least 1, got 0",
+        ),
+        (
+            ["plan", "ds", "--world-size", "8", "--tokens-per-s", "fast"],
+            "argument --tokens-per-s: 'fast' is not a number",
+        ),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         ([], "the following arguments are required: COMMAND"),
     ],
@@ -272,6 +284,7 @@ def test_every_command_has_a_description_defaults_and_an_example(
             "(default: 1G)",
         ],
         "inspect": ["(default: 0)"],
+        "plan": ["(default: 4097)"],
         "bench": ["(default: 5.0)", "(default: 4097)", "(default: 8)"],
         "merge": [],
         "verify": [],
@@ -427,3 +440,43 @@ def test_convert_between_metadata_layouts(
     assert code == 1 and "has no metadata" in one_line(err)
     code, _, err = cli(["convert", str(spans), str(tmp_path / "y"), "--span-block", "0"], capsys)
     assert code == 2 and "--span-block: must be at least 1, got 0" in one_line(err)
+
+
+def test_plan_spreads_the_gets_over_the_prefixes_that_hold_the_rows(
+    dataset: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A shuffled read touches every row equally: each chunk's prefix serves GETs in
+    proportion to its rows; a window that runs across two files takes two GETs."""
+    from tokload.tools import S3_GETS_PER_PREFIX, plan
+
+    src = tokload.open_dataset(dataset)
+    paths, cum = list(src.rows.files.paths), src.rows.cum.astype(float)
+    src.close()
+    total, window = cum[-1], 33
+    r = plan(dataset, 64, 1000.0, window)
+    per_window = 1 + (window - 1) * len(paths) / total
+    assert r["gets_per_sample"] == pytest.approx(per_window)
+    assert r["gets_per_s"] == pytest.approx(64 * 1000 / window * per_window)
+    want: dict[str, float] = {}
+    for p, rows in zip(paths, cum[1:] - cum[:-1], strict=True):
+        prefix = p.rsplit("/", 1)[0] + "/"
+        want[prefix] = want.get(prefix, 0.0) + r["gets_per_s"] * rows / total
+    assert len(want) == 2 and all("/parts/" in k for k in want)  # one per chunk
+    assert r["prefixes"] == pytest.approx(want)
+    assert r["busiest"] == pytest.approx(max(want.values()) / S3_GETS_PER_PREFIX)
+    docs = plan(dataset, 64, 1000.0, None)
+    assert docs["gets_per_sample"] == 1.0  # the document index is held in memory
+    assert docs["tokens_per_sample"] == pytest.approx(total / tokload.Documents(dataset).__len__())
+
+    code, out, _ = cli(["plan", str(dataset), "--world-size", "8", "--tokens-per-s", "10"], capsys)
+    assert code == 0 and out.splitlines()[-1].startswith("ok ")
+    code, out, _ = cli(
+        ["plan", str(dataset), "--world-size", "4096", "--tokens-per-s", "1e6", "--documents"],
+        capsys,
+    )
+    assert code == 0
+    assert re.search(r"too many +the data needs [\d,]+ prefixes or more at 5,500 GETs/s", out)
+    code, out, _ = cli(
+        ["plan", str(dataset), "--world-size", "2", "--tokens-per-s", "5", "--json"], capsys
+    )
+    assert json.loads(out)["prefixes_needed"] == 1

@@ -68,6 +68,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -358,6 +368,33 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("path", help="the dataset directory")
     v.add_argument("--deep", action="store_true", help="also recompute the checksums of every file")
 
+    q = command(
+        "plan",
+        "the GETs/s a training run asks of an object store, per prefix",
+        "Say, for a dataset (local, or s3://...), a number of ranks and the tokens each\n"
+        "trains on per second, how many ranged GETs a second the run will send, how they\n"
+        "spread over the prefixes that hold the data, and how many prefixes keep each\n"
+        "under S3's 5,500 GETs/s.",
+        "tokload plan s3://bucket/web --world-size 256 --tokens-per-s 20000",
+    )
+    q.add_argument("path", help="the dataset (directory, Megatron prefix, .npy file or URL)")
+    q.add_argument(
+        "--world-size", type=_count(1), required=True, help="ranks (GPUs) reading it at once"
+    )
+    q.add_argument(
+        "--tokens-per-s",
+        type=_rate,
+        required=True,
+        help="tokens each rank trains on per second",
+    )
+    q.add_argument("--window", type=_count(2), default=4097, help="tokens per sample window")
+    q.add_argument(
+        "--documents",
+        action="store_true",
+        help="samples are whole documents (Documents), not windows",
+    )
+    q.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
     s = command(
         "bench",
         "stream a dataset through the DataLoader",
@@ -526,6 +563,13 @@ def _run(args: argparse.Namespace, started: float) -> int:
             checked = "every file's checksum and structure" if args.deep else "structure"
             print(f"tokload verify: {args.path}: ok ({checked})")
         return 1 if problems else 0
+    if args.command == "plan":
+        from tokload.tools import plan, plan_table
+
+        window = None if args.documents else args.window
+        result = plan(args.path, args.world_size, args.tokens_per_s, window)
+        print(json.dumps(result, indent=1) if args.json else plan_table(result))
+        return 0
     if args.command == "bench":
         from tokload.tools import bench, bench_table, process_age
 

@@ -1,9 +1,11 @@
-"""What the ``inspect``, ``verify`` and ``bench`` commands do, as functions."""
+"""What the ``inspect``, ``verify``, ``plan`` and ``bench`` commands do, as functions."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import textwrap
 import time
 from typing import Any
 
@@ -65,6 +67,126 @@ def inspect(path: str | os.PathLike[str], sample: int | None = 0, tokens: int = 
             if first is not None and first.metadata:
                 lines.append(f"  metadata of its first token: {first.metadata[0]!r}")
     src.close()
+    return "\n".join(lines)
+
+
+S3_GETS_PER_PREFIX = 5500
+"""GET requests a second S3 serves per partitioned prefix (its documented rate)."""
+
+
+def plan(
+    path: str | os.PathLike[str],
+    world_size: int,
+    tokens_per_s: float,
+    window: int | None = 4097,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The ranged GETs a training run will ask of a store, per prefix.
+
+    A globally shuffled read touches every byte of the data equally often, so
+    each prefix (the directory of a data file: a build's chunk, ``parts/<chunk>/``,
+    or the folder of a Megatron prefix or flat file) serves GETs in proportion to
+    the rows it holds.  The run consumes ``tokens_per_s`` tokens a second on each
+    of ``world_size`` ranks, as windows of ``window`` tokens (a window that runs
+    across two files takes two GETs) or, with ``window=None``, as whole documents
+    (one GET each, one more for its index entry when the document index is not
+    held in memory).  Works on a local dataset too (planning an upload).
+
+    Returns a dict: ``gets_per_s`` (the whole run), ``gets_per_sample``,
+    ``tokens_per_sample``, ``prefixes`` (``{prefix: GETs/s}``, busiest first),
+    ``busiest`` (its share of ``S3_GETS_PER_PREFIX``) and ``prefixes_needed``
+    (at ``S3_GETS_PER_PREFIX`` each).
+    """
+    from tokload.views.base import open_source
+
+    if world_size < 1 or tokens_per_s <= 0:
+        raise ValueError(
+            f"world_size must be >= 1 and tokens_per_s > 0, got {world_size} and {tokens_per_s}"
+        )
+    src = open_source(os.fspath(path), storage_options)
+    try:
+        paths = list(src.rows.files.paths)
+        cum = np.asarray(src.rows.cum, dtype=np.float64)
+        rows = np.diff(cum)
+        total = float(cum[-1])
+        if total == 0:
+            raise ValueError(f"{path}: the dataset has no rows")
+        if window is None:
+            if src.docs is None:
+                raise ValueError(f"{path}: no documents to read (give a window instead)")
+            per_sample = total / max(src.num_documents, 1)
+            held = _index_in_memory(src.docs)
+            gets_per_sample = 1.0 if held else 2.0
+            reading = f"documents of {per_sample:,.0f} tokens on average" + (
+                "" if held else " (and an index entry each: the index is not held in memory)"
+            )
+        else:
+            per_sample = float(window)
+            nonempty = max(int((rows > 0).sum()), 1)
+            gets_per_sample = 1.0 + min(1.0, (window - 1) * nonempty / total)
+            reading = f"windows of {window:,} tokens"
+    finally:
+        src.close()
+    gets = world_size * tokens_per_s / per_sample * gets_per_sample
+    by_prefix: dict[str, float] = {}
+    for p, r in zip(paths, rows.tolist(), strict=True):
+        prefix = p.rsplit("/", 1)[0] + "/" if "/" in p else "./"
+        by_prefix[prefix] = by_prefix.get(prefix, 0.0) + gets * r / total
+    ordered = dict(sorted(by_prefix.items(), key=lambda kv: -kv[1]))
+    busiest = max(ordered.values(), default=0.0)
+    return {
+        "dataset": os.fspath(path),
+        "reading": reading,
+        "world_size": world_size,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_sample": per_sample,
+        "gets_per_sample": gets_per_sample,
+        "gets_per_s": gets,
+        "prefixes": ordered,
+        "busiest": busiest / S3_GETS_PER_PREFIX,
+        "prefixes_needed": max(1, math.ceil(gets / S3_GETS_PER_PREFIX)),
+    }
+
+
+def _index_in_memory(docs: Any) -> bool:
+    if hasattr(docs, "in_memory"):  # a Megatron prefix's sequence extents
+        return bool(docs.in_memory)
+    tables = getattr(docs, "tables", None)  # a tokload build's document index
+    return bool(getattr(tables, "enabled", False))
+
+
+def plan_table(result: dict[str, Any], show: int = 8) -> str:
+    """``plan``'s result as the command prints it."""
+    r = result
+    pre = r["prefixes"]
+    lines = [
+        f"dataset       {r['dataset']}",
+        f"reading       {r['reading']}",
+        f"rate          {r['world_size']} ranks x {r['tokens_per_s']:,.0f} tokens/s = "
+        f"{r['world_size'] * r['tokens_per_s']:,.0f} tokens/s",
+        f"GETs          {r['gets_per_s']:,.0f}/s ({r['gets_per_sample']:.2f} per sample)",
+        f"prefixes      {len(pre)} hold the data; the busiest serves "
+        f"{max(pre.values(), default=0):,.0f} GETs/s = {r['busiest']:.0%} of S3's "
+        f"{S3_GETS_PER_PREFIX:,}/s per prefix",
+    ]
+    for k, (prefix, g) in enumerate(pre.items()):
+        if k == show:
+            lines.append(f"  ... {len(pre) - show} more")
+            break
+        lines.append(f"  {g:>10,.0f}/s  {prefix}")
+    if r["busiest"] > 1:
+        advice = (
+            f"the data needs {r['prefixes_needed']} prefixes or more at "
+            f"{S3_GETS_PER_PREFIX:,} GETs/s each, spread evenly: a build published with "
+            "'tokload build -o s3://...' puts each chunk under its own prefix "
+            "(parts/<chunk>/), so build it in that many chunks or more (--chunk-size); "
+            "S3 answers what is over with 503 SlowDown, which tokload retries"
+        )
+        wrapped = textwrap.wrap(advice, 88 - 14)
+        lines.append("too many      " + wrapped[0])
+        lines.extend(" " * 14 + w for w in wrapped[1:])
+    else:
+        lines.append(f"ok            within S3's {S3_GETS_PER_PREFIX:,} GETs/s per prefix")
     return "\n".join(lines)
 
 
@@ -354,4 +476,13 @@ def bench_table(path: str | os.PathLike[str], r: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["bench", "bench_table", "error_message", "inspect", "process_age", "verify"]
+__all__ = [
+    "bench",
+    "bench_table",
+    "error_message",
+    "inspect",
+    "plan",
+    "plan_table",
+    "process_age",
+    "verify",
+]
