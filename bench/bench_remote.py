@@ -12,9 +12,13 @@ tokens, log-normal documents of median 600 tokens) in tokload's format, with 0,
 
 - the plain loop: obstore's async ``get_range`` of one window's bytes (4,097
   tokens) at random offsets, N in flight from one asyncio loop, N in 16, 64,
-  256 and 1,024: GETs/s and the client's CPU per GET; its best;
+  256 and 1,024: GETs/s and the client's CPU per GET; its best, measured again after
+  tokload's defaults and the two averaged (the machine drifts);
 - tokload with its defaults: a shuffled ``TokenStream(url, 4097)`` through the
-  ``DataLoader`` (batch 8), one GET per window: GETs/s (``remote.counters``),
+  ``DataLoader`` (batch 8), one GET per window: GETs/s (``remote.counters``) over
+  the whole window and over its second half (by then the process's limit on GETs
+  in flight, set from the latency its GETs show, has settled: it takes about three
+  seconds at 100 ms),
   the client's CPU per GET, tokens/s, open to first batch, and at 20 ms the
   trainer's ``next()`` waits once the prefetch is full while it consumes at
   80% of the rate; and the bytes written to local disk while reading;
@@ -140,16 +144,22 @@ def _tokload(view: Any, seconds: float, waits: bool, **kw: Any) -> dict[str, Any
         t_first = time.perf_counter()
         gets0, cpu0 = remote.counters()["gets"], time.process_time()
         n = tokens = 0
+        half: tuple[float, int] | None = None
         while time.perf_counter() - t_first < seconds:
             batch = next(it)
             n += 1
             lengths = batch.get("lengths") if isinstance(batch, dict) else None
             tokens += int(lengths.sum()) if lengths is not None else BATCH * WINDOW
+            if half is None and time.perf_counter() - t_first >= seconds / 2:
+                half = (time.perf_counter(), remote.counters()["gets"])
         elapsed = time.perf_counter() - t_first
         gets = remote.counters()["gets"] - gets0
+        assert half is not None
         got = {
             "open_to_first_batch_s": t_first - t0,
             "gets_per_s": gets / elapsed,
+            "gets_per_s_second_half": (remote.counters()["gets"] - half[1])
+            / (time.perf_counter() - half[0]),
             "cpu_us_per_get": 1e6 * (time.process_time() - cpu0) / max(gets, 1),
             "tokens_per_s": tokens / elapsed,
         }
@@ -184,6 +194,10 @@ def test_shuffled_windows_from_s3(server: tuple[FastS3Process, str], latency_ms:
         one_get = {"merge_gap": 0}  # one GET per window, as the plain loop's
         stream = tokload.TokenStream(url, WINDOW, storage_options=one_get)
         defaults = _tokload(stream, SECONDS, waits=latency_ms == 20)
+        # the machine drifts between measurements: the plain loop's best again, after
+        # tokload's, and the two averaged
+        again = _plain_loop(url, best_n, SECONDS / 2)
+        best = {k: (best[k] + again[k]) / 2 for k in best}
         tuned = _tokload(
             stream, SECONDS, waits=False, num_threads=4, read=tokload.ReadOptions(io_depth=256)
         )
@@ -196,18 +210,32 @@ def test_shuffled_windows_from_s3(server: tuple[FastS3Process, str], latency_ms:
         srv.set_latency(0)
     for n, r in plain.items():
         _results.record(NAME, label=f"plain loop: {n} GETs in flight", latency_ms=latency_ms, **r)
+    _results.record(
+        NAME,
+        label=f"plain loop: {best_n} in flight, before and after tokload's (the reference)",
+        latency_ms=latency_ms,
+        **best,
+    )
     _results.record(NAME, label="tokload, defaults", latency_ms=latency_ms, **defaults)
     _results.record(NAME, label="tokload, 4 threads, io_depth 256", latency_ms=latency_ms, **tuned)
     share = defaults["gets_per_s"] / best["gets_per_s"]
+    steady = defaults["gets_per_s_second_half"] / best["gets_per_s"]
     cpu = defaults["cpu_us_per_get"] / best["cpu_us_per_get"]
     print(
         f"\n{latency_ms} ms: plain loop best {best['gets_per_s']:.0f} GETs/s ({best_n} in "
         f"flight, {best['cpu_us_per_get']:.0f} us CPU/GET); tokload defaults "
-        f"{defaults['gets_per_s']:.0f} GETs/s = {share:.2f} of it, "
+        f"{defaults['gets_per_s']:.0f} GETs/s = {share:.2f} of it ({steady:.2f} in the second "
+        f"half), "
         f"{defaults['cpu_us_per_get']:.0f} us CPU/GET; tuned {tuned['gets_per_s']:.0f} GETs/s"
     )
     _results.goal(
         NAME, f"tokload defaults / the plain loop's best GETs/s, {latency_ms} ms", 0.70, share
+    )
+    _results.goal(
+        NAME,
+        f"the same, the second half of the window (the limit settled), {latency_ms} ms",
+        0.70,
+        steady,
     )
     _results.goal(
         NAME,

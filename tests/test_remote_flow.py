@@ -3,8 +3,9 @@ a simulated store: no server, no client, simulated time.
 
 The store answers ``n`` GETs in flight at ``min(n / latency, capacity(n))`` per second,
 where ``capacity(n)`` is what the client's CPU allows, and falls as connections grow (as
-measured with obstore: ``bench/bench_remote.py``).  The limit should settle near the knee,
-``n = latency * capacity``: enough to cover the latency, not so many that CPU is wasted.
+measured with obstore: ``bench/bench_remote.py``); past the knee, ``n = latency *
+capacity``, each GET waits ``n / capacity`` instead of ``latency``.  The limit should
+settle near the knee: enough to cover the latency, not so many that CPU is wasted.
 """
 
 from __future__ import annotations
@@ -88,3 +89,19 @@ def test_the_limit_stays_within_its_bounds(events: list[tuple[float, float, bool
         t += dt
         ctl.answered(t, latency, bound)
         assert MIN_IN_FLIGHT <= ctl.limit <= MAX_IN_FLIGHT
+
+
+def test_a_store_that_becomes_slower_is_seen_by_a_drain() -> None:
+    """The least latency seen is checked by draining: a store whose latency goes from
+    20 to 100 ms gets the limit that covers 100 ms within seconds, not a limit still
+    lowered because every GET seems to wait four fifths of its time."""
+    ctl = _Limit(0.0)
+    t = 0.0
+    for latency, until in ((0.02, 20.0), (0.1, 35.0)):
+        while t < until:
+            n = ctl.limit
+            rate = min(n / latency, _capacity(n))
+            t += 1.0 / rate
+            ctl.answered(t, n / rate, True)
+    assert ctl.least >= 0.099
+    assert ctl.limit >= 0.8 * _knee(0.1), (ctl.limit, _knee(0.1))

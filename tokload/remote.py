@@ -10,7 +10,7 @@ module, on the process's event loop thread, fetches them (``_BatchFetch``) and
 has their bytes copied into the batch buffers without the GIL.  Requests for
 nearby bytes of one object are merged; the process keeps as many GETs in flight,
 for all its readers together, as cover the store's latency at the rate the reads
-go (``_Limit``, found by trying); what a retry can help is retried; and every
+go (``_Limit``, from the latency the GETs show); what a retry can help is retried; and every
 answer is checked:
 
 - every GET names the ETag the object had when the dataset was opened
@@ -759,87 +759,86 @@ IN_FLIGHT_BYTES = 512 << 20
 def _on_wake() -> None:
     """The handoff's eventfd is readable: start the batches the readers queued."""
     for batch in _remote.take():
-        _BatchFetch(batch)
+        try:
+            _BatchFetch(batch)
+        except BaseException as e:  # never leave a reader waiting (a bug: say which)
+            batch.fail(e)
 
 
 class _Limit:
-    """How many GETs the process keeps in flight: found by trying, as the rate shows.
+    """How many GETs the process keeps in flight, from the latency the GETs show.
 
-    Requests in flight are what covers a store's latency (Little's law: ``rate *
-    latency`` are needed), but past what covers it more only cost: connections, and
-    the client's CPU per GET, which grows with them; and the latency under load is
-    not the store's alone (a client short of CPU queues its answers).  So the limit
-    is set by trying: each period (``PERIOD`` seconds, four round trips at least)
-    compares the GETs/s that completed with the period before.  A limit raised by
-    ``STEP`` that raised the rate by ``GAIN`` or more stays and is raised again (by
-    two while the rate follows it almost in proportion: the first ramp);
-    one that did not is taken back, the limit held ``HOLD`` periods, and then tried
-    once higher and once lower (a lower limit that keeps the rate within ``GAIN``
-    stays: latency may have fallen).  Between ``MIN_IN_FLIGHT`` and
-    ``MAX_IN_FLIGHT``.  A period in which the readers did not keep the limit full
-    (the demand set the rate), or that an idle spell stretched, decides nothing.
-    Pure arithmetic on the completions it is told of (``answered``), so a test
-    drives it with a simulated store."""
+    Requests in flight are what covers a store's latency: at ``rate`` GETs/s and
+    ``latency`` seconds each, ``rate * latency`` are needed (Little's law), and
+    more only cost: connections, and the client's CPU per GET, which grows with
+    them.  Past that point the extra GETs wait on this side (for the client's CPU,
+    or in the store's queue): the latency grows and the rate does not.  So, as TCP
+    Vegas does, each period (``PERIOD`` seconds, four round trips at least)
+    compares the mean latency of the GETs that completed with the least latency
+    seen: the share of the mean spent waiting, ``1 - least / mean``, says how many
+    of the GETs in flight are too many.  Under ``LOW`` the limit rises by half;
+    over ``HIGH`` it falls by ``FALL``; between, it stays.  The least latency is
+    checked, as BBR does, by a drain: one period at half the limit, whose least
+    latency becomes the new one (the store may have become slower), every
+    ``WINDOW`` seconds and after ``FALLS`` falls in a row.  Between
+    ``MIN_IN_FLIGHT`` and ``MAX_IN_FLIGHT``.  A period in which the readers did not
+    keep the limit full (the demand set the rate), or that an idle spell
+    stretched, decides nothing.  Pure arithmetic on the completions it is told of
+    (``answered``), so a test drives it with a simulated store."""
 
-    PERIOD = 0.25
-    STEP = 1.25
-    GAIN = 0.05
-    HOLD = 8
+    PERIOD = 0.1
+    WINDOW = 10.0
+    LOW = 0.1
+    HIGH = 0.3
+    FALL = 0.85
+    FALLS = 3
 
     def __init__(self, now: float, start: int = 4 * 16) -> None:
         self.limit = start
-        self.t0, self.done, self.bound, self.least = now, 0, 0, float("inf")
-        self.base_limit: int | None = None  # the limit the last accepted rate was at
-        self.base_rate = 0.0
-        self.hold = 0
-        self.down = False  # the next probe goes down
+        self.t0, self.done, self.bound, self.total = now, 0, 0, 0.0
+        self.least, self.least_t = float("inf"), now  # the least latency, and when seen
+        self.period_least = float("inf")
+        self.falls = 0
+        self.drained: int | None = None  # during a drain: the limit before it
 
     def answered(self, now: float, latency: float, bound: bool) -> None:
         """A GET completed at ``now`` after ``latency`` seconds; ``bound``: other
         GETs were waiting for a slot (the limit, not the demand, set the rate)."""
         self.done += 1
         self.bound += bound
+        self.total += latency
+        if latency < self.period_least:
+            self.period_least = latency
         if latency < self.least:
-            self.least = latency
+            self.least, self.least_t = latency, now
         period = max(self.PERIOD, 4 * self.least)
         if now - self.t0 < period:
             return
-        rate = self.done / (now - self.t0)
+        mean, least = self.total / self.done, self.period_least
         # a period the readers did not keep the limit full says nothing of it
         said = 2 * self.bound >= self.done and now - self.t0 < 2 * period
-        self.t0, self.done, self.bound, self.least = now, 0, 0, float("inf")
-        if said:
-            self._decide(rate)
-
-    def _set(self, limit: float) -> None:
-        self.limit = max(MIN_IN_FLIGHT, min(MAX_IN_FLIGHT, int(limit)))
-
-    def _decide(self, rate: float) -> None:
-        base = self.base_limit
-        if base is None or self.limit == base:  # a period at the accepted limit
-            self.base_limit, self.base_rate = self.limit, rate
-            if base is None or self.hold == 0:
-                self._set(self.limit / self.STEP if self.down else self.limit * self.STEP)
-                self.down = False if base is None else not self.down
-                if self.limit == self.base_limit:  # at a bound: nothing to try
-                    self.hold = self.HOLD
-            else:
-                self.hold -= 1
+        self.t0, self.done, self.bound, self.total = now, 0, 0, 0.0
+        self.period_least = float("inf")
+        if self.drained is not None:  # the drain is over: its least is the store's
+            self.least, self.least_t = least, now
+            self.limit, self.drained, self.falls = self.drained, None, 0
+        elif not said:
             return
-        up = self.limit > base
-        if up and rate >= self.base_rate * (1 + self.GAIN):
-            grew = rate / max(self.base_rate, 1e-9)
-            ramp = grew >= 1 + 0.8 * (self.limit / base - 1)  # the rate follows the limit
-            self.base_limit, self.base_rate = self.limit, rate
-            self._set(self.limit * (2 if ramp else self.STEP))
-            if self.limit == self.base_limit:
-                self.hold = self.HOLD
-        elif not up and rate >= self.base_rate * (1 - self.GAIN):
-            self.base_limit, self.base_rate = self.limit, rate  # as fast with fewer
-            self.hold = self.HOLD
+        elif now - self.least_t > self.WINDOW or self.falls >= self.FALLS:
+            self.drained = self.limit
+            self.limit = max(MIN_IN_FLIGHT, self.limit // 2)
         else:
-            self.limit = base  # it did not pay: back, and hold
-            self.hold = self.HOLD
+            self._decide(1.0 - self.least / mean if mean > 0 else 0.0)
+
+    def _decide(self, waiting: float) -> None:
+        if waiting < self.LOW:
+            limit, self.falls = self.limit * 1.5, 0
+        elif waiting > self.HIGH:
+            limit, self.falls = self.limit * self.FALL, self.falls + 1
+        else:
+            self.falls = 0
+            return
+        self.limit = max(MIN_IN_FLIGHT, min(MAX_IN_FLIGHT, int(limit)))
 
 
 class _Flow:
