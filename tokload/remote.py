@@ -788,8 +788,8 @@ class _Limit:
 
     PERIOD = 0.1
     WINDOW = 10.0
-    LOW = 0.1
-    HIGH = 0.3
+    LOW = 0.2
+    HIGH = 0.4
     FALL = 0.85
     FALLS = 3
 
