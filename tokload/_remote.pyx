@@ -105,7 +105,8 @@ def loop_call_soon_threadsafe(self, callback, *args, context=None):
     _inside += 1
     try:
         handle = self.call_soon(callback, *args, context=context)
-        lib.tl_handoff_wake(&_handoff)
+        if _open_pid == getpid():
+            lib.tl_handoff_wake(&_handoff)
     finally:
         _inside -= 1
     return handle
