@@ -13,8 +13,8 @@
 5. Failures that a retry hid are counted in ``stats()``; none is hidden by the
    loader itself.
 6. A randomized run of all of it (threads, I/O backends, local files and a local
-   S3 server) under a 10 s watchdog per run: ``TOKLOAD_SEAM_RUNS`` runs (a few by
-   default; the ``slow`` variant runs 1,000).
+   S3 server) under a 30 s watchdog per run and 5 s per forked child:
+   ``TOKLOAD_SEAM_RUNS`` runs (a few by default; the ``slow`` variant runs 1,000).
 """
 
 from __future__ import annotations
@@ -24,8 +24,12 @@ import gc
 import json
 import os
 import random
+import re
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -41,6 +45,9 @@ from tokload import DataLoader, Documents, TokenStream, Writer
 from tokload.prefetch import Prefetcher
 
 WATCHDOG_S = 10.0
+FORK_WATCHDOG_S = 3 * WATCHDOG_S + 15  # in_child: up to three forks, gdb looks at two
+CHILD_S = 5.0  # a randomized run's forked child (it reads at most 12 batches)
+SCENARIO_S = 30.0  # a randomized run: room for its forks' own watchdogs and a new fork
 BUCKET = "tokload-seams"
 FAST = {"retries": 2, "retry_seconds": 10}  # tests' retries: few, quick
 
@@ -107,15 +114,69 @@ def within(seconds: float, fn: Callable[[], Any], what: str = "") -> Any:
     return box.get("value")
 
 
+class SanitizerForkDeadlock(Hang):
+    """A forked child stuck on a lock of AddressSanitizer's allocator that another
+    thread of the parent held at the fork: GCC 12's libasan (LLVM's before 18,
+    llvm/llvm-project#75290) does not take its allocator's locks around fork(), so
+    a child of a multithreaded parent can deadlock in its first malloc. Not a
+    tokload hang: the child's C stacks (gdb) show the sanitizer's lock."""
+
+
+def _under_asan() -> bool:
+    return "libasan" in os.environ.get("LD_PRELOAD", "")
+
+
+def _c_stacks(pid: int) -> str:
+    """Every thread's C stack in process ``pid`` (gdb attached), or "" without gdb."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return ""
+    cmd = [gdb, "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 40"]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+# a thread inside the sanitizer's allocator, waiting on one of its locks
+_ASAN_ALLOC = re.compile(r"__asan::(Allocator|asan_\w*alloc|asan_free)|SizeClassAllocator")
+_ASAN_LOCK = re.compile(r"__sanitizer::\w*(Mutex|Lock)\w*::(Lock|LockSlow|ReadLock)")
+
+
+def _asan_fork_deadlock(stacks: str) -> bool:
+    """Whether a thread of these gdb stacks waits on a lock inside ASan's allocator."""
+    threads = re.split(r"\n(?=Thread \d+ )", stacks)
+    return any(_ASAN_ALLOC.search(t) and _ASAN_LOCK.search(t) for t in threads)
+
+
 def in_child(fn: Callable[[], Any], seconds: float = WATCHDOG_S) -> dict[str, Any]:
     """``fn()`` in a child made by ``os.fork()``: ``{"value": ...}`` (JSON) or
     ``{"error": type name, "message": ...}``. Hang when the child has not exited
-    after ``seconds`` (it is killed)."""
+    after ``seconds`` (it is killed), with its Python and C stacks.
+
+    Under AddressSanitizer, a child stuck on the sanitizer allocator's lock
+    (SanitizerForkDeadlock) is forked again, up to twice: the libasan of this
+    toolchain is not fork-safe in a multithreaded parent. Any other hang fails."""
+    for attempt in range(3):
+        try:
+            return _in_child_once(fn, seconds)
+        except SanitizerForkDeadlock as e:
+            if attempt == 2:
+                raise
+            print(f"in_child: forked again: {str(e).splitlines()[0]}", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+def _in_child_once(fn: Callable[[], Any], seconds: float) -> dict[str, Any]:
+    with tempfile.TemporaryFile() as dump:  # the child's Python stacks if it hangs
+        return _fork_and_wait(fn, seconds, dump)
+
+
+def _fork_and_wait(fn: Callable[[], Any], seconds: float, dump: Any) -> dict[str, Any]:
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns into the test runner
-        # a hung child says where, on the stderr the test captures, before it is killed
-        faulthandler.dump_traceback_later(max(0.5, seconds - 1))
+        faulthandler.dump_traceback_later(max(0.5, seconds - 1), file=dump.fileno())
         code = 0
         try:
             try:
@@ -134,9 +195,18 @@ def in_child(fn: Callable[[], Any], seconds: float = WATCHDOG_S) -> dict[str, An
             if done:
                 break
             if time.monotonic() > deadline:
+                stacks = _c_stacks(pid)
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                raise Hang(f"a forked child still running after {seconds} s")
+                dump.seek(0)
+                python = dump.read().decode(errors="replace")
+                kind = (
+                    SanitizerForkDeadlock if _under_asan() and _asan_fork_deadlock(stacks) else Hang
+                )
+                raise kind(
+                    f"a forked child still running after {seconds} s\n"
+                    f"--- its Python stacks\n{python}\n--- its C stacks (gdb)\n{stacks}"
+                )
             time.sleep(0.002)
         data = b""
         while chunk := os.read(r, 1 << 16):
@@ -145,6 +215,47 @@ def in_child(fn: Callable[[], Any], seconds: float = WATCHDOG_S) -> dict[str, An
         os.close(r)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
     return dict(json.loads(data))
+
+
+# what gdb prints of a child stuck in the sanitizer's allocator, and of one stuck elsewhere
+_STUCK_IN_ASAN = """Thread 2 (Thread 0x7f00 (LWP 12) "tokload-reader"):
+#0  0x00007f01 in __sanitizer::internal_sched_yield() ()
+#1  0x00007f02 in __sanitizer::StaticSpinMutex::LockSlow() ()
+#2  0x00007f03 in __sanitizer::SizeClassAllocator64LocalCache<...>::Refill(...) ()
+#3  0x00007f04 in __asan::Allocator::Allocate(unsigned long, ...) ()
+#4  0x00007f05 in malloc ()
+
+Thread 1 (Thread 0x7f10 (LWP 11) "python"):
+#0  0x00007f11 in __futex_abstimed_wait_common () at futex-internal.c:57
+#1  0x00007f12 in pthread_cond_timedwait ()
+"""
+_STUCK_ELSEWHERE = """Thread 2 (Thread 0x7f00 (LWP 12) "tokload-reader"):
+#0  0x00007f01 in __futex_abstimed_wait_common () at futex-internal.c:57
+#1  0x00007f02 in __sanitizer::BlockingMutex::Lock() ()
+#2  0x00007f03 in __interceptor_pthread_mutex_lock ()
+
+Thread 1 (Thread 0x7f10 (LWP 11) "python"):
+#0  0x00007f11 in __asan::Allocator::Allocate(unsigned long, ...) ()
+#1  0x00007f12 in malloc ()
+"""
+
+
+def test_a_child_stuck_in_the_sanitizers_allocator_is_told_from_one_stuck_elsewhere() -> None:
+    assert _asan_fork_deadlock(_STUCK_IN_ASAN)
+    # a lock and an allocator frame on two threads: not the allocator's deadlock
+    assert not _asan_fork_deadlock(_STUCK_ELSEWHERE)
+    assert not _asan_fork_deadlock("")
+
+
+def test_a_hung_childs_hang_shows_its_python_and_c_stacks() -> None:
+    with pytest.raises(Hang) as e:
+        in_child(lambda: time.sleep(30), seconds=1.5)
+    assert type(e.value) is Hang  # not the sanitizer's: nothing waits on its allocator
+    msg = str(e.value)
+    assert "a forked child still running after 1.5 s" in msg
+    assert "--- its Python stacks" in msg and "<lambda>" in msg
+    if shutil.which("gdb"):
+        assert "sleep" in msg.split("--- its C stacks (gdb)")[1]
 
 
 class Rows:
@@ -237,7 +348,7 @@ def test_a_forked_child_goes_on_with_the_batches_the_parent_gets_next(
         got = _firsts(it, 40)  # far past what the parent had built
         return {"got": got, "cursor": ld.cursor, "readers": len(reader_threads())}
 
-    out = within(WATCHDOG_S + 5, lambda: in_child(child))
+    out = within(FORK_WATCHDOG_S, lambda: in_child(child))
     assert "error" not in out, out
     parent = _firsts(it, 40)
     assert out["value"]["got"] == parent
@@ -258,7 +369,7 @@ def test_a_forked_child_s_stats_count_its_own_reads(corpus: Path) -> None:
         _firsts(it, 10)
         return ld.stats()
 
-    st = within(WATCHDOG_S + 5, lambda: in_child(child))["value"]
+    st = within(FORK_WATCHDOG_S, lambda: in_child(child))["value"]
     assert st["batches"] == 15
     # the engine's totals start from zero in a child: never a negative interval
     for key in ("io_calls", "io_requests", "io_bytes", "io_s"):
@@ -297,7 +408,7 @@ def test_a_forked_child_never_waits_for_a_lock_a_parent_s_reader_held(
     t.start()
     assert held.wait(5)
     try:
-        out = within(WATCHDOG_S + 5, lambda: in_child(lambda: _firsts(it, 40)))
+        out = within(FORK_WATCHDOG_S, lambda: in_child(lambda: _firsts(it, 40)))
     finally:
         release.set()
         t.join()
@@ -313,7 +424,7 @@ def test_a_prefetcher_used_in_a_forked_child_raises_at_once() -> None:
     def child() -> Any:
         return [pf.get() for _ in range(10)]
 
-    out = within(WATCHDOG_S + 5, lambda: in_child(child))
+    out = within(FORK_WATCHDOG_S, lambda: in_child(child))
     pf.close()
     assert out["error"] == "RuntimeError", out
     assert "did not survive fork()" in out["message"]
@@ -597,7 +708,7 @@ def test_a_forked_child_is_refused_by_the_object_store_not_hung(
     def child() -> Any:
         return _firsts(it, 30)
 
-    out = within(WATCHDOG_S + 5, lambda: in_child(child))
+    out = within(FORK_WATCHDOG_S, lambda: in_child(child))
     ld.close()
     assert out["error"] == "RemoteError", out
     assert "does not survive fork()" in out["message"]
@@ -648,7 +759,7 @@ def _scenario(rng: random.Random, views: dict[str, Any], remote: bool) -> str:
         def child() -> Any:
             return {"got": take(k), "readers": len(reader_threads())}
 
-        return in_child(child)
+        return in_child(child, seconds=CHILD_S)
 
     for _ in range(rng.randint(1, 8)):
         action = rng.choice(["next", "next", "cursor", "state", "fork", "close", "reiter", "gc"])
@@ -706,7 +817,7 @@ def _run_scenarios(runs: int, views: dict[str, Any], remote_share: float) -> flo
             return _scenario(rng, views, remote)
 
         try:
-            within(WATCHDOG_S, run, f"run {k} (seed {seed})")
+            within(SCENARIO_S, run, f"run {k} (seed {seed})")
         except BaseException as e:
             e.add_note(f"seam run {k}, seed {seed} (TOKLOAD_SEAM_SEED reproduces the series)")
             raise
