@@ -25,6 +25,7 @@ from setuptools import Extension, setup
 MODULES = [
     "_permute",
     "_pack",
+    "_hostmem",
     "_remote",
     "_io",
     "_rows",

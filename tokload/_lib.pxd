@@ -481,3 +481,23 @@ cdef extern from "tokload/ctab.h" nogil:
 cdef extern from "tokload/tables.h" nogil:
     void *tl_table_get(void *const *slot) noexcept
     int tl_table_publish(void **slot, void *p) noexcept
+
+
+cdef extern from "tokload/hostmem.h" nogil:
+    enum: TL_HOSTMEM_SLOTS
+    ctypedef struct tl_hostmem_block:
+        void *ptr
+        size_t size
+        uint64_t age
+    ctypedef struct tl_hostmem:
+        size_t n
+        size_t bytes
+        size_t cap
+        uint64_t clock
+        uint64_t reused
+    void tl_hostmem_init(tl_hostmem *h, size_t cap) noexcept
+    void *tl_hostmem_take(tl_hostmem *h, size_t size, size_t *got) noexcept
+    size_t tl_hostmem_fit(tl_hostmem *h, size_t extra, tl_hostmem_block *evicted) noexcept
+    size_t tl_hostmem_put(tl_hostmem *h, void *ptr, size_t size,
+                          tl_hostmem_block *evicted) noexcept
+    size_t tl_hostmem_clear(tl_hostmem *h, tl_hostmem_block *evicted) noexcept

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from tokload import _hostmem
+
 if TYPE_CHECKING:
     import torch
 
@@ -89,14 +91,16 @@ class HostBackend:
 
         if self.pinned:
             return torch.empty(shape, dtype=dtype, pin_memory=True)
-        # Ordinary memory from NumPy: torch.from_numpy does not release the GIL,
-        # torch.empty does, and retaking it costs a reader thread up to a switch
-        # interval (5 ms) when the training thread runs Python flat out. No device
-        # copy tracks this memory, so the allocator's events are not needed.
+        # Ordinary memory through NumPy arrays: torch.from_numpy does not release
+        # the GIL, torch.empty does, and retaking it costs a reader thread up to a
+        # switch interval (5 ms) when the training thread runs Python flat out. No
+        # device copy tracks this memory, so the allocator's events are not needed.
+        # Large arrays get blocks that stay mapped between batches (_hostmem): from
+        # malloc, each batch would fault in and zero its pages anew.
         nd = self._np.get(dtype)
         if nd is None:
             nd = self._np[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
-        return torch.from_numpy(np.empty(shape, dtype=nd))
+        return torch.from_numpy(_hostmem.empty(shape, nd))
 
     def copy(self, batch: Batch) -> Batch:
         return batch
