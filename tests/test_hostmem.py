@@ -64,6 +64,14 @@ def test_small_arrays_come_from_numpy() -> None:
     assert _hostmem.stats()["mapped"] == 0
 
 
+def test_a_negative_dimension_is_refused_as_numpy_refuses_it() -> None:
+    msg = r"negative dimensions are not allowed, got shape \(-1, 1048576\)"
+    with pytest.raises(ValueError, match=msg):
+        _hostmem.empty((-1, 1 << 20), np.uint8)
+    with pytest.raises(ValueError, match="negative dimensions"):
+        _hostmem.empty((-1, -(1 << 20)), np.uint8)
+
+
 def test_the_array_is_writable_aligned_and_of_its_shape() -> None:
     a = _hostmem.empty((3, 5, 70_000), np.float32)
     assert a.shape == (3, 5, 70_000) and a.dtype == np.float32

@@ -96,8 +96,9 @@ cdef Block _block(size_t nbytes):
     cdef size_t size = (nbytes + GRAIN - 1) // GRAIN * GRAIN, got = 0
     cdef void *p = lib.tl_hostmem_take(&_free, size, &got)
     if p == NULL:
-        with nogil:
-            p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        # (with the GIL: mapping takes microseconds, and a reader thread that let
+        # the GIL go would wait up to a switch interval to take it back)
+        p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
         if p == MAP_FAILED:
             e = errno
             raise MemoryError(f"cannot map {size} bytes of host memory for a batch: "
@@ -114,10 +115,12 @@ def empty(shape, dtype):
     block of this module's when it holds ``MIN_BYTES`` or more, else NumPy's."""
     dt = np.dtype(dtype)
     shape = tuple(shape)
-    cdef size_t count = 1
+    count = 1
     for s in shape:
-        count *= <size_t>s
-    cdef size_t nbytes = count * <size_t>dt.itemsize
+        count *= s
+    if count < 0 or min(shape, default=0) < 0:
+        raise ValueError(f"negative dimensions are not allowed, got shape {shape}")
+    nbytes = count * dt.itemsize
     if nbytes < MIN_BYTES:
         return np.empty(shape, dtype=dt)
     return np.frombuffer(_block(nbytes), dtype=dt, count=count).reshape(shape)
