@@ -132,8 +132,10 @@ def _c_stacks(pid: int) -> str:
     if gdb is None:
         return ""
     cmd = [gdb, "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 40"]
+    # gdb itself must not run under the sanitizer the tests may have preloaded
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env).stdout
     except (OSError, subprocess.TimeoutExpired):
         return ""
 
