@@ -593,6 +593,26 @@ def test_a_batch_the_fetcher_drops_fails_its_read_instead_of_hanging(
     assert np.asarray(view.read([0])).shape == (1, 64)  # the next batch is fetched as usual
 
 
+def test_a_body_of_the_wrong_size_fails_the_read_and_is_never_copied(
+    corpus: tuple[Path, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Batch.finish`` checks each body against its request before copying any: a
+    fetcher that hands over a body a byte too long fails the read with the request
+    named, and the next batch is read as usual."""
+    _, url = corpus
+    view = TokenStream(url, 64)
+
+    def finish_long(self: Any) -> None:
+        self.ended = True
+        self.batch.finish([bytes(n + 1) if n else None for n in self.lengths])
+
+    with monkeypatch.context() as m:
+        m.setattr(remote._BatchFetch, "_finish", finish_long)
+        with pytest.raises(RuntimeError, match=r"request 0: 257 bytes for a read of 256"):
+            view.read([0])
+    assert np.asarray(view.read([0])).shape == (1, 64)
+
+
 def test_reads_of_many_threads_share_the_process_limit(corpus: tuple[Path, str]) -> None:
     """Readers on several threads hand their batches to one fetcher, which keeps at
     most its limit of GETs in flight for all of them; every read gets its own bytes."""

@@ -188,10 +188,7 @@ cdef class Batch:
             with nogil:
                 lib.tl_handoff_copy(r, n, src)
         except BaseException as e:
-            for i in range(taken):
-                PyBuffer_Release(&views[i])
-            taken = 0
-            self.fail(e, 0)
+            self.fail(e, 0)  # (the bodies' buffers are released below)
             return
         finally:
             for i in range(taken):
