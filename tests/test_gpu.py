@@ -224,3 +224,65 @@ def test_device_copies_cost_the_reader_little_python(corpus: Path) -> None:
     print(f"packed documents: host {docs_host}, device {docs}")
     assert dev <= host + 16, (host, pinned, dev)
     assert docs <= docs_host + 16, (docs_host, docs)
+
+
+@pytest.mark.usefixtures("host_load")
+def test_a_mixture_filled_on_the_device(tmp_path: Path) -> None:
+    """The recipe on the device: a blend of a tokload build, a Megatron prefix and a
+    flat ``.npy`` file, best-fit filled with every attention key. Every key, the
+    provenance included, equals the same run's batches built on the host, and each
+    document in a row is the one the provenance names."""
+    from test_mixtures import write_megatron
+
+    rng = np.random.default_rng(8)
+
+    def docs(c: int, n: int) -> list[np.ndarray]:
+        return [
+            rng.integers(1, 60_000, int(rng.integers(20, 1500)), dtype=np.uint16) for _ in range(n)
+        ]
+
+    built, mega, flat = docs(0, 300), docs(1, 200), docs(2, 250)
+    with Writer(tmp_path / "build", np.uint16, shard_bytes=1 << 18) as w:
+        for d in built:
+            w.write(d)
+    write_megatron(tmp_path / "mega", mega)
+    np.save(
+        tmp_path / "flat.npy", np.concatenate([np.append(d, 0) for d in flat]).astype(np.uint16)
+    )
+    views = [
+        Documents(tmp_path / "build"),
+        Documents(str(tmp_path / "mega")),
+        Documents(tokload.open_flat(tmp_path / "flat.npy", eos=0)),
+    ]
+    blend = tokload.Blend(list(zip(views, (0.5, 0.3, 0.2), strict=True)), seed=2, length=4000)
+    fill = tokload.Fill(2048, lookahead=64)
+    ld = DataLoader(
+        blend,
+        8,
+        batching=fill,
+        seed=5,
+        num_threads=2,
+        device="cuda",
+        read=tokload.ReadOptions(prefetch=16),
+    )
+    host = DataLoader(blend, 8, batching=fill, seed=5, num_threads=1, device=None)
+    for step, (batch, want) in zip(range(100), zip(ld, host, strict=False), strict=False):
+        busy_stream()
+        assert batch["max_seqlen"] == want.pop("max_seqlen")
+        assert sorted(batch) == sorted([*want, "max_seqlen"])
+        got = {}
+        for key, value in want.items():
+            assert batch[key].device == ld.device, key
+            got[key] = batch[key].cpu().numpy()
+            np.testing.assert_array_equal(got[key], value.numpy(), f"{key} {step}")
+        tokens, segments = got["tokens"], got["segment_ids"]
+        pairs = zip(got["component"].tolist(), got["component_index"].tolist(), strict=True)
+        k = 0
+        for row, count in enumerate(got["doc_counts"].tolist()):
+            for seg in range(count):
+                c, d = next(pairs)
+                doc = np.asarray(views[c][d])
+                np.testing.assert_array_equal(tokens[row][segments[row] == seg], doc, str(k))
+                k += 1
+    ld.close()
+    host.close()
