@@ -304,6 +304,28 @@ def test_the_public_source_rows_refuse_a_strided_out(tmp_path: Path) -> None:
     assert not strided.any()
 
 
+def test_row_ranges_are_checked_before_any_read(tmp_path: Path) -> None:
+    """Ranges past the source's rows and destinations past ``out`` are refused,
+    naming the range, and nothing is read (checked in a compiled loop)."""
+    with tokload.Writer(tmp_path / "ds", np.uint32) as w:
+        w.write(np.arange(1, 401, dtype=np.uint32))
+    rows = tokload.TokenStream(tmp_path / "ds", window=10).source.rows
+    out = np.zeros(20, np.uint32)
+    with pytest.raises(IndexError, match=r"rows \[395, 405\) are not within \[0, 400\)"):
+        rows.read([0, 395], [10, 10], [0, 40], out)
+    with pytest.raises(IndexError, match=r"are not within \[0, 400\)"):
+        rows.read([0, 2**64 - 5], [10, 10], [0, 40], out)  # the end wraps around
+    with pytest.raises(ValueError, match=r"a destination range runs past the end of out"):
+        rows.read([0, 10], [10, 11], [0, 40], out)  # 11 rows at byte 40: 84 > 80 bytes
+    with pytest.raises(ValueError, match=r"a destination range runs past the end of out"):
+        rows.read([0], [21], [0], out)
+    with pytest.raises(ValueError, match=r"the same length"):
+        rows.read([0, 1], [1], [0, 4], out)
+    assert not out.any()
+    rows.read([0, 10], [10, 10], [0, 40], out)  # exactly fills out
+    np.testing.assert_array_equal(out, np.arange(1, 21))
+
+
 def test_packed_rows_refuse_a_fortran_alloc(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     with tokload.Writer(tmp_path / "ds", np.uint32) as w:
@@ -323,8 +345,8 @@ def test_packed_rows_refuse_a_fortran_alloc(tmp_path: Path) -> None:
         view.read_batch(np.arange(4), fortran_alloc)  # padded rows
     span = sched.span(0)
     assert span is not None
-    with pytest.raises(ValueError, match=r"not C-contiguous"):  # Cython's own check
-        fill.reader(view, sched, fortran_alloc).read([span], None)  # packed rows' metadata
+    with pytest.raises(ValueError, match=r"alloc gave a Fortran-ordered array for 'tokens'"):
+        fill.reader(view, sched, fortran_alloc).read([span], None)  # packed rows
     task = fill.reader(view, sched, np.empty).read([span], None)
     assert task.whole is not None and task.whole["tokens"].any()
     assert view.read_batch(np.arange(4), np.empty)["tokens"].any()

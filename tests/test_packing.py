@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tokload
-from tokload._pack import best_fit, greedy_rows, row_boundaries, row_offsets
+from tokload._pack import best_fit, gather_rows, greedy_rows, pad_rows, row_boundaries, row_offsets
 from tokload.errors import StateError
 from tokload.packing import PackedSchedule, Packing, padding_report
 
@@ -152,6 +152,75 @@ def test_row_boundaries_match_the_reference(rows: tuple[list[int], list[int], in
             t += n
     got = row_offsets(np.array(lengths, dtype=np.uint64), np.array(counts), window, 2)
     assert got.tolist() == places
+
+
+@settings(max_examples=200, deadline=None)
+@given(packed_rows(), st.sampled_from(["<u1", "<u2", "<i4", "<u4", "<i8", "<f4"]), st.data())
+def test_pad_rows_sets_each_rows_tail_and_nothing_else(
+    rows: tuple[list[int], list[int], int], dtype: str, data: Any
+) -> None:
+    lengths, counts, window = rows
+    dt = np.dtype(dtype)
+    value = data.draw(st.integers(0, 200)) if dt.kind != "f" else -1.5
+    out = np.arange(len(counts) * window).astype(dt).reshape(len(counts), window)
+    want = out.copy()
+    it = iter(lengths)
+    for b, c in enumerate(counts):
+        want[b, sum(itertools.islice(it, c)) :] = value
+    pad_rows(out, np.array(lengths, dtype=np.uint64), np.array(counts), window, value)
+    np.testing.assert_array_equal(out, want)
+
+
+def test_pad_rows_refuses_an_array_of_another_shape() -> None:
+    lengths, counts = np.array([3, 2], dtype=np.uint64), np.array([1, 1])
+    with pytest.raises(ValueError, match=r"a writable C-contiguous \[2, 8\] array is needed"):
+        pad_rows(np.zeros((2, 7), np.uint16), lengths, counts, 8, 0)
+    with pytest.raises(ValueError, match=r"a writable C-contiguous \[2, 8\] array is needed"):
+        pad_rows(np.zeros((8, 2), np.uint16).T, lengths, counts, 8, 0)
+    with pytest.raises(ValueError, match=r"counts add up to 2 documents, lengths has 3"):
+        pad_rows(np.zeros((2, 8), np.uint16), np.array([1, 1, 1]), counts, 8, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_gather_rows_matches_the_reference(data: Any) -> None:
+    """A rank's rows of consecutive parts of groups: rows ``rank, rank + world,
+    ...`` counted from the first part's first row, entries row by row."""
+    world = data.draw(st.integers(1, 5))
+    rank = data.draw(st.integers(0, world - 1))
+    parts, ref_rows = [], []
+    k = 0
+    for g in range(data.draw(st.integers(0, 4))):
+        counts = data.draw(st.lists(st.integers(0, 4), min_size=1, max_size=8))
+        rows = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        n = int(rows[-1])
+        ids = np.arange(n, dtype=np.int64) + 1000 * g
+        starts, lengths = (ids * 7).astype(np.uint64), (ids % 13).astype(np.uint64)
+        b0 = data.draw(st.integers(0, len(counts)))
+        b1 = data.draw(st.integers(b0, len(counts)))
+        base = 100 * g
+        parts.append((base, ids, starts, lengths, rows, b0, b1))
+        for b in range(b0, b1):
+            if k % world == rank:
+                ref_rows.append((base + b, list(range(rows[b], rows[b + 1])), ids, starts, lengths))
+            k += 1
+    pos, got_ids, got_starts, got_lengths, got_counts = gather_rows(parts, rank, world)
+    assert pos.dtype == np.uint64 and got_ids.dtype == np.int64 and got_counts.dtype == np.int64
+    assert pos.tolist() == [p for p, *_ in ref_rows]
+    assert got_counts.tolist() == [len(e) for _, e, *_ in ref_rows]
+    assert got_ids.tolist() == [int(i[x]) for _, e, i, _, _ in ref_rows for x in e]
+    assert got_starts.tolist() == [int(s[x]) for _, e, _, s, _ in ref_rows for x in e]
+    assert got_lengths.tolist() == [int(n[x]) for _, e, _, _, n in ref_rows for x in e]
+
+
+def test_gather_rows_refuses_rows_outside_a_group() -> None:
+    rows = np.array([0, 2, 3], dtype=np.int64)
+    ids = np.arange(3, dtype=np.int64)
+    part = (0, ids, ids.astype(np.uint64), ids.astype(np.uint64), rows)
+    with pytest.raises(ValueError, match=r"rows \[1, 3\) of a group of 2"):
+        gather_rows([(*part, 1, 3)], 0, 1)
+    with pytest.raises(ValueError, match=r"rank 2 of world size 2"):
+        gather_rows([(*part, 0, 2)], 2, 2)
 
 
 def test_row_boundaries_refuse_bad_rows() -> None:

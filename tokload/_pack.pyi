@@ -21,6 +21,22 @@ def row_offsets(
 ) -> npt.NDArray[np.uint64]: ...
 
 # Position/segment/loss-mask arrays [rows, window], cu_seqlens (int32), max_seqlen.
+# One rank's rows of consecutive parts of packed groups:
+# (positions, ids, starts, lengths, counts).
+def gather_rows(
+    parts: Sequence[tuple[int, Any, Any, Any, Any, int, int]], rank: int, world_size: int
+) -> tuple[
+    npt.NDArray[np.uint64],
+    npt.NDArray[np.int64],
+    npt.NDArray[np.uint64],
+    npt.NDArray[np.uint64],
+    npt.NDArray[np.int64],
+]: ...
+
+# Sets each row's elements after its documents to value.
+def pad_rows(
+    out: npt.NDArray[Any], lengths: npt.ArrayLike, counts: npt.ArrayLike, window: int, value: Any
+) -> None: ...
 def row_boundaries(
     lengths: npt.ArrayLike,
     counts: npt.ArrayLike,

@@ -20,6 +20,9 @@ MAX_WINDOW = lib.TL_PACK_MAX_WINDOW
 # the training thread runs Python flat out.
 cdef enum:
     _NOGIL_MIN = 256
+# Padding under this many bytes is set with the GIL held (tens of microseconds at most).
+cdef enum:
+    _NOGIL_BYTES = 256 * 1024
 
 
 cdef const uint64_t[::1] _lengths(lengths) except *:
@@ -141,6 +144,97 @@ def row_offsets(lengths, counts, uint64_t window, uint64_t itemsize):
     if not ok:
         raise ValueError(f"row {bad}: its documents hold more than {window} tokens")
     return out
+
+
+def gather_rows(parts, uint64_t rank, uint64_t world_size):
+    """One rank's rows of consecutive parts of packed groups, back to back.
+
+    ``parts`` is a list of ``(base, ids, starts, lengths, rows, b0, b1)``: rows
+    ``[b0, b1)`` of a group whose row ``b`` (position ``base + b``) holds entries
+    ``[rows[b], rows[b + 1])`` of ``ids``, ``starts`` and ``lengths``. Counted
+    from the first part's ``b0``, the rank takes rows ``rank, rank +
+    world_size, ...``. Returns ``(positions, ids, starts, lengths, counts)``
+    (uint64, int64, uint64, uint64, int64), as ``PackedRows`` holds them.
+
+    A compiled loop with the GIL held: the work is a few microseconds, and
+    NumPy's gathers would drop the GIL and take it back several times."""
+    if world_size == 0 or rank >= world_size:
+        raise ValueError(f"rank {rank} of world size {world_size}")
+    cdef list checked = []
+    cdef const int64_t[::1] rv
+    cdef int64_t b0, b1, b, k = 0, first
+    cdef size_t nrows = 0, ndocs = 0
+    for base, ids, starts, lengths, rows, b0, b1 in parts:
+        rv = np.ascontiguousarray(rows, dtype=np.int64)
+        if not 0 <= b0 <= b1 <= rv.shape[0] - 1:
+            raise ValueError(f"rows [{b0}, {b1}) of a group of {rv.shape[0] - 1}")
+        first = b0 + <int64_t>((rank + world_size - <uint64_t>k % world_size) % world_size)
+        k += b1 - b0
+        b = first
+        while b < b1:
+            nrows += 1
+            ndocs += <size_t>(rv[b + 1] - rv[b])
+            b += world_size
+        checked.append((base, np.ascontiguousarray(ids, dtype=np.int64),
+                        np.ascontiguousarray(starts, dtype=np.uint64),
+                        np.ascontiguousarray(lengths, dtype=np.uint64), rv, first, b1))
+    positions = np.empty(nrows, dtype=np.uint64)
+    out_ids = np.empty(ndocs, dtype=np.int64)
+    out_starts = np.empty(ndocs, dtype=np.uint64)
+    out_lengths = np.empty(ndocs, dtype=np.uint64)
+    counts = np.empty(nrows, dtype=np.int64)
+    cdef uint64_t[::1] pv = positions, osv = out_starts, olv = out_lengths
+    cdef int64_t[::1] oiv = out_ids, cv = counts
+    cdef const int64_t[::1] iv
+    cdef const uint64_t[::1] sv, lv
+    cdef size_t r = 0, d = 0
+    cdef int64_t e
+    cdef uint64_t at
+    for base, iv, sv, lv, rv, first, b1 in checked:
+        at = base
+        b = first
+        while b < b1:
+            pv[r] = at + <uint64_t>b
+            cv[r] = rv[b + 1] - rv[b]
+            r += 1
+            for e in range(rv[b], rv[b + 1]):
+                oiv[d] = iv[e]
+                osv[d] = sv[e]
+                olv[d] = lv[e]
+                d += 1
+            b += world_size
+    return positions, out_ids, out_starts, out_lengths, counts
+
+
+def pad_rows(out, lengths, counts, uint64_t window, value):
+    """Set the padding of each row of ``out`` (a C-contiguous ``[rows, window]``
+    array): row ``k`` holds ``counts[k]`` documents of ``lengths`` (all rows'
+    back to back, as ``row_offsets`` checked they fit) from its start, and each
+    element after them is set to ``value`` (of ``out``'s dtype). One C call
+    for all rows, without the GIL when the padding is over ``_NOGIL_BYTES``."""
+    _check_window(window)
+    cdef const uint64_t[::1] lv = _lengths(lengths)
+    cdef const int64_t[::1] cv = _counts(counts, lv.shape[0])
+    cdef size_t nrows = cv.shape[0]
+    if out.ndim != 2 or out.shape[0] != nrows or out.shape[1] != window \
+            or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"out: a writable C-contiguous [{nrows}, {window}] array is needed, "
+                         f"not {out.dtype} {out.shape}")
+    if nrows == 0:
+        return
+    pattern = np.array(value, dtype=out.dtype)
+    cdef const unsigned char[::1] pv = pattern.reshape(-1).view(np.uint8)
+    cdef unsigned char[::1] ov = out.reshape(-1).view(np.uint8)
+    cdef uint64_t zero = 0
+    cdef const uint64_t *lp = &zero
+    cdef size_t itemsize = out.dtype.itemsize
+    if lv.shape[0]:
+        lp = &lv[0]
+    if lib.tl_pack_padding(lp, &cv[0], nrows, window) * itemsize < _NOGIL_BYTES:
+        lib.tl_pack_pad(lp, &cv[0], nrows, window, itemsize, &pv[0], <char *>&ov[0])
+        return
+    with nogil:
+        lib.tl_pack_pad(lp, &cv[0], nrows, window, itemsize, &pv[0], <char *>&ov[0])
 
 
 def row_boundaries(lengths, counts, uint64_t window, alloc,

@@ -94,16 +94,18 @@ cdef class RowSet:
         sa = np.ascontiguousarray(starts, dtype=np.uint64)
         la = np.ascontiguousarray(lengths, dtype=np.uint64)
         da = np.ascontiguousarray(dst_offsets, dtype=np.uint64)
-        n = sa.shape[0]
-        if la.shape[0] != n or da.shape[0] != n:
+        if la.shape[0] != sa.shape[0] or da.shape[0] != sa.shape[0]:
             raise ValueError("starts, lengths and dst_offsets must have the same length")
-        if n:
-            end = sa + la
-            if (end < sa).any() or (end > self.total).any():
-                i = int(np.flatnonzero((end < sa) | (end > self.total))[0])
-                raise IndexError(f"rows [{sa[i]}, {sa[i] + la[i]}) are not within [0, {self.total})")
-            nbytes = la * np.uint64(self.rs.row_bytes)
-            if ((da + nbytes) > dst.shape[0]).any():
+        # A compiled loop with the GIL held: NumPy's checks would drop and retake
+        # it several times (its loops over 500 elements release it).
+        cdef const uint64_t[::1] sv = sa, lv = la, dv = da
+        cdef size_t i, n = sv.shape[0]
+        cdef uint64_t total = self.total, row_bytes = self.rs.row_bytes
+        cdef uint64_t size = dst.shape[0]
+        for i in range(n):
+            if sv[i] > total or lv[i] > total - sv[i]:
+                raise IndexError(f"rows [{sv[i]}, {sv[i] + lv[i]}) are not within [0, {total})")
+            if (row_bytes and lv[i] > size // row_bytes) or dv[i] > size - lv[i] * row_bytes:
                 raise ValueError("a destination range runs past the end of out")
         return sa, la, da, dst
 

@@ -47,7 +47,6 @@ cancel)`` gives a ``Task``: the batches of consecutive steps.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -56,9 +55,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from tokload._docindex import split_cu_seqlens
-from tokload._pack import row_boundaries, row_offsets
+from tokload._pack import pad_rows, row_boundaries, row_offsets
 from tokload.assembly import Assembly
-from tokload.packing import DEFAULT_LOOKAHEAD, PackedRows, PackedSchedule, Packing
+from tokload.packing import DEFAULT_LOOKAHEAD, PackedSchedule, Packing
 from tokload.schedule import Schedule
 from tokload.stats import TokenCounter
 from tokload.views.contract import (
@@ -108,22 +107,21 @@ class Task:
 def cut(task: Task, whole: dict[str, Any], make: Any = dict) -> list[Any]:
     """Each step's batch of a ``Task`` with ``whole`` (its arrays, or their
     tensors), made with ``make()``: rows, slices and parts of the task's
-    arrays, no copy. Slices that follow one another from 0 along a key are cut
-    with one ``split`` per key."""
+    arrays, no copy.
+
+    Rows and slices are cut by indexing, one piece at a time: a tensor's
+    ``split`` would make fewer calls, but it drops the GIL (as most torch calls
+    do, and freeing the slice it is given drops it again), and a reader thread
+    that drops it while the training thread runs Python waits up to a switch
+    interval (5 ms) to take it back, each time. Indexing keeps it."""
     steps = task.steps
     rows = task.rows
     out: list[Any] = [make() for _ in (rows or steps)]
     if rows:
-        if len(rows) * len(task.row_keys) > 64:  # many slices: one split (a C call) per key
-            ends = [e for _, e in rows]
-            for k in task.row_keys:
-                for b, piece in zip(out, _split(whole[k], ends), strict=True):
-                    b[k] = piece
-        else:
-            items = [(k, whole[k]) for k in task.row_keys]
-            for b, (a, e) in zip(out, rows, strict=True):
-                for k, v in items:
-                    b[k] = v[a:e]
+        items = [(k, whole[k]) for k in task.row_keys]
+        for b, (a, e) in zip(out, rows, strict=True):
+            for k, v in items:
+                b[k] = v[a:e]
     if not steps:
         return out
     for key in steps[0]:
@@ -131,12 +129,8 @@ def cut(task: Task, whole: dict[str, Any], make: Any = dict) -> list[Any]:
         v0 = values[0]
         if isinstance(v0, slice):
             arr = whole[key]
-            if v0.start == 0 and all(a.stop == b.start for a, b in itertools.pairwise(values)):
-                pieces = _split(arr, [v.stop for v in values])
-            else:
-                pieces = [arr[v] for v in values]
-            for b, p in zip(out, pieces, strict=True):
-                b[key] = p
+            for b, v in zip(out, values, strict=True):
+                b[key] = arr[v]
         elif isinstance(v0, Part):
             arr = whole[key]
             for b, v in zip(out, values, strict=True):
@@ -145,14 +139,6 @@ def cut(task: Task, whole: dict[str, Any], make: Any = dict) -> list[Any]:
             for b, v in zip(out, values, strict=True):
                 b[key] = v
     return out
-
-
-def _split(arr: Any, ends: list[int]) -> list[Any]:
-    """``arr[0:ends[0]], arr[ends[0]:ends[1]], ...`` with one call."""
-    if hasattr(arr, "split"):  # a tensor: split takes sizes
-        sizes = [e - a for a, e in zip([0, *ends], ends, strict=False)]
-        return list(arr[: ends[-1]].split(sizes))
-    return np.split(arr[: ends[-1]], ends[:-1])
 
 
 class TaskReader(Protocol):
@@ -371,6 +357,19 @@ def _flat(view: Any, total: int, alloc: Alloc, value: int | None) -> dict[str, n
             a[...] = value
         out[name] = a
     return out
+
+
+def _c_array(alloc: Alloc, shape: tuple[int, ...], dtype: Any, what: str) -> np.ndarray:
+    """``alloc(shape, dtype)``, refused unless C-contiguous: it is written in place
+    through a flat view (of another order, that view would be a copy)."""
+    a = alloc(shape, dtype)
+    if not a.flags.c_contiguous:
+        order = "a Fortran-ordered" if a.flags.f_contiguous else "a strided"
+        raise ValueError(
+            f"alloc gave {order} array for {what!r} {list(shape)}: the rows are written "
+            "in place, so it must be C-contiguous"
+        )
+    return a
 
 
 def _read_docs(
@@ -617,13 +616,13 @@ class _FillReader:
         doc_ends[row_ends == 0] = 0  # steps before this rank's first row (none usually)
         row_cuts, doc_cuts = _cuts(row_ends.tolist()), _cuts(doc_ends.tolist())
         r, d = len(rows.counts), len(rows.ids)
-        whole: dict[str, Any] = _flat(view, r * w, alloc, None)
+        # [r, w] arrays (each its allocation's own tensor), read and padded flat
+        whole: dict[str, Any] = {f: _c_array(alloc, (r, w), dt, f) for f, dt in view.fields.items()}
+        flat = {f: a.reshape(-1) for f, a in whole.items()}
         dst = row_offsets(rows.lengths, rows.counts, w, 1)  # rows; checks each row fits
-        _read_docs(view, rows.ids, rows.starts, rows.lengths, dst, whole)
-        _pad_rows(whole, rows, w, self.policy.value)
-        fields = list(whole)
-        for f in fields:
-            whole[f] = whole[f].reshape(r, w)
+        _read_docs(view, rows.ids, rows.starts, rows.lengths, dst, flat)
+        for a in whole.values():  # the value was checked against the dtype by check
+            pad_rows(a, rows.lengths, rows.counts, w, self.policy.value)
         lens = alloc((d,), np.int64)
         lens[:] = rows.lengths
         counts = alloc((r,), np.int64)
@@ -663,27 +662,6 @@ class _FillReader:
             row_keys=per_row,
             by_component=_by_component(view, origin, rows.lengths, doc_cuts),
         )
-
-
-def _pad_rows(out: dict[str, np.ndarray], rows: PackedRows, window: int, value: int) -> None:
-    """Set each row's tokens after its documents to ``value`` (only those: a
-    row's documents fill all but a few of its tokens)."""
-    r = len(rows.counts)
-    if r == 0:
-        return
-    used = np.zeros(r, dtype=np.int64)
-    has = rows.counts > 0
-    if len(rows.lengths):
-        firsts = (np.cumsum(rows.counts) - rows.counts)[has]
-        used[has] = np.add.reduceat(rows.lengths.astype(np.int64), firsts)
-    pad = window - used
-    total = int(pad.sum())
-    if total == 0:
-        return
-    starts = np.arange(r, dtype=np.int64) * window + used
-    at = np.repeat(starts - (np.cumsum(pad) - pad), pad) + np.arange(total, dtype=np.int64)
-    for a in out.values():
-        a.reshape(-1)[at] = value  # checked against the dtype by the policy's check
 
 
 def read_step(reader: TaskReader, span: tuple[int, int]) -> dict[str, Any]:

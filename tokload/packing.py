@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from tokload._pack import MAX_WINDOW, best_fit, greedy_rows
+from tokload._pack import MAX_WINDOW, best_fit, gather_rows, greedy_rows
 from tokload.schedule import Schedule
 
 Extents = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
@@ -287,8 +287,6 @@ class PackedSchedule(Schedule):
         """This rank's rows of ``parts`` (the rows of consecutive steps, each but
         the last ``G`` rows: rank ``r`` takes rows ``r, r + world_size, ...``
         counted from the first)."""
-        positions, ids, starts, lengths, counts = [], [], [], [], []
-        k = 0  # rows of the parts before this one
         if len(parts) > 1:  # parts of one group that follow one another: one part
             merged = [parts[0]]
             for grp, b0, b1 in parts[1:]:
@@ -298,21 +296,13 @@ class PackedSchedule(Schedule):
                 else:
                     merged.append((grp, b0, b1))
             parts = merged
-        for grp, b0, b1 in parts:
-            bs = np.arange(b0 + (self.rank - k) % self.world_size, b1, self.world_size)
-            k += b1 - b0
-            lo, hi = grp.rows[bs], grp.rows[bs + 1]
-            cnt = hi - lo
-            # entries [lo, hi) of every row, back to back
-            at = np.repeat(lo - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))
-            positions.append(bs.astype(np.uint64) + np.uint64(grp.base))
-            ids.append(grp.ids[at])
-            starts.append(grp.starts[at])
-            lengths.append(grp.lengths[at])
-            counts.append(cnt)
-        if len(counts) == 1:
-            return PackedRows(positions[0], ids[0], starts[0], lengths[0], counts[0])
-        return PackedRows(*(np.concatenate(a) for a in (positions, ids, starts, lengths, counts)))
+        return PackedRows(
+            *gather_rows(
+                [(g.base, g.ids, g.starts, g.lengths, g.rows, b0, b1) for g, b0, b1 in parts],
+                self.rank,
+                self.world_size,
+            )
+        )
 
     def positions(self, start: int, end: int) -> np.ndarray:
         """This rank's rows' positions (uint64) in the step ``[start, end)``."""

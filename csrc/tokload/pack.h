@@ -186,6 +186,41 @@ TL_INLINE int tl_pack_offsets(const uint64_t *len, const int64_t *counts, size_t
     return 1;
 }
 
+/* The padding of nrows rows of W elements (row k: counts[k] documents of len[]). */
+TL_INLINE uint64_t tl_pack_padding(const uint64_t *len, const int64_t *counts, size_t nrows,
+                                   uint64_t W)
+{
+    uint64_t used = 0;
+    size_t d = 0;
+    for (size_t b = 0; b < nrows; b++)
+        for (int64_t j = 0; j < counts[b]; j++, d++)
+            used += len[d];
+    return (uint64_t)nrows * W - used;
+}
+
+/*
+ * Set the padding of nrows rows of W `itemsize`-byte elements at out: row k
+ * holds counts[k] documents of lengths len[] (all rows' back to back) from its
+ * start (tl_pack_offsets checked that they fit), and each element after them
+ * is set to the `itemsize` bytes at value.
+ */
+TL_INLINE void tl_pack_pad(const uint64_t *len, const int64_t *counts, size_t nrows, uint64_t W,
+                           size_t itemsize, const void *value, char *out)
+{
+    size_t d = 0;
+    for (size_t b = 0; b < nrows; b++) {
+        uint64_t t = 0;
+        for (int64_t j = 0; j < counts[b]; j++, d++)
+            t += len[d];
+        char *p = out + (b * W + t) * itemsize, *end = out + (b + 1) * W * itemsize;
+        if (p >= end)
+            continue;
+        memcpy(p, value, itemsize);  /* then double what is set until the row is */
+        for (size_t have = itemsize; p + have < end; have *= 2)
+            memcpy(p + have, p, (size_t)(end - p - have) < have ? (size_t)(end - p - have) : have);
+    }
+}
+
 /*
  * The attention metadata of nrows rows of W tokens.  Row k holds counts[k]
  * documents, of lengths len[] (all rows' back to back), then padding up to W.
