@@ -77,11 +77,12 @@ def tokload_version() -> str:
         version = str(getattr(tokload, "__version__", "unknown"))
     except ImportError:
         version = "not importable"
+    # a copy made for a remote GPU host (without .git, or with one of another commit):
+    # the commit it was copied from, as the command that sent it says
+    commit = os.environ.get("BENCH_GIT_COMMIT", "")
+    if commit:
+        return f"{version} ({commit})"
     commit = _git("rev-parse", "--short", "HEAD")
-    if not commit:  # a copy without .git (a remote GPU host): the commit it was copied from
-        commit = os.environ.get("BENCH_GIT_COMMIT", "")
-        if commit:
-            return f"{version} ({commit})"
     if commit:
         dirty = _git("status", "--porcelain", "--untracked-files=no", "--", "tokload", "csrc")
         version += f" ({commit}{'-dirty' if dirty else ''})"

@@ -748,7 +748,9 @@ BENCHMARKS = [
         "GPU hosts",
         "Host-to-device copy throughput of tokload's pinned batches against plain pinned "
         "tensors, and a training step's time fed by tokload against batches already on the "
-        "device. Needs a CUDA device.",
+        "device: token windows, and rows best-fit filled (with position_ids and loss_mask) "
+        "from a blend of a tokload build, a Megatron prefix and a flat .npy file. Needs a "
+        "CUDA device.",
         PYTEST.format("bench_gpu.py") + " -s",
     ),
     Bench(
