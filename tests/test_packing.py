@@ -221,6 +221,9 @@ def test_gather_rows_refuses_rows_outside_a_group() -> None:
         gather_rows([(*part, 1, 3)], 0, 1)
     with pytest.raises(ValueError, match=r"rank 2 of world size 2"):
         gather_rows([(*part, 0, 2)], 2, 2)
+    short = (0, ids[:2], ids.astype(np.uint64), ids.astype(np.uint64), rows)
+    with pytest.raises(ValueError, match=r"row 1 holds entries \[2, 3\) of 2"):
+        gather_rows([(*short, 0, 2)], 0, 1)
 
 
 def test_row_boundaries_refuse_bad_rows() -> None:

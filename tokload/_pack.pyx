@@ -162,12 +162,16 @@ def gather_rows(parts, uint64_t rank, uint64_t world_size):
         raise ValueError(f"rank {rank} of world size {world_size}")
     cdef list checked = []
     cdef const int64_t[::1] rv
-    cdef int64_t b0, b1, b, k = 0, first
+    cdef int64_t b0, b1, b, k = 0, first, entries
     cdef size_t nrows = 0, ndocs = 0
     for base, ids, starts, lengths, rows, b0, b1 in parts:
         rv = np.ascontiguousarray(rows, dtype=np.int64)
         if not 0 <= b0 <= b1 <= rv.shape[0] - 1:
             raise ValueError(f"rows [{b0}, {b1}) of a group of {rv.shape[0] - 1}")
+        entries = min(len(ids), len(starts), len(lengths))
+        for b in range(b0, b1):
+            if not 0 <= rv[b] <= rv[b + 1] <= entries:
+                raise ValueError(f"row {b} holds entries [{rv[b]}, {rv[b + 1]}) of {entries}")
         first = b0 + <int64_t>((rank + world_size - <uint64_t>k % world_size) % world_size)
         k += b1 - b0
         b = first
