@@ -251,3 +251,47 @@ def test_bad_components(views: list[TokenStream], tmp_path: Path) -> None:
     other = TokenStream(views[0].source, window=3)
     with pytest.raises(ValueError, match="component 1 has window 3"):
         Blend([(views[0], 1), (other, 1)], length=10)
+
+
+def test_fill_locates_each_document_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fill over a blend locates documents when it packs their group; reading a
+    task's rows (their extents, reads and provenance) locates nothing again, and
+    the batch is what locating them again would give."""
+    rng = np.random.default_rng(4)
+    views = []
+    for c in range(3):
+        with Writer(tmp_path / f"d{c}", np.uint16) as w:
+            for d in range(60):
+                w.write(np.full(int(rng.integers(1, 30)), c * 100 + d, dtype=np.uint16))
+        views.append(Documents(tmp_path / f"d{c}"))
+    blend = Blend([(v, 1.0) for v in views], length=150, seed=3)
+    fill = tokload.Fill(64, lookahead=40)
+    sched = fill.schedule(blend, 4)
+    spans = sched.spans(0, 6)
+    sched.task_rows(spans)  # packs the groups these steps need (kept)
+    calls = []
+    real = Blend.component_positions
+    monkeypatch.setattr(
+        Blend, "component_positions", lambda self, p: calls.append(len(p)) or real(self, p)
+    )
+    task = fill.reader(blend, sched, np.empty).read(spans, None)
+    assert calls == []
+    assert task.whole is not None
+    blend.locate(np.arange(1))  # another answer kept: the next is located again
+    comp, index = blend.locate(task.whole["index"])
+    assert calls
+    np.testing.assert_array_equal(task.whole["component"], comp)
+    np.testing.assert_array_equal(task.whole["component_index"], index)
+    tokens, lengths = task.whole["tokens"], task.whole["lengths"].tolist()
+    k = 0
+    for row, count in enumerate(task.whole["doc_counts"].tolist()):
+        at = 0
+        for n in lengths[k : k + count]:
+            assert (tokens[row, at : at + n] == comp[k] * 100 + index[k]).all()
+            at, k = at + n, k + 1
+
+
+def test_remember_located_refuses_arrays_of_other_lengths(views: list[TokenStream]) -> None:
+    blend = Blend([(v, 1.0) for v in views], length=100)
+    with pytest.raises(ValueError, match=r"3 positions, 2 components, 2 indices"):
+        blend.remember_located(np.arange(3), np.zeros(2, np.int64), np.zeros(2, np.int64))

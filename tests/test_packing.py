@@ -185,9 +185,11 @@ def test_pad_rows_refuses_an_array_of_another_shape() -> None:
 @given(st.data())
 def test_gather_rows_matches_the_reference(data: Any) -> None:
     """A rank's rows of consecutive parts of groups: rows ``rank, rank + world,
-    ...`` counted from the first part's first row, entries row by row."""
+    ...`` counted from the first part's first row, entries row by row (the extra
+    arrays gathered as ids are)."""
     world = data.draw(st.integers(1, 5))
     rank = data.draw(st.integers(0, world - 1))
+    nextra = data.draw(st.integers(0, 2))
     parts, ref_rows = [], []
     k = 0
     for g in range(data.draw(st.integers(0, 4))):
@@ -196,21 +198,25 @@ def test_gather_rows_matches_the_reference(data: Any) -> None:
         n = int(rows[-1])
         ids = np.arange(n, dtype=np.int64) + 1000 * g
         starts, lengths = (ids * 7).astype(np.uint64), (ids % 13).astype(np.uint64)
+        extra = tuple(ids * (x + 2) for x in range(nextra))
         b0 = data.draw(st.integers(0, len(counts)))
         b1 = data.draw(st.integers(b0, len(counts)))
         base = 100 * g
-        parts.append((base, ids, starts, lengths, rows, b0, b1))
+        parts.append((base, ids, starts, lengths, rows, b0, b1, extra))
         for b in range(b0, b1):
             if k % world == rank:
                 ref_rows.append((base + b, list(range(rows[b], rows[b + 1])), ids, starts, lengths))
             k += 1
-    pos, got_ids, got_starts, got_lengths, got_counts = gather_rows(parts, rank, world)
+    pos, got_ids, got_starts, got_lengths, got_counts, got_extra = gather_rows(parts, rank, world)
     assert pos.dtype == np.uint64 and got_ids.dtype == np.int64 and got_counts.dtype == np.int64
     assert pos.tolist() == [p for p, *_ in ref_rows]
     assert got_counts.tolist() == [len(e) for _, e, *_ in ref_rows]
     assert got_ids.tolist() == [int(i[x]) for _, e, i, _, _ in ref_rows for x in e]
     assert got_starts.tolist() == [int(s[x]) for _, e, _, s, _ in ref_rows for x in e]
     assert got_lengths.tolist() == [int(n[x]) for _, e, _, _, n in ref_rows for x in e]
+    assert len(got_extra) == (nextra if parts else 0)
+    for x, a in enumerate(got_extra):
+        assert a.dtype == np.int64 and a.tolist() == [i * (x + 2) for i in got_ids.tolist()]
 
 
 def test_gather_rows_refuses_rows_outside_a_group() -> None:
@@ -218,12 +224,16 @@ def test_gather_rows_refuses_rows_outside_a_group() -> None:
     ids = np.arange(3, dtype=np.int64)
     part = (0, ids, ids.astype(np.uint64), ids.astype(np.uint64), rows)
     with pytest.raises(ValueError, match=r"rows \[1, 3\) of a group of 2"):
-        gather_rows([(*part, 1, 3)], 0, 1)
+        gather_rows([(*part, 1, 3, ())], 0, 1)
     with pytest.raises(ValueError, match=r"rank 2 of world size 2"):
-        gather_rows([(*part, 0, 2)], 2, 2)
+        gather_rows([(*part, 0, 2, ())], 2, 2)
     short = (0, ids[:2], ids.astype(np.uint64), ids.astype(np.uint64), rows)
     with pytest.raises(ValueError, match=r"row 1 holds entries \[2, 3\) of 2"):
-        gather_rows([(*short, 0, 2)], 0, 1)
+        gather_rows([(*short, 0, 2, ())], 0, 1)
+    with pytest.raises(ValueError, match=r"row 1 holds entries \[2, 3\) of 2"):
+        gather_rows([(*part, 0, 2, (ids[:2],))], 0, 1)  # an extra array one short
+    with pytest.raises(ValueError, match=r"part 1 has 1 extra arrays, part 0 has 0"):
+        gather_rows([(*part, 0, 1, ()), (*part, 1, 2, (ids,))], 0, 1)
 
 
 def test_row_boundaries_refuse_bad_rows() -> None:

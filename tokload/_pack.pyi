@@ -22,15 +22,18 @@ def row_offsets(
 
 # Position/segment/loss-mask arrays [rows, window], cu_seqlens (int32), max_seqlen.
 # One rank's rows of consecutive parts of packed groups:
-# (positions, ids, starts, lengths, counts).
+# (positions, ids, starts, lengths, counts, extra).
 def gather_rows(
-    parts: Sequence[tuple[int, Any, Any, Any, Any, int, int]], rank: int, world_size: int
+    parts: Sequence[tuple[int, Any, Any, Any, Any, int, int, tuple[Any, ...]]],
+    rank: int,
+    world_size: int,
 ) -> tuple[
     npt.NDArray[np.uint64],
     npt.NDArray[np.int64],
     npt.NDArray[np.uint64],
     npt.NDArray[np.uint64],
     npt.NDArray[np.int64],
+    tuple[npt.NDArray[np.int64], ...],
 ]: ...
 
 # Sets each row's elements after its documents to value.

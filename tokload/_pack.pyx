@@ -149,12 +149,14 @@ def row_offsets(lengths, counts, uint64_t window, uint64_t itemsize):
 def gather_rows(parts, uint64_t rank, uint64_t world_size):
     """One rank's rows of consecutive parts of packed groups, back to back.
 
-    ``parts`` is a list of ``(base, ids, starts, lengths, rows, b0, b1)``: rows
-    ``[b0, b1)`` of a group whose row ``b`` (position ``base + b``) holds entries
-    ``[rows[b], rows[b + 1])`` of ``ids``, ``starts`` and ``lengths``. Counted
-    from the first part's ``b0``, the rank takes rows ``rank, rank +
-    world_size, ...``. Returns ``(positions, ids, starts, lengths, counts)``
-    (uint64, int64, uint64, uint64, int64), as ``PackedRows`` holds them.
+    ``parts`` is a list of ``(base, ids, starts, lengths, rows, b0, b1, extra)``:
+    rows ``[b0, b1)`` of a group whose row ``b`` (position ``base + b``) holds
+    entries ``[rows[b], rows[b + 1])`` of ``ids``, ``starts``, ``lengths`` and of
+    each int64 array of the tuple ``extra`` (the same number in every part).
+    Counted from the first part's ``b0``, the rank takes rows ``rank, rank +
+    world_size, ...``. Returns ``(positions, ids, starts, lengths, counts,
+    extra)`` (uint64, int64, uint64, uint64, int64, a tuple of int64), as
+    ``PackedRows`` holds them.
 
     A compiled loop with the GIL held: the work is a few microseconds, and
     NumPy's gathers would drop the GIL and take it back several times."""
@@ -163,12 +165,17 @@ def gather_rows(parts, uint64_t rank, uint64_t world_size):
     cdef list checked = []
     cdef const int64_t[::1] rv
     cdef int64_t b0, b1, b, k = 0, first, entries
-    cdef size_t nrows = 0, ndocs = 0
-    for base, ids, starts, lengths, rows, b0, b1 in parts:
+    cdef size_t nrows = 0, ndocs = 0, nextra = 0, x
+    for i, (base, ids, starts, lengths, rows, b0, b1, extra) in enumerate(parts):
         rv = np.ascontiguousarray(rows, dtype=np.int64)
         if not 0 <= b0 <= b1 <= rv.shape[0] - 1:
             raise ValueError(f"rows [{b0}, {b1}) of a group of {rv.shape[0] - 1}")
-        entries = min(len(ids), len(starts), len(lengths))
+        extra = tuple(np.ascontiguousarray(a, dtype=np.int64) for a in extra)
+        if i == 0:
+            nextra = len(extra)
+        elif len(extra) != nextra:
+            raise ValueError(f"part {i} has {len(extra)} extra arrays, part 0 has {nextra}")
+        entries = min(len(ids), len(starts), len(lengths), *(len(a) for a in extra))
         for b in range(b0, b1):
             if not 0 <= rv[b] <= rv[b + 1] <= entries:
                 raise ValueError(f"row {b} holds entries [{rv[b]}, {rv[b + 1]}) of {entries}")
@@ -181,33 +188,49 @@ def gather_rows(parts, uint64_t rank, uint64_t world_size):
             b += world_size
         checked.append((base, np.ascontiguousarray(ids, dtype=np.int64),
                         np.ascontiguousarray(starts, dtype=np.uint64),
-                        np.ascontiguousarray(lengths, dtype=np.uint64), rv, first, b1))
+                        np.ascontiguousarray(lengths, dtype=np.uint64), rv, first, b1, extra))
     positions = np.empty(nrows, dtype=np.uint64)
     out_ids = np.empty(ndocs, dtype=np.int64)
     out_starts = np.empty(ndocs, dtype=np.uint64)
     out_lengths = np.empty(ndocs, dtype=np.uint64)
     counts = np.empty(nrows, dtype=np.int64)
+    out_extra = tuple(np.empty(ndocs, dtype=np.int64) for _ in range(nextra))
     cdef uint64_t[::1] pv = positions, osv = out_starts, olv = out_lengths
-    cdef int64_t[::1] oiv = out_ids, cv = counts
-    cdef const int64_t[::1] iv
+    cdef int64_t[::1] oiv = out_ids, cv = counts, ev
+    cdef const int64_t[::1] iv, cev
     cdef const uint64_t[::1] sv, lv
     cdef size_t r = 0, d = 0
     cdef int64_t e
     cdef uint64_t at
-    for base, iv, sv, lv, rv, first, b1 in checked:
-        at = base
-        b = first
-        while b < b1:
-            pv[r] = at + <uint64_t>b
-            cv[r] = rv[b + 1] - rv[b]
-            r += 1
-            for e in range(rv[b], rv[b + 1]):
-                oiv[d] = iv[e]
-                osv[d] = sv[e]
-                olv[d] = lv[e]
-                d += 1
-            b += world_size
-    return positions, out_ids, out_starts, out_lengths, counts
+    # the extra arrays' pointers: [nextra] outputs, then [nextra] inputs of each part
+    cdef int64_t **xp = <int64_t **>PyMem_Malloc((nextra * 2 + 1) * sizeof(int64_t *))
+    if xp is NULL:
+        raise MemoryError()
+    try:
+        for x in range(nextra):
+            ev = out_extra[x]
+            xp[x] = &ev[0] if ndocs else NULL
+        for base, iv, sv, lv, rv, first, b1, extra in checked:
+            for x in range(nextra):
+                cev = extra[x]
+                xp[nextra + x] = <int64_t *>&cev[0] if cev.shape[0] else NULL
+            at = base
+            b = first
+            while b < b1:
+                pv[r] = at + <uint64_t>b
+                cv[r] = rv[b + 1] - rv[b]
+                r += 1
+                for e in range(rv[b], rv[b + 1]):
+                    oiv[d] = iv[e]
+                    osv[d] = sv[e]
+                    olv[d] = lv[e]
+                    for x in range(nextra):
+                        xp[x][d] = xp[nextra + x][e]
+                    d += 1
+                b += world_size
+    finally:
+        PyMem_Free(xp)
+    return positions, out_ids, out_starts, out_lengths, counts, out_extra
 
 
 def pad_rows(out, lengths, counts, uint64_t window, value):

@@ -592,11 +592,14 @@ class Fill:
         _check_value(view, self.value)
 
     def schedule(self, view: Any, batch_size: int, **order: Any) -> PackedSchedule:
+        # a view that locates its documents (a Blend) does it once, as it packs them
+        locate = getattr(view, "locate", None) if hasattr(view, "remember_located") else None
         return PackedSchedule(
             len(view),
             batch_size,
             extents=view.extents,
             packing=Packing(self.window, self.lookahead),
+            locate=locate,
             **order,
         )
 
@@ -611,6 +614,8 @@ class _FillReader:
     def read(self, spans: list[tuple[int, int]], cancel: threading.Event | None) -> Task:
         view, alloc, w = self.view, self.alloc, self.policy.window
         rows, nrows = self.schedule.task_rows(spans)
+        if rows.located:  # the reads and provenance below ask for these
+            view.remember_located(rows.ids, *rows.located)
         row_ends = np.cumsum(nrows)
         doc_ends = np.cumsum(rows.counts)[row_ends - 1] if len(rows.counts) else row_ends
         doc_ends[row_ends == 0] = 0  # steps before this rank's first row (none usually)

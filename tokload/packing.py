@@ -83,6 +83,10 @@ class PackedRows:
     starts: np.ndarray
     lengths: np.ndarray
     counts: np.ndarray
+    located: tuple[np.ndarray, ...] = ()
+    """For a view that locates its documents (a ``Blend``): what ``locate`` gave
+    for ``ids`` (each document's component and index there), found when its
+    group was packed; empty otherwise."""
 
     @staticmethod
     def one_per_row(
@@ -110,6 +114,7 @@ class _Group:
     starts: np.ndarray
     lengths: np.ndarray
     rows: np.ndarray
+    located: tuple[np.ndarray, ...] = ()
 
     @property
     def nrows(self) -> int:
@@ -133,6 +138,11 @@ class PackedSchedule(Schedule):
         batch_size: rows per rank per step.
         extents: the view's ``extents``: first rows and lengths of documents.
         packing: the window and the look-ahead.
+        locate: the view's ``locate`` (a ``Blend``'s), or None: called with the
+            documents whose ``extents`` were just asked for (so a view that keeps
+            its last answer gives it again), its arrays kept with the packed group
+            and gathered with its rows (``PackedRows.located``), so that reading
+            them does not locate them again.
         **kwargs: as for ``Schedule`` (rank, world_size, seed, rounds, shuffle,
             epochs, drop_last: a step never takes rows of two epochs, and an
             epoch's last rows, fewer than a step, are skipped).
@@ -144,10 +154,18 @@ class PackedSchedule(Schedule):
     """
 
     def __init__(
-        self, n: int, batch_size: int, *, extents: Extents, packing: Packing, **kwargs: Any
+        self,
+        n: int,
+        batch_size: int,
+        *,
+        extents: Extents,
+        packing: Packing,
+        locate: Callable[[np.ndarray], tuple[np.ndarray, ...]] | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(n, batch_size, **kwargs)
         self.extents = extents
+        self.locate = locate
         self.window, self.lookahead = int(packing.window), int(packing.lookahead)
         self._per_epoch = -(-self.n // self.lookahead)  # groups
         self._groups: OrderedDict[tuple[int, int], _Group] = OrderedDict()
@@ -168,9 +186,12 @@ class PackedSchedule(Schedule):
         pos = np.arange(base, min(base + self.lookahead, (epoch + 1) * self.n), dtype=np.uint64)
         ids = Schedule.indices(self, pos)
         starts, lengths = self.extents(ids)
+        located = () if self.locate is None else tuple(self.locate(ids))
         order, rows = best_fit(lengths, self.window)
         capped = np.minimum(lengths[order], np.uint64(self.window))
-        got = _Group(base, ids[order], starts[order], capped, rows)
+        got = _Group(
+            base, ids[order], starts[order], capped, rows, tuple(a[order] for a in located)
+        )
         with self._glock:
             self._groups[key] = got
             while len(self._groups) > GROUPS_CACHED:
@@ -296,13 +317,15 @@ class PackedSchedule(Schedule):
                 else:
                     merged.append((grp, b0, b1))
             parts = merged
-        return PackedRows(
-            *gather_rows(
-                [(g.base, g.ids, g.starts, g.lengths, g.rows, b0, b1) for g, b0, b1 in parts],
-                self.rank,
-                self.world_size,
-            )
+        positions, ids, starts, lengths, counts, located = gather_rows(
+            [
+                (g.base, g.ids, g.starts, g.lengths, g.rows, b0, b1, g.located)
+                for g, b0, b1 in parts
+            ],
+            self.rank,
+            self.world_size,
         )
+        return PackedRows(positions, ids, starts, lengths, counts, located)
 
     def positions(self, start: int, end: int) -> np.ndarray:
         """This rank's rows' positions (uint64) in the step ``[start, end)``."""

@@ -386,6 +386,25 @@ class Blend(View):
         self._located.last = (key, comp, index)
         return comp, index
 
+    def remember_located(
+        self, positions: npt.ArrayLike, comp: np.ndarray, index: np.ndarray
+    ) -> None:
+        """Keep ``(comp, index)`` as this thread's answer of ``locate(positions)``.
+
+        A packed schedule located these positions when it packed their group
+        (``PackedSchedule``'s ``locate``) and gathered the answers with its rows;
+        the reads and provenance of those rows then ask ``locate`` for them in
+        this order, and get these instead of locating them again."""
+        key = (self._lo, np.ascontiguousarray(positions, dtype=np.int64).tobytes())
+        comp = np.array(comp, dtype=np.int64)  # copies: read-only, as locate's are
+        index = np.array(index, dtype=np.int64)
+        if comp.shape != index.shape or len(comp) != len(key[1]) // 8:
+            raise ValueError(
+                f"{len(key[1]) // 8} positions, {len(comp)} components, {len(index)} indices"
+            )
+        comp.flags.writeable = index.flags.writeable = False
+        self._located.last = (key, comp, index)
+
     def proportions(self, start: int, stop: int) -> np.ndarray:
         """How many of positions ``[start, stop)`` each component gets (int64 counts)."""
         if not 0 <= start <= stop <= len(self):

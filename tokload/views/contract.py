@@ -77,7 +77,13 @@ and, optionally, ``view.origin(indices) -> dict`` of int64 arrays saying where
 each sample came from (a ``Blend``: ``"component"`` and ``"component_index"``)
 with ``view.num_components``; every policy adds them to the batch, one entry
 per sample (per document with ``Fill``), and the loader's ``stats()`` counts
-each component's samples and tokens.
+each component's samples and tokens. A view that finds its documents with a
+lookup worth doing once (a ``Blend``'s ``locate``: component and index of each
+position) may offer ``view.locate(indices)`` (its arrays, whatever they are)
+with ``view.remember_located(indices, *arrays)``: ``Fill`` calls ``locate``
+as it packs a group of documents, right after their ``extents``, keeps the
+arrays with the group, and hands a task's gathered ones back to
+``remember_located`` before it reads the task's documents.
 """
 
 from __future__ import annotations
