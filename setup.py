@@ -24,6 +24,7 @@ from setuptools import Extension, setup
 
 MODULES = [
     "_permute",
+    "_slots",
     "_pack",
     "_hostmem",
     "_remote",

@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 
 import tokload
 from tokload import Blend, DataLoader, Documents, TokenStream, Writer
+from tokload._permute import Permutation, epoch_seed
+from tokload._slots import block_slots
 from tokload.errors import StateError
-from tokload.views.blend import largest_remainder
+from tokload.views.blend import _COMP_TAG, _SLOT_TAG, largest_remainder
 
 
 @pytest.fixture(scope="module")
@@ -269,11 +271,14 @@ def test_fill_locates_each_document_once(tmp_path: Path, monkeypatch: pytest.Mon
     sched = fill.schedule(blend, 4)
     spans = sched.spans(0, 6)
     sched.task_rows(spans)  # packs the groups these steps need (kept)
-    calls = []
+    calls: list[int] = []
     real = Blend.component_positions
-    monkeypatch.setattr(
-        Blend, "component_positions", lambda self, p: calls.append(len(p)) or real(self, p)
-    )
+
+    def counted(self: Blend, p: Any) -> tuple[np.ndarray, np.ndarray]:
+        calls.append(len(p))
+        return real(self, p)
+
+    monkeypatch.setattr(Blend, "component_positions", counted)
     task = fill.reader(blend, sched, np.empty).read(spans, None)
     assert calls == []
     assert task.whole is not None
@@ -295,3 +300,90 @@ def test_remember_located_refuses_arrays_of_other_lengths(views: list[TokenStrea
     blend = Blend([(v, 1.0) for v in views], length=100)
     with pytest.raises(ValueError, match=r"3 positions, 2 components, 2 indices"):
         blend.remember_located(np.arange(3), np.zeros(2, np.int64), np.zeros(2, np.int64))
+
+
+def reference_layout(blend: Blend, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """(component, lane) of each slot of block ``b``, as the module docstring
+    defines them: component c's j-th slot at time (j + u_c) / k_c, the slots in
+    increasing time, equal times by component (NumPy, the whole block)."""
+    seg = blend._segments[int(np.searchsorted(blend._seg_first, b, side="right")) - 1]
+    key = epoch_seed(blend.seed ^ _SLOT_TAG, b)
+    comps, lanes, times = [], [], []
+    for c, k in enumerate(seg.counts):
+        if k:
+            u = epoch_seed(key, c) / 2.0**64
+            j = np.arange(k, dtype=np.int64)
+            comps.append(np.full(k, c, dtype=np.int64))
+            lanes.append(j)
+            times.append((j + u) / k)
+    comp, lane, time = (np.concatenate(x) for x in (comps, lanes, times))
+    order = np.lexsort((comp, time))
+    return comp[order], lane[order]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    weights=st.lists(st.floats(0.0, 10.0), min_size=4, max_size=4).filter(lambda w: sum(w) > 0.1),
+    block=st.integers(1, 3000),
+    seed=st.integers(0, 2**64 - 1),
+    data=st.data(),
+)
+def test_slots_found_without_the_layout_equal_the_layout(
+    views: list[TokenStream], weights: list[float], block: int, seed: int, data: Any
+) -> None:
+    """``tokload._slots.block_slots`` (a jump near the slot, then a merge of the
+    components' times) gives every slot the component and lane of the block's
+    whole layout, bit for bit, for any slots asked, in any order, repeated."""
+    blend = Blend(
+        list(zip(views, weights, strict=True)), seed=seed, length=20 * block, block_size=block
+    )
+    blocks = data.draw(st.lists(st.integers(0, 19), min_size=1, max_size=4))
+    b_all, s_all, want_c, want_l = [], [], [], []
+    for b in blocks:
+        comp, lane = reference_layout(blend, b)
+        slots = data.draw(
+            st.one_of(
+                st.just(list(range(len(comp)))),
+                st.lists(st.integers(0, len(comp) - 1), min_size=1, max_size=40),
+            )
+        )
+        b_all += [b] * len(slots)
+        s_all += slots
+        want_c += comp[slots].tolist()
+        want_l += lane[slots].tolist()
+    g = np.searchsorted(blend._seg_first, b_all, side="right") - 1
+    comp, lane = block_slots(blend.seed ^ _SLOT_TAG, b_all, s_all, blend._seg_counts, g)
+    assert comp.tolist() == want_c
+    assert lane.tolist() == want_l
+
+
+def test_locate_equals_the_definition_on_a_long_blend(views: list[TokenStream]) -> None:
+    """On a blend of many blocks and component epochs (each shuffled position in a
+    block and a (component, epoch) of its own), ``locate`` equals the definition:
+    the slot's component and lane, the component's own position, and its epoch's
+    permutation (``Permutation``, one per component and epoch)."""
+    blend = Blend([(v, w) for v, w in zip(views, [3, 1, 0.5, 2], strict=True)], length=10**7)
+    rng = np.random.default_rng(9)
+    q = rng.integers(0, 10**7, 500)
+    comp, index = blend.locate(q)
+    m = blend.block_size
+    for p, c, i in zip(q.tolist(), comp.tolist(), index.tolist(), strict=True):
+        b, s = divmod(p, m)
+        cs, ls = reference_layout(blend, b)
+        assert c == cs[s]
+        g = int(np.searchsorted(blend._seg_first, b, side="right")) - 1
+        seg = blend._segments[g]
+        own = seg.before[c] + (b - seg.first_block) * seg.counts[c] + int(ls[s])
+        epoch, j = divmod(own, len(views[c]))
+        cseed = epoch_seed(epoch_seed(blend.seed ^ _COMP_TAG, c), epoch)
+        assert i == Permutation(len(views[c]), seed=cseed, rounds=blend.rounds)[j]
+
+
+def test_block_slots_refuses_a_slot_past_its_block() -> None:
+    counts = np.array([[3, 2]], dtype=np.int64)
+    with pytest.raises(ValueError, match=r"slot 5 of block 7: its segment has 5 slots"):
+        block_slots(1, [7, 7], [1, 5], counts, [0, 0])
+    with pytest.raises(ValueError, match=r"must be >= 0, segments < 1"):
+        block_slots(1, [7], [1], counts, [1])
+    with pytest.raises(ValueError, match=r"2 blocks, 1 slots and 2 segments"):
+        block_slots(1, [7, 8], [1], counts, [0, 0])

@@ -60,13 +60,26 @@ def blend(tmp_path: Path) -> Blend:
     return Blend([(views[0], 1), (views[1], 2)], seed=3, length=600, block_size=64)
 
 
-def test_a_blend_whose_lock_a_parent_thread_held_reads_in_the_child(blend: Blend) -> None:
+def test_a_blend_holds_no_lock_and_reads_in_a_forked_child(blend: Blend) -> None:
+    """A blend computes each lookup in compiled code from its position alone
+    (``tokload._slots``, ``tokload._permute.take_many``): it keeps no cache and so
+    no lock that a parent thread could hold across a fork (it had one, for its
+    caches of block layouts and permutations)."""
+    locks = (type(threading.Lock()), type(threading.RLock()), ForkSafeLock)
+    assert not [k for k, v in vars(blend).items() if isinstance(v, locks)]
     want = np.asarray(blend.read(np.arange(0, 600, 37))).tolist()
-    release, t = held_by_a_thread(blend._lock)
+    stop = threading.Event()
+
+    def reads() -> None:  # a parent thread reading the blend while the test forks
+        while not stop.is_set():
+            blend.read(np.arange(0, 600, 41))
+
+    t = threading.Thread(target=reads)
+    t.start()
     try:
         got = in_child(lambda: np.asarray(blend.read(np.arange(0, 600, 37))).tolist(), seconds=5)
     finally:
-        release.set()
+        stop.set()
         t.join(5)
     assert got == {"value": want}
 

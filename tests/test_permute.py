@@ -7,6 +7,7 @@ import math
 import pickle
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokload import Permutation, epoch_seed
-from tokload._permute import _round_function, _speck64_128
+from tokload._permute import _round_function, _speck64_128, epoch_seeds, take_many
 
 DATA = Path(__file__).parent / "data"
 U64 = 2**64
@@ -475,3 +476,56 @@ def test_bad_bulk_arguments() -> None:
         p.range(60, 50)
     with pytest.raises(TypeError, match=r"out must be uint64 when n > 2\*\*63"):
         Permutation(2**63 + 1).range(0, 2, out=np.empty(2, dtype=np.int64))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    runs=st.lists(
+        st.tuples(
+            st.sampled_from([1, 2, 3, 17, 2000, 10**6, 2**40, 2**63, 2**64 - 1]),
+            st.integers(0, 2**64 - 1),
+            st.integers(1, 200),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    rounds=st.sampled_from([0, 1, 6, 9]),
+    data=st.data(),
+)
+def test_take_many_equals_one_permutation_per_element(
+    runs: list[tuple[int, int, int]], rounds: int, data: Any
+) -> None:
+    """``take_many`` (each element its own ``(n, seed)``, runs sharing round keys
+    and, when long, a table) is bit for bit ``Permutation(n, seed, rounds)[i]``."""
+    ns, seeds, xs = [], [], []
+    for n, seed, count in runs:
+        ns += [n] * count
+        seeds += [seed] * count
+        xs += data.draw(st.lists(st.integers(0, n - 1), min_size=count, max_size=count))
+    got = take_many(
+        np.array(ns, dtype=np.uint64),
+        np.array(seeds, dtype=np.uint64),
+        np.array(xs, dtype=np.uint64),
+        rounds,
+    )
+    perms = {(n, s): Permutation(n, seed=s, rounds=rounds) for n, s, _ in runs}
+    assert got.tolist() == [perms[n, s][x] for n, s, x in zip(ns, seeds, xs, strict=True)]
+
+
+def test_take_many_and_epoch_seeds_refuse_bad_input() -> None:
+    one = np.ones(1, dtype=np.uint64)
+    with pytest.raises(IndexError, match=r"index 5 is out of range for a permutation of 5"):
+        take_many(np.array([5], dtype=np.uint64), one, np.array([5], dtype=np.uint64))
+    with pytest.raises(IndexError, match=r"out of range for a permutation of 0"):
+        take_many(np.zeros(1, dtype=np.uint64), one, np.zeros(1, dtype=np.uint64))
+    with pytest.raises(ValueError, match=r"1-D of one length"):
+        take_many(one, np.ones(2, dtype=np.uint64), one)
+    with pytest.raises(ValueError, match=r"rounds must be in \[0, 65536\]"):
+        take_many(one, one, np.zeros(1, dtype=np.uint64), rounds=1 << 17)
+    assert take_many(one[:0], one[:0], one[:0]).tolist() == []
+    seeds = np.array([0, 1, 2**64 - 1], dtype=np.uint64)
+    epochs = np.array([0, 2**64 - 1, 7], dtype=np.uint64)
+    assert epoch_seeds(seeds, epochs).tolist() == [
+        epoch_seed(int(s), int(e)) for s, e in zip(seeds, epochs, strict=True)
+    ]
+    assert epoch_seeds(5, np.arange(3)).tolist() == [epoch_seed(5, e) for e in range(3)]

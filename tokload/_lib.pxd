@@ -505,3 +505,9 @@ cdef extern from "tokload/hostmem.h" nogil:
     size_t tl_hostmem_put(tl_hostmem *h, void *ptr, size_t size,
                           tl_hostmem_block *evicted) noexcept
     size_t tl_hostmem_clear(tl_hostmem *h, tl_hostmem_block *evicted) noexcept
+
+
+cdef extern from "tokload/slots.h" nogil:
+    size_t tl_slots_block(uint64_t key, const int64_t *counts, size_t ncomp,
+                          const int64_t *want, size_t nwant, int64_t *comp, int64_t *lane,
+                          double *phase, double *cur, int64_t *next, uint32_t *heap) noexcept

@@ -10,6 +10,10 @@ MAX_ROUNDS: int
 _IntArray: TypeAlias = npt.NDArray[np.uint64] | npt.NDArray[np.int64]
 
 def epoch_seed(seed: SupportsIndex, epoch: SupportsIndex) -> int: ...
+def epoch_seeds(seeds: npt.ArrayLike, epochs: npt.ArrayLike) -> npt.NDArray[np.uint64]: ...
+def take_many(
+    ns: npt.ArrayLike, seeds: npt.ArrayLike, indices: npt.ArrayLike, rounds: SupportsIndex = 6
+) -> npt.NDArray[np.uint64]: ...
 
 class Permutation:
     def __init__(

@@ -56,6 +56,89 @@ def epoch_seed(seed, epoch):
     return lib.tl_gfc_epoch_seed(_as_u64(seed, "seed"), _as_u64(epoch, "epoch"))
 
 
+def epoch_seeds(seeds, epochs):
+    """``epoch_seed(seeds[i], epochs[i])`` for every ``i`` (uint64 arrays of one
+    length; a scalar is repeated), in one compiled call."""
+    s = np.ascontiguousarray(np.broadcast_to(seeds, np.shape(epochs)), dtype=np.uint64)
+    e = np.ascontiguousarray(epochs, dtype=np.uint64)
+    if s.ndim != 1 or e.ndim != 1:
+        raise ValueError(f"seeds and epochs must be 1-D, got shapes {s.shape} and {e.shape}")
+    out = np.empty(e.shape[0], dtype=np.uint64)
+    cdef const uint64_t[::1] sv = s, ev = e
+    cdef uint64_t[::1] ov = out
+    cdef size_t i
+    for i in range(e.shape[0]):
+        ov[i] = lib.tl_gfc_epoch_seed(sv[i], ev[i])
+    return out
+
+
+cdef enum:
+    _TAKE_TABLE_MAX = 1 << 16  # uint32 round outputs of one run's table (256 KiB)
+
+
+def take_many(ns, seeds, indices, rounds=6):
+    """``Permutation(ns[i], seed=seeds[i], rounds=rounds)[indices[i]]`` for every
+    ``i``: one permutation per element, bit for bit ``Permutation``'s, in one
+    compiled call without the GIL (a run of elements with the same ``n`` and
+    ``seed`` expands its round keys once: sort by them to share).
+
+    ``ns``, ``seeds`` and ``indices`` are 1-D integer arrays of one length, each
+    ``ns[i] >= 1`` and ``0 <= indices[i] < ns[i]``; returns uint64.
+    """
+    cdef uint64_t crounds = _as_u64(rounds, "rounds")
+    if crounds > MAX_ROUNDS:
+        raise ValueError(f"rounds must be in [0, {MAX_ROUNDS}], got {crounds}")
+    n = np.ascontiguousarray(ns, dtype=np.uint64)
+    s = np.ascontiguousarray(seeds, dtype=np.uint64)
+    x = np.ascontiguousarray(indices, dtype=np.uint64)
+    if n.ndim != 1 or n.shape != s.shape or n.shape != x.shape:
+        raise ValueError(f"ns, seeds and indices must be 1-D of one length, got shapes "
+                         f"{n.shape}, {s.shape} and {x.shape}")
+    out = np.empty(x.shape[0], dtype=np.uint64)
+    cdef const uint64_t[::1] nv = n, sv = s, xv = x
+    cdef uint64_t[::1] ov = out
+    cdef size_t i, count = x.shape[0]
+    for i in range(count):
+        if nv[i] == 0 or xv[i] >= nv[i]:
+            raise IndexError(f"index {xv[i]} is out of range for a permutation of {nv[i]}")
+    if count == 0:
+        return out
+    cdef uint32_t *keys = NULL
+    if crounds:
+        keys = <uint32_t *>PyMem_Malloc(lib.tl_gfc_keys_len(crounds) * sizeof(uint32_t))
+        if keys is NULL:
+            raise MemoryError(f"cannot allocate the round keys of {crounds} rounds")
+    # A long run of one permutation precomputes its round outputs (rounds * a
+    # values, as Permutation's table) when that is less work than the run's rounds.
+    cdef uint32_t *table = <uint32_t *>PyMem_Malloc(_TAKE_TABLE_MAX * sizeof(uint32_t))
+    if table is NULL:
+        PyMem_Free(keys)
+        raise MemoryError()
+    cdef lib.tl_gfc g
+    cdef uint64_t last_n = 0, last_seed = 0
+    cdef size_t e
+    try:
+        with nogil:
+            for i in range(count):
+                if i == 0 or sv[i] != last_seed or nv[i] != last_n:
+                    if crounds and (i == 0 or sv[i] != last_seed):
+                        lib.tl_gfc_expand_keys(sv[i], crounds, keys)
+                    lib.tl_gfc_init(&g, nv[i], crounds, sv[i], keys)
+                    last_seed, last_n = sv[i], nv[i]
+                    e = i + 1
+                    while e < count and sv[e] == last_seed and nv[e] == last_n:
+                        e += 1
+                    if (crounds and lib.tl_gfc_table_len(&g) <= _TAKE_TABLE_MAX
+                            and lib.tl_gfc_table_len(&g) <= 4 * crounds * (e - i)):
+                        lib.tl_gfc_table_fill(&g, table)
+                        g.table = table
+                ov[i] = lib.tl_gfc_encrypt(&g, xv[i])
+    finally:
+        PyMem_Free(keys)
+        PyMem_Free(table)
+    return out
+
+
 cdef class Permutation:
     """A seeded pseudorandom permutation of ``range(n)``, computed per index.
 

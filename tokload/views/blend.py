@@ -35,15 +35,15 @@ exhausted the blend ends there.
 
 Everything is compiled at construction into a short list of *segments*
 (runs of blocks with the same counts), so a lookup is a binary search over
-segments plus the layout of its block (``O(M)`` to compute, cached for the
-256 most recent blocks); nothing grows with the number of positions.
+segments plus its slot in its block: the components' times merged up to that
+slot (``O(slot * log C)``, compiled in ``tokload._slots``; the positions of one
+block share one merge); nothing grows with the number of positions.
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,9 +51,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from tokload._permute import Permutation, epoch_seed
+from tokload._permute import epoch_seeds, take_many
 from tokload._rows import read_ranges
-from tokload.forksafe import ForkSafeLock
+from tokload._slots import block_slots
 from tokload.views.base import Fields, ReadPart, View, _check_out
 from tokload.views.contract import Alloc, check_view, is_documents
 from tokload.views.metadata import StreamWithMetadata
@@ -221,10 +221,8 @@ class Blend(View):
         self.source = getattr(first, "source", None)  # type: ignore[assignment]  # components keep theirs
         self._total = int(length)
         self._lo, self._hi = 0, self._total
-        self._cache: OrderedDict[tuple[int, int], Permutation] = OrderedDict()
-        self._layouts: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self._lock = ForkSafeLock()  # a forked child never finds it held
         self._sizes = np.asarray(self.sizes, dtype=np.int64)
+        self._comp_seeds = epoch_seeds(self.seed ^ _COMP_TAG, np.arange(len(self.views)))
         self._located = threading.local()  # each thread's last locate() answer
 
     # ---- compilation --------------------------------------------------------------
@@ -290,68 +288,25 @@ class Blend(View):
 
     # ---- lookups --------------------------------------------------------------------
 
-    def _perm(self, key: tuple[int, int], n: int, seed: int) -> Permutation:
-        with self._lock:
-            p = self._cache.get(key)
-            if p is None:
-                p = Permutation(n, seed=seed, rounds=self.rounds)
-                self._cache[key] = p
-                while len(self._cache) > 256:
-                    self._cache.popitem(last=False)
-            return p
-
-    def _layout(self, b: int, seg: _Segment) -> tuple[np.ndarray, np.ndarray]:
-        """(component, lane) of each slot of block b: see the module docstring."""
-        with self._lock:
-            hit = self._layouts.get(b)
-            if hit is not None:
-                self._layouts.move_to_end(b)
-                return hit
-        key = epoch_seed(self.seed ^ _SLOT_TAG, b)
-        comps, lanes, times = [], [], []
-        for c, k in enumerate(seg.counts):
-            if k:
-                u = epoch_seed(key, c) / 2.0**64  # the phase, in [0, 1)
-                j = np.arange(k, dtype=np.int64)
-                comps.append(np.full(k, c, dtype=np.int64))
-                lanes.append(j)
-                times.append((j + u) / k)
-        comp, lane, time = (np.concatenate(x) for x in (comps, lanes, times))
-        order = np.lexsort((comp, time))
-        layout = (comp[order], lane[order])
-        with self._lock:
-            self._layouts[b] = layout
-            while len(self._layouts) > 256:
-                self._layouts.popitem(last=False)
-        return layout
-
     def component_positions(self, positions: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """``(component, its own position p)`` (int64) of blend positions.
 
         Component ``c`` sees its positions ``0, 1, 2, ...`` exactly once each, in
-        order within every block; ``p // len(component)`` is its epoch.
+        order within every block; ``p // len(component)`` is its epoch. Each
+        position's slot is found in compiled code (``tokload._slots``), without
+        its block's whole layout: a shuffled read touches a block per position.
         """
         q = self._global(positions).astype(np.int64)
         m = self.block_size
         blocks, slots = np.divmod(q, m)
         if len(q) == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        # every distinct block's layout gathered once (they are cached), then one
-        # fancy index for all samples: no NumPy calls per block
-        ub, inv = np.unique(blocks, return_inverse=True)
-        segs = np.searchsorted(self._seg_first, ub, side="right") - 1
-        slot_comp = np.zeros((len(ub), m), dtype=np.int64)
-        slot_lane = np.zeros((len(ub), m), dtype=np.int64)
-        for i, (b, g) in enumerate(zip(ub.tolist(), segs.tolist(), strict=True)):
-            c_of, lane_of = self._layout(b, self._segments[g])
-            slot_comp[i, : len(c_of)] = c_of
-            slot_lane[i, : len(lane_of)] = lane_of
-        comp = slot_comp[inv, slots]
-        g = segs[inv]
+        g = np.searchsorted(self._seg_first, blocks, side="right") - 1
+        comp, lane = block_slots(self.seed ^ _SLOT_TAG, blocks, slots, self._seg_counts, g)
         cpos = (
             self._seg_before[g, comp]
             + (blocks - self._seg_first[g]) * self._seg_counts[g, comp]
-            + slot_lane[inv, slots]
+            + lane
         )
         return comp, cpos
 
@@ -370,18 +325,14 @@ class Blend(View):
         comp, cpos = self.component_positions(positions)
         index = np.empty(len(comp), dtype=np.int64)
         if len(comp):
+            # perm_{c,e}(p % n_c), keyed by epoch_seed(epoch_seed(seed ^ "comp", c), e):
+            # every (component, epoch) in one compiled call (a large blend's shuffled
+            # positions fall in as many of them as there are positions)
             sizes = self._sizes[comp]
             epochs, j = np.divmod(cpos, sizes)
-            group = comp * (int(epochs.max()) + 1) + epochs
-            order = np.argsort(group, kind="stable")
-            ordered = group[order]
-            cuts = (np.flatnonzero(np.diff(ordered)) + 1).tolist()
-            comps, eps = comp[order].tolist(), epochs[order].tolist()
-            for a, e in zip([0, *cuts], [*cuts, len(order)], strict=True):
-                c, ep = comps[a], eps[a]
-                at = order[a:e]
-                cseed = epoch_seed(epoch_seed(self.seed ^ _COMP_TAG, c), ep)
-                index[at] = self._perm((c, ep), self.sizes[c], cseed).take(j[at])
+            seeds = epoch_seeds(self._comp_seeds[comp], epochs)
+            order = np.lexsort((seeds, sizes))  # runs of one permutation share its keys
+            index[order] = take_many(sizes[order], seeds[order], j[order], self.rounds)
         comp.flags.writeable = index.flags.writeable = False  # shared with the next caller
         self._located.last = (key, comp, index)
         return comp, index
@@ -417,15 +368,18 @@ class Blend(View):
         m = self.block_size
         q += self._lo
         b, r = divmod(q, m)
-        seg = self._segments[bisect.bisect_right(self._starts, b) - 1] if self._segments else None
+        g = bisect.bisect_right(self._starts, b) - 1
+        seg = self._segments[g] if self._segments else None
         k = len(self.views)
         if seg is None:
             return np.zeros(k, dtype=np.int64)
         counts = np.asarray(seg.counts, dtype=np.int64)
         total = np.asarray(seg.before, dtype=np.int64) + (b - seg.first_block) * counts
         if r:
-            slot_comp, _ = self._layout(b, seg)
-            total += np.bincount(slot_comp[:r], minlength=k)
+            slot_comp, _ = block_slots(
+                self.seed ^ _SLOT_TAG, np.full(r, b), np.arange(r), self._seg_counts, np.full(r, g)
+            )
+            total += np.bincount(slot_comp, minlength=k)
         return total
 
     # ---- reading ------------------------------------------------------------------------

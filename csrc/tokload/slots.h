@@ -1,0 +1,163 @@
+/*
+ * slots.h -- the component and lane of a Blend's slots (tokload/views/blend.py).
+ *
+ * A blend's positions are cut into blocks of m slots.  In a block b of a segment
+ * whose component c has counts[c] slots, component c's j-th slot sits at time
+ *     t(c, j) = ((double)j + u_c) / (double)counts[c],   j = 0 .. counts[c] - 1,
+ * with the phase u_c = epoch_seed(epoch_seed(seed ^ "slot", b), c) / 2^64, and
+ * the block's slots are all components' times in increasing order, equal times
+ * in the order of the components.  These are the same double operations, in the
+ * same order, that NumPy does for blend.py's reference layout, so the order is
+ * bit for bit the same.
+ *
+ * tl_slots_block finds the (component, lane) of the slots of one block that are
+ * asked for without the block's whole layout: it counts each component's slots
+ * before a time a little ahead of the slot (exactly, with the times' own double
+ * operations), then merges the components' times (a binary heap keyed by each
+ * component's next time) from there: O(C log C) per slot for C components.
+ *
+ * Cython mirror: tokload/_lib.pxd (must match).
+ */
+#ifndef TOKLOAD_SLOTS_H
+#define TOKLOAD_SLOTS_H
+
+#include "common.h"
+#include "gfc.h"
+
+/* Whether component a's next slot comes before component b's. */
+TL_INLINE int tl_slots_before(const double *cur, uint32_t a, uint32_t b)
+{
+    return cur[a] < cur[b] || (cur[a] == cur[b] && a < b);
+}
+
+TL_INLINE void tl_slots_sift_down(uint32_t *heap, size_t h, size_t i, const double *cur)
+{
+    for (;;) {
+        size_t l = 2 * i + 1, r = l + 1, best = i;
+        if (l < h && tl_slots_before(cur, heap[l], heap[best]))
+            best = l;
+        if (r < h && tl_slots_before(cur, heap[r], heap[best]))
+            best = r;
+        if (best == i)
+            return;
+        uint32_t t = heap[i];
+        heap[i] = heap[best];
+        heap[best] = t;
+        i = best;
+    }
+}
+
+/* t(c, j): the time of component c's j-th slot (phase u, count k). */
+TL_INLINE double tl_slots_time(int64_t j, double u, int64_t k)
+{
+    return ((double)j + u) / (double)k;
+}
+
+/*
+ * Start the merge at the first slot whose time is at least T0 (chosen a few
+ * slots before slot s): next[c] = the slots of component c before T0 (by the
+ * exact times, not the estimate), the heap = the components with slots left.
+ * Returns the slot the merge is at (the sum of next[]), at most s.
+ */
+TL_INLINE int64_t tl_slots_jump(int64_t s, int64_t total, const int64_t *counts, size_t ncomp,
+                                const double *phase, double *cur, int64_t *next, uint32_t *heap,
+                                size_t *h)
+{
+    /* Component c has ceil(T * k_c - u_c) slots before T (clamped to [0, k_c]),
+     * so between T * total - U and T * total - U + C of them for C components
+     * and U the sum of their phases: T0 = (s - C + U - 1) / total puts the merge
+     * at most C + 1 slots before s (about C / 2 on average).  A second attempt
+     * from T0 = 0 only guards the estimate's rounding. */
+    double U = 0.0;
+    int64_t C = 0;
+    for (size_t c = 0; c < ncomp; c++) {
+        if (counts[c] > 0) {
+            U += phase[c];
+            C++;
+        }
+    }
+    for (int attempt = 0; attempt < 2; attempt++) {
+        double T0 = 0.0, target = (double)(s - C - 1) + U;
+        if (attempt == 0 && target > 0.0)
+            T0 = target / (double)total;
+        int64_t at = 0;
+        *h = 0;
+        for (size_t c = 0; c < ncomp; c++) {
+            int64_t k = counts[c];
+            if (k <= 0)
+                continue;
+            double u = phase[c], x = T0 * (double)k - u;
+            int64_t j = 0; /* about ceil(x), then made exact below */
+            if (x >= (double)k)
+                j = k;
+            else if (x > 0.0)
+                j = (int64_t)x + 1;
+            while (j > 0 && tl_slots_time(j - 1, u, k) >= T0)
+                j--;
+            while (j < k && tl_slots_time(j, u, k) < T0)
+                j++;
+            next[c] = j;
+            at += j;
+            if (j < k) {
+                cur[c] = tl_slots_time(j, u, k);
+                heap[(*h)++] = (uint32_t)c;
+            }
+        }
+        if (at <= s) {
+            for (size_t i = *h / 2; i-- > 0;)
+                tl_slots_sift_down(heap, *h, i, cur);
+            return at;
+        }
+    }
+    return -1; /* not reached: T0 = 0 puts every component at its first slot */
+}
+
+/*
+ * Block `key` (= epoch_seed(seed ^ "slot", b)) of a segment with counts[0..ncomp):
+ * for i < nwant (want[] ascending), comp[i] and lane[i] of slot want[i].
+ * Scratch of ncomp entries each: phase and cur (doubles), next (int64), heap
+ * (uint32).  Returns the number of wants served: nwant, or fewer when a slot
+ * asked for is past the block's slots (the sum of counts).
+ */
+TL_INLINE size_t tl_slots_block(uint64_t key, const int64_t *counts, size_t ncomp,
+                                const int64_t *want, size_t nwant, int64_t *comp, int64_t *lane,
+                                double *phase, double *cur, int64_t *next, uint32_t *heap)
+{
+    size_t h = 0, w = 0, active = 0;
+    int64_t total = 0, slot = -1;
+    /* tl_gfc_epoch_seed(key, c) for every c: one key schedule for the block */
+    uint32_t rk[TL_SPECK_ROUNDS];
+    tl_speck_expand((uint32_t)key, (uint32_t)(key >> 32), TL_EPOCH_KEY_L1, TL_EPOCH_KEY_L2, rk);
+    for (size_t c = 0; c < ncomp; c++) {
+        if (counts[c] <= 0)
+            continue;
+        phase[c] = (double)tl_speck_encrypt(rk, (uint64_t)c) / 18446744073709551616.0;
+        total += counts[c];
+        active++;
+    }
+    for (; w < nwant; w++) {
+        int64_t s = want[w];
+        if (s < 0 || s >= total)
+            break;
+        /* far ahead (or the first): jump close to it instead of merging there
+         * (a jump costs about as much as merging past C slots) */
+        if (slot < 0 || s - slot > (int64_t)active + 8)
+            slot = tl_slots_jump(s, total, counts, ncomp, phase, cur, next, heap, &h);
+        while (slot < s && h > 0) {
+            uint32_t c = heap[0];
+            slot++;
+            if (++next[c] < counts[c])
+                cur[c] = tl_slots_time(next[c], phase[c], counts[c]);
+            else
+                heap[0] = heap[--h];
+            tl_slots_sift_down(heap, h, 0, cur);
+        }
+        if (h == 0)
+            break;
+        comp[w] = heap[0];
+        lane[w] = next[heap[0]];
+    }
+    return w;
+}
+
+#endif
