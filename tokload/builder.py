@@ -469,9 +469,7 @@ def build(
         else:
             _run_pool(tasks, min(workers, len(todo)), bar.update)
     except BaseException:
-        for c in todo:  # a worker stopped mid-chunk leaves its temporary directory
-            for d in _temporaries(out / PARTS, c.name):
-                _remove_dir(d)
+        _remove_temporaries(out / PARTS, [c.name for c in todo])
         if publisher is not None:
             publisher.finish(ok=False)
         raise
@@ -763,6 +761,20 @@ def _stale_parts(parts: Path, plan: list[Chunk], mine: list[Chunk]) -> list[Path
 def _temporaries(parts: Path, name: str) -> list[Path]:
     """The temporary directories of chunk ``name`` under ``parts`` (``_ours`` or not)."""
     return sorted(parts.glob(f"{name}.*.tmp")) + [p for p in [parts / f"{name}.tmp"] if p.exists()]
+
+
+def _remove_temporaries(parts: Path, names: list[str]) -> None:
+    """Remove the temporary directories of chunks ``names``, which this build was
+    writing when it stopped. A worker stopped between creating one and writing
+    the build's marker into it leaves it empty and unmarked: an empty directory
+    of such a name is removed too (``os.rmdir`` removes only an empty one)."""
+    for name in names:
+        for d in _temporaries(parts, name):
+            if d.is_dir() and not d.is_symlink() and not _ours(d):
+                with contextlib.suppress(OSError):  # not empty: not ours, kept
+                    os.rmdir(d)
+                continue
+            _remove_dir(d)
 
 
 def _remove_dir(d: Path) -> None:
