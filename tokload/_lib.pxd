@@ -222,8 +222,6 @@ cdef extern from "tokload/pack.h" nogil:
     uint64_t tl_pack_greedy(const uint64_t *len, size_t n, uint64_t W) noexcept
     int tl_pack_offsets(const uint64_t *len, const int64_t *counts, size_t nrows, uint64_t W,
                         uint64_t itemsize, uint64_t *dst, size_t *bad) noexcept
-    uint64_t tl_pack_padding(const uint64_t *len, const int64_t *counts, size_t nrows,
-                             uint64_t W) noexcept
     void tl_pack_pad(const uint64_t *len, const int64_t *counts, size_t nrows, uint64_t W,
                      size_t itemsize, const void *value, char *out) noexcept
     size_t tl_pack_bounds(const uint64_t *len, const int64_t *counts, size_t nrows, uint64_t W,

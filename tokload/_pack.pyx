@@ -252,12 +252,14 @@ def pad_rows(out, lengths, counts, uint64_t window, value):
     pattern = np.array(value, dtype=out.dtype)
     cdef const unsigned char[::1] pv = pattern.reshape(-1).view(np.uint8)
     cdef unsigned char[::1] ov = out.reshape(-1).view(np.uint8)
-    cdef uint64_t zero = 0
+    cdef uint64_t zero = 0, used = 0
     cdef const uint64_t *lp = &zero
-    cdef size_t itemsize = out.dtype.itemsize
+    cdef size_t i, itemsize = out.dtype.itemsize
     if lv.shape[0]:
         lp = &lv[0]
-    if lib.tl_pack_padding(lp, &cv[0], nrows, window) * itemsize < _NOGIL_BYTES:
+    for i in range(<size_t>lv.shape[0]):  # every document is in a row (_counts checked)
+        used += lv[i]
+    if (nrows * window - used) * itemsize < _NOGIL_BYTES:
         lib.tl_pack_pad(lp, &cv[0], nrows, window, itemsize, &pv[0], <char *>&ov[0])
         return
     with nogil:

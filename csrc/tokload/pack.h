@@ -186,18 +186,6 @@ TL_INLINE int tl_pack_offsets(const uint64_t *len, const int64_t *counts, size_t
     return 1;
 }
 
-/* The padding of nrows rows of W elements (row k: counts[k] documents of len[]). */
-TL_INLINE uint64_t tl_pack_padding(const uint64_t *len, const int64_t *counts, size_t nrows,
-                                   uint64_t W)
-{
-    uint64_t used = 0;
-    size_t d = 0;
-    for (size_t b = 0; b < nrows; b++)
-        for (int64_t j = 0; j < counts[b]; j++, d++)
-            used += len[d];
-    return (uint64_t)nrows * W - used;
-}
-
 /*
  * Set the padding of nrows rows of W `itemsize`-byte elements at out: row k
  * holds counts[k] documents of lengths len[] (all rows' back to back) from its
