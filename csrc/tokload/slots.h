@@ -59,23 +59,15 @@ TL_INLINE double tl_slots_time(int64_t j, double u, int64_t k)
  * exact times, not the estimate), the heap = the components with slots left.
  * Returns the slot the merge is at (the sum of next[]), at most s.
  */
-TL_INLINE int64_t tl_slots_jump(int64_t s, int64_t total, const int64_t *counts, size_t ncomp,
-                                const double *phase, double *cur, int64_t *next, uint32_t *heap,
-                                size_t *h)
+TL_INLINE int64_t tl_slots_jump(int64_t s, int64_t total, int64_t C, double U,
+                                const int64_t *counts, size_t ncomp, const double *phase,
+                                double *cur, int64_t *next, uint32_t *heap, size_t *h)
 {
     /* Component c has ceil(T * k_c - u_c) slots before T (clamped to [0, k_c]),
      * so between T * total - U and T * total - U + C of them for C components
      * and U the sum of their phases: T0 = (s - C + U - 1) / total puts the merge
      * at most C + 1 slots before s (about C / 2 on average).  A second attempt
      * from T0 = 0 only guards the estimate's rounding. */
-    double U = 0.0;
-    int64_t C = 0;
-    for (size_t c = 0; c < ncomp; c++) {
-        if (counts[c] > 0) {
-            U += phase[c];
-            C++;
-        }
-    }
     for (int attempt = 0; attempt < 2; attempt++) {
         double T0 = 0.0, target = (double)(s - C - 1) + U;
         if (attempt == 0 && target > 0.0)
@@ -123,8 +115,9 @@ TL_INLINE size_t tl_slots_block(uint64_t key, const int64_t *counts, size_t ncom
                                 const int64_t *want, size_t nwant, int64_t *comp, int64_t *lane,
                                 double *phase, double *cur, int64_t *next, uint32_t *heap)
 {
-    size_t h = 0, w = 0, active = 0;
-    int64_t total = 0, slot = -1;
+    size_t h = 0, w = 0;
+    int64_t total = 0, active = 0, slot = -1;
+    double U = 0.0; /* the sum of the phases */
     /* tl_gfc_epoch_seed(key, c) for every c: one key schedule for the block */
     uint32_t rk[TL_SPECK_ROUNDS];
     tl_speck_expand((uint32_t)key, (uint32_t)(key >> 32), TL_EPOCH_KEY_L1, TL_EPOCH_KEY_L2, rk);
@@ -132,6 +125,7 @@ TL_INLINE size_t tl_slots_block(uint64_t key, const int64_t *counts, size_t ncom
         if (counts[c] <= 0)
             continue;
         phase[c] = (double)tl_speck_encrypt(rk, (uint64_t)c) / 18446744073709551616.0;
+        U += phase[c];
         total += counts[c];
         active++;
     }
@@ -141,8 +135,8 @@ TL_INLINE size_t tl_slots_block(uint64_t key, const int64_t *counts, size_t ncom
             break;
         /* far ahead (or the first): jump close to it instead of merging there
          * (a jump costs about as much as merging past C slots) */
-        if (slot < 0 || s - slot > (int64_t)active + 8)
-            slot = tl_slots_jump(s, total, counts, ncomp, phase, cur, next, heap, &h);
+        if (slot < 0 || s - slot > active + 8)
+            slot = tl_slots_jump(s, total, active, U, counts, ncomp, phase, cur, next, heap, &h);
         while (slot < s && h > 0) {
             uint32_t c = heap[0];
             slot++;
