@@ -322,6 +322,8 @@ def test_row_ranges_are_checked_before_any_read(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"the same length"):
         rows.read([0, 1], [1], [0, 4], out)
     assert not out.any()
+    with pytest.raises(IndexError, match=r"rows \[395, 405\) run past the 400 rows"):
+        rows.hint_ranges([0, 395], [10, 10])  # the hints' check, with its own message
     rows.read([0, 10], [10, 10], [0, 40], out)  # exactly fills out
     np.testing.assert_array_equal(out, np.arange(1, 21))
 

@@ -17,6 +17,18 @@ from tokload._io cimport (FileSet, _checked_window_starts, _fdcache, _indices, _
 import numpy as np
 
 
+cdef size_t _first_outside(const uint64_t[::1] starts, const uint64_t[::1] lengths,
+                           uint64_t total) noexcept:
+    """The first ``i`` whose rows ``[starts[i], starts[i] + lengths[i])`` are not
+    within ``[0, total)`` (no overflow), or ``len(starts)``: a compiled loop with
+    the GIL held (NumPy's checks would let it go and take it back)."""
+    cdef size_t i
+    for i in range(<size_t>starts.shape[0]):
+        if starts[i] > total or lengths[i] > total - starts[i]:
+            return i
+    return starts.shape[0]
+
+
 cdef class RowSet:
     """Fixed-size rows stored across the files of a FileSet, read as one sequence.
 
@@ -96,15 +108,16 @@ cdef class RowSet:
         da = np.ascontiguousarray(dst_offsets, dtype=np.uint64)
         if la.shape[0] != sa.shape[0] or da.shape[0] != sa.shape[0]:
             raise ValueError("starts, lengths and dst_offsets must have the same length")
-        # A compiled loop with the GIL held: NumPy's checks would drop and retake
+        # Compiled loops with the GIL held: NumPy's checks would drop and retake
         # it several times (its loops over 500 elements release it).
         cdef const uint64_t[::1] sv = sa, lv = la, dv = da
         cdef size_t i, n = sv.shape[0]
         cdef uint64_t total = self.total, row_bytes = self.rs.row_bytes
         cdef uint64_t size = dst.shape[0]
+        i = _first_outside(sv, lv, total)
+        if i < n:
+            raise IndexError(f"rows [{sv[i]}, {sv[i] + lv[i]}) are not within [0, {total})")
         for i in range(n):
-            if sv[i] > total or lv[i] > total - sv[i]:
-                raise IndexError(f"rows [{sv[i]}, {sv[i] + lv[i]}) are not within [0, {total})")
             if (row_bytes and lv[i] > size // row_bytes) or dv[i] > size - lv[i] * row_bytes:
                 raise ValueError("a destination range runs past the end of out")
         return sa, la, da, dst
@@ -200,10 +213,10 @@ cdef class RowSet:
         cdef size_t n = sv.shape[0], i, nreq, m = 0
         if <size_t>lv.shape[0] != n:
             raise ValueError(f"{n} starts but {lv.shape[0]} lengths")
-        for i in range(n):
-            if sv[i] > self.total or lv[i] > self.total - sv[i]:
-                raise IndexError(f"rows [{sv[i]}, {sv[i] + lv[i]}) run past the "
-                                 f"{self.total} rows")
+        i = _first_outside(sv, lv, self.total)
+        if i < n:
+            raise IndexError(f"rows [{sv[i]}, {sv[i] + lv[i]}) run past the "
+                             f"{self.total} rows")
         if n == 0 or self.files.remote is not None:
             return 0
         nreq = lib.tl_rows_count_reqs(&self.rs, &sv[0], &lv[0], 0, n)
