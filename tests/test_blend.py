@@ -18,6 +18,9 @@ from tokload._slots import block_slots
 from tokload.errors import StateError
 from tokload.views.blend import _COMP_TAG, _SLOT_TAG, largest_remainder
 
+FOUR_WEIGHTS = st.lists(st.floats(0.0, 10.0), min_size=4, max_size=4).filter(lambda w: sum(w) > 0.1)
+"""Weights of the four ``views``, not all (nearly) zero."""
+
 
 @pytest.fixture(scope="module")
 def views(tmp_path_factory: pytest.TempPathFactory) -> list[TokenStream]:
@@ -41,7 +44,7 @@ def test_largest_remainder() -> None:
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    weights=st.lists(st.floats(0.0, 10.0), min_size=4, max_size=4).filter(lambda w: sum(w) > 0.1),
+    weights=FOUR_WEIGHTS,
     block=st.integers(1, 300),
     seed=st.integers(0, 2**64 - 1),
     data=st.data(),
@@ -323,7 +326,7 @@ def reference_layout(blend: Blend, b: int) -> tuple[np.ndarray, np.ndarray]:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    weights=st.lists(st.floats(0.0, 10.0), min_size=4, max_size=4).filter(lambda w: sum(w) > 0.1),
+    weights=FOUR_WEIGHTS,
     block=st.integers(1, 3000),
     seed=st.integers(0, 2**64 - 1),
     data=st.data(),

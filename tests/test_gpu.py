@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -149,31 +150,45 @@ def test_token_stream_boundaries_on_the_device(corpus: Path) -> None:
     ld.close()
 
 
-@pytest.mark.usefixtures("host_load")
-def test_packed_rows_on_the_device(corpus: Path) -> None:
-    """Fill: each row's documents, the padding and the attention metadata arrive
-    on the device, equal to the same run's batches built on the host."""
-    view = Documents(corpus)
-    fill = tokload.Fill(4096, lookahead=64)
+def filled_on_the_device(
+    view: Any, fill: tokload.Fill, seed: int, steps: int = 100
+) -> Iterator[dict[str, np.ndarray]]:
+    """``steps`` batches of ``view`` filled by ``fill`` and delivered on the device
+    (2 reader threads, kernels queued on the trainer's stream before each is read
+    back), each checked equal, key by key, to the same run's batches built on the
+    host; yields each as NumPy arrays (``max_seqlen``, an int, stays on the host)."""
     ld = DataLoader(
         view,
         8,
         batching=fill,
-        seed=3,
+        seed=seed,
         num_threads=2,
         device="cuda",
         read=tokload.ReadOptions(prefetch=16),
     )
-    host = DataLoader(view, 8, batching=fill, seed=3, num_threads=1, device=None)
-    for step, (batch, want) in zip(range(100), zip(ld, host, strict=False), strict=False):
-        busy_stream()
-        assert batch["max_seqlen"] == want.pop("max_seqlen")
-        assert sorted(batch) == sorted([*want, "max_seqlen"])
-        for key, value in want.items():
-            assert batch[key].device == ld.device
-            np.testing.assert_array_equal(batch[key].cpu().numpy(), value.numpy(), f"{key} {step}")
-    ld.close()
-    host.close()
+    host = DataLoader(view, 8, batching=fill, seed=seed, num_threads=1, device=None)
+    try:
+        for step, (batch, want) in zip(range(steps), zip(ld, host, strict=False), strict=False):
+            busy_stream()
+            assert batch["max_seqlen"] == want.pop("max_seqlen")
+            assert sorted(batch) == sorted([*want, "max_seqlen"])
+            got = {}
+            for key, value in want.items():
+                assert batch[key].device == ld.device, key
+                got[key] = batch[key].cpu().numpy()
+                np.testing.assert_array_equal(got[key], value.numpy(), f"{key} {step}")
+            yield got
+    finally:
+        ld.close()
+        host.close()
+
+
+@pytest.mark.usefixtures("host_load")
+def test_packed_rows_on_the_device(corpus: Path) -> None:
+    """Fill: each row's documents, the padding and the attention metadata arrive
+    on the device, equal to the same run's batches built on the host."""
+    for _ in filled_on_the_device(Documents(corpus), tokload.Fill(4096, lookahead=64), seed=3):
+        pass
 
 
 @pytest.mark.usefixtures("host_load")
@@ -255,26 +270,7 @@ def test_a_mixture_filled_on_the_device(tmp_path: Path) -> None:
         Documents(tokload.open_flat(tmp_path / "flat.npy", eos=0)),
     ]
     blend = tokload.Blend(list(zip(views, (0.5, 0.3, 0.2), strict=True)), seed=2, length=4000)
-    fill = tokload.Fill(2048, lookahead=64)
-    ld = DataLoader(
-        blend,
-        8,
-        batching=fill,
-        seed=5,
-        num_threads=2,
-        device="cuda",
-        read=tokload.ReadOptions(prefetch=16),
-    )
-    host = DataLoader(blend, 8, batching=fill, seed=5, num_threads=1, device=None)
-    for step, (batch, want) in zip(range(100), zip(ld, host, strict=False), strict=False):
-        busy_stream()
-        assert batch["max_seqlen"] == want.pop("max_seqlen")
-        assert sorted(batch) == sorted([*want, "max_seqlen"])
-        got = {}
-        for key, value in want.items():
-            assert batch[key].device == ld.device, key
-            got[key] = batch[key].cpu().numpy()
-            np.testing.assert_array_equal(got[key], value.numpy(), f"{key} {step}")
+    for got in filled_on_the_device(blend, tokload.Fill(2048, lookahead=64), seed=5):
         tokens, segments = got["tokens"], got["segment_ids"]
         pairs = zip(got["component"].tolist(), got["component_index"].tolist(), strict=True)
         k = 0
@@ -284,5 +280,3 @@ def test_a_mixture_filled_on_the_device(tmp_path: Path) -> None:
                 doc = np.asarray(views[c][d])
                 np.testing.assert_array_equal(tokens[row][segments[row] == seg], doc, str(k))
                 k += 1
-    ld.close()
-    host.close()
