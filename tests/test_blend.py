@@ -310,9 +310,14 @@ def reference_layout(blend: Blend, b: int) -> tuple[np.ndarray, np.ndarray]:
     defines them: component c's j-th slot at time (j + u_c) / k_c, the slots in
     increasing time, equal times by component (NumPy, the whole block)."""
     seg = blend._segments[int(np.searchsorted(blend._seg_first, b, side="right")) - 1]
-    key = epoch_seed(blend.seed ^ _SLOT_TAG, b)
+    return layout_of(blend.seed ^ _SLOT_TAG, b, seg.counts)
+
+
+def layout_of(slot_seed: int, b: int, counts: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``reference_layout`` of block ``b`` with ``counts`` slots per component."""
+    key = epoch_seed(slot_seed, b)
     comps, lanes, times = [], [], []
-    for c, k in enumerate(seg.counts):
+    for c, k in enumerate(counts):
         if k:
             u = epoch_seed(key, c) / 2.0**64
             j = np.arange(k, dtype=np.int64)
@@ -382,6 +387,37 @@ def test_locate_equals_the_definition_on_a_long_blend(views: list[TokenStream]) 
         assert i == Permutation(len(views[c]), seed=cseed, rounds=blend.rounds)[j]
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    counts=st.one_of(
+        st.lists(st.integers(0, 60), min_size=1, max_size=40),
+        st.lists(st.integers(0, 8), min_size=120, max_size=200),
+    ).filter(lambda c: sum(c) > 0),
+    slot_seed=st.integers(0, 2**64 - 1),
+    block=st.integers(0, 2**40),
+    data=st.data(),
+)
+def test_block_slots_equal_the_layout_for_any_counts(
+    counts: list[int], slot_seed: int, block: int, data: Any
+) -> None:
+    """Any number of components (a scan of their next slots up to 128, a heap
+    above), some of them without slots in the block, and slots asked densely
+    or sparsely: ``block_slots`` gives the layout's component and lane."""
+    comp, lane = layout_of(slot_seed, block, counts)
+    n = len(comp)
+    slots = data.draw(
+        st.one_of(
+            st.just(list(range(n))),
+            st.lists(st.integers(0, n - 1), min_size=1, max_size=3 * n),
+        )
+    )
+    got_c, got_l = block_slots(
+        slot_seed, [block] * len(slots), slots, np.array([counts]), [0] * len(slots)
+    )
+    assert got_c.tolist() == comp[slots].tolist()
+    assert got_l.tolist() == lane[slots].tolist()
+
+
 def test_block_slots_refuses_a_slot_past_its_block() -> None:
     counts = np.array([[3, 2]], dtype=np.int64)
     with pytest.raises(ValueError, match=r"slot 5 of block 7: its segment has 5 slots"):
@@ -390,3 +426,4 @@ def test_block_slots_refuses_a_slot_past_its_block() -> None:
         block_slots(1, [7], [1], counts, [1])
     with pytest.raises(ValueError, match=r"2 blocks, 1 slots and 2 segments"):
         block_slots(1, [7, 8], [1], counts, [0, 0])
+

@@ -529,3 +529,23 @@ def test_take_many_and_epoch_seeds_refuse_bad_input() -> None:
         epoch_seed(int(s), int(e)) for s, e in zip(seeds, epochs, strict=True)
     ]
     assert epoch_seeds(5, np.arange(3)).tolist() == [epoch_seed(5, e) for e in range(3)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seeds=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=90),
+    epochs=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=90),
+    data=st.data(),
+)
+def test_epoch_seeds_of_repeated_pairs(seeds: list[int], epochs: list[int], data: Any) -> None:
+    """``epoch_seeds`` remembers pairs it has seen (a table of 64): pairs drawn
+    again and again from up to 8,100 (most slots taken by several), in any
+    order, and more than 4,096 of them (computed without the GIL), are each
+    ``epoch_seed``."""
+    count = data.draw(st.sampled_from([1, 50, 500, 5000]))
+    s = data.draw(st.lists(st.sampled_from(seeds), min_size=count, max_size=count))
+    e = data.draw(st.lists(st.sampled_from(epochs), min_size=count, max_size=count))
+    pairs = list(zip(s, e, strict=True))
+    want = {pair: epoch_seed(*pair) for pair in set(pairs)}
+    got = epoch_seeds(np.array(s, dtype=np.uint64), np.array(e, dtype=np.uint64))
+    assert got.tolist() == [want[pair] for pair in pairs]

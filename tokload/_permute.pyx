@@ -66,10 +66,38 @@ def epoch_seeds(seeds, epochs):
     out = np.empty(e.shape[0], dtype=np.uint64)
     cdef const uint64_t[::1] sv = s, ev = e
     cdef uint64_t[::1] ov = out
-    cdef size_t i
-    for i in range(e.shape[0]):
-        ov[i] = lib.tl_gfc_epoch_seed(sv[i], ev[i])
+    cdef size_t n = e.shape[0]
+    if n < _NOGIL_MIN:
+        _epoch_seeds(&sv[0] if n else NULL, &ev[0] if n else NULL, &ov[0] if n else NULL, n)
+    else:
+        with nogil:
+            _epoch_seeds(&sv[0], &ev[0], &ov[0], n)
     return out
+
+
+cdef enum:
+    _SEEDS_KEPT = 64  # (seed, epoch) pairs remembered by _epoch_seeds (a power of two)
+
+
+cdef void _epoch_seeds(const uint64_t *seeds, const uint64_t *epochs, uint64_t *out,
+                       size_t n) noexcept nogil:
+    """out[i] = epoch_seed(seeds[i], epochs[i]); a pair seen before (a blend's
+    positions fall in a few component epochs each) is looked up in a small
+    table instead of computing Speck's key schedule and encryption again."""
+    cdef uint64_t kept_seed[_SEEDS_KEPT]
+    cdef uint64_t kept_epoch[_SEEDS_KEPT]
+    cdef uint64_t kept[_SEEDS_KEPT]
+    cdef bint used[_SEEDS_KEPT]
+    cdef size_t i, slot
+    for i in range(_SEEDS_KEPT):
+        used[i] = False
+    for i in range(n):
+        slot = <size_t>(((seeds[i] ^ epochs[i]) * <uint64_t>0x9E3779B97F4A7C15) >> 58)
+        if not (used[slot] and kept_seed[slot] == seeds[i] and kept_epoch[slot] == epochs[i]):
+            used[slot] = True
+            kept_seed[slot], kept_epoch[slot] = seeds[i], epochs[i]
+            kept[slot] = lib.tl_gfc_epoch_seed(seeds[i], epochs[i])
+        out[i] = kept[slot]
 
 
 cdef enum:
