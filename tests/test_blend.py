@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import tokload
 from tokload import Blend, DataLoader, Documents, TokenStream, Writer
+from tokload._docindex import ExtentIndex, extents_many
 from tokload._permute import Permutation, epoch_seed
 from tokload._slots import block_slots
 from tokload.errors import StateError
@@ -427,3 +428,59 @@ def test_block_slots_refuses_a_slot_past_its_block() -> None:
     with pytest.raises(ValueError, match=r"2 blocks, 1 slots and 2 segments"):
         block_slots(1, [7, 8], [1], counts, [0, 0])
 
+
+def test_a_blend_of_documents_finds_extents_in_one_call(tmp_path: Path) -> None:
+    """``Blend.extents`` over plain ``Documents`` (subsets too) is one compiled
+    call (``extents_many``) and equals each component's own ``extents``; a
+    component with an ``extents`` of its own (a subclass) takes a call per
+    component, with the same answer."""
+    rng = np.random.default_rng(5)
+    views = []
+    for c in range(3):
+        with Writer(tmp_path / f"d{c}", np.uint16) as w:
+            for _ in range(50):
+                w.write(np.zeros(int(rng.integers(1, 40)), dtype=np.uint16))
+        views.append(Documents(tmp_path / f"d{c}"))
+    views[1] = views[1].subset(7, 41)
+
+    class Shifted(Documents):
+        def extents(self, indices: Any) -> tuple[np.ndarray, np.ndarray]:
+            return super().extents(indices)
+
+    blend = Blend([(v, 1.0) for v in views], length=300, seed=2)
+    assert blend._extent_indexes is not None
+    positions = rng.permutation(300)
+    comp, index = blend.locate(positions)
+    starts, lengths = blend.extents(positions)
+    for c, v in enumerate(views):
+        mine = comp == c
+        want = v.extents(index[mine])
+        np.testing.assert_array_equal(starts[mine], want[0])
+        np.testing.assert_array_equal(lengths[mine], want[1])
+    other = Blend(
+        [(Shifted(tmp_path / "d0"), 1.0), (views[1], 1.0), (views[2], 1.0)], length=300, seed=2
+    )
+    assert other._extent_indexes is None
+    got = other.extents(positions)
+    np.testing.assert_array_equal(got[0], starts)
+    np.testing.assert_array_equal(got[1], lengths)
+
+
+def test_extents_many_refuses_what_is_not_a_document(tmp_path: Path) -> None:
+    with Writer(tmp_path / "d", np.uint16) as w:
+        for length in (3, 5, 2):
+            w.write(np.zeros(length, dtype=np.uint16))
+    idx = Documents(tmp_path / "d").source.docs
+    assert isinstance(idx, ExtentIndex)
+    s, n = extents_many((idx, idx), [0, 1], [1, 0, 1], [0, 2, 1])
+    assert s.tolist() == [3, 8, 8] and n.tolist() == [5, 2, 2]  # documents 1, 2, 2
+    with pytest.raises(IndexError, match=r"document 2 of component 1 is out of range \[0, 2\)"):
+        extents_many((idx, idx), [0, 1], [1], [2])
+    with pytest.raises(IndexError, match=r"document -1 of component 0"):
+        extents_many((idx,), [0], [0], [-1])
+    with pytest.raises(ValueError, match=r"component 2 is not in \[0, 2\)"):
+        extents_many((idx, idx), [0, 0], [2], [0])
+    with pytest.raises(ValueError, match=r"2 components, 1 indices, 1 offsets of 1 indexes"):
+        extents_many((idx,), [0], [0, 0], [0])
+    with pytest.raises(TypeError):
+        extents_many((object(),), [0], [0], [0])  # type: ignore[arg-type]

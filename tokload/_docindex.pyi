@@ -15,6 +15,15 @@ class ExtentIndex:
         self, ids: npt.ArrayLike
     ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]: ...
 
+# (starts, lengths) of document index[i] + offsets[comp[i]] of indexes[comp[i]],
+# for every i, in one compiled call (a Blend's documents of many components).
+def extents_many(
+    indexes: tuple[ExtentIndex, ...],
+    offsets: npt.ArrayLike,
+    comp: npt.ArrayLike,
+    index: npt.ArrayLike,
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]: ...
+
 class DocIndex(ExtentIndex):
     files: FileSet
     tables: ShardTables

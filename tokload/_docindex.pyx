@@ -49,6 +49,73 @@ cdef class ExtentIndex:
         return "document"
 
 
+def extents_many(tuple indexes, offsets, comp, index):
+    """``(starts, lengths)`` (uint64) of document ``index[i] + offsets[comp[i]]``
+    of ``indexes[comp[i]]`` (``ExtentIndex``) for every ``i``, as each index's
+    ``extents`` gives them: the documents of a ``Blend``'s many components in one
+    compiled call (grouped by component with a counting sort), where a call and
+    a sort per component cost some 9 us each."""
+    cdef size_t k = len(indexes), n, i, c, p, m
+    cdef const int64_t[::1] cv = np.ascontiguousarray(comp, dtype=np.int64)
+    cdef const int64_t[::1] iv = np.ascontiguousarray(index, dtype=np.int64)
+    cdef const uint64_t[::1] ov = np.ascontiguousarray(offsets, dtype=np.uint64)
+    n = cv.shape[0]
+    if iv.shape[0] != n or ov.shape[0] != k:
+        raise ValueError(f"{n} components, {iv.shape[0]} indices, {ov.shape[0]} offsets "
+                         f"of {k} indexes")
+    cdef uint64_t[::1] totals = np.empty(k, dtype=np.uint64)
+    for c in range(k):
+        totals[c] = (<ExtentIndex?>indexes[c]).total
+    starts = np.empty(n, dtype=np.uint64)
+    lengths = np.empty(n, dtype=np.uint64)
+    if n == 0:
+        return starts, lengths
+    cdef uint64_t[::1] sv = starts, lv = lengths
+    cdef size_t *first = <size_t *>PyMem_Malloc((2 * k + 1) * sizeof(size_t) + n * sizeof(size_t))
+    cdef uint64_t *grouped = <uint64_t *>PyMem_Malloc(3 * n * sizeof(uint64_t))
+    cdef size_t *at, *where
+    cdef uint64_t doc
+    cdef ExtentIndex idx
+    try:
+        if first is NULL or grouped is NULL:
+            raise MemoryError()
+        at = first + k + 1
+        where = at + k
+        for c in range(k + 1):
+            first[c] = 0
+        for i in range(n):
+            if cv[i] < 0 or <size_t>cv[i] >= k:
+                raise ValueError(f"component {cv[i]} is not in [0, {k})")
+            first[cv[i] + 1] += 1
+        for c in range(k):
+            first[c + 1] += first[c]
+            at[c] = first[c]
+        for i in range(n):
+            c = <size_t>cv[i]
+            doc = <uint64_t>iv[i] + ov[c]
+            if iv[i] < 0 or doc >= totals[c]:
+                raise IndexError(f"document {iv[i]} of component {c} is out of range "
+                                 f"[0, {totals[c] - ov[c]})")
+            p = at[c]
+            at[c] += 1
+            grouped[p] = doc
+            where[p] = i
+        for c in range(k):
+            m = first[c + 1] - first[c]
+            if m:
+                idx = <ExtentIndex>indexes[c]
+                idx._files().check_open()
+                idx.fill(grouped + first[c], m, grouped + n + first[c],
+                         grouped + 2 * n + first[c])
+        for p in range(n):
+            sv[where[p]] = grouped[n + p]
+            lv[where[p]] = grouped[2 * n + p]
+    finally:
+        PyMem_Free(first)
+        PyMem_Free(grouped)
+    return starts, lengths
+
+
 cdef class DocIndex(ExtentIndex):
     """Per-shard document indexes: shard k's file holds ``docs_k + 1`` uint64
     row offsets.  ``extents(ids)`` gives each document's first global row and

@@ -51,11 +51,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from tokload._docindex import ExtentIndex, extents_many
 from tokload._permute import epoch_seeds, take_many
 from tokload._rows import read_ranges
 from tokload._slots import block_slots
 from tokload.views.base import Fields, ReadPart, View, _check_out
 from tokload.views.contract import Alloc, check_view, is_documents
+from tokload.views.documents import Documents
 from tokload.views.metadata import StreamWithMetadata
 from tokload.views.windows import TokenStream
 
@@ -152,6 +154,7 @@ class Blend(View):
                     "a Blend mixes views of one kind"
                 )
         first = self.views[0]
+        self._extent_indexes: tuple[tuple[Any, ...], np.ndarray] | None = None
         if self.kind == "windows":
             self.window = first.window
             self._dtype = _dtype_of(first)
@@ -172,6 +175,7 @@ class Blend(View):
                         f"component {c} has the fields {_names(v.fields)}; "
                         f"component 0 has {_names(self._fields)}"
                     )
+            self._extent_indexes = _extent_indexes(self.views)
         self.seed, self.block_size, self.rounds = int(seed), int(block_size), int(rounds)
         k = len(self.views)
         stages = [(0, list(map(float, (w for _, w in components))))]
@@ -425,8 +429,15 @@ class Blend(View):
         return dict(self._fields)
 
     def extents(self, indices: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
-        """Each sample's ``extents`` in its component (a blend of documents)."""
+        """Each sample's ``extents`` in its component (a blend of documents):
+        one compiled call over every component's document index where all are
+        plain ``Documents`` (``tokload._docindex.extents_many``), else a call
+        per component."""
         comp, index = self.locate(indices)
+        if self._extent_indexes is not None:
+            indexes, offsets = self._extent_indexes
+            starts, lengths = extents_many(indexes, offsets, comp, index)
+            return starts, lengths
         starts = np.empty(len(comp), dtype=np.uint64)
         lengths = np.empty(len(comp), dtype=np.uint64)
         for c, sel in _groups(comp):
@@ -592,6 +603,18 @@ class Blend(View):
 
 def _dtype_of(view: TokenStream | Blend) -> Any:
     return view._dtype if isinstance(view, Blend) else view.source.dtype
+
+
+def _extent_indexes(views: Sequence[Any]) -> tuple[tuple[Any, ...], np.ndarray] | None:
+    """Every component's document index and first document (``Documents._lo``),
+    for ``extents_many``; None unless every component is a plain ``Documents``
+    (a user's view, a subclass or a nested blend has its own ``extents``)."""
+    if not all(type(v) is Documents for v in views):
+        return None
+    indexes = tuple(v.source.docs for v in views)
+    if not all(isinstance(i, ExtentIndex) for i in indexes):
+        return None
+    return indexes, np.array([v._lo for v in views], dtype=np.uint64)
 
 
 def _groups(comp: np.ndarray) -> list[tuple[int, np.ndarray]]:
