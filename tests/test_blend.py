@@ -433,13 +433,14 @@ def test_a_blend_of_documents_finds_extents_in_one_call(tmp_path: Path) -> None:
     """``Blend.extents`` over plain ``Documents`` (subsets too) is one compiled
     call (``extents_many``) and equals each component's own ``extents``; a
     component with an ``extents`` of its own (a subclass) takes a call per
-    component, with the same answer."""
+    component, with the same answer, and so do the documents read."""
     rng = np.random.default_rng(5)
     views = []
     for c in range(3):
         with Writer(tmp_path / f"d{c}", np.uint16) as w:
-            for _ in range(50):
-                w.write(np.zeros(int(rng.integers(1, 40)), dtype=np.uint16))
+            for d in range(50):
+                n = int(rng.integers(1, 40))
+                w.write(c * 1000 + d * 10 + np.arange(n, dtype=np.uint16) % 10)
         views.append(Documents(tmp_path / f"d{c}"))
     views[1] = views[1].subset(7, 41)
 
@@ -448,7 +449,7 @@ def test_a_blend_of_documents_finds_extents_in_one_call(tmp_path: Path) -> None:
             return super().extents(indices)
 
     blend = Blend([(v, 1.0) for v in views], length=300, seed=2)
-    assert blend._extent_indexes is not None
+    assert blend._plain is not None
     positions = rng.permutation(300)
     comp, index = blend.locate(positions)
     starts, lengths = blend.extents(positions)
@@ -460,10 +461,18 @@ def test_a_blend_of_documents_finds_extents_in_one_call(tmp_path: Path) -> None:
     other = Blend(
         [(Shifted(tmp_path / "d0"), 1.0), (views[1], 1.0), (views[2], 1.0)], length=300, seed=2
     )
-    assert other._extent_indexes is None
+    assert other._plain is None
     got = other.extents(positions)
     np.testing.assert_array_equal(got[0], starts)
     np.testing.assert_array_equal(got[1], lengths)
+    # the reads too: one part per component made by the blend, or by each component
+    fast, slow = blend.read_batch(positions, np.empty), other.read_batch(positions, np.empty)
+    assert fast.keys() == slow.keys()
+    for key in fast:
+        np.testing.assert_array_equal(fast[key], slow[key])
+    for row, n, c, i in zip(fast["tokens"], fast["lengths"], comp, index, strict=True):
+        d = i + (7 if c == 1 else 0)  # the subset's first document
+        assert row[:n].tolist() == (c * 1000 + d * 10 + np.arange(n) % 10).tolist()
 
 
 def test_extents_many_refuses_what_is_not_a_document(tmp_path: Path) -> None:

@@ -154,7 +154,7 @@ class Blend(View):
                     "a Blend mixes views of one kind"
                 )
         first = self.views[0]
-        self._extent_indexes: tuple[tuple[Any, ...], np.ndarray] | None = None
+        self._plain: _PlainDocuments | None = None
         if self.kind == "windows":
             self.window = first.window
             self._dtype = _dtype_of(first)
@@ -175,7 +175,7 @@ class Blend(View):
                         f"component {c} has the fields {_names(v.fields)}; "
                         f"component 0 has {_names(self._fields)}"
                     )
-            self._extent_indexes = _extent_indexes(self.views)
+            self._plain = _plain_documents(self.views)
         self.seed, self.block_size, self.rounds = int(seed), int(block_size), int(rounds)
         k = len(self.views)
         stages = [(0, list(map(float, (w for _, w in components))))]
@@ -434,9 +434,9 @@ class Blend(View):
         plain ``Documents`` (``tokload._docindex.extents_many``), else a call
         per component."""
         comp, index = self.locate(indices)
-        if self._extent_indexes is not None:
-            indexes, offsets = self._extent_indexes
-            starts, lengths = extents_many(indexes, offsets, comp, index)
+        if self._plain is not None:
+            plain = self._plain
+            starts, lengths = extents_many(plain.indexes, plain.offsets, comp, index)
             return starts, lengths
         starts = np.empty(len(comp), dtype=np.uint64)
         lengths = np.empty(len(comp), dtype=np.uint64)
@@ -477,6 +477,16 @@ class Blend(View):
         dtype, a user's view) reads its documents here."""
         comp, index = self.locate(indices)
         starts, lengths, dst = (np.asarray(a, dtype=np.uint64) for a in (starts, lengths, dst))
+        plain = self._plain
+        if plain is not None and plain.dtype.fields is None:
+            # every component a plain Documents of one plain dtype: its part, as
+            # Documents._extent_reads makes it, without a call per component
+            tokens = out["tokens"]
+            _check_out(tokens, tokens.shape, plain.dtype, "out['tokens']")
+            byte_dst = dst * np.uint64(plain.dtype.itemsize)
+            for c, sel in _groups(comp):
+                parts.append((plain.rows[c], starts[sel], lengths[sel], byte_dst[sel], tokens))
+            return
         for c, sel in _groups(comp):
             v = self._docs(c)
             args = (index[sel], starts[sel], lengths[sel], dst[sel], out)
@@ -605,16 +615,34 @@ def _dtype_of(view: TokenStream | Blend) -> Any:
     return view._dtype if isinstance(view, Blend) else view.source.dtype
 
 
-def _extent_indexes(views: Sequence[Any]) -> tuple[tuple[Any, ...], np.ndarray] | None:
-    """Every component's document index and first document (``Documents._lo``),
-    for ``extents_many``; None unless every component is a plain ``Documents``
-    (a user's view, a subclass or a nested blend has its own ``extents``)."""
+@dataclass(frozen=True)
+class _PlainDocuments:
+    """What a blend whose components are all plain ``Documents`` reads them with,
+    without a call per component: their document indexes and first documents
+    (``Documents._lo``) for ``extents_many``, their rows, and their dtype."""
+
+    indexes: tuple[ExtentIndex, ...]
+    offsets: np.ndarray
+    rows: tuple[Any, ...]
+    dtype: np.dtype[Any]
+
+
+def _plain_documents(views: Sequence[Any]) -> _PlainDocuments | None:
+    """None unless every component is a plain ``Documents`` with a document
+    index of its own (a user's view, a subclass or a nested blend has its own
+    ``extents`` and reads)."""
     if not all(type(v) is Documents for v in views):
         return None
     indexes = tuple(v.source.docs for v in views)
-    if not all(isinstance(i, ExtentIndex) for i in indexes):
+    dtypes = {v.source.dtype for v in views}
+    if not all(isinstance(i, ExtentIndex) for i in indexes) or len(dtypes) != 1:
         return None
-    return indexes, np.array([v._lo for v in views], dtype=np.uint64)
+    return _PlainDocuments(
+        indexes,
+        np.array([v._lo for v in views], dtype=np.uint64),
+        tuple(v.source.rows for v in views),
+        dtypes.pop(),
+    )
 
 
 def _groups(comp: np.ndarray) -> list[tuple[int, np.ndarray]]:
