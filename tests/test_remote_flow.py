@@ -55,6 +55,17 @@ def test_the_limit_ramps_up_within_seconds_at_100_ms() -> None:
     assert ctl.limit >= 0.8 * _knee(0.1), ctl.limit
 
 
+def test_the_first_limit_doubles_every_two_round_trips() -> None:
+    """Slow start: from the first limit (64) to what covers 100 ms (about 680
+    here) within a second, where rising by half every four round trips took 2.4
+    s; the first period that is not under ``LOW`` ends it."""
+    ctl, _ = _simulate(0.1, 1.0)
+    assert ctl.limit >= 0.8 * _knee(0.1), ctl.limit
+    assert ctl.starting, "no period has been over LOW yet at 100 ms"
+    ctl, _ = _simulate(0.0005, 2.0)  # the client's CPU is the bound at once
+    assert not ctl.starting
+
+
 def test_a_demand_below_the_limit_decides_nothing() -> None:
     """Readers that keep fewer GETs in flight than allowed: the rate says nothing of
     the limit, which stays where it was."""

@@ -777,10 +777,13 @@ class _Limit:
     compares the mean latency of the GETs that completed with the least latency
     seen: the share of the mean spent waiting, ``1 - least / mean``, says how many
     of the GETs in flight are too many.  Under ``LOW`` the limit rises by half;
-    over ``HIGH`` it falls by ``FALL``; between, it stays.  The least latency is
-    checked, as BBR does, by a drain: one period at half the limit, whose least
-    latency becomes the new one (the store may have become slower), every
-    ``WINDOW`` seconds and after ``FALLS`` falls in a row.  Between
+    over ``HIGH`` it falls by ``FALL``; between, it stays.  Until the first period
+    that is not under ``LOW`` it doubles instead, every two round trips (TCP's
+    slow start: a store 100 ms away may need ten times the first limit, which
+    rising by half every four round trips reaches after two seconds).  The least
+    latency is checked, as BBR does, by a drain: one period at half the limit,
+    whose least latency becomes the new one (the store may have become slower),
+    every ``WINDOW`` seconds and after ``FALLS`` falls in a row.  Between
     ``MIN_IN_FLIGHT`` and ``MAX_IN_FLIGHT``.  A period in which the readers did not
     keep the limit full (the demand set the rate), or that an idle spell
     stretched, decides nothing.  Pure arithmetic on the completions it is told of
@@ -800,6 +803,7 @@ class _Limit:
         self.period_least = float("inf")
         self.falls = 0
         self.drained: int | None = None  # during a drain: the limit before it
+        self.starting = True  # doubling until a period that is not under LOW
 
     def answered(self, now: float, latency: float, bound: bool) -> None:
         """A GET completed at ``now`` after ``latency`` seconds; ``bound``: other
@@ -811,7 +815,7 @@ class _Limit:
             self.period_least = latency
         if latency < self.least:
             self.least, self.least_t = latency, now
-        period = max(self.PERIOD, 4 * self.least)
+        period = max(self.PERIOD, (2 if self.starting else 4) * self.least)
         if now - self.t0 < period:
             return
         mean, least = self.total / self.done, self.period_least
@@ -832,11 +836,12 @@ class _Limit:
 
     def _decide(self, waiting: float) -> None:
         if waiting < self.LOW:
-            limit, self.falls = self.limit * 1.5, 0
+            limit, self.falls = self.limit * (2.0 if self.starting else 1.5), 0
         elif waiting > self.HIGH:
             limit, self.falls = self.limit * self.FALL, self.falls + 1
+            self.starting = False
         else:
-            self.falls = 0
+            self.falls, self.starting = 0, False
             return
         self.limit = max(MIN_IN_FLIGHT, min(MAX_IN_FLIGHT, int(limit)))
 
