@@ -48,6 +48,7 @@ from tokload import (
     Writer,
     _remote,
     remote,
+    remote_fetch,
 )
 
 MEGATRON = Path(__file__).parent / "data" / "megatron"
@@ -264,7 +265,7 @@ def test_nearby_ranges_are_merged_into_one_get() -> None:
     objs = [a, a, b, a, a, a]
     offs = [1000, 0, 0, 1150, 5000, 20]
     lens = [100, 10, 8, 10, 1, 0]
-    gets = remote.plan(objs, offs, lens)
+    gets = remote_fetch.plan(objs, offs, lens)
     # a: [0,10) alone (gap 990 > 100); [1000,1100) + [1150,1160) merged; [5000,5001) alone;
     # the empty request needs no GET; b: one GET
     got = sorted((o.key, s, e, sorted(r)) for o, s, e, r in gets)
@@ -274,7 +275,7 @@ def test_nearby_ranges_are_merged_into_one_get() -> None:
         ("a", 5000, 5001, [4]),
         ("b", 0, 8, [2]),
     ]
-    big = remote.plan([a, a], [0, remote.MAX_MERGED], [remote.MAX_MERGED, 10])
+    big = remote_fetch.plan([a, a], [0, remote.MAX_MERGED], [remote.MAX_MERGED, 10])
     assert len(big) == 2  # merged ranges stay at most MAX_MERGED bytes
 
 
@@ -587,7 +588,7 @@ def test_a_batch_the_fetcher_drops_fails_its_read_instead_of_hanging(
     _, url = corpus
     view = TokenStream(url, 64)
     with monkeypatch.context() as m:
-        m.setattr(remote, "_BatchFetch", lambda batch: None)
+        m.setattr(remote_fetch, "_BatchFetch", lambda batch: None)
         with pytest.raises(OSError, match=r"\.rows: a remote read failed while reading rows"):
             view.read([0, 5])
     assert np.asarray(view.read([0])).shape == (1, 64)  # the next batch is fetched as usual
@@ -607,7 +608,7 @@ def test_a_body_of_the_wrong_size_fails_the_read_and_is_never_copied(
         self.batch.finish([bytes(n + 1) if n else None for n in self.lengths])
 
     with monkeypatch.context() as m:
-        m.setattr(remote._BatchFetch, "_finish", finish_long)
+        m.setattr(remote_fetch._BatchFetch, "_finish", finish_long)
         with pytest.raises(RuntimeError, match=r"request 0: 257 bytes for a read of 256"):
             view.read([0])
     assert np.asarray(view.read([0])).shape == (1, 64)
@@ -636,9 +637,9 @@ def test_reads_of_many_threads_share_the_process_limit(corpus: tuple[Path, str])
         np.testing.assert_array_equal(got[k], ref.read(idx))
     assert _remote.queued() == 0  # every batch ended before its reader went on
     deadline = time.monotonic() + 10  # the last GET's slot is given back just after
-    while remote._flow.inflight and time.monotonic() < deadline:
+    while remote_fetch._flow.inflight and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert remote._flow.inflight == 0
+    assert remote_fetch._flow.inflight == 0
 
 
 @pytest.mark.slow

@@ -6,11 +6,11 @@ fetched, its objects listed with their sizes and ETags) and read through the
 same I/O engine as local files, in two phases: the engine plans each batch's
 read requests (object, offset, length, destination) in C and its reader thread
 hands them over (``tokload/_remote.pyx``) and waits without the GIL; this
-module, on the process's event loop thread, fetches them (``_BatchFetch``) and
-has their bytes copied into the batch buffers without the GIL.  Requests for
+module's event loop thread fetches them (``tokload.remote_fetch``) and has
+their bytes copied into the batch buffers without the GIL.  Requests for
 nearby bytes of one object are merged; the process keeps as many GETs in flight,
 for all its readers together, as cover the store's latency at the rate the reads
-go (``_Limit``, from the latency the GETs show); what a retry can help is retried; and every
+go (from the latency the GETs show); what a retry can help is retried; and every
 answer is checked:
 
 - every GET names the ETag the object had when the dataset was opened
@@ -50,8 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import collections
-import functools
 import logging
 import os
 import random
@@ -59,7 +57,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -529,9 +527,11 @@ def _get_loop() -> asyncio.AbstractEventLoop:
     global _loop, _loop_pid
     with _loop_lock:
         if _loop is None or _loop_pid != os.getpid():
+            from tokload.remote_fetch import on_wake  # it imports this module
+
             efd = _remote.open_handoff()
             loop = _Loop()
-            loop.add_reader(efd, _on_wake)
+            loop.add_reader(efd, on_wake)
             threading.Thread(target=loop.run_forever, name="tokload-remote", daemon=True).start()
             if _loop is None:
                 atexit.register(_quiesce)
@@ -691,377 +691,6 @@ async def _get_range(obj: RemoteObject, start: int, end: int) -> Any:
     _counts.gets += 1
     _counts.bytes += end - start
     return body
-
-
-# ---- a batch's reads ------------------------------------------------------------------
-
-
-def plan(
-    objs: Sequence[RemoteObject], offsets: Sequence[int], lengths: Sequence[int]
-) -> list[tuple[RemoteObject, int, int, list[int]]]:
-    """The GETs of a batch: per object, requested ranges sorted and merged
-    where the gap between them is at most the store's ``merge_gap`` (and the
-    merged range at most MAX_MERGED bytes).  Each GET is ``(object, start, end,
-    requests)``; empty requests need none.
-
-    Raises:
-        RemoteError: a request past its object's end (as opened), with
-            ``request`` set to its number; before any GET.
-    """
-    by_obj: dict[int, list[int]] = {}
-    for i, o in enumerate(objs):
-        if lengths[i]:
-            if offsets[i] + lengths[i] > o.size:
-                e = RemoteError(
-                    f"{o.url}{_span(offsets[i], offsets[i] + lengths[i])}: past the object's "
-                    f"end ({o.size} bytes when opened)",
-                    o.url,
-                    offsets[i],
-                    offsets[i] + lengths[i],
-                )
-                e.request = i  # type: ignore[attr-defined]
-                raise e
-            by_obj.setdefault(id(o), []).append(i)
-    gets: list[tuple[RemoteObject, int, int, list[int]]] = []
-    for idx in by_obj.values():
-        obj = objs[idx[0]]
-        gap = obj.store.settings.merge_gap
-        idx.sort(key=offsets.__getitem__)
-        cur: list[int] = []
-        start = end = 0
-        for i in idx:
-            lo, hi = offsets[i], offsets[i] + lengths[i]
-            if cur and lo <= end + gap and max(end, hi) - start <= MAX_MERGED:
-                end = max(end, hi)
-                cur.append(i)
-            else:
-                if cur:
-                    gets.append((obj, start, end, cur))
-                cur, start, end = [i], lo, hi
-        gets.append((obj, start, end, cur))
-    return gets
-
-
-SYNC_BODY = 1 << 18
-"""Bodies up to this many bytes are taken from an answer at once (they come with its
-headers); a larger one is read from the stream without holding the event loop."""
-
-MIN_IN_FLIGHT = 16
-"""The fewest GETs the process keeps in flight (when reads wait for them)."""
-
-MAX_IN_FLIGHT = 4096
-"""The most GETs the process keeps in flight, whatever the latency."""
-
-IN_FLIGHT_BYTES = 512 << 20
-"""The most bytes of GETs in flight (a GET larger than that still goes, alone)."""
-
-
-def _on_wake() -> None:
-    """The handoff's eventfd is readable: start the batches the readers queued."""
-    for batch in _remote.take():
-        try:
-            _BatchFetch(batch)
-        except BaseException as e:  # never leave a reader waiting (a bug: say which)
-            batch.fail(e)
-
-
-class _Limit:
-    """How many GETs the process keeps in flight, from the latency the GETs show.
-
-    Requests in flight are what covers a store's latency: at ``rate`` GETs/s and
-    ``latency`` seconds each, ``rate * latency`` are needed (Little's law), and
-    more only cost: connections, and the client's CPU per GET, which grows with
-    them.  Past that point the extra GETs wait on this side (for the client's CPU,
-    or in the store's queue): the latency grows and the rate does not.  So, as TCP
-    Vegas does, each period (``PERIOD`` seconds, four round trips at least)
-    compares the mean latency of the GETs that completed with the least latency
-    seen: the share of the mean spent waiting, ``1 - least / mean``, says how many
-    of the GETs in flight are too many.  Under ``LOW`` the limit rises by half;
-    over ``HIGH`` it falls by ``FALL``; between, it stays.  Until the first period
-    that is not under ``LOW`` it doubles instead, every two round trips (TCP's
-    slow start: a store 100 ms away may need ten times the first limit, which
-    rising by half every four round trips reaches after two seconds).  The least
-    latency is checked, as BBR does, by a drain: one period at half the limit,
-    whose least latency becomes the new one (the store may have become slower),
-    every ``WINDOW`` seconds and after ``FALLS`` falls in a row.  Between
-    ``MIN_IN_FLIGHT`` and ``MAX_IN_FLIGHT``.  A period in which the readers did not
-    keep the limit full (the demand set the rate), or that an idle spell
-    stretched, decides nothing.  Pure arithmetic on the completions it is told of
-    (``answered``), so a test drives it with a simulated store."""
-
-    PERIOD = 0.1
-    WINDOW = 10.0
-    LOW = 0.2
-    HIGH = 0.4
-    FALL = 0.85
-    FALLS = 3
-
-    def __init__(self, now: float, start: int = 4 * 16) -> None:
-        self.limit = start
-        self.t0, self.done, self.bound, self.total = now, 0, 0, 0.0
-        self.least, self.least_t = float("inf"), now  # the least latency, and when seen
-        self.period_least = float("inf")
-        self.falls = 0
-        self.drained: int | None = None  # during a drain: the limit before it
-        self.starting = True  # doubling until a period that is not under LOW
-
-    def answered(self, now: float, latency: float, bound: bool) -> None:
-        """A GET completed at ``now`` after ``latency`` seconds; ``bound``: other
-        GETs were waiting for a slot (the limit, not the demand, set the rate)."""
-        self.done += 1
-        self.bound += bound
-        self.total += latency
-        if latency < self.period_least:
-            self.period_least = latency
-        if latency < self.least:
-            self.least, self.least_t = latency, now
-        period = max(self.PERIOD, (2 if self.starting else 4) * self.least)
-        if now - self.t0 < period:
-            return
-        mean, least = self.total / self.done, self.period_least
-        # a period the readers did not keep the limit full says nothing of it
-        said = 2 * self.bound >= self.done and now - self.t0 < 2 * period
-        self.t0, self.done, self.bound, self.total = now, 0, 0, 0.0
-        self.period_least = float("inf")
-        if self.drained is not None:  # the drain is over: its least is the store's
-            self.least, self.least_t = least, now
-            self.limit, self.drained, self.falls = self.drained, None, 0
-        elif not said:
-            return
-        elif now - self.least_t > self.WINDOW or self.falls >= self.FALLS:
-            self.drained = self.limit
-            self.limit = max(MIN_IN_FLIGHT, self.limit // 2)
-        else:
-            self._decide(1.0 - self.least / mean if mean > 0 else 0.0)
-
-    def _decide(self, waiting: float) -> None:
-        if waiting < self.LOW:
-            limit, self.falls = self.limit * (2.0 if self.starting else 1.5), 0
-        elif waiting > self.HIGH:
-            limit, self.falls = self.limit * self.FALL, self.falls + 1
-            self.starting = False
-        else:
-            self.falls, self.starting = 0, False
-            return
-        self.limit = max(MIN_IN_FLIGHT, min(MAX_IN_FLIGHT, int(limit)))
-
-
-class _Flow:
-    """The GETs in flight for the whole process, from every reader's batches: at
-    most ``_Limit``'s limit and ``IN_FLIGHT_BYTES``.  Batches take free slots in the
-    order they came (the oldest task's GETs first: it is needed first), each also
-    within its own ``depth``."""
-
-    def __init__(self) -> None:
-        self.inflight = 0
-        self.bytes = 0
-        self.ctl = _Limit(time.monotonic())
-        self.waiting: collections.deque[_BatchFetch] = collections.deque()
-
-    @property
-    def limit(self) -> int:
-        return self.ctl.limit
-
-    def add(self, b: _BatchFetch) -> None:
-        b.queued = True
-        self.waiting.append(b)
-        self.pump()
-
-    def pump(self) -> None:
-        waiting = self.waiting
-        while waiting and self.inflight < self.ctl.limit:
-            b = waiting[0]
-            if b.ended or b.next >= len(b.gets) or b.inflight >= b.batch.depth:
-                waiting.popleft()  # back in line once one of its GETs completes
-                b.queued = False
-                continue
-            size = b.gets[b.next][2] - b.gets[b.next][1]
-            if self.inflight and self.bytes + size > IN_FLIGHT_BYTES:
-                break
-            self.inflight += 1
-            self.bytes += size
-            b.launch()
-
-    def release(self, b: _BatchFetch, size: int, latency: float | None) -> None:
-        """A GET of ``b`` is over (``latency``: since its last attempt was sent, for
-        one that succeeded)."""
-        self.inflight -= 1
-        self.bytes -= size
-        if latency is not None:
-            bound = self.inflight + 1 >= self.ctl.limit and bool(self.waiting)
-            self.ctl.answered(time.monotonic(), latency, bound)
-        if not b.queued and not b.ended and b.next < len(b.gets):
-            b.queued = True
-            self.waiting.append(b)
-        self.pump()
-
-
-_flow = _Flow()  # used on the event loop thread only
-
-
-class _BatchFetch:
-    """One reader's batch (``_remote.Batch``), fetched on the event loop thread: its
-    merged GETs (``plan``), launched as ``_flow`` gives them slots (at most the
-    batch's ``depth`` at once), each answer checked (size, ETag through
-    ``If-Match``) and retried as ``_retry_delay`` says.  The batch ends once: with
-    every body copied into place (``Batch.finish``), or with the error of the first
-    GET that failed for good (``Batch.fail``), naming the lowest request it served.
-    A failed batch's other GETs are not cancelled: they run to their end and their
-    results are dropped.
-
-    Per GET this costs one request of the client's and one callback: no task, no
-    coroutine, no shield (the cost of the client's plain loop)."""
-
-    __slots__ = (
-        "attempts",
-        "batch",
-        "bodies",
-        "ended",
-        "first",
-        "gets",
-        "inflight",
-        "left",
-        "lengths",
-        "next",
-        "offsets",
-        "queued",
-        "sent",
-        "whole",
-    )
-
-    def __init__(self, batch: Any) -> None:
-        self.batch = batch
-        self.ended = self.queued = False
-        self.next = self.inflight = 0
-        self.gets: list[tuple[RemoteObject, int, int, list[int]]] = []
-        try:
-            objs, self.offsets, self.lengths = batch.requests()
-            self.gets = plan(objs, self.offsets, self.lengths)
-        except BaseException as e:
-            self._fail(e, getattr(e, "request", 0))
-            return
-        n = len(self.gets)
-        self.bodies: list[Any] = [None] * n
-        self.attempts = [0] * n
-        self.whole = [0] * n
-        self.first = [0.0] * n  # when the first attempt was sent
-        self.sent = [0.0] * n  # when the last one was
-        self.left = n
-        if n == 0:
-            self._finish()
-        else:
-            _flow.add(self)
-
-    def launch(self) -> None:
-        """Send the next GET (``_flow`` gave it a slot)."""
-        k = self.next
-        self.next += 1
-        self.inflight += 1
-        self.first[k] = time.monotonic()
-        self._get(k)
-
-    def _get(self, k: int) -> None:
-        obj, start, end, _ = self.gets[k]
-        self.attempts[k] += 1
-        self.sent[k] = time.monotonic()
-        try:
-            fut = _obstore().get_async(
-                obj.store.store, obj.key, options=_get_options(obj, start, end)
-            )
-        except Exception as e:  # refused before it was sent
-            self._error(k, e)
-            return
-        _pending.add(fut)
-        fut.add_done_callback(functools.partial(self._answered, k))
-
-    def _over(self, k: int, ok: bool) -> None:
-        """GET ``k`` holds its slot no more."""
-        self.inflight -= 1
-        _, start, end, _ = self.gets[k]
-        _flow.release(self, end - start, time.monotonic() - self.sent[k] if ok else None)
-
-    def _answered(self, k: int, fut: asyncio.Future[Any]) -> None:
-        _pending.discard(fut)
-        e = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
-        if self.ended:
-            self._over(k, False)
-            return
-        if e is not None:
-            self._error(k, e)
-            return
-        _, start, end, _ = self.gets[k]
-        answer = fut.result()
-        if end - start > SYNC_BODY:  # a large body: stream it without holding the loop
-            body = asyncio.ensure_future(answer.bytes_async())
-            _pending.add(body)
-            body.add_done_callback(functools.partial(self._read, k))
-            return
-        try:
-            self._got(k, answer.bytes())
-        except Exception as err:
-            self._error(k, err)
-
-    def _read(self, k: int, fut: asyncio.Future[Any]) -> None:
-        _pending.discard(fut)
-        e = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
-        if self.ended:
-            self._over(k, False)
-        elif e is not None:
-            self._error(k, e)
-        else:
-            self._got(k, fut.result())
-
-    def _got(self, k: int, body: Any) -> None:
-        _, start, end, _ = self.gets[k]
-        if len(body) != end - start:
-            self._error(k, _ShortBody(len(body), end - start))
-            return
-        self.bodies[k] = body
-        self.left -= 1
-        _counts.gets += 1
-        _counts.bytes += end - start
-        if self.left == 0:
-            self._finish()
-        self._over(k, True)
-
-    def _error(self, k: int, e: BaseException) -> None:
-        obj, start, end, reqs = self.gets[k]
-        self.whole[k] = self.whole[k] + 1 if _not_partial(e) else 0
-        delay = (
-            _retry_delay(e, self.attempts[k], self.whole[k], self.first[k], obj.store.settings)
-            if isinstance(e, Exception)
-            else None
-        )
-        if delay is None:
-            self._fail(_named(e, obj.url, start, end, self.attempts[k], "a range"), min(reqs))
-            self._over(k, False)
-            return
-        _counts.retries += 1
-        _get_loop().call_later(delay, self._retry, k)  # it keeps its slot meanwhile
-
-    def _retry(self, k: int) -> None:
-        if self.ended:
-            self._over(k, False)
-        else:
-            self._get(k)
-
-    def _finish(self) -> None:
-        out: list[Any] = [None] * len(self.offsets)
-        offsets, lengths = self.offsets, self.lengths
-        for (_, start, end, reqs), body in zip(self.gets, self.bodies, strict=True):
-            if len(reqs) == 1 and end - start == lengths[reqs[0]]:
-                out[reqs[0]] = body  # the common case: one GET per request
-                continue
-            mv = memoryview(body)
-            for i in reqs:
-                out[i] = mv[offsets[i] - start : offsets[i] - start + lengths[i]]
-        self.ended = True
-        self.bodies = []
-        self.batch.finish(out)
-
-    def _fail(self, e: BaseException, request: int) -> None:
-        self.ended = True
-        self.batch.fail(e, request)
 
 
 # ---- opening ------------------------------------------------------------------------
