@@ -471,3 +471,24 @@ def test_every_public_exception_is_exported_at_the_top_level() -> None:
     assert not missing, f"not exported at the top level: {missing}"
     for name in found:
         assert getattr(tokload, name).__name__ == name
+
+
+@pytest.mark.parametrize("raw", ["lots", "-1", "1.5", "0x10"])
+def test_an_integer_setting_that_is_not_one_names_the_variable(
+    raw: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tokload.envvars.env_int`` (TOKLOAD_INDEX_MEMORY, TOKLOAD_HOST_CACHE_MB,
+    TOKLOAD_MAX_OPEN_FILES): unset or empty gives the default, an integer at or
+    above the bound is taken, anything else names the variable and its value."""
+    from tokload.envvars import env_int
+
+    monkeypatch.delenv("TOKLOAD_TEST_SETTING", raising=False)
+    assert env_int("TOKLOAD_TEST_SETTING", 7, 0, "x") == 7
+    monkeypatch.setenv("TOKLOAD_TEST_SETTING", "")
+    assert env_int("TOKLOAD_TEST_SETTING", 7, 0, "x") == 7
+    monkeypatch.setenv("TOKLOAD_TEST_SETTING", " 12 ")
+    assert env_int("TOKLOAD_TEST_SETTING", 7, 0, "x") == 12
+    monkeypatch.setenv("TOKLOAD_TEST_SETTING", raw)
+    want = f"TOKLOAD_TEST_SETTING={raw!r}: expected a count (>= 0)"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        env_int("TOKLOAD_TEST_SETTING", 7, 0, "a count (>= 0)")

@@ -178,7 +178,7 @@ def test_the_limit_comes_from_the_environment() -> None:
     env["TOKLOAD_HOST_CACHE_MB"] = "lots"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode != 0
-    assert "TOKLOAD_HOST_CACHE_MB must be a whole number of MiB >= 0, got 'lots'" in out.stderr
+    assert "TOKLOAD_HOST_CACHE_MB='lots': expected a whole number of MiB (>= 0)" in out.stderr
 
 
 def test_the_loaders_host_batches_reuse_the_blocks(tmp_path: object) -> None:

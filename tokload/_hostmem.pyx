@@ -26,6 +26,8 @@ import os
 
 import numpy as np
 
+from tokload.envvars import env_int
+
 cdef extern from "<sys/mman.h>" nogil:
     void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
     int munmap(void *addr, size_t length)
@@ -45,15 +47,7 @@ cdef size_t _mapped = 0  # bytes mapped by this module: in use or free
 
 
 def _env_limit():
-    raw = os.environ.get("TOKLOAD_HOST_CACHE_MB", "")
-    if raw == "":
-        return DEFAULT_LIMIT_MB << 20
-    try:
-        mb = int(raw)
-    except ValueError:
-        mb = -1
-    if mb < 0:
-        raise ValueError(f"TOKLOAD_HOST_CACHE_MB must be a whole number of MiB >= 0, got {raw!r}")
+    mb = env_int("TOKLOAD_HOST_CACHE_MB", DEFAULT_LIMIT_MB, 0, "a whole number of MiB (>= 0)")
     return mb << 20
 
 

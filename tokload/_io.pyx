@@ -43,6 +43,7 @@ import weakref
 import numpy as np
 
 from tokload._remote import take_error as _take_remote_error
+from tokload.envvars import env_int
 from tokload.errors import CorruptDataError, MissingShardError, TruncatedFileError
 
 IO_CHOICES = ("auto", "uring", "threads", "sync")
@@ -109,14 +110,8 @@ class io_scope:
 
 
 def _default_max_open_files():
-    env = os.environ.get("TOKLOAD_MAX_OPEN_FILES")
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise ValueError(f"TOKLOAD_MAX_OPEN_FILES={env!r}: expected a positive integer")
+    n = env_int("TOKLOAD_MAX_OPEN_FILES", 0, 1, "a positive integer")
+    if n:
         return n
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:

@@ -26,6 +26,7 @@ from tokload._meta import SPAN_ENTRY, BlockSet, SpanSet
 from tokload._metaids import MetaSet
 from tokload._rows import RowSet
 from tokload._tables import compressed_table_bytes
+from tokload.envvars import env_int
 from tokload.errors import FormatError, MissingShardError
 
 FORMAT_NAME = "tokload"
@@ -798,16 +799,7 @@ def index_memory() -> int:
     (``tokload._tables.compressed_table_bytes``; a group of 64 blocks that
     holds one of 64 KiB or more takes 512 bytes more once loaded), so a 4 TB
     corpus of ``uint16`` tokens holds its block index in about 1.04 GB."""
-    env = os.environ.get("TOKLOAD_INDEX_MEMORY")
-    if not env:
-        return DEFAULT_INDEX_MEMORY
-    try:
-        value = int(env)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"TOKLOAD_INDEX_MEMORY={env!r}: expected a number of bytes (>= 0)")
-    return value
+    return env_int("TOKLOAD_INDEX_MEMORY", DEFAULT_INDEX_MEMORY, 0, "a number of bytes (>= 0)")
 
 
 def open_dataset(
