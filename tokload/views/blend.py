@@ -57,7 +57,7 @@ from tokload._rows import read_ranges
 from tokload._slots import block_slots
 from tokload.views.base import Fields, ReadPart, View, _check_out
 from tokload.views.contract import Alloc, check_view, is_documents
-from tokload.views.documents import Documents
+from tokload.views.documents import Documents, plain_target
 from tokload.views.metadata import StreamWithMetadata
 from tokload.views.windows import TokenStream
 
@@ -481,9 +481,7 @@ class Blend(View):
         if plain is not None and plain.dtype.fields is None:
             # every component a plain Documents of one plain dtype: its part, as
             # Documents._extent_reads makes it, without a call per component
-            tokens = out["tokens"]
-            _check_out(tokens, tokens.shape, plain.dtype, "out['tokens']")
-            byte_dst = dst * np.uint64(plain.dtype.itemsize)
+            tokens, byte_dst = plain_target(plain.dtype, dst, out)
             for c, sel in _groups(comp):
                 parts.append((plain.rows[c], starts[sel], lengths[sel], byte_dst[sel], tokens))
             return

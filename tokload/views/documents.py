@@ -16,6 +16,17 @@ from tokload.views.base import DataLike, Fields, ReadPart, View, _check_out, _fi
 from tokload.views.contract import Alloc
 
 
+def plain_target(
+    dtype: np.dtype[Any], dst: npt.ArrayLike, out: Mapping[str, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Where documents of a plain ``dtype`` are read: ``out["tokens"]`` (checked
+    against the dtype) and the documents' destinations (rows) in bytes, as a
+    read part (``ReadPart``) takes them."""
+    tokens = out["tokens"]
+    _check_out(tokens, tokens.shape, dtype, "out['tokens']")
+    return tokens, np.asarray(dst, dtype=np.uint64) * np.uint64(dtype.itemsize)
+
+
 @dataclass
 class DocumentBatch:
     """Documents read back to back.
@@ -179,9 +190,7 @@ class Documents(View):
         dt = self.source.dtype
         if dt.fields is not None:
             return None
-        tokens = out["tokens"]
-        _check_out(tokens, tokens.shape, dt, "out['tokens']")
-        byte_dst = np.asarray(dst, dtype=np.uint64) * np.uint64(dt.itemsize)
+        tokens, byte_dst = plain_target(dt, dst, out)
         return (self.source.rows, starts, lengths, byte_dst, tokens)
 
     def __getitem__(self, i: int) -> Fields:
