@@ -12,6 +12,7 @@ from __future__ import annotations
 import _thread
 import asyncio
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -640,6 +641,46 @@ def test_reads_of_many_threads_share_the_process_limit(corpus: tuple[Path, str])
     while remote_fetch._flow.inflight and time.monotonic() < deadline:
         time.sleep(0.01)
     assert remote_fetch._flow.inflight == 0
+
+
+def test_the_clients_threads_keep_their_thread_state(corpus: tuple[Path, str]) -> None:
+    """obstore's runtime threads take the GIL (``PyGILState_Ensure``) for each result
+    they hand over.  Each keeps its Python thread state from its first result on, so
+    no later result creates or deletes one: creating one takes the interpreter's lock
+    of thread states without the GIL, and a fork() at that moment leaves the child
+    stuck on CPython before 3.11.10 (gh-112275).  Seen from Python: a
+    ``threading.local`` set on such a thread is still there at its next result."""
+    local, url = corpus
+    ref = TokenStream(local, 32)
+    view = TokenStream(url, 32, storage_options={"merge_gap": 0})
+    loop = remote._get_loop()
+    here = threading.local()
+    seen: dict[int, list[int]] = {}  # native thread id -> the local's count at each result
+
+    def call_soon(callback: Any, *args: Any, context: Any = None) -> Any:
+        here.n = getattr(here, "n", 0) + 1
+        seen.setdefault(threading.get_native_id(), []).append(here.n)
+        return asyncio.SelectorEventLoop.call_soon(
+            loop,  # type: ignore[arg-type]
+            callback,
+            *args,
+            context=context,
+        )
+
+    loop.call_soon = call_soon  # type: ignore[method-assign,assignment]
+    try:
+        idx = np.arange(0, len(view), 3)
+        for _ in range(3):
+            np.testing.assert_array_equal(view.read(idx), ref.read(idx))
+    finally:
+        del loop.call_soon
+    python = {t.native_id for t in threading.enumerate()}  # the loop's own thread among them
+    client = {t: ns for t, ns in seen.items() if t not in python}
+    brief = {t: (ns[:8], len(ns)) for t, ns in client.items()}
+    assert sum(map(len, client.values())) >= 3 * len(idx) // 2, brief  # a result each GET
+    for ns in client.values():  # each thread's state lived from its first result on
+        assert ns == list(range(ns[0], ns[0] + len(ns))), brief
+    assert 1 <= _remote.kept() <= len(os.listdir("/proc/self/task")) + 8
 
 
 @pytest.mark.slow

@@ -122,6 +122,29 @@ class SanitizerForkDeadlock(Hang):
     tokload hang: the child's C stacks (gdb) show the sanitizer's lock."""
 
 
+class InterpreterForkDeadlock(Hang):
+    """A forked child stuck in CPython's own after-fork code: ``PyOS_AfterFork_Child``
+    waits in ``_PyThreadState_DeleteExcept`` on the interpreter's lock of thread
+    states, which another thread of the parent held at the fork (a thread Python
+    did not start, creating its thread state). CPython before 3.11.10 takes that
+    lock before renewing it in the child (gh-112275). The object-store client's
+    threads keep their state after their first result (``_remote.kept``), so only
+    those first results leave such a moment. Not a tokload hang: the child's C
+    stacks (gdb) show it."""
+
+
+def _interpreter_fork_deadlock(stacks: str) -> bool:
+    """Whether these gdb stacks show the child of an affected CPython stuck in its
+    after-fork code on the lock of thread states."""
+    return sys.version_info < (3, 11, 10) and _AFTER_FORK_LOCK.search(stacks) is not None
+
+
+_AFTER_FORK_LOCK = re.compile(
+    r"PyThread_acquire_lock\w*[^\n]*\n(#\d+[^\n]*\n)*?#\d+[^\n]*_PyThreadState_DeleteExcept"
+    r"[^\n]*\n(#\d+[^\n]*\n)*?#\d+[^\n]*PyOS_AfterFork_Child"
+)
+
+
 def _under_asan() -> bool:
     return "libasan" in os.environ.get("LD_PRELOAD", "")
 
@@ -158,11 +181,13 @@ def in_child(fn: Callable[[], Any], seconds: float = WATCHDOG_S) -> dict[str, An
 
     Under AddressSanitizer, a child stuck on the sanitizer allocator's lock
     (SanitizerForkDeadlock) is forked again, up to twice: the libasan of this
-    toolchain is not fork-safe in a multithreaded parent. Any other hang fails."""
+    toolchain is not fork-safe in a multithreaded parent. So is a child stuck in
+    the interpreter's own after-fork code (InterpreterForkDeadlock, CPython
+    before 3.11.10). Any other hang fails."""
     for attempt in range(3):
         try:
             return _in_child_once(fn, seconds)
-        except SanitizerForkDeadlock as e:
+        except (SanitizerForkDeadlock, InterpreterForkDeadlock) as e:
             if attempt == 2:
                 raise
             print(f"in_child: forked again: {str(e).splitlines()[0]}", file=sys.stderr)
@@ -202,9 +227,11 @@ def _fork_and_wait(fn: Callable[[], Any], seconds: float, dump: Any) -> dict[str
                 os.waitpid(pid, 0)
                 dump.seek(0)
                 python = dump.read().decode(errors="replace")
-                kind = (
-                    SanitizerForkDeadlock if _under_asan() and _asan_fork_deadlock(stacks) else Hang
-                )
+                kind: type[Hang] = Hang
+                if _under_asan() and _asan_fork_deadlock(stacks):
+                    kind = SanitizerForkDeadlock
+                elif _interpreter_fork_deadlock(stacks):
+                    kind = InterpreterForkDeadlock
                 raise kind(
                     f"a forked child still running after {seconds} s\n"
                     f"--- its Python stacks\n{python}\n--- its C stacks (gdb)\n{stacks}"
@@ -240,6 +267,34 @@ Thread 1 (Thread 0x7f10 (LWP 11) "python"):
 #0  0x00007f11 in __asan::Allocator::Allocate(unsigned long, ...) ()
 #1  0x00007f12 in malloc ()
 """
+
+
+# what gdb printed of a child of CPython 3.11.7 stuck in its after-fork code (abridged)
+_STUCK_AFTER_FORK = """Thread 1 (Thread 0x7f3a1dfd36c0 (LWP 32664) "python"):
+#0  __futex_abstimed_wait_common64 (private=<optimized out>, cancel=true) at futex-internal.c:57
+#5  0x00007f3ab56aedf9 in __new_sem_wait (sem=sem@entry=0x5640035842d0) at sem_wait.c:42
+#6  0x00007f3ab5aa9370 in PyThread_acquire_lock_timed (lock=0x5640035842d0) at thread_pthread.h:497
+#7  0x00007f3ab5aa954c in PyThread_acquire_lock (lock=<optimized out>) at thread_pthread.h:751
+#8  0x00007f3ab5a972e2 in _PyThreadState_DeleteExcept (runtime=0x7f3ab5d4e540) at pystate.c:1163
+#9  0x00007f3ab5a4fc8f in _PyEval_ReInitThreads (tstate=0x7f3a4419e910) at ceval.c:488
+#10 0x00007f3ab5acf280 in PyOS_AfterFork_Child () at posixmodule.c:607
+#11 0x00007f3ab5acf45d in os_fork_impl (module=<optimized out>) at posixmodule.c:6872
+"""
+# a child that got past the after-fork code and waits on a lock of its own
+_STUCK_PAST_FORK = """Thread 1 (Thread 0x7f3a1dfd36c0 (LWP 32664) "python"):
+#0  __futex_abstimed_wait_common64 (private=<optimized out>, cancel=true) at futex-internal.c:57
+#6  0x00007f3ab5aa9370 in PyThread_acquire_lock_timed (lock=0x5640035842d0) at thread_pthread.h:497
+#7  0x00007f3ab5b1c2a1 in lock_PyThread_acquire_lock (self=0x7f3a4c0) at _threadmodule.c:348
+#8  0x00007f3ab5958ba3 in _PyEval_EvalFrameDefault (tstate=0x7f3a4419e910) at ceval.c:4769
+"""
+
+
+def test_a_child_stuck_in_the_interpreters_after_fork_code_is_told_apart() -> None:
+    affected = sys.version_info < (3, 11, 10)
+    assert _interpreter_fork_deadlock(_STUCK_AFTER_FORK) == affected
+    assert not _interpreter_fork_deadlock(_STUCK_PAST_FORK)
+    assert not _interpreter_fork_deadlock(_STUCK_IN_ASAN)
+    assert not _interpreter_fork_deadlock("")
 
 
 def test_a_child_stuck_in_the_sanitizers_allocator_is_told_from_one_stuck_elsewhere() -> None:

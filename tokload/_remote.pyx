@@ -17,6 +17,7 @@ process's handoff is open and its fetcher runs before a batch is queued.
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.pystate cimport PyGILState_Ensure
 from libc.stdint cimport uint8_t, uint64_t
 from posix.unistd cimport getpid
 
@@ -29,6 +30,13 @@ cdef lib.tl_handoff _handoff
 cdef int _open_pid = 0   # the process whose handoff is open (0: none yet)
 cdef int _ready_pid = 0  # the process whose fetcher runs
 cdef Py_ssize_t _inside = 0  # threads inside loop_call_soon_threadsafe
+cdef Py_ssize_t _kept = 0  # threads that keep their thread state (loop_call_soon_threadsafe)
+
+cdef extern from *:
+    """
+    static _Thread_local int tl_remote_kept_ = 0;  /* this thread keeps its thread state */
+    """
+    int tl_remote_kept_
 
 _errors = {}  # reader thread ident -> the exception of its last failed batch
 
@@ -86,6 +94,11 @@ def inside():
     return _inside
 
 
+def kept():
+    """Threads that have kept their Python thread state (``loop_call_soon_threadsafe``)."""
+    return _kept
+
+
 def loop_call_soon_threadsafe(self, callback, *args, context=None):
     """``call_soon_threadsafe`` of the fetcher's event loop (``tokload.remote._Loop``).
 
@@ -97,11 +110,25 @@ def loop_call_soon_threadsafe(self, callback, *args, context=None):
     holding the GIL, and counts the threads inside (``inside``) so that exit
     can wait for them: compiled, so no bytecode boundary after the count
     drops lets the GIL go either.  In asyncio's debug mode the loop's own
-    method is used."""
-    global _inside
+    method is used.
+
+    A thread that calls it keeps its Python thread state from then on (one
+    ``PyGILState_Ensure`` never released; ``kept``).  Each of the client's
+    threads takes the GIL with ``PyGILState_Ensure``: without a state kept,
+    every result would create one and delete it again, and creating one takes
+    the interpreter's lock of thread states without the GIL.  A ``fork()`` by
+    another thread at that moment leaves the child stuck in
+    ``PyOS_AfterFork_Child`` on CPython before 3.11.10 (CPython gh-112275).
+    Kept, a thread of the client's runtime creates its state once, on its
+    first result, and none of the per-result cost is paid again."""
+    global _inside, _kept, tl_remote_kept_
     if self.get_debug():
         return asyncio.SelectorEventLoop.call_soon_threadsafe(
             self, callback, *args, context=context)
+    if not tl_remote_kept_:
+        PyGILState_Ensure()  # never released: this thread keeps its state
+        tl_remote_kept_ = 1
+        _kept += 1
     _inside += 1
     try:
         handle = self.call_soon(callback, *args, context=context)
