@@ -62,9 +62,10 @@ def blend(tmp_path: Path) -> Blend:
 
 def test_a_blend_holds_no_lock_and_reads_in_a_forked_child(blend: Blend) -> None:
     """A blend computes each lookup in compiled code from its position alone
-    (``tokload._slots``, ``tokload._permute.take_many``): it keeps no cache and so
-    no lock that a parent thread could hold across a fork (it had one, for its
-    caches of block layouts and permutations)."""
+    (``tokload._slots``, ``tokload._permute.take_many``): it holds no lock that a
+    parent thread could hold across a fork (it had one, for its caches of block
+    layouts and permutations). The round tables ``take_many`` keeps for it are a
+    plain dict, changed one operation at a time under the GIL."""
     locks = (type(threading.Lock()), type(threading.RLock()), ForkSafeLock)
     assert not [k for k, v in vars(blend).items() if isinstance(v, locks)]
     want = np.asarray(blend.read(np.arange(0, 600, 37))).tolist()

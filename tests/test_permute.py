@@ -15,7 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokload import Permutation, epoch_seed
-from tokload._permute import _round_function, _speck64_128, epoch_seeds, take_many
+from tokload._permute import (
+    TABLES_KEPT,
+    _round_function,
+    _speck64_128,
+    epoch_seeds,
+    take_many,
+)
 
 DATA = Path(__file__).parent / "data"
 U64 = 2**64
@@ -509,7 +515,44 @@ def test_take_many_equals_one_permutation_per_element(
         rounds,
     )
     perms = {(n, s): Permutation(n, seed=s, rounds=rounds) for n, s, _ in runs}
-    assert got.tolist() == [perms[n, s][x] for n, s, x in zip(ns, seeds, xs, strict=True)]
+    want = [perms[n, s][x] for n, s, x in zip(ns, seeds, xs, strict=True)]
+    assert got.tolist() == want
+    # with tables kept between calls: the first call fills them, the second uses
+    # them, and calls on one element each (too short to look) do not
+    tables: dict[Any, Any] = {}
+    n_, s_, x_ = (np.array(v, dtype=np.uint64) for v in (ns, seeds, xs))
+    assert take_many(n_, s_, x_, rounds, tables).tolist() == want
+    assert take_many(n_, s_, x_, rounds, tables).tolist() == want
+    for k in range(0, len(xs), max(1, len(xs) // 7)):
+        one = slice(k, k + 1)
+        assert take_many(n_[one], s_[one], x_[one], rounds, tables).tolist() == [want[k]]
+    assert all(not t.flags.writeable and t.dtype == np.uint32 for t in tables.values())
+    assert all(key[2] == rounds for key in tables)
+
+
+def test_take_many_keeps_a_bounded_number_of_tables() -> None:
+    """A run long enough to repay its table keeps it in ``tables`` under ``(n, seed,
+    rounds)``; at most ``TABLES_KEPT`` tables stay (the oldest go first), none larger
+    than 16 KiB, and a kept table serves a later run too short to fill one."""
+    tables: dict[Any, Any] = {}
+    n, count = 2000, 64  # a = 45: a table of 6 * 45 values repays 64 elements
+    for seed in range(TABLES_KEPT + 10):
+        got = take_many(np.full(count, n), np.full(count, seed), np.arange(count), 6, tables)
+        assert got.tolist() == Permutation(n, seed=seed).take(np.arange(count)).tolist()
+    assert len(tables) == TABLES_KEPT
+    assert (n, 0, 6) not in tables and (n, TABLES_KEPT + 9, 6) in tables
+    assert tables[n, 20, 6].shape == (6 * 45,)
+    # a kept table serves a run of 8 (which alone would not fill one: 270 > 4 * 6 * 8)
+    tables[n, 20, 6] = np.zeros(6 * 45, dtype=np.uint32)  # a wrong table shows it is used
+    right = Permutation(n, seed=20).take(np.arange(8)).tolist()
+    assert take_many(np.full(8, n), np.full(8, 20), np.arange(8), 6, tables).tolist() != right
+    # runs shorter than 8 do not look (a long blend's positions, an epoch each)
+    assert take_many(np.full(7, n), np.full(7, 20), np.arange(7), 6, tables).tolist() == right[:7]
+    # a table larger than 16 KiB is not kept: a = 2**12 needs 6 * 4096 values
+    take_many(np.full(30_000, 2**24), np.zeros(30_000), np.arange(30_000), 6, tables)
+    assert (2**24, 0, 6) not in tables
+    with pytest.raises(TypeError, match=r"tables must be a dict or None, got list"):
+        take_many(np.ones(1), np.ones(1), np.zeros(1), 6, [])  # type: ignore[arg-type]
 
 
 def test_take_many_and_epoch_seeds_refuse_bad_input() -> None:

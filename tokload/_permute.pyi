@@ -11,8 +11,14 @@ _IntArray: TypeAlias = npt.NDArray[np.uint64] | npt.NDArray[np.int64]
 
 def epoch_seed(seed: SupportsIndex, epoch: SupportsIndex) -> int: ...
 def epoch_seeds(seeds: npt.ArrayLike, epochs: npt.ArrayLike) -> npt.NDArray[np.uint64]: ...
+TABLES_KEPT: int
+
 def take_many(
-    ns: npt.ArrayLike, seeds: npt.ArrayLike, indices: npt.ArrayLike, rounds: SupportsIndex = 6
+    ns: npt.ArrayLike,
+    seeds: npt.ArrayLike,
+    indices: npt.ArrayLike,
+    rounds: SupportsIndex = 6,
+    tables: dict[tuple[int, int, int], npt.NDArray[np.uint32]] | None = None,
 ) -> npt.NDArray[np.uint64]: ...
 
 class Permutation:

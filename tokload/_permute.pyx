@@ -102,9 +102,15 @@ cdef void _epoch_seeds(const uint64_t *seeds, const uint64_t *epochs, uint64_t *
 
 cdef enum:
     _TAKE_TABLE_MAX = 1 << 16  # uint32 round outputs of one run's table (256 KiB)
+    _KEPT_TABLE_MAX = 1 << 12  # ... of a table kept in ``tables`` (16 KiB)
+    _KEPT_RUN_MIN = 8  # runs shorter than this do not look in ``tables``
+
+# Tables kept in a ``take_many(tables=...)`` dict at most (oldest out first): with
+# _KEPT_TABLE_MAX, 4 MiB.
+TABLES_KEPT = 256
 
 
-def take_many(ns, seeds, indices, rounds=6):
+def take_many(ns, seeds, indices, rounds=6, tables=None):
     """``Permutation(ns[i], seed=seeds[i], rounds=rounds)[indices[i]]`` for every
     ``i``: one permutation per element, bit for bit ``Permutation``'s, in one
     compiled call without the GIL (a run of elements with the same ``n`` and
@@ -112,6 +118,17 @@ def take_many(ns, seeds, indices, rounds=6):
 
     ``ns``, ``seeds`` and ``indices`` are 1-D integer arrays of one length, each
     ``ns[i] >= 1`` and ``0 <= indices[i] < ns[i]``; returns uint64.
+
+    A run long enough to repay it precomputes its permutation's round outputs
+    (a table, as ``Permutation``'s).  ``tables``, a dict, keeps those tables
+    between calls, keyed by ``(n, seed, rounds)``: a later run of 8 elements or
+    more of the same permutation uses the kept table instead of filling it
+    again, even when it is too short to repay one (a blend's groups fall in the
+    same component epochs call after call; shorter runs, as a long blend's
+    positions in as many epochs, do not look).  It keeps at most
+    ``TABLES_KEPT`` tables of up to 16 KiB, the oldest out first; it needs no
+    lock (each step is one dict operation under the GIL), and a table is a pure
+    function of its key, so a forked child may use it.
     """
     cdef uint64_t crounds = _as_u64(rounds, "rounds")
     if crounds > MAX_ROUNDS:
@@ -122,49 +139,115 @@ def take_many(ns, seeds, indices, rounds=6):
     if n.ndim != 1 or n.shape != s.shape or n.shape != x.shape:
         raise ValueError(f"ns, seeds and indices must be 1-D of one length, got shapes "
                          f"{n.shape}, {s.shape} and {x.shape}")
+    if tables is not None and not isinstance(tables, dict):
+        raise TypeError(f"tables must be a dict or None, got {type(tables).__name__}")
     out = np.empty(x.shape[0], dtype=np.uint64)
     cdef const uint64_t[::1] nv = n, sv = s, xv = x
     cdef uint64_t[::1] ov = out
-    cdef size_t i, count = x.shape[0]
+    cdef size_t i, e, r, count = x.shape[0], nruns = 0
     for i in range(count):
         if nv[i] == 0 or xv[i] >= nv[i]:
             raise IndexError(f"index {xv[i]} is out of range for a permutation of {nv[i]}")
     if count == 0:
         return out
+    # the runs of one permutation: run r is [starts[r], starts[r + 1])
+    starts_arr = np.empty(count + 1, dtype=np.intp)
+    cdef Py_ssize_t[::1] starts = starts_arr
+    for i in range(count):
+        if i == 0 or sv[i] != sv[i - 1] or nv[i] != nv[i - 1]:
+            starts[nruns] = i
+            nruns += 1
+    starts[nruns] = count
+    # each run's table: kept (tables), to fill and keep, to fill in the scratch
+    # table, or none; ``held`` holds the arrays while the GIL is let go
+    cdef uint32_t **tab = <uint32_t **>PyMem_Malloc(nruns * sizeof(uint32_t *))
+    cdef char *fill = <char *>PyMem_Malloc(nruns)
     cdef uint32_t *keys = NULL
-    if crounds:
-        keys = <uint32_t *>PyMem_Malloc(lib.tl_gfc_keys_len(crounds) * sizeof(uint32_t))
-        if keys is NULL:
-            raise MemoryError(f"cannot allocate the round keys of {crounds} rounds")
-    # A long run of one permutation precomputes its round outputs (rounds * a
-    # values, as Permutation's table) when that is less work than the run's rounds.
-    cdef uint32_t *table = <uint32_t *>PyMem_Malloc(_TAKE_TABLE_MAX * sizeof(uint32_t))
-    if table is NULL:
-        PyMem_Free(keys)
-        raise MemoryError()
-    cdef lib.tl_gfc g
-    cdef uint64_t last_n = 0, last_seed = 0
-    cdef size_t e
+    cdef uint32_t *scratch = NULL
+    cdef const uint32_t[::1] tv
+    cdef bint keep = tables is not None, want_scratch = False
+    cdef uint64_t a_kept = _KEPT_TABLE_MAX // crounds if crounds else 0
+    cdef uint64_t a_take = _TAKE_TABLE_MAX // crounds if crounds else 0
+    held = {}  # run -> (key, table array)
     try:
+        if tab is NULL or fill is NULL:
+            raise MemoryError()
+        for r in range(nruns):
+            i, e = starts[r], starts[r + 1]
+            tab[r], fill[r] = NULL, 0
+            if not crounds:
+                continue
+            # a table of rounds * a values (a = ceil(sqrt(n)); a <= m when n <= m * m):
+            # repaid by a run of (e - i) when a <= 4 * (e - i)
+            if keep and e - i >= _KEPT_RUN_MIN and _fits(nv[i], a_kept):
+                key = (nv[i], sv[i], crounds)
+                t = tables.get(key)
+                if t is None and _fits(nv[i], 4 * (e - i)):
+                    t = np.empty(crounds * lib.tl_gfc_isqrt_ceil(nv[i]), dtype=np.uint32)
+                    fill[r] = 1
+                if t is not None:
+                    tv = t
+                    tab[r] = <uint32_t *>&tv[0]  # written only when filled here
+                    held[r] = (key, t)
+            elif _fits(nv[i], 4 * (e - i)) and _fits(nv[i], a_take):
+                fill[r] = 2  # into the scratch table, kept nowhere
+                want_scratch = True
+        if crounds:
+            keys = <uint32_t *>PyMem_Malloc(lib.tl_gfc_keys_len(crounds) * sizeof(uint32_t))
+            if keys is NULL:
+                raise MemoryError(f"cannot allocate the round keys of {crounds} rounds")
+        if want_scratch:
+            scratch = <uint32_t *>PyMem_Malloc(_TAKE_TABLE_MAX * sizeof(uint32_t))
+            if scratch is NULL:
+                raise MemoryError()
         with nogil:
-            for i in range(count):
-                if i == 0 or sv[i] != last_seed or nv[i] != last_n:
-                    if crounds and (i == 0 or sv[i] != last_seed):
-                        lib.tl_gfc_expand_keys(sv[i], crounds, keys)
-                    lib.tl_gfc_init(&g, nv[i], crounds, sv[i], keys)
-                    last_seed, last_n = sv[i], nv[i]
-                    e = i + 1
-                    while e < count and sv[e] == last_seed and nv[e] == last_n:
-                        e += 1
-                    if (crounds and lib.tl_gfc_table_len(&g) <= _TAKE_TABLE_MAX
-                            and lib.tl_gfc_table_len(&g) <= 4 * crounds * (e - i)):
-                        lib.tl_gfc_table_fill(&g, table)
-                        g.table = table
-                ov[i] = lib.tl_gfc_encrypt(&g, xv[i])
+            _take_runs(&nv[0], &sv[0], &xv[0], &ov[0], &starts[0], nruns, crounds, keys,
+                       tab, fill, scratch)
     finally:
         PyMem_Free(keys)
-        PyMem_Free(table)
+        PyMem_Free(scratch)
+        PyMem_Free(tab)
+        PyMem_Free(fill)
+    if tables is not None:
+        for key, t in held.values():
+            if key not in tables:
+                t.flags.writeable = False
+                tables[key] = t
+        while len(tables) > TABLES_KEPT:
+            try:
+                tables.pop(next(iter(tables)), None)
+            except (StopIteration, RuntimeError):  # another thread took it out
+                break
     return out
+
+
+cdef inline bint _fits(uint64_t n, uint64_t m) noexcept nogil:
+    """Whether ceil(sqrt(n)) <= m, that is n <= m * m (without overflow)."""
+    return m >= (<uint64_t>1 << 32) or n <= m * m
+
+
+cdef void _take_runs(const uint64_t *nv, const uint64_t *sv, const uint64_t *xv, uint64_t *ov,
+                     const Py_ssize_t *starts, size_t nruns, uint64_t crounds, uint32_t *keys,
+                     uint32_t **tab, const char *fill, uint32_t *scratch) noexcept nogil:
+    """take_many's work: each run's keys expanded once, its table filled when
+    asked (fill 1: into tab[r]; 2: into the scratch table), then its elements."""
+    cdef lib.tl_gfc g
+    cdef size_t r, i
+    cdef uint64_t last_seed = 0
+    for r in range(nruns):
+        i = starts[r]
+        if crounds and (r == 0 or sv[i] != last_seed):
+            lib.tl_gfc_expand_keys(sv[i], crounds, keys)
+        last_seed = sv[i]
+        lib.tl_gfc_init(&g, nv[i], crounds, sv[i], keys)
+        if fill[r] == 1:
+            lib.tl_gfc_table_fill(&g, tab[r])
+        elif fill[r] == 2:
+            lib.tl_gfc_table_fill(&g, scratch)
+            tab[r] = scratch
+        g.table = tab[r]
+        for i in range(<size_t>starts[r], <size_t>starts[r + 1]):
+            ov[i] = lib.tl_gfc_encrypt(&g, xv[i])
 
 
 cdef class Permutation:

@@ -228,6 +228,9 @@ class Blend(View):
         self._sizes = np.asarray(self.sizes, dtype=np.int64)
         self._comp_seeds = epoch_seeds(self.seed ^ _COMP_TAG, np.arange(len(self.views)))
         self._located = threading.local()  # each thread's last locate() answer
+        # round tables of the (component, epoch) permutations, kept by take_many
+        # (bounded; a plain dict, so no lock)
+        self._tables: dict[tuple[int, int, int], np.ndarray] = {}
 
     # ---- compilation --------------------------------------------------------------
 
@@ -336,7 +339,9 @@ class Blend(View):
             epochs, j = np.divmod(cpos, sizes)
             seeds = epoch_seeds(self._comp_seeds[comp], epochs)
             order = np.lexsort((seeds, sizes))  # runs of one permutation share its keys
-            index[order] = take_many(sizes[order], seeds[order], j[order], self.rounds)
+            index[order] = take_many(
+                sizes[order], seeds[order], j[order], self.rounds, self._tables
+            )
         comp.flags.writeable = index.flags.writeable = False  # shared with the next caller
         self._located.last = (key, comp, index)
         return comp, index
