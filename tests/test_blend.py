@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -417,6 +420,32 @@ def test_block_slots_equal_the_layout_for_any_counts(
     )
     assert got_c.tolist() == comp[slots].tolist()
     assert got_l.tolist() == lane[slots].tolist()
+
+
+@pytest.mark.parametrize("flags", [[], ["-DTL_NO_TARGET_CLONES"]], ids=["clones", "baseline"])
+def test_the_slot_jump_in_lanes_is_exact_or_says_it_missed(
+    tmp_path: Path, flags: list[str]
+) -> None:
+    """The linear merge's jump (``tl_slots_jump_lanes``) estimates each component's
+    slots before a time in SIMD lanes. At a slot's own time, and one ulp either
+    side, the estimate is often off by a rounding: it must say so (the merge then
+    counts one slot at a time), and be exact whenever it does not (a C program
+    against a brute-force count; random blocks never hit these times). Built as
+    the extension is (the best clone this CPU runs) and for the x86-64 baseline."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    root = Path(__file__).resolve().parent.parent
+    exe = tmp_path / "slots_jump"
+    subprocess.run(
+        [cc, "-O3", "-std=c11", "-Wall", "-Wextra", "-Werror", *flags, "-I", str(root / "csrc"),
+         str(root / "tests" / "c" / "slots_jump.c"), "-o", str(exe), "-lm"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    run = subprocess.run([str(exe)], capture_output=True, text=True, check=False)
+    asked, missed, wrong = map(int, re.findall(r"\d+", run.stdout))
+    assert run.returncode == 0 and wrong == 0, run.stdout
+    assert asked > 50_000 and 0 < missed < asked, run.stdout  # both paths taken
 
 
 def test_block_slots_refuses_a_slot_past_its_block() -> None:
