@@ -551,6 +551,9 @@ def test_take_many_keeps_a_bounded_number_of_tables() -> None:
     # a table larger than 16 KiB is not kept: a = 2**12 needs 6 * 4096 values
     take_many(np.full(30_000, 2**24), np.zeros(30_000), np.arange(30_000), 6, tables)
     assert (2**24, 0, 6) not in tables
+    tables[n, 21, 6] = np.zeros(5, dtype=np.uint32)  # never read past its end
+    with pytest.raises(ValueError, match=r"tables\[\(2000, 21, 6\)\] holds 5 values, expected 270"):
+        take_many(np.full(8, n), np.full(8, 21), np.arange(8), 6, tables)
     with pytest.raises(TypeError, match=r"tables must be a dict or None, got list"):
         take_many(np.ones(1), np.ones(1), np.zeros(1), 6, [])  # type: ignore[arg-type]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import _thread
 import asyncio
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -680,7 +679,7 @@ def test_the_clients_threads_keep_their_thread_state(corpus: tuple[Path, str]) -
     assert sum(map(len, client.values())) >= 3 * len(idx) // 2, brief  # a result each GET
     for ns in client.values():  # each thread's state lived from its first result on
         assert ns == list(range(ns[0], ns[0] + len(ns))), brief
-    assert 1 <= _remote.kept() <= len(os.listdir("/proc/self/task")) + 8
+    assert _remote.kept() >= len(client)
 
 
 @pytest.mark.slow

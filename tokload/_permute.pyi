@@ -11,6 +11,7 @@ _IntArray: TypeAlias = npt.NDArray[np.uint64] | npt.NDArray[np.int64]
 
 def epoch_seed(seed: SupportsIndex, epoch: SupportsIndex) -> int: ...
 def epoch_seeds(seeds: npt.ArrayLike, epochs: npt.ArrayLike) -> npt.NDArray[np.uint64]: ...
+
 TABLES_KEPT: int
 
 def take_many(

@@ -165,6 +165,7 @@ def take_many(ns, seeds, indices, rounds=6, tables=None):
     cdef uint32_t *keys = NULL
     cdef uint32_t *scratch = NULL
     cdef const uint32_t[::1] tv
+    cdef uint64_t tlen
     cdef bint keep = tables is not None, want_scratch = False
     cdef uint64_t a_kept = _KEPT_TABLE_MAX // crounds if crounds else 0
     cdef uint64_t a_take = _TAKE_TABLE_MAX // crounds if crounds else 0
@@ -181,12 +182,16 @@ def take_many(ns, seeds, indices, rounds=6, tables=None):
             # repaid by a run of (e - i) when a <= 4 * (e - i)
             if keep and e - i >= _KEPT_RUN_MIN and _fits(nv[i], a_kept):
                 key = (nv[i], sv[i], crounds)
+                tlen = crounds * lib.tl_gfc_isqrt_ceil(nv[i])
                 t = tables.get(key)
                 if t is None and _fits(nv[i], 4 * (e - i)):
-                    t = np.empty(crounds * lib.tl_gfc_isqrt_ceil(nv[i]), dtype=np.uint32)
+                    t = np.empty(tlen, dtype=np.uint32)
                     fill[r] = 1
                 if t is not None:
                     tv = t
+                    if <uint64_t>tv.shape[0] != tlen:  # C reads tlen values from it
+                        raise ValueError(f"tables[{key}] holds {tv.shape[0]} values, "
+                                         f"expected {tlen}")
                     tab[r] = <uint32_t *>&tv[0]  # written only when filled here
                     held[r] = (key, t)
             elif _fits(nv[i], 4 * (e - i)) and _fits(nv[i], a_take):
