@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -489,6 +489,23 @@ def test_a_forked_child_is_refused_not_hung(corpus: tuple[Path, str]) -> None:
     assert "does not survive fork()" in q.get(timeout=5)
 
 
+def _call_soon_runs_first(loop: asyncio.AbstractEventLoop, first: Callable[[], None]) -> None:
+    """Make the fetcher's loop run ``first()`` on the calling thread at each
+    ``call_soon`` (the one inside ``call_soon_threadsafe``); ``del loop.call_soon``
+    undoes it."""
+
+    def call_soon(callback: Any, *args: Any, context: Any = None) -> Any:
+        first()
+        return asyncio.SelectorEventLoop.call_soon(
+            loop,  # type: ignore[arg-type]
+            callback,
+            *args,
+            context=context,
+        )
+
+    loop.call_soon = call_soon  # type: ignore[method-assign,assignment]
+
+
 def test_exit_waits_for_a_runtime_thread_handing_over_a_result(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -500,17 +517,11 @@ def test_exit_waits_for_a_runtime_thread_handing_over_a_result(
     entered, release = threading.Event(), threading.Event()
     ran = threading.Event()
 
-    def call_soon(callback: Any, *args: Any, context: Any = None) -> Any:
+    def first() -> None:
         entered.set()
         release.wait(10)
-        return asyncio.SelectorEventLoop.call_soon(
-            loop,  # type: ignore[arg-type]
-            callback,
-            *args,
-            context=context,
-        )
 
-    loop.call_soon = call_soon  # type: ignore[method-assign,assignment]
+    _call_soon_runs_first(loop, first)
     try:
         # called from outside Python, as obstore's threads call it
         _thread.start_new_thread(loop.call_soon_threadsafe, (ran.set,))
@@ -656,17 +667,11 @@ def test_the_clients_threads_keep_their_thread_state(corpus: tuple[Path, str]) -
     here = threading.local()
     seen: dict[int, list[int]] = {}  # native thread id -> the local's count at each result
 
-    def call_soon(callback: Any, *args: Any, context: Any = None) -> Any:
+    def first() -> None:
         here.n = getattr(here, "n", 0) + 1
         seen.setdefault(threading.get_native_id(), []).append(here.n)
-        return asyncio.SelectorEventLoop.call_soon(
-            loop,  # type: ignore[arg-type]
-            callback,
-            *args,
-            context=context,
-        )
 
-    loop.call_soon = call_soon  # type: ignore[method-assign,assignment]
+    _call_soon_runs_first(loop, first)
     try:
         idx = np.arange(0, len(view), 3)
         for _ in range(3):

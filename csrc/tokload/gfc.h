@@ -143,18 +143,9 @@ TL_INLINE uint64_t tl_gfc_table_len(const tl_gfc *g) { return g->rounds * g->a; 
 /* row[l] = F(R0 + l) mod a for l < TL_SPECK_LANES, under round keys rk. */
 TL_LANES_FN void tl_gfc_table_lanes(const tl_gfc *g, const uint32_t *rk, uint64_t R0, uint32_t *row)
 {
-    /* The lanes' inputs and outputs pass through v[]: GCC 12 vectorizes the
-     * cipher's rounds only so (with x and y set from R0 + l directly, or the
-     * fastmod read from x and y, it leaves all 16 lanes scalar). */
     uint64_t v[TL_SPECK_LANES];
-    uint32_t x[TL_SPECK_LANES], y[TL_SPECK_LANES];
     for (int l = 0; l < TL_SPECK_LANES; l++) v[l] = R0 + (uint64_t)l;
-    for (int l = 0; l < TL_SPECK_LANES; l++) {
-        x[l] = (uint32_t)(v[l] >> 32);
-        y[l] = (uint32_t)v[l];
-    }
-    tl_speck_encrypt_lanes(rk, x, y);
-    for (int l = 0; l < TL_SPECK_LANES; l++) v[l] = ((uint64_t)x[l] << 32) | y[l];
+    tl_speck_encrypt_blocks(rk, v);
     for (int l = 0; l < TL_SPECK_LANES; l++) row[l] = (uint32_t)tl_fastmod(v[l], g->magic, g->a);
 }
 

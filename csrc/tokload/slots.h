@@ -83,21 +83,14 @@ TL_INLINE void tl_slots_sift_down(uint32_t *heap, size_t h, size_t i, const doub
 }
 
 /* out[l] = Speck(rk, c0 + l) / 2^64 for l < TL_SPECK_LANES: the phases of 16
- * components at once, in SIMD lanes (TL_LANES_FN, gfc.h; the lanes pass
- * through v[] as in tl_gfc_table_lanes, or GCC leaves them scalar).  The same
- * values as the scalar cipher's, converted the same way. */
+ * components at once, in SIMD lanes (TL_LANES_FN, gfc.h).  The same values as
+ * the scalar cipher's, converted the same way. */
 TL_LANES_FN void tl_slots_phases_lanes(const uint32_t rk[TL_SPECK_ROUNDS], uint64_t c0,
                                        double out[TL_SPECK_LANES])
 {
     uint64_t v[TL_SPECK_LANES];
-    uint32_t x[TL_SPECK_LANES], y[TL_SPECK_LANES];
     for (int l = 0; l < TL_SPECK_LANES; l++) v[l] = c0 + (uint64_t)l;
-    for (int l = 0; l < TL_SPECK_LANES; l++) {
-        x[l] = (uint32_t)(v[l] >> 32);
-        y[l] = (uint32_t)v[l];
-    }
-    tl_speck_encrypt_lanes(rk, x, y);
-    for (int l = 0; l < TL_SPECK_LANES; l++) v[l] = ((uint64_t)x[l] << 32) | y[l];
+    tl_speck_encrypt_blocks(rk, v);
     for (int l = 0; l < TL_SPECK_LANES; l++) out[l] = (double)v[l] / 18446744073709551616.0;
 }
 
