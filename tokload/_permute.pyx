@@ -169,7 +169,7 @@ def take_many(ns, seeds, indices, rounds=6, tables=None):
     cdef bint keep = tables is not None, want_scratch = False
     cdef uint64_t a_kept = _KEPT_TABLE_MAX // crounds if crounds else 0
     cdef uint64_t a_take = _TAKE_TABLE_MAX // crounds if crounds else 0
-    held = {}  # run -> (key, table array)
+    held = []  # (key, table array) of each run with a table
     try:
         if tab is NULL or fill is NULL:
             raise MemoryError()
@@ -193,7 +193,7 @@ def take_many(ns, seeds, indices, rounds=6, tables=None):
                         raise ValueError(f"tables[{key}] holds {tv.shape[0]} values, "
                                          f"expected {tlen}")
                     tab[r] = <uint32_t *>&tv[0]  # written only when filled here
-                    held[r] = (key, t)
+                    held.append((key, t))
             elif _fits(nv[i], 4 * (e - i)) and _fits(nv[i], a_take):
                 fill[r] = 2  # into the scratch table, kept nowhere
                 want_scratch = True
@@ -214,7 +214,7 @@ def take_many(ns, seeds, indices, rounds=6, tables=None):
         PyMem_Free(tab)
         PyMem_Free(fill)
     if tables is not None:
-        for key, t in held.values():
+        for key, t in held:
             if key not in tables:
                 t.flags.writeable = False
                 tables[key] = t

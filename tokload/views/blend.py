@@ -439,10 +439,9 @@ class Blend(View):
         plain ``Documents`` (``tokload._docindex.extents_many``), else a call
         per component."""
         comp, index = self.locate(indices)
-        if self._plain is not None:
-            plain = self._plain
-            starts, lengths = extents_many(plain.indexes, plain.offsets, comp, index)
-            return starts, lengths
+        plain = self._plain
+        if plain is not None:
+            return extents_many(plain.indexes, plain.offsets, comp, index)
         starts = np.empty(len(comp), dtype=np.uint64)
         lengths = np.empty(len(comp), dtype=np.uint64)
         for c, sel in _groups(comp):
