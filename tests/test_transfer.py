@@ -167,7 +167,7 @@ def test_device_copies_under_randomized_timing(
         batching=policy,
         seed=seed,
         num_threads=rng.choice([0, 1, 2, 3]),
-        transfer=fd,
+        device=fd,
         read=tokload.ReadOptions(
             prefetch=rng.choice([1, 4, 12]), steps_per_task=(spt := rng.choice([1, 3, 8]))
         ),
@@ -198,7 +198,7 @@ def test_the_readme_non_blocking_recipe(threads: int, corpus: Path) -> None:
     view = TokenStream(corpus, window=9, stride=5)
     fd = FakeDevice(seed=threads, max_delay=0.01, copies=False)
     ld = DataLoader(
-        view, 4, seed=6, num_threads=threads, transfer=fd, read=tokload.ReadOptions(prefetch=8)
+        view, 4, seed=6, num_threads=threads, device=fd, read=tokload.ReadOptions(prefetch=8)
     )
     assert ld.device is None
     copies = []
@@ -281,3 +281,46 @@ def test_device_arguments_without_a_gpu() -> None:
 def test_collate_and_an_explicit_device_conflict(corpus: Path) -> None:
     with pytest.raises(ValueError, match="give either collate or device='cuda'"):
         DataLoader(TokenStream(corpus, window=9), 2, collate=dict, device="cuda")
+
+
+def test_a_backend_is_given_as_the_device(corpus: Path) -> None:
+    view = TokenStream(corpus, window=9)
+    fd = FakeDevice(seed=1)
+    ld = DataLoader(view, 2, device=fd, num_threads=0)
+    assert ld.transfer.backend is fd and ld.device == "fake"
+    batch = next(iter(ld))
+    np.testing.assert_array_equal(
+        batch["tokens"].numpy(), view.read_batch(batch["index"].numpy(), np.empty)["tokens"]
+    )
+    ld.close()
+    with pytest.raises(
+        ValueError,
+        match=r"is a TransferBackend, which decides pinning itself; "
+        r"leave pin_memory at 'auto', not False",
+    ):
+        DataLoader(view, 2, device=fd, pin_memory=False)
+    with pytest.raises(ValueError, match=r"give either collate or a backend that copies \(device="):
+        DataLoader(view, 2, device=fd, collate=dict)
+    host = FakeDevice(seed=1, copies=False)  # host batches: collate may replace the tensors
+    assert DataLoader(view, 2, device=host, collate=dict, num_threads=0).transfer.backend is host
+    fd.close()
+    host.close()
+
+
+def test_the_retired_transfer_keyword_says_to_write_device(corpus: Path) -> None:
+    view = TokenStream(corpus, window=9)
+    fd = FakeDevice(seed=1)
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"is retired \(tokload after 0\.2\.0\): write DataLoader\(\.\.\., device=backend\)",
+    ):
+        ld = DataLoader(view, 2, transfer=fd)
+    assert ld.transfer.backend is fd
+    ld.close()
+    with pytest.raises(
+        TypeError, match="give the TransferBackend as device=, not transfer= beside device="
+    ):
+        DataLoader(view, 2, transfer=fd, device=None)
+    with pytest.raises(TypeError, match="unexpected keyword arguments: transfers"):
+        DataLoader(view, 2, transfers=fd)
+    fd.close()

@@ -116,7 +116,7 @@ def test_a_filtered_view_through_resumes_rescales_and_a_fake_device(
     fd = FakeDevice(seed=2)
 
     def make(**kw: Any) -> DataLoader:
-        return DataLoader(view, seed=4, epochs=3, transfer=fd, **kw)
+        return DataLoader(view, seed=4, epochs=3, device=fd, **kw)
 
     got = run_segments(make, [Segment(1, 4, 10, 2), Segment(4, 3, 6, 1), Segment(2, 6, None, 0)])
     assert_exactly_once(got, n, 3 * n)

@@ -23,6 +23,7 @@ import math
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Self
@@ -36,7 +37,7 @@ from tokload.readahead import ReadAhead, wanted
 from tokload.reading import ReadOptions, from_retired
 from tokload.schedule import Schedule
 from tokload.stats import LoaderStats, format_report, log
-from tokload.transfer import Batch, Transfer, TransferBackend, make_backend
+from tokload.transfer import Batch, Transfer, loader_backend
 from tokload.views.contract import check_view, fingerprint_upto
 
 STATE_VERSION = 1
@@ -44,6 +45,23 @@ STATE_VERSION = 1
 Counted = tuple[int, Any]
 """A batch's real tokens, and per component of a blend its ``[samples, tokens]``
 (an int64 array ``[components, 2]``; None for other views)."""
+
+
+def _retired_transfer(device: Any, given: dict[str, Any]) -> Any:
+    """``device``, or the retired ``transfer=`` keyword's backend taken out of
+    ``given`` (a DeprecationWarning says to write ``device=``)."""
+    if "transfer" not in given:
+        return device
+    backend = given.pop("transfer")
+    if not (isinstance(device, str) and device == "auto"):
+        raise TypeError("give the TransferBackend as device=, not transfer= beside device=")
+    warnings.warn(
+        "DataLoader(transfer=backend) is retired (tokload after 0.2.0): write "
+        "DataLoader(..., device=backend)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return "auto" if backend is None else backend
 
 
 def _resolve_rank(
@@ -109,7 +127,10 @@ class DataLoader:
             construction) when CUDA is available, else the host. A torch device
             or string (``"cuda:1"``) picks one; ``None`` or ``"cpu"`` keeps host
             batches. Copies run in the reader threads on a side stream; see
-            ``tokload.transfer`` for what a trainer may do with a batch.
+            ``tokload.transfer`` for what a trainer may do with a batch. A
+            ``tokload.transfer.TransferBackend`` of your own allocates the host
+            buffers and makes the copies instead (the tests' fake device); it
+            decides pinning, so ``pin_memory`` stays ``"auto"``.
         collate: ``collate(raw)`` replaces the conversion to tensors and the
             device copy; ``raw`` is the dict of NumPy arrays the view gave, plus
             ``"index"`` and ``"position"``.
@@ -125,9 +146,6 @@ class DataLoader:
             ``"tokload"``, level INFO), written by ``next()`` once that much
             time has passed; None (default): none. The log keeps its own
             interval: it does not reset the one ``stats()`` reports.
-        transfer: a ``TransferBackend`` to use instead of
-            the one ``pin_memory`` and ``device`` describe (tests use a fake
-            device).
 
     Batches are ``Batch`` dicts of tensors: the arrays the batching policy
     gives (``"tokens"``, or one entry per field of a structured dtype, plus
@@ -176,9 +194,9 @@ class DataLoader:
         rounds: int = 6,
         read: ReadOptions | None = None,
         log_every: float | None = None,
-        transfer: TransferBackend | None = None,
         **retired: Any,
     ) -> None:
+        device = _retired_transfer(device, retired)
         read = from_retired(read, retired)
         check_view(view)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -233,15 +251,7 @@ class DataLoader:
         self._order = order
         self.schedule: Schedule = self._new_schedule()
         self._pid = os.getpid()  # the process the schedule's locks belong to
-        if transfer is None:
-            explicit = device is not None and not (isinstance(device, str) and device == "auto")
-            if collate is not None and explicit:
-                raise ValueError(
-                    "collate= replaces the conversion to tensors and the device copy; "
-                    f"give either collate or device={device!r}, not both"
-                )
-            transfer = make_backend(pin_memory, None if collate is not None else device)
-        self.transfer = Transfer(transfer)
+        self.transfer = Transfer(loader_backend(device, pin_memory, collate))
         self._reader = self.batching.reader(view, self.schedule, self.transfer.alloc)
         self._cursor = 0
         self._iter: weakref.ref[_LoaderIter] | None = None

@@ -159,6 +159,37 @@ def default_device() -> Any:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def is_backend(device: Any) -> bool:
+    """Whether the DataLoader's ``device`` is a ``TransferBackend`` of the user's."""
+    return all(callable(getattr(device, m, None)) for m in ("host_empty", "copy", "deliver"))
+
+
+def loader_backend(device: Any, pin_memory: bool | str, collate: Any) -> TransferBackend:
+    """The backend for the DataLoader's ``device``, ``pin_memory`` and ``collate``:
+    ``device`` itself when it is a backend, else the one the arguments describe
+    (``collate`` replaces the device copy, so it excludes an explicit device)."""
+    if is_backend(device):
+        if not (isinstance(pin_memory, str) and pin_memory == "auto"):
+            raise ValueError(
+                f"device={device!r} is a TransferBackend, which decides pinning itself; "
+                f"leave pin_memory at 'auto', not {pin_memory!r}"
+            )
+        if collate is not None and device.device is not None:
+            raise ValueError(
+                "collate= replaces the conversion to tensors and the device copy; "
+                f"give either collate or a backend that copies (device={device!r}), not both"
+            )
+        backend: TransferBackend = device
+        return backend
+    explicit = device is not None and not (isinstance(device, str) and device == "auto")
+    if collate is not None and explicit:
+        raise ValueError(
+            "collate= replaces the conversion to tensors and the device copy; "
+            f"give either collate or device={device!r}, not both"
+        )
+    return make_backend(pin_memory, None if collate is not None else device)
+
+
 def make_backend(pin_memory: bool | str, device: Any) -> TransferBackend:
     """The backend for the DataLoader's ``pin_memory`` and ``device`` arguments."""
     import torch
