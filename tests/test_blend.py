@@ -17,9 +17,12 @@ from hypothesis import strategies as st
 import tokload
 from tokload import Blend, DataLoader, Documents, TokenStream, Writer
 from tokload._docindex import ExtentIndex, extents_many
-from tokload._permute import Permutation, epoch_seed
+from tokload._permute import Permutation, epoch_seed, epoch_seeds, take_many
 from tokload._slots import block_slots
+from tokload._slots import locate as locate_slots
+from tokload._slots import positions as slot_positions
 from tokload.errors import StateError
+from tokload.views import blend as blend_module
 from tokload.views.blend import _COMP_TAG, _SLOT_TAG, largest_remainder
 
 FOUR_WEIGHTS = st.lists(st.floats(0.0, 10.0), min_size=4, max_size=4).filter(lambda w: sum(w) > 0.1)
@@ -279,13 +282,13 @@ def test_fill_locates_each_document_once(tmp_path: Path, monkeypatch: pytest.Mon
     spans = sched.spans(0, 6)
     sched.task_rows(spans)  # packs the groups these steps need (kept)
     calls: list[int] = []
-    real = Blend.component_positions
+    real = locate_slots
 
-    def counted(self: Blend, p: Any) -> tuple[np.ndarray, np.ndarray]:
-        calls.append(len(p))
-        return real(self, p)
+    def counted(*args: Any) -> tuple[np.ndarray, np.ndarray]:
+        calls.append(len(args[1]))
+        return real(*args)
 
-    monkeypatch.setattr(Blend, "component_positions", counted)
+    monkeypatch.setattr(blend_module, "locate_slots", counted)
     task = fill.reader(blend, sched, np.empty).read(spans, None)
     assert calls == []
     assert task.whole is not None
@@ -389,6 +392,99 @@ def test_locate_equals_the_definition_on_a_long_blend(views: list[TokenStream]) 
         epoch, j = divmod(own, len(views[c]))
         cseed = epoch_seed(epoch_seed(blend.seed ^ _COMP_TAG, c), epoch)
         assert i == Permutation(len(views[c]), seed=cseed, rounds=blend.rounds)[j]
+
+
+def _locate_by_numpy(blend: Blend, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(component, own position, index)`` of global positions ``q``, composed in
+    NumPy from ``block_slots`` (checked against the layout above) and one
+    ``take_many`` call per position in the given order: the lookup as it was
+    written before ``tokload._slots.locate`` did it in one compiled call."""
+    m = blend.block_size
+    blocks, slots = np.divmod(q, m)
+    g = np.searchsorted(blend._seg_first, blocks, side="right") - 1
+    comp, lane = block_slots(blend.seed ^ _SLOT_TAG, blocks, slots, blend._seg_counts, g)
+    counts, before = blend._seg_counts[g, comp], blend._seg_before[g, comp]
+    cpos = before + (blocks - blend._seg_first[g]) * counts + lane
+    sizes = blend._sizes[comp]
+    epochs, j = np.divmod(cpos, sizes)
+    index = take_many(sizes, epoch_seeds(blend._comp_seeds[comp], epochs), j, blend.rounds)
+    return comp, cpos, index.astype(np.int64)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ncomp=st.sampled_from([1, 2, 4, 16, 130]),
+    block=st.integers(1, 1500),
+    seed=st.integers(0, 2**64 - 1),
+    rounds=st.integers(0, 8),
+    data=st.data(),
+)
+def test_locate_in_one_call_equals_its_parts(
+    views: list[TokenStream], ncomp: int, block: int, seed: int, rounds: int, data: Any
+) -> None:
+    """``Blend.locate`` and ``component_positions`` (``tokload._slots``: a radix
+    sort of the positions, each block's slots, a grouping by (component, epoch),
+    one permutation call) equal the same lookup composed of its checked parts,
+    in the caller's order: positions in any order and repeated, near and far
+    (keys of one to five bytes), over schedules of weights (several segments),
+    caps (partial blocks, components without slots), many epochs of small
+    components, and more components than the linear merge takes (a heap)."""
+    weights = data.draw(st.lists(st.floats(0.0, 5.0), min_size=ncomp, max_size=ncomp))
+    weights[data.draw(st.integers(0, ncomp - 1))] += 1.0
+    comps = [(views[c % 4], w) for c, w in enumerate(weights)]
+    stages = data.draw(st.lists(st.integers(1, 40), max_size=3, unique=True))
+    schedule = [
+        (b * block, data.draw(st.lists(st.floats(0.5, 3.0), min_size=ncomp, max_size=ncomp)))
+        for b in sorted(stages)
+    ]
+    caps = {c: data.draw(st.integers(1, 3)) for c in data.draw(st.sets(st.integers(0, ncomp - 1)))}
+    # every component capped: the blend ends (length None); else a long one or not
+    ends = len(caps) == ncomp
+    length = None if ends else data.draw(st.sampled_from([50 * block, 2**40 + 7]))
+    blend = Blend(
+        comps, seed=seed, block_size=block, schedule=schedule, max_epochs=caps or None,
+        rounds=rounds, length=length,
+    )  # fmt: skip
+    n = len(blend)
+    q = np.asarray(
+        data.draw(
+            st.one_of(
+                st.lists(st.integers(0, n - 1), min_size=0, max_size=300),
+                st.integers(0, max(0, n - 300)).map(lambda a: list(range(a, min(n, a + 300)))),
+            )
+        ),
+        dtype=np.int64,
+    )
+    q = np.concatenate([q, q[: len(q) // 5]])  # some asked twice
+    want_c, want_p, want_i = _locate_by_numpy(blend, q)
+    comp, cpos = blend.component_positions(q)
+    assert comp.tolist() == want_c.tolist() and cpos.tolist() == want_p.tolist()
+    comp, index = blend.locate(q)
+    assert comp.dtype == index.dtype == np.int64
+    assert comp.tolist() == want_c.tolist() and index.tolist() == want_i.tolist()
+
+
+def test_locate_in_one_call_refuses_what_is_not_a_blend() -> None:
+    counts = np.array([[3, 1]], dtype=np.int64)  # 4 slots in blocks of 5: a final block
+    before = np.zeros_like(counts)
+    first = np.zeros(1, dtype=np.int64)
+    sizes, seeds = np.array([4, 5]), np.array([1, 2], dtype=np.uint64)
+    with pytest.raises(ValueError, match=r"slot 4 of block 7: its segment has 4 slots"):
+        slot_positions(1, [40, 39, 36], 5, first, counts, before)
+    with pytest.raises(ValueError, match=r"slot 4 of block 2: its segment has 4 slots"):
+        locate_slots(1, [36, 14], 5, first, counts, before, sizes, seeds, 6, None)
+    with pytest.raises(ValueError, match=r"positions must be a 1-D array of integers >= 0"):
+        slot_positions(1, [3, -1], 5, first, counts, before)
+    with pytest.raises(ValueError, match=r"segments: first \(1,\) \(from block 0\)"):
+        slot_positions(1, [3], 5, first + 1, counts, before)
+    with pytest.raises(ValueError, match=r"the block size must be positive"):
+        slot_positions(1, [3], 0, first, counts, before)
+    with pytest.raises(ValueError, match=r"2 components, 1 sizes, 2 seeds"):
+        locate_slots(1, [3], 5, first, counts, before, sizes[:1], seeds, 6, None)
+    with pytest.raises(ValueError, match=r"every component's size must be >= 1"):
+        locate_slots(1, [3], 5, first, counts, before, [4, 0], seeds, 6, None)
+    comp, index = locate_slots(1, [], 5, first, counts, before, sizes, seeds, 6, None)
+    assert comp.shape == index.shape == (0,)
 
 
 @settings(max_examples=150, deadline=None)

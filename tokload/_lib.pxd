@@ -509,3 +509,19 @@ cdef extern from "tokload/slots.h" nogil:
     size_t tl_slots_block(uint64_t key, const int64_t *counts, size_t ncomp,
                           const int64_t *want, size_t nwant, int64_t *comp, int64_t *lane,
                           double *phase, double *cur, int64_t *next, uint32_t *heap) noexcept
+    size_t tl_slots_positions(uint64_t slot_seed, uint64_t m, const int64_t *seg_first,
+                              size_t nseg, const int64_t *seg_counts,
+                              const int64_t *seg_before, size_t ncomp, uint64_t *q,
+                              uint64_t *at, size_t n, uint64_t *s1, uint64_t *s2,
+                              int64_t *comp, int64_t *cpos, double *phase, int64_t *next,
+                              uint32_t *heap) noexcept
+    void tl_slots_by_permutation(const int64_t *comp, const int64_t *cpos, size_t n,
+                                 const int64_t *sizes, const uint64_t *comp_seeds,
+                                 size_t ncomp, uint64_t *order, uint64_t *s1, uint64_t *s2,
+                                 uint64_t *s3, size_t *count, uint64_t *ns, uint64_t *seeds,
+                                 uint64_t *js) noexcept
+
+
+cdef extern from "tokload/sort.h" nogil:
+    void tl_sort_pairs(uint64_t *key, uint64_t *val, size_t n, uint64_t *key2,
+                       uint64_t *val2) noexcept

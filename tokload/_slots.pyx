@@ -15,6 +15,8 @@ cimport tokload._lib as lib
 
 import numpy as np
 
+from tokload._permute import take_many
+
 
 def block_slots(uint64_t slot_seed, blocks, slots, counts, segments):
     """``(component, lane)`` (int64 arrays) of slot ``slots[i]`` of block ``blocks[i]``.
@@ -71,3 +73,121 @@ def block_slots(uint64_t slot_seed, blocks, slots, counts, segments):
     comp[order] = co
     lane[order] = lo
     return comp, lane
+
+
+cdef class _Scratch:
+    """The arrays of one lookup of n positions over ncomp components."""
+    cdef object q, at, s1, s2, comp, cpos, phase, nxt, heap
+
+    def __init__(self, q, size_t ncomp):
+        cdef size_t n = q.shape[0]
+        self.q = np.array(q, dtype=np.uint64)  # sorted in place
+        self.at = np.arange(n, dtype=np.uint64)
+        self.s1 = np.empty(n, dtype=np.uint64)
+        self.s2 = np.empty(n, dtype=np.uint64)
+        self.comp = np.empty(n, dtype=np.int64)
+        self.cpos = np.empty(n, dtype=np.int64)
+        self.phase = np.empty(2 * max(ncomp, 1), dtype=np.float64)
+        self.nxt = np.empty(max(ncomp, 1), dtype=np.int64)
+        self.heap = np.empty(max(ncomp, 1), dtype=np.uint32)
+
+
+def _segments(seg_first, seg_counts, seg_before):
+    first = np.ascontiguousarray(seg_first, dtype=np.int64)
+    counts = np.ascontiguousarray(seg_counts, dtype=np.int64)
+    before = np.ascontiguousarray(seg_before, dtype=np.int64)
+    if (counts.ndim != 2 or before.shape != counts.shape or first.ndim != 1
+            or first.shape[0] != counts.shape[0] or first.shape[0] == 0 or first[0] != 0):
+        raise ValueError(f"segments: first {first.shape} (from block 0), counts "
+                         f"{counts.shape} and before {before.shape} must agree")
+    return first, counts, before
+
+
+cdef _Scratch _positions(uint64_t slot_seed, q, uint64_t m, first, counts, before):
+    """tl_slots_positions over q (int64 >= 0): the scratch holds its answer, sorted."""
+    if m == 0:
+        raise ValueError("the block size must be positive")
+    cdef size_t ncomp = counts.shape[1], n = q.shape[0], got
+    cdef _Scratch w = _Scratch(q, ncomp)
+    cdef const int64_t[::1] fv = first
+    cdef const int64_t[:, ::1] cv = counts, bv = before
+    cdef uint64_t[::1] qv = w.q, av = w.at, s1 = w.s1, s2 = w.s2
+    cdef int64_t[::1] co = w.comp, po = w.cpos, nx = w.nxt
+    cdef double[::1] ph = w.phase
+    cdef uint32_t[::1] hp = w.heap
+    if n == 0:
+        return w
+    with nogil:
+        got = lib.tl_slots_positions(slot_seed, m, &fv[0], fv.shape[0], &cv[0, 0], &bv[0, 0],
+                                     ncomp, &qv[0], &av[0], n, &s1[0], &s2[0], &co[0], &po[0],
+                                     &ph[0], &nx[0], &hp[0])
+    if got < n:
+        b = qv[got] // m
+        g = int(np.searchsorted(first, b, side="right")) - 1
+        raise ValueError(f"slot {qv[got] % m} of block {b}: its segment has "
+                         f"{int(counts[g].sum())} slots")
+    return w
+
+
+def positions(uint64_t slot_seed, q, uint64_t m, seg_first, seg_counts, seg_before):
+    """``(component, own position)`` (int64, in ``q``'s order) of blend positions ``q``.
+
+    A ``Blend``'s ``component_positions``: blocks of ``m`` slots, segment ``g``
+    from block ``seg_first[g]`` (ascending, the first 0) with ``seg_counts[g]``
+    slots per component in each block and ``seg_before[g]`` positions of each
+    component before it. One compiled call without the GIL: the positions sorted
+    with a radix sort, each block's slots found at once (``tl_slots_block``).
+    ValueError when a slot is past its block's slots."""
+    first, counts, before = _segments(seg_first, seg_counts, seg_before)
+    qa = np.ascontiguousarray(q, dtype=np.int64)
+    if qa.ndim != 1 or (qa.shape[0] and qa.min() < 0):
+        raise ValueError("positions must be a 1-D array of integers >= 0")
+    cdef _Scratch w = _positions(slot_seed, qa, m, first, counts, before)
+    comp = np.empty(qa.shape[0], dtype=np.int64)
+    cpos = np.empty(qa.shape[0], dtype=np.int64)
+    comp[w.at] = w.comp
+    cpos[w.at] = w.cpos
+    return comp, cpos
+
+
+def locate(uint64_t slot_seed, q, uint64_t m, seg_first, seg_counts, seg_before, sizes,
+           comp_seeds, rounds, tables):
+    """``(component, index in component)`` (int64, in ``q``'s order): ``Blend.locate``.
+
+    ``positions``' answer, then component ``c``'s own position ``p`` is index
+    ``p % sizes[c]`` of the permutation of ``sizes[c]`` elements keyed
+    ``epoch_seed(comp_seeds[c], p // sizes[c])`` (``rounds`` rounds; ``tables``
+    is ``take_many``'s dict of kept round tables). Grouped by permutation in
+    compiled code, one ``take_many`` call for all of them."""
+    first, counts, before = _segments(seg_first, seg_counts, seg_before)
+    qa = np.ascontiguousarray(q, dtype=np.int64)
+    if qa.ndim != 1 or (qa.shape[0] and qa.min() < 0):
+        raise ValueError("positions must be a 1-D array of integers >= 0")
+    cdef const int64_t[::1] sz = np.ascontiguousarray(sizes, dtype=np.int64)
+    cdef const uint64_t[::1] cs = np.ascontiguousarray(comp_seeds, dtype=np.uint64)
+    cdef size_t ncomp = counts.shape[1], n = qa.shape[0]
+    if sz.shape[0] != ncomp or cs.shape[0] != ncomp:
+        raise ValueError(f"{ncomp} components, {sz.shape[0]} sizes, {cs.shape[0]} seeds")
+    if ncomp and np.asarray(sz).min() < 1:
+        raise ValueError("every component's size must be >= 1")
+    cdef _Scratch w = _positions(slot_seed, qa, m, first, counts, before)
+    comp = np.empty(n, dtype=np.int64)
+    index = np.empty(n, dtype=np.int64)
+    if n == 0:
+        return comp, index
+    order = np.empty(n, dtype=np.uint64)
+    s3 = np.empty(n, dtype=np.uint64)
+    count = np.empty(ncomp + 1, dtype=np.uintp)
+    ns = np.empty(n, dtype=np.uint64)
+    seeds = np.empty(n, dtype=np.uint64)
+    js = np.empty(n, dtype=np.uint64)
+    cdef const int64_t[::1] co = w.comp, po = w.cpos
+    cdef uint64_t[::1] ov = order, s1 = w.s1, s2 = w.s2, s3v = s3, nv = ns, sv = seeds, jv = js
+    cdef size_t[::1] cnt = count
+    with nogil:
+        lib.tl_slots_by_permutation(&co[0], &po[0], n, &sz[0], &cs[0], ncomp, &ov[0], &s1[0],
+                                    &s2[0], &s3v[0], &cnt[0], &nv[0], &sv[0], &jv[0])
+    at = w.at
+    comp[at] = w.comp
+    index[at[order]] = take_many(ns, seeds, js, rounds, tables)
+    return comp, index

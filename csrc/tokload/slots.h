@@ -23,6 +23,13 @@
  *  - above, a binary heap keyed by each component's next time, and the jump
  *    lands at most C + 1 slots before the slot: O(C log C) per slot.
  *
+ *
+ * tl_slots_positions and tl_slots_by_permutation are a Blend's whole lookup of
+ * a group of positions (Blend.locate): sorted by position with one radix sort,
+ * each block's slots found at once, then grouped by (component, epoch) for
+ * one permutation call; before, a dozen NumPy calls around tl_slots_block
+ * cost as much as the slots themselves (some 110 ns a position for 1,024).
+ *
  * Cython mirror: tokload/_lib.pxd (must match).
  */
 #ifndef TOKLOAD_SLOTS_H
@@ -32,6 +39,7 @@
 
 #include "common.h"
 #include "gfc.h"
+#include "sort.h"
 
 /* Up to this many components (of a segment), a merge step scans every
  * component's next time instead of keeping a heap (the scan is faster up to
@@ -302,6 +310,93 @@ TL_INLINE size_t tl_slots_block(uint64_t key, const int64_t *counts, size_t ncom
         lane[w] = next[top];
     }
     return w;
+}
+
+/*
+ * The component and own position of n blend positions at once: a Blend's
+ * component_positions.  Segment g's blocks start at block seg_first[g]
+ * (ascending; seg_first[0] is 0), and each of its blocks holds
+ * seg_counts[g * ncomp + c] slots of component c, which had seg_before[g *
+ * ncomp + c] positions before the segment.
+ *
+ * On entry q[i] are the positions and at[i] their places in the caller's
+ * order (any values, carried along); on return both are sorted by position,
+ * and comp[i], cpos[i] are position q[i]'s component and its own position
+ * there.  Scratch: s1 and s2 of n entries, phase of 2 * ncomp, next and heap
+ * of ncomp.  Returns n, or the sorted rank of the first position whose slot is
+ * past its block's slots (the sum of its segment's counts).
+ */
+TL_INLINE size_t tl_slots_positions(uint64_t slot_seed, uint64_t m, const int64_t *seg_first,
+                                    size_t nseg, const int64_t *seg_counts,
+                                    const int64_t *seg_before, size_t ncomp, uint64_t *q,
+                                    uint64_t *at, size_t n, uint64_t *s1, uint64_t *s2,
+                                    int64_t *comp, int64_t *cpos, double *phase, int64_t *next,
+                                    uint32_t *heap)
+{
+    tl_sort_pairs(q, at, n, s1, s2);
+    int64_t *want = (int64_t *)s1, *lane = (int64_t *)s2;
+    size_t g = 0;
+    for (size_t i = 0; i < n;) {
+        uint64_t b = q[i] / m, first = b * m, end = first + m;
+        size_t e = i;
+        for (; e < n && q[e] < end; e++) want[e] = (int64_t)(q[e] - first);
+        while (g + 1 < nseg && (uint64_t)seg_first[g + 1] <= b) g++;
+        const int64_t *counts = seg_counts + g * ncomp, *before = seg_before + g * ncomp;
+        size_t served = tl_slots_block(tl_gfc_epoch_seed(slot_seed, b), counts, ncomp, want + i,
+                                       e - i, comp + i, lane + i, phase, phase + ncomp, next, heap);
+        if (served < e - i)
+            return i + served;
+        int64_t blocks = (int64_t)b - seg_first[g]; /* of the segment, before b */
+        for (size_t k = i; k < e; k++)
+            cpos[k] = before[comp[k]] + blocks * counts[comp[k]] + lane[k];
+        i = e;
+    }
+    return n;
+}
+
+/*
+ * Positions located by tl_slots_positions, grouped by the permutation that
+ * shuffles each: component c's own position p is index p % sizes[c] of its
+ * epoch p / sizes[c], shuffled by the permutation of sizes[c] elements keyed
+ * epoch_seed(comp_seeds[c], epoch).  Writes, for the r-th position of the
+ * grouped order, ns[r], seeds[r] and js[r] (that permutation and the index
+ * into it; runs of one permutation are adjacent) and order[r], its rank in the
+ * input.  Scratch: s1, s2 and s3 of n entries, count of ncomp + 1.  Every
+ * comp[i] < ncomp, cpos[i] >= 0 and sizes[c] >= 1.
+ */
+TL_INLINE void tl_slots_by_permutation(const int64_t *comp, const int64_t *cpos, size_t n,
+                                       const int64_t *sizes, const uint64_t *comp_seeds,
+                                       size_t ncomp, uint64_t *order, uint64_t *s1, uint64_t *s2,
+                                       uint64_t *s3, size_t *count, uint64_t *ns, uint64_t *seeds,
+                                       uint64_t *js)
+{
+    /* by epoch (no pass when every position is in one), then stably by component */
+    uint64_t *epoch = s1, *rank = s2;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t p = (uint64_t)cpos[i], k = (uint64_t)sizes[comp[i]];
+        epoch[i] = p < k ? 0 : p / k;
+        rank[i] = i;
+    }
+    tl_sort_pairs(epoch, rank, n, order, s3);
+    memset(count, 0, (ncomp + 1) * sizeof *count);
+    for (size_t i = 0; i < n; i++) count[comp[i] + 1]++;
+    for (size_t c = 0; c < ncomp; c++) count[c + 1] += count[c];
+    for (size_t i = 0; i < n; i++) {
+        size_t r = count[comp[rank[i]]]++;
+        order[r] = rank[i];
+        s3[r] = epoch[i];
+    }
+    uint64_t seed = 0;
+    for (size_t r = 0; r < n; r++) {
+        size_t i = order[r];
+        int64_t c = comp[i];
+        uint64_t k = (uint64_t)sizes[c], e = s3[r];
+        if (r == 0 || c != comp[order[r - 1]] || e != s3[r - 1])
+            seed = tl_gfc_epoch_seed(comp_seeds[c], e);
+        ns[r] = k;
+        seeds[r] = seed;
+        js[r] = (uint64_t)cpos[i] - e * k;
+    }
 }
 
 #endif

@@ -52,9 +52,11 @@ import numpy as np
 import numpy.typing as npt
 
 from tokload._docindex import ExtentIndex, extents_many
-from tokload._permute import epoch_seeds, take_many
+from tokload._permute import epoch_seeds
 from tokload._rows import read_ranges
 from tokload._slots import block_slots
+from tokload._slots import locate as locate_slots
+from tokload._slots import positions as slot_positions
 from tokload.views.base import Fields, ReadPart, View, _check_out
 from tokload.views.contract import Alloc, check_view, is_documents
 from tokload.views.documents import Documents, plain_target
@@ -304,24 +306,21 @@ class Blend(View):
         its block's whole layout: a shuffled read touches a block per position.
         """
         q = self._global(positions).astype(np.int64)
-        m = self.block_size
-        blocks, slots = np.divmod(q, m)
-        if len(q) == 0:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        g = np.searchsorted(self._seg_first, blocks, side="right") - 1
-        comp, lane = block_slots(self.seed ^ _SLOT_TAG, blocks, slots, self._seg_counts, g)
-        cpos = (
-            self._seg_before[g, comp]
-            + (blocks - self._seg_first[g]) * self._seg_counts[g, comp]
-            + lane
+        return slot_positions(
+            self.seed ^ _SLOT_TAG,
+            q,
+            self.block_size,
+            self._seg_first,
+            self._seg_counts,
+            self._seg_before,
         )
-        return comp, cpos
 
     def locate(self, positions: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """``(component, index in component)`` (int64 arrays) of blend positions.
 
-        The samples are grouped by (component, epoch) with one sort, and each
-        group is one permutation call. The last answer is kept per thread: a
+        One compiled call (``tokload._slots.locate``): the positions' slots,
+        then one permutation call for all of them, grouped by (component,
+        epoch). The last answer is kept per thread: a
         policy asks for the same positions' components and documents more than
         once while it builds a task (their extents, reads and provenance), so
         the arrays are read-only."""
@@ -329,19 +328,21 @@ class Blend(View):
         last = getattr(self._located, "last", None)
         if last is not None and last[0] == key:
             return last[1], last[2]
-        comp, cpos = self.component_positions(positions)
-        index = np.empty(len(comp), dtype=np.int64)
-        if len(comp):
-            # perm_{c,e}(p % n_c), keyed by epoch_seed(epoch_seed(seed ^ "comp", c), e):
-            # every (component, epoch) in one compiled call (a large blend's shuffled
-            # positions fall in as many of them as there are positions)
-            sizes = self._sizes[comp]
-            epochs, j = np.divmod(cpos, sizes)
-            seeds = epoch_seeds(self._comp_seeds[comp], epochs)
-            order = np.lexsort((seeds, sizes))  # runs of one permutation share its keys
-            index[order] = take_many(
-                sizes[order], seeds[order], j[order], self.rounds, self._tables
-            )
+        # perm_{c,e}(p % n_c), keyed by epoch_seed(epoch_seed(seed ^ "comp", c), e),
+        # for every position in one compiled call (grouped by (component, epoch):
+        # a large blend's shuffled positions fall in as many as there are positions)
+        comp, index = locate_slots(
+            self.seed ^ _SLOT_TAG,
+            self._global(positions).astype(np.int64),
+            self.block_size,
+            self._seg_first,
+            self._seg_counts,
+            self._seg_before,
+            self._sizes,
+            self._comp_seeds,
+            self.rounds,
+            self._tables,
+        )
         comp.flags.writeable = index.flags.writeable = False  # shared with the next caller
         self._located.last = (key, comp, index)
         return comp, index
