@@ -133,6 +133,48 @@ def test_row_ranges_equal_the_stream_on_every_backend(
         np.testing.assert_array_equal(out, expect, err_msg=f"io={io}")
 
 
+def test_parts_sharing_one_out_are_each_checked_and_read(tmp_path: Path) -> None:
+    """``read_ranges`` checks the bytes of an ``out`` that several parts share once
+    (a blend's components read into one batch), yet every part's ranges and
+    destinations against it; a part of another row size into the same bytes
+    checks them again."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    pa, sa = _shards(tmp_path / "a", [50, 30], dtype="<u4", seed=1)
+    pb, sb = _shards(tmp_path / "b", [40], dtype="<u4", seed=2)
+    a, b = _rowset(pa, [50, 30], 4, "sync"), _rowset(pb, [40], 4, "sync")
+    out = np.zeros(12, dtype="<u4")
+    u64 = np.uint64
+    parts = [
+        (a, np.array([45], u64), np.array([10], u64), np.array([0], u64), out),
+        (b, np.array([3], u64), np.array([2], u64), np.array([40], u64), out),
+    ]
+    _rows.read_ranges(parts)
+    np.testing.assert_array_equal(out, np.concatenate([sa[45:55], sb[3:5]]))
+    late = (b, np.array([3], u64), np.array([2], u64), np.array([44], u64), out)
+    with pytest.raises(ValueError, match="a destination range runs past the end of out"):
+        _rows.read_ranges([parts[0], late])
+    with pytest.raises(IndexError, match=r"rows \[39, 41\) are not within \[0, 40\)"):
+        _rows.read_ranges([parts[0], (b, np.array([39], u64), *late[2:4], out)])
+    wide = _rowset(pb, [20], 8, "sync")  # the same bytes as 8-byte rows
+    got = out.view(np.uint8)
+    got[:] = 0
+    _rows.read_ranges(
+        [
+            (a, np.array([0], u64), np.array([2], u64), np.array([0], u64), got),
+            (wide, np.array([1], u64), np.array([5], u64), np.array([8], u64), got),
+        ]
+    )
+    np.testing.assert_array_equal(out, np.concatenate([sa[0:2], sb[2:12]]))
+    with pytest.raises(ValueError, match="a destination range runs past the end of out"):
+        _rows.read_ranges(
+            [
+                (a, np.array([0], u64), np.array([2], u64), np.array([0], u64), got),
+                (wide, np.array([1], u64), np.array([6], u64), np.array([8], u64), got),
+            ]
+        )
+
+
 def test_empty_reads_need_no_buffer(tmp_path: Path, backend: str) -> None:
     # Zero-length ranges into an empty buffer: valid in debug builds too.
     paths, _ = _shards(tmp_path, [5, 0, 3])

@@ -12,7 +12,7 @@ cdef class RowSet:
     cdef lib.tl_rowset rs
     cdef readonly uint64_t total
 
-    cdef tuple _checked(self, starts, lengths, dst_offsets, out)
+    cdef tuple _checked(self, starts, lengths, dst_offsets, out, known=*)
     cdef lib.tl_ioreq *_window_reqs(self, const int64_t[::1] iv, uint64_t first, uint64_t count,
                                     uint64_t stride, uint64_t window,
                                     uint64_t *starts) except NULL

@@ -98,11 +98,12 @@ cdef class RowSet:
         """
         read_ranges([(self, starts, lengths, dst_offsets, out)])
 
-    cdef tuple _checked(self, starts, lengths, dst_offsets, out):
+    cdef tuple _checked(self, starts, lengths, dst_offsets, out, known=None):
         """``read``'s arguments, checked: (starts, lengths, dst_offsets, the bytes of
-        out), the first three as uint64 arrays."""
+        out), the first three as uint64 arrays. ``known``: the bytes of ``out`` as
+        an earlier check of the same ``out`` and row size gave them."""
         self.files.check_open()
-        dst = _out_bytes(out, self.rs.row_bytes, 0, False, "out")
+        dst = _out_bytes(out, self.rs.row_bytes, 0, False, "out") if known is None else known
         sa = np.ascontiguousarray(starts, dtype=np.uint64)
         la = np.ascontiguousarray(lengths, dtype=np.uint64)
         da = np.ascontiguousarray(dst_offsets, dtype=np.uint64)
@@ -249,9 +250,13 @@ def read_ranges(parts):
     cdef list checked = []
     cdef RowSet rs
     cdef size_t total = 0, nreq
+    cdef uint64_t item = 0
+    out = dst = None  # the parts of a blend share one out: its bytes are checked once
     for part in parts:
         rs = part[0]
-        sa, la, da, dst = rs._checked(part[1], part[2], part[3], part[4])
+        known = dst if part[4] is out and rs.rs.row_bytes == item else None
+        out, item = part[4], rs.rs.row_bytes
+        sa, la, da, dst = rs._checked(part[1], part[2], part[3], out, known)
         if sa.shape[0] == 0:
             continue
         nreq = _count(rs, sa, la)
