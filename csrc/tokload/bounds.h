@@ -105,7 +105,7 @@ TL_INLINE void tl_segment_fill(int64_t *pos, int32_t *seg, uint8_t *mask, uint64
  * gets the longest segment.  A cut outside (rows[b], rows[b] + W) or out of
  * order means the index is not sorted by row: returns 0 and *bad = b.
  */
-TL_INLINE size_t tl_bounds_fill(const uint64_t *rows, const uint64_t *cuts, const uint64_t *ncuts,
+TL_WIDE size_t tl_bounds_fill(const uint64_t *rows, const uint64_t *cuts, const uint64_t *ncuts,
                                 size_t nwin, uint64_t W, int64_t *pos, int32_t *seg,
                                 uint8_t *mask, int32_t *cu, uint64_t *max_len, size_t *bad)
 {

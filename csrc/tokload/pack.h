@@ -225,7 +225,7 @@ TL_INLINE void tl_pack_pad(const uint64_t *len, const int64_t *counts, size_t nr
  * gets the longest segment.  A row whose documents exceed W: returns 0, *bad
  * gets the row.
  */
-TL_INLINE size_t tl_pack_bounds(const uint64_t *len, const int64_t *counts, size_t nrows,
+TL_WIDE size_t tl_pack_bounds(const uint64_t *len, const int64_t *counts, size_t nrows,
                                 uint64_t W, int64_t *pos, int32_t *seg, uint8_t *mask,
                                 int32_t *cu, uint64_t *max_len, size_t *bad)
 {
