@@ -92,7 +92,11 @@ cdef class _Scratch:
         self.heap = np.empty(max(ncomp, 1), dtype=np.uint32)
 
 
-def _segments(seg_first, seg_counts, seg_before):
+def _checked(q, seg_first, seg_counts, seg_before):
+    """The positions (int64) and the segments (int64 arrays), checked."""
+    qa = np.ascontiguousarray(q, dtype=np.int64)
+    if qa.ndim != 1 or (qa.shape[0] and qa.min() < 0):
+        raise ValueError("positions must be a 1-D array of integers >= 0")
     first = np.ascontiguousarray(seg_first, dtype=np.int64)
     counts = np.ascontiguousarray(seg_counts, dtype=np.int64)
     before = np.ascontiguousarray(seg_before, dtype=np.int64)
@@ -100,7 +104,7 @@ def _segments(seg_first, seg_counts, seg_before):
             or first.shape[0] != counts.shape[0] or first.shape[0] == 0 or first[0] != 0):
         raise ValueError(f"segments: first {first.shape} (from block 0), counts "
                          f"{counts.shape} and before {before.shape} must agree")
-    return first, counts, before
+    return qa, first, counts, before
 
 
 cdef _Scratch _positions(uint64_t slot_seed, q, uint64_t m, first, counts, before):
@@ -138,10 +142,7 @@ def positions(uint64_t slot_seed, q, uint64_t m, seg_first, seg_counts, seg_befo
     component before it. One compiled call without the GIL: the positions sorted
     with a radix sort, each block's slots found at once (``tl_slots_block``).
     ValueError when a slot is past its block's slots."""
-    first, counts, before = _segments(seg_first, seg_counts, seg_before)
-    qa = np.ascontiguousarray(q, dtype=np.int64)
-    if qa.ndim != 1 or (qa.shape[0] and qa.min() < 0):
-        raise ValueError("positions must be a 1-D array of integers >= 0")
+    qa, first, counts, before = _checked(q, seg_first, seg_counts, seg_before)
     cdef _Scratch w = _positions(slot_seed, qa, m, first, counts, before)
     comp = np.empty(qa.shape[0], dtype=np.int64)
     cpos = np.empty(qa.shape[0], dtype=np.int64)
@@ -159,10 +160,7 @@ def locate(uint64_t slot_seed, q, uint64_t m, seg_first, seg_counts, seg_before,
     ``epoch_seed(comp_seeds[c], p // sizes[c])`` (``rounds`` rounds; ``tables``
     is ``take_many``'s dict of kept round tables). Grouped by permutation in
     compiled code, one ``take_many`` call for all of them."""
-    first, counts, before = _segments(seg_first, seg_counts, seg_before)
-    qa = np.ascontiguousarray(q, dtype=np.int64)
-    if qa.ndim != 1 or (qa.shape[0] and qa.min() < 0):
-        raise ValueError("positions must be a 1-D array of integers >= 0")
+    qa, first, counts, before = _checked(q, seg_first, seg_counts, seg_before)
     cdef const int64_t[::1] sz = np.ascontiguousarray(sizes, dtype=np.int64)
     cdef const uint64_t[::1] cs = np.ascontiguousarray(comp_seeds, dtype=np.uint64)
     cdef size_t ncomp = counts.shape[1], n = qa.shape[0]
