@@ -212,9 +212,11 @@ class PackedSchedule(Schedule):
 
     def _walk(
         self, at: tuple[int, int, int], count: int, one_epoch: bool
-    ) -> tuple[list[tuple[_Group, int, int]], int, int]:
+    ) -> tuple[list[tuple[_Group, int, int]], int, int, tuple[int, int, int] | None]:
         """Up to ``count`` rows from ``at``, within its epoch if ``one_epoch``:
-        ([(group, first row, end row)], rows, the position after them)."""
+        ([(group, first row, end row)], rows, the position after them, the first
+        row there as ``_locate`` gives it: None at the end of the run, or at the
+        end of the epoch if ``one_epoch``)."""
         e, g, b = at
         parts: list[tuple[_Group, int, int]] = []
         got = 0
@@ -225,12 +227,13 @@ class PackedSchedule(Schedule):
             got, b = got + take, b + take
             if b < grp.nrows:
                 break
-            g, b = g + 1, 0
+            g, b = g + 1, 0  # every group has a row: its first is the next
             if g == self._per_epoch:
                 e, g = e + 1, 0
                 if one_epoch or e * self.n >= self.end:
-                    return parts, got, min(e * self.n, self.end)
-        return parts, got, e * self.n + g * self.lookahead + b
+                    return parts, got, min(e * self.n, self.end), None
+        # runs end at epoch ends (Schedule.end): a row within an epoch is before it
+        return parts, got, e * self.n + g * self.lookahead + b, (e, g, b)
 
     def _step(self, c: int) -> tuple[list[tuple[_Group, int, int]], int, int] | None:
         """The step at cursor ``c``: (its rows as ``_walk`` gives them, its start, its end)."""
@@ -238,7 +241,7 @@ class PackedSchedule(Schedule):
         if at is None:
             return None
         g = self.global_batch
-        parts, got, after = self._walk(at, g, self.drop_last)
+        parts, got, after, _ = self._walk(at, g, self.drop_last)
         if got == g or not self.drop_last:
             return parts, parts[0][0].base + parts[0][1], after
         # drop_last: the epoch's last rows are fewer than a step
@@ -266,8 +269,25 @@ class PackedSchedule(Schedule):
         return start, end
 
     def spans(self, c: int, count: int) -> list[tuple[int, int]]:
-        """Up to ``count`` consecutive steps from cursor ``c`` (fewer at the end)."""
-        return self._spans_one_by_one(c, count)
+        """Up to ``count`` consecutive steps from cursor ``c`` (fewer at the end),
+        in one walk over the packed groups: each step starts where the last
+        ended (``span`` one by one would find each start again). Each step's rows
+        are kept for ``rows``, as ``span`` keeps them."""
+        if self.drop_last:  # a step may skip an epoch's tail: one by one
+            return self._spans_one_by_one(c, count)
+        out: list[tuple[int, int]] = []
+        kept: list[list[tuple[_Group, int, int]]] = []
+        at = self._locate(c)
+        while at is not None and len(out) < count:
+            parts, _, after, at = self._walk(at, self.global_batch, False)
+            out.append((parts[0][0].base + parts[0][1], after))
+            kept.append(parts)
+        with self._glock:
+            for step, parts in zip(out, kept, strict=True):
+                self._steps[step] = parts
+            while len(self._steps) > STEPS_KEPT:
+                self._steps.popitem(last=False)
+        return out
 
     def steps_left(self, c: int) -> int:
         """Not known without packing the rest of the run: TypeError."""
