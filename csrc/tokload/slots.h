@@ -23,7 +23,6 @@
  *  - above, a binary heap keyed by each component's next time, and the jump
  *    lands at most C + 1 slots before the slot: O(C log C) per slot.
  *
- *
  * tl_slots_positions and tl_slots_by_permutation are a Blend's whole lookup of
  * a group of positions (Blend.locate): sorted by position with one radix sort,
  * each block's slots found at once, then grouped by (component, epoch) for
