@@ -362,6 +362,16 @@ def test_drop_last_steps_stay_within_an_epoch(tmp_path: Path) -> None:
         )
 
 
+def _extents_of(lens: np.ndarray) -> Any:
+    """A view's ``extents`` over documents of ``lens`` tokens laid end to end
+    (document ``i`` starts at row ``i``: only the lengths matter to packing)."""
+
+    def extents(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.asarray(ids, dtype=np.uint64), lens[ids]
+
+    return extents
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     lengths=st.lists(st.integers(0, 70), min_size=1, max_size=120),
@@ -388,8 +398,7 @@ def test_spans_in_one_walk_equal_the_steps_one_by_one(
     n = len(lengths)
     lens = np.array(lengths, dtype=np.uint64)
 
-    def extents(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return np.asarray(ids, dtype=np.uint64), lens[ids]
+    extents = _extents_of(lens)
 
     def sched() -> PackedSchedule:
         return PackedSchedule(
@@ -595,8 +604,7 @@ def test_schedules_deliver_each_document_once_per_epoch_across_a_resume(
     n = len(lengths)
     lens = np.array(lengths, dtype=np.uint64)
 
-    def extents(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return np.asarray(ids, dtype=np.uint64), lens[ids]
+    extents = _extents_of(lens)
 
     def run(world: int, batch: int, cursor: int, steps: int | None) -> tuple[list[int], int]:
         scheds = [
