@@ -262,10 +262,7 @@ class PackedSchedule(Schedule):
         if step is None:
             return None
         parts, start, end = step
-        with self._glock:
-            self._steps[(start, end)] = parts
-            while len(self._steps) > STEPS_KEPT:
-                self._steps.popitem(last=False)
+        self._keep({(start, end): parts})
         return start, end
 
     def spans(self, c: int, count: int) -> list[tuple[int, int]]:
@@ -275,19 +272,20 @@ class PackedSchedule(Schedule):
         are kept for ``rows``, as ``span`` keeps them."""
         if self.drop_last:  # a step may skip an epoch's tail: one by one
             return self._spans_one_by_one(c, count)
-        out: list[tuple[int, int]] = []
-        kept: list[list[tuple[_Group, int, int]]] = []
+        kept: dict[tuple[int, int], list[tuple[_Group, int, int]]] = {}
         at = self._locate(c)
-        while at is not None and len(out) < count:
+        while at is not None and len(kept) < count:
             parts, _, after, at = self._walk(at, self.global_batch, False)
-            out.append((parts[0][0].base + parts[0][1], after))
-            kept.append(parts)
+            kept[(parts[0][0].base + parts[0][1], after)] = parts
+        self._keep(kept)
+        return list(kept)
+
+    def _keep(self, steps: dict[tuple[int, int], list[tuple[_Group, int, int]]]) -> None:
+        """Keep the rows of ``steps`` (span: parts) for ``rows`` (``STEPS_KEPT`` at most)."""
         with self._glock:
-            for step, parts in zip(out, kept, strict=True):
-                self._steps[step] = parts
+            self._steps.update(steps)
             while len(self._steps) > STEPS_KEPT:
                 self._steps.popitem(last=False)
-        return out
 
     def steps_left(self, c: int) -> int:
         """Not known without packing the rest of the run: TypeError."""
