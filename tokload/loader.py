@@ -23,7 +23,6 @@ import math
 import os
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Self
@@ -37,7 +36,7 @@ from tokload.readahead import ReadAhead, wanted
 from tokload.reading import ReadOptions, from_retired
 from tokload.schedule import Schedule
 from tokload.stats import LoaderStats, format_report, log
-from tokload.transfer import Batch, Transfer, loader_backend
+from tokload.transfer import Batch, Transfer, loader_backend, retired_transfer
 from tokload.views.contract import check_view, fingerprint_upto
 
 STATE_VERSION = 1
@@ -45,23 +44,6 @@ STATE_VERSION = 1
 Counted = tuple[int, Any]
 """A batch's real tokens, and per component of a blend its ``[samples, tokens]``
 (an int64 array ``[components, 2]``; None for other views)."""
-
-
-def _retired_transfer(device: Any, given: dict[str, Any]) -> Any:
-    """``device``, or the retired ``transfer=`` keyword's backend taken out of
-    ``given`` (a DeprecationWarning says to write ``device=``)."""
-    if "transfer" not in given:
-        return device
-    backend = given.pop("transfer")
-    if not (isinstance(device, str) and device == "auto"):
-        raise TypeError("give the TransferBackend as device=, not transfer= beside device=")
-    warnings.warn(
-        "DataLoader(transfer=backend) is retired (tokload after 0.2.0): write "
-        "DataLoader(..., device=backend)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return "auto" if backend is None else backend
 
 
 def _resolve_rank(
@@ -196,7 +178,7 @@ class DataLoader:
         log_every: float | None = None,
         **retired: Any,
     ) -> None:
-        device = _retired_transfer(device, retired)
+        device = retired_transfer(device, retired)
         read = from_retired(read, retired)
         check_view(view)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:

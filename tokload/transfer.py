@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -162,6 +163,23 @@ def default_device() -> Any:
 def is_backend(device: Any) -> bool:
     """Whether the DataLoader's ``device`` is a ``TransferBackend`` of the user's."""
     return all(callable(getattr(device, m, None)) for m in ("host_empty", "copy", "deliver"))
+
+
+def retired_transfer(device: Any, given: dict[str, Any]) -> Any:
+    """``device``, or the retired ``transfer=`` keyword's backend taken out of
+    ``given`` (a DeprecationWarning says to write ``device=``)."""
+    if "transfer" not in given:
+        return device
+    backend = given.pop("transfer")
+    if not (isinstance(device, str) and device == "auto"):
+        raise TypeError("give the TransferBackend as device=, not transfer= beside device=")
+    warnings.warn(
+        "DataLoader(transfer=backend) is retired (tokload after 0.2.0): write "
+        "DataLoader(..., device=backend)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return "auto" if backend is None else backend
 
 
 def loader_backend(device: Any, pin_memory: bool | str, collate: Any) -> TransferBackend:
