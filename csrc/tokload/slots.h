@@ -175,8 +175,8 @@ TL_INLINE int64_t tl_slots_jump(int64_t s, int64_t total, int64_t C, double U,
      * before s (about C / 2 on average), and a second attempt from T0 = 0 only
      * guards the estimate's rounding.  Linear: T0 = (s - C / 2 + U) / total
      * puts it within a slot or two of s, on either side. */
+    double target = linear ? (double)s - 0.5 * (double)C + U : (double)(s - C - 1) + U;
     if (linear) {
-        double target = (double)s - 0.5 * (double)C + U;
         int64_t at;
         if (tl_slots_jump_lanes(target > 0.0 ? target / (double)total : 0.0, counts, ncomp,
                                 phase, cur, next, &at, h) == 0)
@@ -184,7 +184,6 @@ TL_INLINE int64_t tl_slots_jump(int64_t s, int64_t total, int64_t C, double U,
     }
     for (int attempt = 0; attempt < 2; attempt++) {
         double T0 = 0.0;
-        double target = linear ? (double)s - 0.5 * (double)C + U : (double)(s - C - 1) + U;
         if (attempt == 0 && target > 0.0)
             T0 = target / (double)total;
         int64_t at = 0;
