@@ -17,7 +17,7 @@ tokens, log-normal documents of median 600 tokens) in tokload's format, with 0,
 - tokload with its defaults: a shuffled ``TokenStream(url, 4097)`` through the
   ``DataLoader`` (batch 8), one GET per window: GETs/s (``remote.counters``) over
   the whole window and over its second half (by then the process's limit on GETs
-  in flight, set from the latency its GETs show, has settled: it takes about three
+  in flight, set from the latency its GETs show, has settled: it takes about two
   seconds at 100 ms),
   the client's CPU per GET, tokens/s, open to first batch, and at 20 ms the
   trainer's ``next()`` waits once the prefetch is full while it consumes at

@@ -119,17 +119,41 @@ class _Limit:
     compares the mean latency of the GETs that completed with the least latency
     seen: the share of the mean spent waiting, ``1 - least / mean``, says how many
     of the GETs in flight are too many.  Under ``LOW`` the limit rises by half;
-    over ``HIGH`` it falls by ``FALL``; between, it stays.  Until the first period
-    that is not under ``LOW`` it doubles instead, every two round trips (TCP's
-    slow start: a store 100 ms away may need ten times the first limit, which
-    rising by half every four round trips reaches after two seconds).  The least
-    latency is checked, as BBR does, by a drain: one period at half the limit,
-    whose least latency becomes the new one (the store may have become slower),
-    every ``WINDOW`` seconds and after ``FALLS`` falls in a row.  Between
-    ``MIN_IN_FLIGHT`` and ``MAX_IN_FLIGHT``.  A period in which the readers did not
-    keep the limit full (the demand set the rate), or that an idle spell
-    stretched, decides nothing.  Pure arithmetic on the completions it is told of
-    (``answered``), so a test drives it with a simulated store."""
+    between ``LOW`` and ``HIGH`` it stays; over ``HIGH`` it falls by ``FALL``, and
+    further where the period's rate says so: to what that rate needs in flight for
+    its GETs to wait between ``LOW`` and ``HIGH`` of their time (``rate * least /
+    (1 - (LOW + HIGH) / 2)``).  The
+    deeper cut is for a collapse: when every completion of the client's needs the
+    GIL (obstore's answers do, each from a thread of its own), a thread that holds
+    the GIL for a while leaves hundreds of completions waiting for it, and the
+    client's CPU goes to their wake-ups instead of to GETs; the rate falls tenfold
+    and the latency grows as much.  Falling by ``FALL`` a period from thousands of
+    GETs would take seconds; the cut ends it in one or two periods.
+
+    It starts with TCP's slow start: a store 100 ms away may need ten times the
+    first limit, which rising by half every four round trips reaches after two
+    seconds.  So the limit doubles every two round trips for as long as the
+    doubling pays: as BBR's startup does, while a period's rate (counted over its
+    second round trip, once the GETs the doubling added are answering) is at
+    least ``GROWTH`` times the best before it.  Latency does not end it: the GETs
+    a doubling launches at once queue on the client's CPU and lengthen the
+    latency of periods whose rate still grows.  A period whose rate did not grow,
+    or in which the readers did not keep the limit full, keeps the limit (a large
+    doubling's GETs take a while to be launched and answered); ``FLAT`` such
+    periods in a row end the start, with the limit at what the best rate needs
+    in flight at the least latency, and at least the limit of the last doubling
+    that paid.  If none paid, the first limit was past what the store needs
+    already, and the least latency seen was spent partly in a queue: a drain
+    (below) follows.
+
+    The least latency is checked, as BBR does, by a drain: one period at half the
+    limit, whose least latency becomes the new one (the store may have become
+    slower), every ``WINDOW`` seconds and after ``FALLS`` falls in a row.  Between
+    ``MIN_IN_FLIGHT`` and ``MAX_IN_FLIGHT``.  After the start, a period in which
+    the readers did not keep the limit full (the demand set the rate), or that an
+    idle spell stretched, decides nothing; after an idle spell of ``IDLE``
+    seconds it all starts again (``resumed``).  Pure arithmetic on the completions
+    it is told of, so a test drives it with a simulated store."""
 
     PERIOD = 0.1
     WINDOW = 10.0
@@ -137,19 +161,32 @@ class _Limit:
     HIGH = 0.4
     FALL = 0.85
     FALLS = 3
+    GROWTH = 1.25
+    FLAT = 2
+    IDLE = 1.0
 
     def __init__(self, now: float, start: int = 4 * 16) -> None:
-        self.limit = start
+        self.first = start
+        self._reset(now)
+
+    def _reset(self, now: float) -> None:
+        self.limit = self.first
+        self.last = now  # the last completion
         self.t0, self.done, self.bound, self.total = now, 0, 0, 0.0
+        self.late = 0  # GETs answered a round trip or more into the period
         self.least, self.least_t = float("inf"), now  # the least latency, and when seen
         self.period_least = float("inf")
         self.falls = 0
         self.drained: int | None = None  # during a drain: the limit before it
-        self.starting = True  # doubling until a period that is not under LOW
+        self.starting = True  # doubling while a doubling raises the rate
+        self.start_rate = 0.0  # during the start: the best rate a period showed
+        self.start_limit = self.first  # the limit of the last doubling that paid
+        self.flat = 0  # during the start: periods in a row whose rate did not grow
 
     def answered(self, now: float, latency: float, bound: bool) -> None:
         """A GET completed at ``now`` after ``latency`` seconds; ``bound``: other
         GETs were waiting for a slot (the limit, not the demand, set the rate)."""
+        self.last = now
         self.done += 1
         self.bound += bound
         self.total += latency
@@ -157,34 +194,66 @@ class _Limit:
             self.period_least = latency
         if latency < self.least:
             self.least, self.least_t = latency, now
+        into = now - self.t0
+        if into >= self.least:
+            self.late += 1
         period = max(self.PERIOD, (2 if self.starting else 4) * self.least)
-        if now - self.t0 < period:
+        if into < period:
             return
-        mean, least = self.total / self.done, self.period_least
+        mean, least, rate = self.total / self.done, self.period_least, self.done / into
+        # the rate once the GETs of the period's first launches answer
+        late = self.late / (into - self.least) if into > self.least else 0.0
         # a period the readers did not keep the limit full says nothing of it
-        said = 2 * self.bound >= self.done and now - self.t0 < 2 * period
-        self.t0, self.done, self.bound, self.total = now, 0, 0, 0.0
+        said = 2 * self.bound >= self.done and into < 2 * period
+        self.t0, self.done, self.bound, self.total, self.late = now, 0, 0, 0.0, 0
         self.period_least = float("inf")
         if self.drained is not None:  # the drain is over: its least is the store's
             self.least, self.least_t = least, now
             self.limit, self.drained, self.falls = self.drained, None, 0
+        elif self.starting:
+            self._start(late if said else 0.0)
         elif not said:
             return
         elif now - self.least_t > self.WINDOW or self.falls >= self.FALLS:
             self.drained = self.limit
             self.limit = max(MIN_IN_FLIGHT, self.limit // 2)
         else:
-            self._decide(1.0 - self.least / mean if mean > 0 else 0.0)
+            self._decide(1.0 - self.least / mean if mean > 0 else 0.0, rate)
 
-    def _decide(self, waiting: float) -> None:
-        if waiting < self.LOW:
-            limit, self.falls = self.limit * (2.0 if self.starting else 1.5), 0
-        elif waiting > self.HIGH:
-            limit, self.falls = self.limit * self.FALL, self.falls + 1
-            self.starting = False
-        else:
-            self.falls, self.starting = 0, False
+    def resumed(self, now: float) -> None:
+        """GETs go out again after none were in flight.  After ``IDLE`` seconds or
+        more without a completion, what was learnt may hold no more (another
+        loader, another store, another latency): start again from the first
+        limit, as TCP restarts its slow start after an idle spell."""
+        if now - self.last >= self.IDLE:
+            self._reset(now)
+
+    def _start(self, rate: float) -> None:
+        if rate > 0 and rate >= self.GROWTH * self.start_rate:  # the doubling paid
+            self.start_rate, self.start_limit, self.flat = rate, self.limit, 0
+            self._set(self.limit * 2)
             return
+        self.start_rate = max(self.start_rate, rate)
+        self.flat += 1
+        if self.flat >= self.FLAT:  # the pipe is full: what the best rate needs
+            self.starting = False
+            self._set(max(self.start_limit, self.start_rate * self.least))
+            if self.start_limit == self.first:  # no doubling paid: the least
+                self.drained = self.limit  # latency was seen in a queue
+                self.limit = max(MIN_IN_FLIGHT, self.limit // 2)
+
+    def _decide(self, waiting: float, rate: float) -> None:
+        if waiting < self.LOW:
+            limit, self.falls = self.limit * 1.5, 0
+        elif waiting > self.HIGH:
+            needed = rate * self.least / (1.0 - (self.LOW + self.HIGH) / 2)
+            limit, self.falls = min(self.limit * self.FALL, needed), self.falls + 1
+        else:
+            self.falls = 0
+            return
+        self._set(limit)
+
+    def _set(self, limit: float) -> None:
         self.limit = max(MIN_IN_FLIGHT, min(MAX_IN_FLIGHT, int(limit)))
 
 
@@ -205,6 +274,8 @@ class _Flow:
         return self.ctl.limit
 
     def add(self, b: _BatchFetch) -> None:
+        if not self.inflight:
+            self.ctl.resumed(time.monotonic())
         b.queued = True
         self.waiting.append(b)
         self.pump()
