@@ -141,6 +141,21 @@ def test_an_idle_spell_decides_nothing() -> None:
     assert ctl.limit == before
 
 
+def test_a_pause_then_a_few_answers_decide_nothing() -> None:
+    """Nothing answered for 0.43 s (this process or the store paused), then one GET,
+    which waited through the pause: its period says nothing of the limit (it read as
+    a collapse to 2 GETs/s and cut the limit to the least, 16)."""
+    ctl, rate = _simulate(0.1, 5.0)
+    t = ctl.last
+    while ctl.t0 != t:  # on to the end of a period
+        t += 1.0 / rate
+        ctl.answered(t, ctl.limit / rate, True)
+    before = ctl.limit
+    ctl.answered(t + 0.43, 0.53, True)
+    assert ctl.t0 == t + 0.43, "the period ended"
+    assert ctl.limit == before
+
+
 def test_after_an_idle_spell_it_starts_again() -> None:
     """What a store 20 ms away taught does not hold for the next loader, on a store
     100 ms away: after a second with nothing in flight, the start begins afresh

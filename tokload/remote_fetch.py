@@ -111,49 +111,48 @@ class _Limit:
     """How many GETs the process keeps in flight, from the latency the GETs show.
 
     Requests in flight are what covers a store's latency: at ``rate`` GETs/s and
-    ``latency`` seconds each, ``rate * latency`` are needed (Little's law), and
-    more only cost: connections, and the client's CPU per GET, which grows with
-    them.  Past that point the extra GETs wait on this side (for the client's CPU,
-    or in the store's queue): the latency grows and the rate does not.  So, as TCP
-    Vegas does, each period (``PERIOD`` seconds, four round trips at least)
-    compares the mean latency of the GETs that completed with the least latency
-    seen: the share of the mean spent waiting, ``1 - least / mean``, says how many
-    of the GETs in flight are too many.  Under ``LOW`` the limit rises by half;
-    between ``LOW`` and ``HIGH`` it stays; over ``HIGH`` it falls by ``FALL``, and
-    further where the period's rate says so: to what that rate needs in flight for
-    its GETs to wait between ``LOW`` and ``HIGH`` of their time (``rate * least /
-    (1 - (LOW + HIGH) / 2)``).  The
-    deeper cut is for a collapse: when every completion of the client's needs the
-    GIL (obstore's answers do, each from a thread of its own), a thread that holds
-    the GIL for a while leaves hundreds of completions waiting for it, and the
-    client's CPU goes to their wake-ups instead of to GETs; the rate falls tenfold
-    and the latency grows as much.  Falling by ``FALL`` a period from thousands of
-    GETs would take seconds; the cut ends it in one or two periods.
+    ``latency`` seconds each, ``rate * latency`` are needed (Little's law), and more
+    only cost: connections, and the client's CPU per GET, which grows with them.  Past
+    that point the extra GETs wait on this side (for the client's CPU, or in the
+    store's queue): the latency grows and the rate does not.  So, as TCP Vegas does,
+    each period (``PERIOD`` seconds, four round trips at least) compares the mean
+    latency of the GETs that completed with the least latency seen: the share of the
+    mean spent waiting, ``1 - least / mean``, says how many of the GETs in flight are
+    too many.  Under ``LOW`` the limit rises by half; between ``LOW`` and ``HIGH`` it
+    stays; over ``HIGH`` it falls by ``FALL``, and further where the period's rate
+    says so: to what that rate needs in flight for its GETs to wait between ``LOW``
+    and ``HIGH`` of their time (``rate * least / (1 - (LOW + HIGH) / 2)``).  The
+    deeper cut is for a collapse: when every completion of the client's needs the GIL
+    (obstore's answers do, each from a thread of its own), a thread that holds the GIL
+    for a while leaves hundreds of completions waiting for it, and the client's CPU
+    goes to their wake-ups instead of to GETs; the rate falls tenfold and the latency
+    grows as much.  Falling by ``FALL`` a period from thousands of GETs would take
+    seconds; the cut (to a quarter at most per period) ends it in two or three.
 
-    It starts with TCP's slow start: a store 100 ms away may need ten times the
-    first limit, which rising by half every four round trips reaches after two
-    seconds.  So the limit doubles every two round trips for as long as the
-    doubling pays: as BBR's startup does, while a period's rate (counted over its
-    second round trip, once the GETs the doubling added are answering) is at
-    least ``GROWTH`` times the best before it.  Latency does not end it: the GETs
-    a doubling launches at once queue on the client's CPU and lengthen the
-    latency of periods whose rate still grows.  A period whose rate did not grow,
-    or in which the readers did not keep the limit full, keeps the limit (a large
-    doubling's GETs take a while to be launched and answered); ``FLAT`` such
-    periods in a row end the start, with the limit at what the best rate needs
-    in flight at the least latency, and at least the limit of the last doubling
-    that paid.  If none paid, the first limit was past what the store needs
-    already, and the least latency seen was spent partly in a queue: a drain
+    It starts with TCP's slow start: a store 100 ms away may need ten times the first
+    limit, which rising by half every four round trips reaches after two seconds.  So
+    the limit doubles every two round trips for as long as the doubling pays: as BBR's
+    startup does, while a period's rate (counted over its second round trip, once the
+    GETs the doubling added are answering) is at least ``GROWTH`` times the best
+    before it.  Latency does not end it: the GETs a doubling launches at once queue on
+    the client's CPU and lengthen the latency of periods whose rate still grows.  A
+    period whose rate did not grow, or in which the readers did not keep the limit
+    full, keeps the limit (a large doubling's GETs take a while to be launched and
+    answered); ``FLAT`` such periods in a row end the start, with the limit at what
+    the best rate needs in flight at the least latency, and at least the limit of the
+    last doubling that paid.  If none paid, the first limit was past what the store
+    needs already, and the least latency seen was spent partly in a queue: a drain
     (below) follows.
 
     The least latency is checked, as BBR does, by a drain: one period at half the
-    limit, whose least latency becomes the new one (the store may have become
-    slower), every ``WINDOW`` seconds and after ``FALLS`` falls in a row.  Between
-    ``MIN_IN_FLIGHT`` and ``MAX_IN_FLIGHT``.  After the start, a period in which
-    the readers did not keep the limit full (the demand set the rate), or that an
-    idle spell stretched, decides nothing; after an idle spell of ``IDLE``
-    seconds it all starts again (``resumed``).  Pure arithmetic on the completions
-    it is told of, so a test drives it with a simulated store."""
+    limit, whose least latency becomes the new one (the store may have become slower),
+    every ``WINDOW`` seconds and after ``FALLS`` falls in a row.  Between
+    ``MIN_IN_FLIGHT`` and ``MAX_IN_FLIGHT``.  After the start, a period in which the
+    readers did not keep the limit full (the demand set the rate), that an idle spell
+    stretched, or that saw fewer than ``MIN_IN_FLIGHT`` GETs answered (a pause before
+    them stretched it and their latency), decides nothing; after an idle spell of
+    ``IDLE`` seconds it all starts again (``resumed``).  Pure arithmetic on the
+    completions it is told of, so a test drives it with a simulated store."""
 
     PERIOD = 0.1
     WINDOW = 10.0
@@ -204,7 +203,9 @@ class _Limit:
         # the rate once the GETs of the period's first launches answer
         late = self.late / (into - self.least) if into > self.least else 0.0
         # a period the readers did not keep the limit full says nothing of it
-        said = 2 * self.bound >= self.done and into < 2 * period
+        # (and one of a few GETs says nothing: a pause before them, in this process
+        # or the store, stretched the period and their latency)
+        said = 2 * self.bound >= self.done and into < 2 * period and self.done >= MIN_IN_FLIGHT
         self.t0, self.done, self.bound, self.total, self.late = now, 0, 0, 0.0, 0
         self.period_least = float("inf")
         if self.drained is not None:  # the drain is over: its least is the store's
@@ -247,7 +248,8 @@ class _Limit:
             limit, self.falls = self.limit * 1.5, 0
         elif waiting > self.HIGH:
             needed = rate * self.least / (1.0 - (self.LOW + self.HIGH) / 2)
-            limit, self.falls = min(self.limit * self.FALL, needed), self.falls + 1
+            limit = min(self.limit * self.FALL, max(needed, self.limit / 4))
+            self.falls += 1
         else:
             self.falls = 0
             return
