@@ -22,11 +22,13 @@ show reading Megatron data in place.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,6 +124,18 @@ def _page_id(page: Path) -> str:
 PAGE_PARAMS = [pytest.param(p, marks=pytest.mark.gpu) if p.name == "gpu.md" else p for p in PAGES]
 
 
+@pytest.fixture
+def collector_as_it_was() -> Iterator[None]:
+    """A page may freeze the garbage collector (the object-storage guide shows
+    ``gc.freeze()``, which a page's blocks run in this process): the rest of the suite
+    runs with the collector as it was."""
+    frozen = gc.get_freeze_count()
+    yield
+    if not frozen:
+        gc.unfreeze()
+
+
+@pytest.mark.usefixtures("collector_as_it_was")
 @pytest.mark.parametrize("page", PAGE_PARAMS, ids=_page_id)
 def test_every_block_of_the_page_runs(
     page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
