@@ -216,8 +216,7 @@ class _Limit:
         elif not said:
             return
         elif now - self.least_t > self.WINDOW or self.falls >= self.FALLS:
-            self.drained = self.limit
-            self.limit = max(MIN_IN_FLIGHT, self.limit // 2)
+            self._drain()
         else:
             self._decide(1.0 - self.least / mean if mean > 0 else 0.0, rate)
 
@@ -240,8 +239,12 @@ class _Limit:
             self.starting = False
             self._set(max(self.start_limit, self.start_rate * self.least))
             if self.start_limit == self.first:  # no doubling paid: the least
-                self.drained = self.limit  # latency was seen in a queue
-                self.limit = max(MIN_IN_FLIGHT, self.limit // 2)
+                self._drain()  # latency was seen in a queue
+
+    def _drain(self) -> None:
+        """One period at half the limit: its least latency becomes the least."""
+        self.drained = self.limit
+        self.limit = max(MIN_IN_FLIGHT, self.limit // 2)
 
     def _decide(self, waiting: float, rate: float) -> None:
         if waiting < self.LOW:
