@@ -22,15 +22,23 @@ def _capacity(n: int) -> float:
     return 1.0 / (CPU_PER_GET * (1 + n / 2000))
 
 
+def _answer(
+    ctl: _Limit, t: float, latency: float, demand: int | None = None
+) -> tuple[float, float]:
+    """The store answers the next GET after time ``t``: the time it does, and its rate."""
+    n = ctl.limit if demand is None else min(ctl.limit, demand)
+    rate = min(n / latency, _capacity(n))
+    t += 1.0 / rate
+    ctl.answered(t, n / rate, demand is None or demand >= ctl.limit)
+    return t, rate
+
+
 def _simulate(latency: float, seconds: float, demand: int | None = None) -> tuple[_Limit, float]:
     """Run the store for ``seconds``; returns the controller and the rate at the end."""
     ctl = _Limit(0.0)
     t = rate = 0.0
     while t < seconds:
-        n = ctl.limit if demand is None else min(ctl.limit, demand)
-        rate = min(n / latency, _capacity(n))
-        t += 1.0 / rate
-        ctl.answered(t, n / rate, demand is None or demand >= ctl.limit)
+        t, rate = _answer(ctl, t, latency, demand)
     return ctl, rate
 
 
@@ -69,10 +77,7 @@ def test_the_start_doubles_while_the_rate_grows() -> None:
     ctl = _Limit(0.0)
     t = 0.0
     while ctl.starting:
-        n = ctl.limit
-        rate = min(n / 0.0005, _capacity(n))
-        t += 1.0 / rate
-        ctl.answered(t, n / rate, True)
+        t, _ = _answer(ctl, t, 0.0005)
     assert t < 0.5
     assert ctl.drained == 64 and ctl.limit == 32
 
@@ -145,11 +150,10 @@ def test_a_pause_then_a_few_answers_decide_nothing() -> None:
     """Nothing answered for 0.43 s (this process or the store paused), then one GET,
     which waited through the pause: its period says nothing of the limit (it read as
     a collapse to 2 GETs/s and cut the limit to the least, 16)."""
-    ctl, rate = _simulate(0.1, 5.0)
+    ctl, _ = _simulate(0.1, 5.0)
     t = ctl.last
     while ctl.t0 != t:  # on to the end of a period
-        t += 1.0 / rate
-        ctl.answered(t, ctl.limit / rate, True)
+        t, _ = _answer(ctl, t, 0.1)
     before = ctl.limit
     ctl.answered(t + 0.43, 0.53, True)
     assert ctl.t0 == t + 0.43, "the period ended"
@@ -169,10 +173,7 @@ def test_after_an_idle_spell_it_starts_again() -> None:
     t = ctl.last
     end = t + 1.5
     while t < end:
-        n = ctl.limit
-        rate = min(n / 0.1, _capacity(n))
-        t += 1.0 / rate
-        ctl.answered(t, n / rate, True)
+        t, _ = _answer(ctl, t, 0.1)
     assert ctl.limit >= 0.8 * _knee(0.1), ctl.limit
 
 
@@ -204,9 +205,6 @@ def test_a_store_that_becomes_slower_is_seen_by_a_drain() -> None:
     t = 0.0
     for latency, until in ((0.02, 20.0), (0.1, 35.0)):
         while t < until:
-            n = ctl.limit
-            rate = min(n / latency, _capacity(n))
-            t += 1.0 / rate
-            ctl.answered(t, n / rate, True)
+            t, _ = _answer(ctl, t, latency)
     assert ctl.least >= 0.099
     assert ctl.limit >= 0.8 * _knee(0.1), (ctl.limit, _knee(0.1))
