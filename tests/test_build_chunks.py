@@ -19,7 +19,8 @@ from test_build import dataset_files, write_corpus
 import tokload
 from tokload import BuildError, Documents, build
 from tokload.__main__ import main
-from tokload.builder import BuildOptions, Chunk, _build_chunk, _line_bounds, plan_chunks
+from tokload.build_part import build_chunk
+from tokload.build_plan import BuildOptions, Chunk, _line_bounds, plan_chunks
 from tokload.format import read_manifest
 
 
@@ -193,7 +194,7 @@ def test_progress_moves_within_a_chunk(tmp_path: Path, monkeypatch: pytest.Monke
     (chunk,) = plan_chunks([p], 1 << 30)
     (tmp_path / "ds" / "parts").mkdir(parents=True)
     reports: list[tuple[int, int, int]] = []
-    rest = _build_chunk(
+    rest = build_chunk(
         chunk, BuildOptions(), str(tmp_path / "ds"), {}, report=lambda *c: reports.append(c)
     )
     assert len(reports) >= 3
@@ -234,7 +235,7 @@ def test_an_input_changed_after_planning_is_refused(tmp_path: Path) -> None:
         f.write("\n")
     (tmp_path / "ds" / "parts").mkdir(parents=True)
     with pytest.raises(BuildError, match=r"big\.jsonl: changed while the build was running"):
-        _build_chunk(chunk, BuildOptions(), str(tmp_path / "ds"), {})
+        build_chunk(chunk, BuildOptions(), str(tmp_path / "ds"), {})
     assert not list((tmp_path / "ds" / "parts").iterdir())
 
 

@@ -361,7 +361,7 @@ def test_a_stopped_build_removes_its_temporaries_even_unmarked_ones(tmp_path: Pa
     the build's marker into it leaves it empty and unmarked: a stopped build removes
     it too, as it removes its marked ones. An unmarked one with anything in it is not
     the build's, and stays."""
-    from tokload.builder import _MARKER_TEXT, _remove_temporaries
+    from tokload.build_output import MARKER_TEXT, remove_temporaries
 
     parts = tmp_path / "parts"
     parts.mkdir()
@@ -369,13 +369,13 @@ def test_a_stopped_build_removes_its_temporaries_even_unmarked_ones(tmp_path: Pa
     bare.mkdir()
     marked = parts / "00001-00000.12345678.tmp"  # killed while writing
     marked.mkdir()
-    (marked / BUILD_MARKER).write_text(_MARKER_TEXT)
+    (marked / BUILD_MARKER).write_text(MARKER_TEXT)
     (marked / "shard.tmp").write_bytes(b"half")
     foreign = parts / "00002-00000.abcdef01.tmp"  # not the build's: has a file, no marker
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
     other = parts / "00003-00000.aaaaaaaa.tmp"  # a chunk this build was not writing
     other.mkdir()
-    _remove_temporaries(parts, ["00000-00000", "00001-00000", "00002-00000"])
+    remove_temporaries(parts, ["00000-00000", "00001-00000", "00002-00000"])
     assert sorted(p.name for p in parts.iterdir()) == [foreign.name, other.name]
     assert (foreign / "notes.txt").read_text() == "mine"

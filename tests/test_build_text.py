@@ -1,6 +1,6 @@
 """Plain-text inputs in bounded memory, and progress a user sees without a terminal.
 
-A plain-text file is one document read in pieces (``_text_pieces``): the pieces
+A plain-text file is one document read in pieces (``build_records.text_pieces``): the pieces
 join to the text, cut where a byte-level BPE pre-tokenizer splits anyway, so the
 document's tokens are those of the whole text; the ``Writer`` appends the pieces
 to one document; a piece cut short by an unreadable byte is taken back.
@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from test_build import _hf_tokenizer
 
 import tokload
-import tokload.builder
+import tokload.build_records
 from tokload import BuildError, build
-from tokload.builder import FIRST, LAST, _text_pieces
+from tokload.build_records import FIRST, LAST, text_pieces
 from tokload.format import read_manifest
 from tokload.progress import Progress
 from tokload.tokenizer import load_tokenizer
@@ -31,7 +31,7 @@ WORDS = ["alpha", "beta", " ", "  ", "\n", "\n\n", " \n", "x.", "é", "\t", "it'
 
 
 def soft_cuts(pieces: list[str]) -> bool:
-    """Whether every cut is one ``_text_pieces`` prefers (not a forced one)."""
+    """Whether every cut is one ``text_pieces`` prefers (not a forced one)."""
     for a, b in itertools.pairwise(pieces):
         line_break = a.endswith("\n") and len(a) > 1 and not a[-2].isspace() and not b[0].isspace()
         word = b.startswith(" ") and not a[-1].isspace() and len(b) > 1 and not b[1].isspace()
@@ -51,7 +51,7 @@ def test_pieces_join_to_the_text_and_tokenize_as_it(
     bpe: tokload.tokenizer.Tokenizer, words: list[str], piece: int
 ) -> None:
     text = "".join(words)
-    got = list(_text_pieces(io.BytesIO(text.encode()), piece))
+    got = list(text_pieces(io.BytesIO(text.encode()), piece))
     pieces = [p for _, p in got]
     assert "".join(pieces) == text
     flags = [f for f, _ in got]
@@ -67,13 +67,13 @@ def test_pieces_join_to_the_text_and_tokenize_as_it(
 
 def test_a_text_without_places_to_cut_is_cut_where_it_stands() -> None:
     text = "x" * 1000
-    got = list(_text_pieces(io.BytesIO(text.encode()), 16))
+    got = list(text_pieces(io.BytesIO(text.encode()), 16))
     assert "".join(p for _, p in got) == text and len(got) > 1
 
 
 def test_a_multibyte_character_across_reads_is_whole() -> None:
     text = "é" * 100 + " word " * 10
-    got = list(_text_pieces(io.BytesIO(text.encode()), 7))
+    got = list(text_pieces(io.BytesIO(text.encode()), 7))
     assert "".join(p for _, p in got) == text
 
 
@@ -87,7 +87,7 @@ def test_a_text_file_in_pieces_is_one_document_with_the_whole_texts_tokens(
     text = "\n".join(lines) + "\n"
     (tmp_path / "big.txt").write_text(text)
     (tmp_path / "small.txt").write_text("a small one")
-    monkeypatch.setattr(tokload.builder, "_TEXT_PIECE", 1024)  # about 100 pieces
+    monkeypatch.setattr(tokload.build_records, "_TEXT_PIECE", 1024)  # about 100 pieces
     inputs = [tmp_path / "big.txt", tmp_path / "small.txt"]
     s = build(
         inputs, tmp_path / "ds", tokenizer=tj, bos=bos, keep_fields=["path"], shard_bytes=4096

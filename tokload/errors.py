@@ -79,6 +79,7 @@ class StateError(TokloadError, ValueError):
 
 
 __all__ = [
+    "BuildError",
     "CorruptDataError",
     "FormatError",
     "MissingShardError",
@@ -88,4 +89,13 @@ __all__ = [
     "StateError",
     "TokloadError",
     "TruncatedFileError",
+    "UsageError",
 ]
+
+
+class BuildError(TokloadError, ValueError):
+    """Bad input during a build; the message names the file and line."""
+
+
+class UsageError(ValueError):
+    """The arguments of a build are wrong (``tokload build`` exits with 2)."""

@@ -1,0 +1,344 @@
+"""One chunk of a build into its own dataset, ``OUT/parts/iiiii-ccccc``.
+
+The one job of this module: tokenize a chunk's records (``tokload.build_records``)
+and write them, via a temporary directory renamed when complete, with what the
+chunk was built from in its manifest (``tokload.build_output`` decides whether
+it is current). Each batch of texts goes to the tokenizer at once (Rust, GIL
+free); token ids and character offsets cross as one flat array per batch, and
+BOS/EOS insertion and annotation mapping are NumPy operations over the batch.
+
+Per-document metadata (fields kept from each record) and character-span
+annotations become metadata records (FORMAT.md, stream with metadata): each
+maximal run of tokens covered by the same annotations gets one record, the
+JSON ``{"document": {kept fields}, "annotations": [annotation without start
+and end, ...]}`` (empty parts omitted, keys sorted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import secrets
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokload.build_output import MARKER_TEXT, PARTS, remove_dir, temporaries
+from tokload.build_plan import BuildOptions, Chunk
+from tokload.build_records import (
+    ANNOTATION_NO_SPAN,
+    ANNOTATION_OUTSIDE,
+    ANNOTATIONS_NOT_LIST,
+    FIRST,
+    LAST,
+    NO_TEXT,
+    TEXT_NOT_STRING,
+    UNREADABLE,
+    WHOLE,
+    ChunkInput,
+    lines_before,
+    read_errors,
+    records,
+)
+from tokload.errors import BuildError
+from tokload.inputs import BUILD_MARKER
+from tokload.tokenizer import EncodedBatch, Tokenizer, load_tokenizer, token_dtype
+from tokload.writer import Writer
+
+_BATCH_DOCS = 256
+_BATCH_CHARS = 4 << 20
+_REPORT_BYTES = 4 << 20
+_BATCH_PIECES_CHARS = 1 << 20
+"""Characters of plain-text pieces tokenized in one batch: each tokenizer thread gets a
+piece or two, so the batch (which Ctrl+C waits for) takes a fraction of a second."""
+
+
+_TOKENIZERS: dict[str, Tokenizer] = {}
+
+
+def build_chunk(
+    chunk: Chunk,
+    opts: BuildOptions,
+    out_s: str,
+    base: dict[str, Any],
+    report: Callable[[int, int, int], None] | None = None,
+) -> tuple[int, int, int]:
+    """Build ``chunk`` into OUT/parts/iiiii-ccccc (via a temporary directory).
+
+    Calls ``report(bytes, documents, tokens)`` with the input bytes read and
+    the documents and tokens written since its last call, every few MB;
+    returns the rest of the chunk's size and the documents and tokens not
+    reported yet, so the reports and the return value add up to the chunk's.
+    """
+    path, out = Path(chunk.path), Path(out_s)
+    tok = _TOKENIZERS.get(opts.tokenizer)
+    if tok is None:
+        tok = _TOKENIZERS[opts.tokenizer] = load_tokenizer(opts.tokenizer)
+    tdt = token_dtype(tok.vocab_size)
+    # With metadata, the Writer attaches it as a span table (FORMAT.md, version 2).
+    dtype: Any = [("token", tdt.str)] if opts.metadata else tdt
+    final = out / PARTS / chunk.name
+    for d in temporaries(out / PARTS, chunk.name):
+        remove_dir(d)  # left by a task that died (a Ray retry)
+    # A name of its own: a directory in the way, whoever made it, is never touched.
+    tmp = out / PARTS / f"{chunk.name}.{secrets.token_hex(4)}.tmp"
+    skipped: Counter[str] = Counter()
+    docs = tokens = reported = reported_docs = reported_tokens = 0
+    open_tokens = 0  # tokens of the pieces of a document not ended yet
+    first_line = 0
+
+    def where(line: int) -> str:
+        nonlocal first_line
+        if chunk.unit != "bytes":
+            return f"{path}:{line}"
+        if chunk.start and not first_line:
+            first_line = lines_before(path, chunk.start)
+        return f"{path}:{first_line + line}"
+
+    def fail(line: int | None, reason: str, message: str) -> None:
+        if opts.on_error == "stop":
+            at = str(path) if line is None else where(line)
+            raise BuildError(f"{at}: {message} (on_error='skip' skips such records)")
+        skipped[reason] += 1
+
+    try:
+        inp = ChunkInput(chunk)
+    except OSError as e:
+        raise BuildError(f"{path}: cannot open the input: {e.strerror or e}") from None
+    try:
+        tmp.mkdir()
+        (tmp / BUILD_MARKER).write_text(MARKER_TEXT)  # first: whatever follows is the build's
+    except BaseException:
+        inp.close()
+        raise
+    with (
+        contextlib.closing(inp),
+        Writer(
+            tmp,
+            dtype,
+            metadata=opts.metadata,
+            shard_bytes=opts.shard_bytes,
+            name_prefix=f"in{chunk.name}",
+            user={"input": str(path), "chunk": chunk.index},
+        ) as w,
+    ):
+        pending: list[tuple[int, str, dict[str, Any]]] = []
+        places: list[int] = []  # each pending text's FIRST/LAST flags
+        pending_chars = 0
+
+        def flush() -> None:
+            nonlocal docs, tokens, pending_chars, reported, reported_docs, reported_tokens
+            nonlocal open_tokens
+            if not pending:
+                return
+            texts = [t for _, t, _ in pending]
+            batch = _encode(tok, texts, pending, opts.annotations_field)
+            ids, bounds = _with_bos_eos(batch, opts, tok, tdt, np.array(places, np.int8))
+            offsets = batch.offsets
+            for d, (line, text, rec) in enumerate(pending):
+                doc = ids[bounds[d] : bounds[d + 1]]
+                spans = None
+                if opts.metadata:
+                    span_offsets = (
+                        None if offsets is None else offsets[batch.bounds[d] : batch.bounds[d + 1]]
+                    )
+                    spans, err = _spans(len(doc), span_offsets, text, rec, opts)
+                    if err is not None:
+                        fail(line, *err)
+                        continue
+                end = bool(places[d] & LAST)
+                w.write({"token": doc} if opts.metadata else doc, spans=spans, end=end)
+                tokens += len(doc)
+                open_tokens = 0 if end else open_tokens + len(doc)
+                docs += end
+            pending.clear()
+            places.clear()
+            pending_chars = 0
+            if report is not None and inp.consumed() - reported >= _REPORT_BYTES:
+                n = min(inp.consumed(), chunk.size) - reported
+                report(n, docs - reported_docs, tokens - reported_tokens)
+                reported += n
+                reported_docs, reported_tokens = docs, tokens
+
+        try:
+            for line, rec, err, place in records(inp, opts.text_field):
+                if err is not None:
+                    fail(line, *err)
+                    continue
+                assert rec is not None
+                text = rec.get(opts.text_field)
+                if not isinstance(text, str):
+                    if text is None:
+                        fields = ", ".join(map(str, list(rec)[:8])) or "none"
+                        fail(
+                            line,
+                            NO_TEXT,
+                            f"no text field {opts.text_field!r} (the record's fields: {fields}; "
+                            "--text-field names another)",
+                        )
+                    else:
+                        fail(
+                            line,
+                            TEXT_NOT_STRING,
+                            f"field {opts.text_field!r} is a {type(text).__name__}, not a string",
+                        )
+                    continue
+                pending.append((line, text, rec))
+                places.append(place)
+                pending_chars += len(text)
+                limit = _BATCH_CHARS if place == WHOLE else _BATCH_PIECES_CHARS
+                if len(pending) >= _BATCH_DOCS or pending_chars >= limit:
+                    flush()
+            flush()
+        except read_errors() as e:
+            if isinstance(e, BuildError):
+                raise
+            w.discard()  # the pieces of a plain-text document cut short
+            tokens -= open_tokens
+            fail(None, UNREADABLE, f"unreadable: {e}")
+        w.manifest.user["stats"] = {
+            "documents": docs,
+            "tokens": tokens,
+            "skipped": dict(sorted(skipped.items())),
+        }
+        w.manifest.user["build"] = {
+            **base,
+            "input": inp.record(),
+            "chunk": {**chunk.record(), "sha256": inp.hash.hexdigest()},
+        }
+    os.replace(tmp, final)  # the chunk is complete: publish it
+    return chunk.size - reported, docs - reported_docs, tokens - reported_tokens
+
+
+def _encode(
+    tok: Tokenizer,
+    texts: list[str],
+    pending: list[tuple[int, str, dict[str, Any]]],
+    annotations_field: str | None,
+) -> EncodedBatch:
+    """Encode a batch, asking for character offsets (which cost the tokenizer time and
+    cross into Python as a tuple per token) only for the texts that have annotations;
+    the others get zero offsets, which nothing reads."""
+    need = [bool(rec.get(annotations_field)) for _, _, rec in pending] if annotations_field else []
+    if not any(need) or all(need):
+        return tok.encode_many(texts, offsets=any(need))
+    picks = [[d for d, x in enumerate(need) if x is want] for want in (True, False)]
+    parts = [
+        tok.encode_many([texts[d] for d in pick], offsets=o)
+        for pick, o in zip(picks, (True, False), strict=True)
+    ]
+    lengths = np.zeros(len(texts), dtype=np.int64)
+    for pick, part in zip(picks, parts, strict=True):
+        lengths[pick] = np.diff(part.bounds)
+    bounds = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=bounds[1:])
+    ids = np.empty(int(bounds[-1]), dtype=np.int64)
+    offsets = np.zeros((len(ids), 2), dtype=np.int64)
+    for pick, part in zip(picks, parts, strict=True):
+        for k, d in enumerate(pick):
+            a, b = part.bounds[k], part.bounds[k + 1]
+            ids[bounds[d] : bounds[d + 1]] = part.ids[a:b]
+            if part.offsets is not None:
+                offsets[bounds[d] : bounds[d + 1]] = part.offsets[a:b]
+    return EncodedBatch(ids, bounds, offsets)
+
+
+def _with_bos_eos(
+    batch: EncodedBatch,
+    opts: BuildOptions,
+    tok: Tokenizer,
+    dtype: np.dtype[Any],
+    places: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's ids with BOS/EOS around each text, as ``dtype``, and the new bounds.
+
+    ``places`` (``FIRST``/``LAST`` flags per text, ``WHOLE`` for a whole document):
+    BOS goes only before a document's first piece, EOS only after its last.
+    """
+    lengths = np.diff(batch.bounds)
+    has_bos = (places & FIRST).astype(bool) & opts.bos
+    has_eos = (places & LAST).astype(bool) & opts.eos
+    bounds = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths + has_bos + has_eos, out=bounds[1:])
+    if not (has_bos.any() or has_eos.any()):
+        return batch.ids.astype(dtype), bounds
+    out = np.empty(int(bounds[-1]), dtype=dtype)
+    body = np.ones(len(out), dtype=bool)
+    if has_bos.any():
+        at = bounds[:-1][has_bos]
+        out[at] = tok.bos_id
+        body[at] = False
+    if has_eos.any():
+        at = bounds[1:][has_eos] - 1
+        out[at] = tok.eos_id
+        body[at] = False
+    out[body] = batch.ids  # ids < vocab_size: the cast cannot overflow
+    return out, bounds
+
+
+def _spans(
+    n_tokens: int,
+    offsets: np.ndarray | None,
+    text: str,
+    rec: dict[str, Any],
+    opts: BuildOptions,
+) -> tuple[list[tuple[int, int, bytes]] | None, tuple[str, str] | None]:
+    """The metadata spans of one document (``n_tokens`` with BOS/EOS), or (reason, message).
+
+    ``offsets`` are the character spans of the text's own tokens (without
+    BOS/EOS); an annotation ``[s, e)`` covers the tokens that end after ``s``
+    and start before ``e``, found for all annotations of the document in
+    two ``searchsorted`` calls.
+    """
+    n_text = len(text)
+    anns: list[tuple[int, int, dict[str, Any]]] = []
+    raw = rec.get(opts.annotations_field) if opts.annotations_field else None
+    if raw is not None and not isinstance(raw, list):
+        return None, (
+            ANNOTATIONS_NOT_LIST,
+            f"field {opts.annotations_field!r} is not a list of annotations",
+        )
+    if raw:
+        for a in raw:
+            if (
+                not isinstance(a, dict)
+                or not isinstance(a.get("start"), int)
+                or not isinstance(a.get("end"), int)
+            ):
+                return None, (
+                    ANNOTATION_NO_SPAN,
+                    f"an annotation without integer start/end: {a!r}",
+                )
+            s, e = a["start"], a["end"]
+            if not 0 <= s < e <= n_text:
+                return None, (
+                    ANNOTATION_OUTSIDE,
+                    f"annotation [{s}, {e}) is outside the text ({n_text} characters)",
+                )
+        assert offsets is not None
+        starts = np.fromiter((a["start"] for a in raw), np.int64, len(raw))
+        ends = np.fromiter((a["end"] for a in raw), np.int64, len(raw))
+        shift = int(opts.bos)  # a BOS token spans [0, 0): it precedes every annotation
+        los = np.searchsorted(offsets[:, 1], starts, side="right") + shift
+        his = np.searchsorted(offsets[:, 0], ends, side="left") + shift
+        for a, lo, hi in zip(raw, los.tolist(), his.tolist(), strict=True):
+            if lo < hi:
+                anns.append((lo, hi, {k: v for k, v in a.items() if k not in ("start", "end")}))
+    doc_meta = {f: rec.get(f) for f in opts.keep_fields}
+    bounds = sorted({0, n_tokens, *(b for lo, hi, _ in anns for b in (lo, hi))})
+    spans = []
+    for a, b in itertools.pairwise(bounds):
+        covering = [payload for lo, hi, payload in anns if lo <= a and hi >= b]
+        record: dict[str, Any] = {}
+        if opts.keep_fields:
+            record["document"] = doc_meta
+        if covering:
+            record["annotations"] = covering
+        if record and b > a:
+            spans.append((a, b, json.dumps(record, sort_keys=True, separators=(",", ":")).encode()))
+    return spans, None

@@ -1,0 +1,306 @@
+"""One chunk of a build's input as records: the reading side of ``tokload build``.
+
+The one job of this module: open a chunk's input (checked against the plan,
+every byte hashed as it is read, so the chunk's content hash costs no second
+pass) and give its records one by one: the lines of a JSONL file (gzip, bz2,
+xz or zstd compressed, or a byte range of an uncompressed one), the rows of a
+Parquet file's row groups, or a plain-text file as pieces of bounded size.
+A record that cannot be used comes with a reason key (``MALFORMED_JSON`` ...)
+and a message naming what is wrong; the caller stops or skips it.
+JSON is parsed with ``orjson`` where installed.
+"""
+
+from __future__ import annotations
+
+import bz2
+import codecs
+import contextlib
+import gzip
+import hashlib
+import io
+import json
+import lzma
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from tokload.build_plan import Chunk, row_group_range
+from tokload.errors import BuildError
+from tokload.inputs import kind as input_kind
+
+
+def _json_loads() -> Callable[[bytes], Any]:
+    """orjson's ``loads`` where installed (about 4x faster than json's), else json's."""
+    try:
+        import orjson
+    except ImportError:  # pragma: no cover - depends on the environment
+        return json.loads
+    return orjson.loads
+
+
+_fast_loads = _json_loads()
+
+_READ_CHUNK = 1 << 20
+_COMPRESSED: dict[str, Callable[..., Any]] = {
+    ".gz": gzip.open,
+    ".bz2": bz2.open,
+    ".xz": lzma.open,
+}
+
+
+class _RangeReader(io.RawIOBase):
+    """A raw reader of ``limit`` bytes of ``f`` that feeds every byte it returns
+    to a hash and counts them: the chunk's content hash costs no second pass."""
+
+    def __init__(self, f: IO[bytes], limit: int | None, h: Any) -> None:
+        self._f = f
+        self._left = limit
+        self.hash = h
+        self.count = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b)
+        if self._left is not None:
+            view = view[: self._left]
+        n = int(self._f.readinto(view) or 0)  # type: ignore[attr-defined]
+        if n:
+            self.hash.update(view[:n])
+            self.count += n
+            if self._left is not None:
+                self._left -= n
+        return n
+
+
+class ChunkInput:
+    """One chunk's input opened once: checked against the plan, hashed as it is read."""
+
+    def __init__(self, chunk: Chunk) -> None:
+        self.chunk = chunk
+        self.path = Path(chunk.path)
+        self.hash = hashlib.sha256()
+        self._raw = open(self.path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        st = os.fstat(self._raw.fileno())
+        if (st.st_size, st.st_mtime_ns) != chunk.identity:
+            self._raw.close()
+            raise BuildError(
+                f"{self.path}: changed while the build was running (size or modification "
+                "time); run the build again"
+            )
+        self.reader: _RangeReader | None = None
+
+    def binary(self, start: int = 0, end: int | None = None) -> IO[bytes]:
+        self._raw.seek(start)
+        self.reader = _RangeReader(self._raw, None if end is None else end - start, self.hash)
+        return io.BufferedReader(self.reader, _READ_CHUNK)
+
+    def consumed(self) -> int:
+        return self.reader.count if self.reader is not None else 0
+
+    def record(self) -> dict[str, Any]:
+        size, mtime = self.chunk.identity
+        return {"path": os.path.abspath(self.path), "size": size, "mtime_ns": mtime}
+
+    def close(self) -> None:
+        self._raw.close()
+
+
+def _open_lines(inp: ChunkInput) -> IO[bytes]:
+    path, chunk = inp.path, inp.chunk
+    if chunk.unit == "bytes":
+        return inp.binary(chunk.start, chunk.end)
+    raw = inp.binary()
+    if path.suffix in _COMPRESSED:
+        return io.BufferedReader(_COMPRESSED[path.suffix](raw, "rb"), _READ_CHUNK)
+    if path.suffix == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise BuildError(f"{path}: reading .zst needs the 'zstandard' package") from None
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw), _READ_CHUNK)
+    return raw
+
+
+def lines_before(path: Path, offset: int) -> int:
+    """Newlines in the first ``offset`` bytes (only to name a bad line: never on the hot path)."""
+    n = 0
+    with open(path, "rb") as f:
+        while offset > 0:
+            block = f.read(min(offset, _READ_CHUNK))
+            if not block:
+                break
+            n += block.count(b"\n")
+            offset -= len(block)
+    return n
+
+
+# Why a record is skipped: one key per reason, whatever the details of the message.
+MALFORMED_JSON = "malformed JSON"
+NOT_AN_OBJECT = "not a JSON object"
+NO_TEXT = "missing text field"
+TEXT_NOT_STRING = "text field not a string"
+ANNOTATIONS_NOT_LIST = "annotations not a list"
+ANNOTATION_NO_SPAN = "annotation without integer start/end"
+ANNOTATION_OUTSIDE = "annotation outside the text"
+UNREADABLE = "unreadable input"
+
+Record = tuple[int, dict[str, Any] | None, tuple[str, str] | None, int]
+"""(line, record, (reason key, message), FIRST/LAST flags) of one input record; lines count
+from the chunk's first (1) and rows from the file's first; a plain-text document comes
+in pieces (see ``text_pieces``)."""
+
+
+def _parse_line(line: bytes) -> Any:
+    try:
+        return _fast_loads(line)
+    except ValueError:
+        # orjson is stricter (NaN, lone surrogates) and words errors its own way:
+        # json decides, and words the error.
+        return json.loads(line)
+
+
+def records(inp: ChunkInput, text_field: str) -> Iterator[Record]:
+    path, chunk = inp.path, inp.chunk
+    kind = input_kind(path)
+    if kind == "jsonl":
+        with _open_lines(inp) as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = _parse_line(line)
+                except (ValueError, RecursionError) as e:
+                    detail = (
+                        f"{e.msg} at column {e.colno}"
+                        if isinstance(e, json.JSONDecodeError)
+                        else str(e).split(";")[0] or type(e).__name__
+                    )
+                    yield line_no, None, (MALFORMED_JSON, f"malformed JSON ({detail})"), WHOLE
+                    continue
+                if not isinstance(rec, dict):
+                    yield (
+                        line_no,
+                        None,
+                        (NOT_AN_OBJECT, f"a JSON {type(rec).__name__}, not an object"),
+                        WHOLE,
+                    )
+                    continue
+                yield line_no, rec, None, WHOLE
+    elif kind == "parquet":
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise BuildError(f"{path}: reading Parquet needs the 'pyarrow' package") from None
+        # One pass over the disk: hash the chunk's row groups, then Parquet reads cached pages.
+        with pa.memory_map(str(path)) as mf:
+            pf = pq.ParquetFile(mf)
+            meta = pf.metadata
+            _check_column(path, pf.schema_arrow, text_field)
+            groups = range(chunk.start, chunk.end)
+            for g in groups:
+                a, b = row_group_range(meta, g)
+                mf.seek(a)
+                while a < b:
+                    buf = mf.read_buffer(min(b - a, _READ_CHUNK * 16))
+                    if not buf.size:
+                        break
+                    inp.hash.update(memoryview(buf))
+                    a += buf.size
+            row = sum(meta.row_group(g).num_rows for g in range(chunk.start))
+            if not groups:
+                return
+            for batch in pf.iter_batches(batch_size=1024, row_groups=list(groups)):
+                for rec in batch.to_pylist():
+                    row += 1
+                    yield row, rec, None, WHOLE
+    else:
+        with inp.binary() as f:
+            for flags, piece in text_pieces(f):
+                yield 1, {text_field: piece, "path": str(path)}, None, flags
+
+
+_TEXT_PIECE = 256 << 10
+"""Bytes of a plain-text input read (and tokenized) at a time."""
+
+FIRST, LAST = 1, 2
+WHOLE = FIRST | LAST
+"""Where a record's text stands in its document: its first piece, its last, or all of it."""
+
+
+def text_pieces(f: IO[bytes], piece: int | None = None) -> Iterator[tuple[int, str]]:
+    """A plain-text file as pieces of about ``piece`` bytes, each with its place
+    (``FIRST``/``LAST`` flags): memory stays bounded whatever the file's size.
+
+    A piece ends at a line break between two characters that are not white
+    space, else before a space between two words: a byte-level BPE
+    pre-tokenizer (GPT-2's and Llama 3's patterns, most tokenizer.json files)
+    splits the text there anyway, so the pieces' tokens are the whole text's.
+    Only a text with neither in 4 pieces' length is cut where it stands (the
+    tokens next to that cut may then differ from the whole text's).
+    Raises ``UnicodeDecodeError`` at the first byte that is not UTF-8.
+    """
+    size = piece or _TEXT_PIECE
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    carry = ""
+    first = True
+    while True:
+        block = f.read(size)
+        text = carry + decoder.decode(block, final=not block)
+        if not block:
+            yield (FIRST if first else 0) | LAST, text
+            return
+        cut = _cut(text) if len(text) >= size else -1
+        if cut < 0 and len(text) >= 4 * size:
+            cut = len(text)
+        if cut <= 0:
+            carry = text
+            continue
+        yield (FIRST if first else 0), text[:cut]
+        first = False
+        carry = text[cut:]
+
+
+def _cut(text: str) -> int:
+    """Where ``text`` may be cut (see ``text_pieces``), or -1: the last line break
+    with no white space on either side, else the last space between two words."""
+    for sep, after in (("\n", 1), (" ", 0)):
+        pos = text.rfind(sep, 1, len(text) - 1)
+        tries = 0
+        while pos > 0 and tries < 64:
+            if not text[pos - 1].isspace() and not text[pos + 1].isspace():
+                return pos + after
+            pos = text.rfind(sep, 1, pos)
+            tries += 1
+    return -1
+
+
+def _check_column(path: Path, schema: Any, field: str) -> None:
+    """A Parquet file must have the text column: name the columns it has, and the likely one."""
+    names = list(schema.names)
+    if field in names:
+        return
+    strings = [f.name for f in schema if str(f.type) in ("string", "large_string")]
+    usual = [n for n in ("text", "content", "body", "raw_content", "document") if n in strings]
+    pick = (usual or strings or [None])[0]
+    hint = f"; use --text-field {pick}" if pick else ""
+    raise BuildError(
+        f"{path}: no column {field!r}; its columns are {', '.join(names) or '(none)'}{hint}"
+    )
+
+
+def read_errors() -> tuple[type[BaseException], ...]:
+    """What reading a damaged input raises (beyond ``OSError``)."""
+    errors: list[type[BaseException]] = [OSError, UnicodeDecodeError, EOFError, lzma.LZMAError]
+    with contextlib.suppress(ImportError):
+        import zstandard
+
+        errors.append(zstandard.ZstdError)
+    with contextlib.suppress(ImportError):
+        import pyarrow as pa
+
+        errors.append(pa.ArrowException)
+    return tuple(errors)
