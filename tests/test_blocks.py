@@ -46,7 +46,8 @@ from tokload._meta import SPAN_NONE, BlockSet, Scratch, decode_blocks, encode_bl
 from tokload._tables import CompressedTable, compressed_table_bytes
 from tokload.checksum import verify_checksums
 from tokload.errors import CorruptDataError, FormatError, TruncatedFileError
-from tokload.format import DEFAULT_INDEX_MEMORY, read_manifest
+from tokload.format import read_manifest
+from tokload.source import DEFAULT_INDEX_MEMORY
 from tokload.tools import verify
 from tokload.writer import convert, merge
 

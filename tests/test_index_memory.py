@@ -20,7 +20,7 @@ from tokload import Documents, Writer
 from tokload._docindex import DocIndex
 from tokload._tables import ShardTables
 from tokload.errors import CorruptDataError, TruncatedFileError
-from tokload.format import DEFAULT_INDEX_MEMORY, index_memory
+from tokload.source import DEFAULT_INDEX_MEMORY, index_memory
 
 
 def tables(view: Documents) -> ShardTables:

@@ -12,8 +12,9 @@ from these docstrings) has the whole picture; docs/ARCHITECTURE.md the invariant
 from tokload import errors, tools
 from tokload._permute import Permutation, epoch_seed
 from tokload.batching import Fill, Pack, Pad, Stack
-from tokload.builder import BuildError, build
+from tokload.builder import build
 from tokload.errors import (
+    BuildError,
     CorruptDataError,
     FormatError,
     MissingShardError,
@@ -24,12 +25,13 @@ from tokload.errors import (
     StateError,
     TokloadError,
     TruncatedFileError,
+    UsageError,
 )
-from tokload.format import Source, open_dataset
 from tokload.inputs import InputError
 from tokload.interop import open_flat, open_megatron
 from tokload.loader import DataLoader
 from tokload.reading import ReadOptions
+from tokload.source import Source, open_dataset
 from tokload.views import (
     Blend,
     DocumentBatch,
@@ -70,6 +72,7 @@ __all__ = [
     "TokenStream",
     "TokloadError",
     "TruncatedFileError",
+    "UsageError",
     "Writer",
     "__version__",
     "build",

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-from tokload.errors import TokloadError
+from tokload.errors import TokloadError, UsageError
 
 _DEBUG_ENV = "TOKLOAD_DEBUG_CLI"
 
@@ -103,7 +103,7 @@ def _size(text: str) -> int:
 
 
 def _part(text: str) -> str:
-    from tokload.builder import UsageError, parse_part
+    from tokload.build_plan import parse_part
 
     try:
         parse_part(text)
@@ -472,7 +472,6 @@ def _main(args: argparse.Namespace, started: float, debug: bool) -> int:
 
 def _describe(e: Exception) -> tuple[int, str]:
     """(exit code, one line) for an error."""
-    from tokload.builder import UsageError
     from tokload.tools import error_message
 
     if isinstance(e, UsageError):

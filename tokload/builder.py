@@ -52,17 +52,11 @@ from tokload.build_part import build_chunk
 from tokload.build_plan import DEFAULT_CHUNK_BYTES, BuildOptions, Chunk, parse_part, plan_chunks
 from tokload.build_records import NO_TEXT
 from tokload.errors import BuildError, UsageError
-from tokload.format import (
-    FORMAT_VERSION,
-    MANIFEST,
-    Manifest,
-    open_dataset,
-    read_manifest,
-    write_manifest,
-)
+from tokload.format import FORMAT_VERSION, MANIFEST, Manifest, read_manifest, write_manifest
 from tokload.inputs import BUILD_MARKER, Found, find_inputs
 from tokload.progress import DEFAULT_EVERY as DEFAULT_PROGRESS_EVERY
 from tokload.progress import Progress
+from tokload.source import open_dataset
 from tokload.tokenizer import (
     TOKENIZER_FILE,
     copy_tokenizer,

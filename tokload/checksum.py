@@ -14,7 +14,9 @@ import xxhash
 
 from tokload import remote
 from tokload.errors import TokloadError
-from tokload.format import CHECKSUM_KEY, MANIFEST, Location, manifest_at, open_regular
+from tokload.files import open_regular
+from tokload.format import CHECKSUM_KEY, MANIFEST, manifest_at
+from tokload.location import Location
 
 CHUNK = 8 << 20
 """Bytes read per call while hashing."""

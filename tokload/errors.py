@@ -97,5 +97,5 @@ class BuildError(TokloadError, ValueError):
     """Bad input during a build; the message names the file and line."""
 
 
-class UsageError(ValueError):
+class UsageError(TokloadError, ValueError):
     """The arguments of a build are wrong (``tokload build`` exits with 2)."""

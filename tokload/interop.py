@@ -32,15 +32,10 @@ from tokload._docindex import DocIndex
 from tokload._megatron import MegatronIndex
 from tokload._rows import RowSet
 from tokload.errors import FormatError, TokloadError
-from tokload.format import (
-    Location,
-    Source,
-    check_dtype,
-    create_unique,
-    fingerprint,
-    index_memory,
-    open_regular,
-)
+from tokload.files import create_unique, open_regular
+from tokload.format import check_dtype, fingerprint
+from tokload.location import Location
+from tokload.source import Source, index_memory
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 # megatron.core.datasets.indexed_dataset.DType codes

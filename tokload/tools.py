@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 
 from tokload.errors import TokloadError
-from tokload.format import METADATA_FIELD, Location, open_dataset
+from tokload.format import METADATA_FIELD
+from tokload.location import Location
+from tokload.source import open_dataset
 from tokload.tokenizer import from_description
 
 

@@ -21,6 +21,7 @@ import xxhash
 
 from tokload._meta import SPAN_DTYPE, decode_blocks, encode_blocks
 from tokload.errors import FormatError
+from tokload.files import fsync_dir, read_regular
 from tokload.format import (
     DEFAULT_METADATA_BLOCK,
     DEFAULT_SPAN_BLOCK,
@@ -32,9 +33,7 @@ from tokload.format import (
     Manifest,
     ShardInfo,
     check_dtype,
-    fsync_dir,
     read_manifest,
-    read_regular,
     write_manifest,
 )
 

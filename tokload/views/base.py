@@ -12,13 +12,9 @@ import numpy.typing as npt
 
 from tokload._io import FileSet
 from tokload.errors import MissingShardError
-from tokload.format import (
-    MANIFEST,
-    Location,
-    Source,
-    open_dataset,
-    open_dataset_at,
-)
+from tokload.format import MANIFEST
+from tokload.location import Location
+from tokload.source import Source, open_dataset, open_dataset_at
 
 DataLike = str | os.PathLike[str] | Source
 Fields = np.ndarray | dict[str, np.ndarray]
