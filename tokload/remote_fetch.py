@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
+import contextvars
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tokload import _remote
@@ -38,13 +38,49 @@ from tokload.remote import (
 )
 
 
-def plan(
-    objs: Sequence[RemoteObject], offsets: Sequence[int], lengths: Sequence[int]
-) -> list[tuple[RemoteObject, int, int, list[int]]]:
+class Gets:
+    """A batch's GETs, as columns: GET ``k`` reads ``[starts[k], ends[k])`` of
+    ``objs[k]`` and serves ``reqs[k]``, a request's number or (merged) a list of
+    them.  Columns of ints, not a tuple and a list per GET: a task's GETs wait
+    in flight, or for a slot, for as long as the store takes, and the collector
+    would chase every one of those objects meanwhile."""
+
+    __slots__ = ("ends", "objs", "reqs", "starts")
+
+    def __init__(self) -> None:
+        self.objs: list[RemoteObject] = []
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.reqs: list[int | list[int]] = []
+
+    def add(self, obj: RemoteObject, start: int, end: int, reqs: list[int]) -> None:
+        self.objs.append(obj)
+        self.starts.append(start)
+        self.ends.append(end)
+        self.reqs.append(reqs[0] if len(reqs) == 1 else reqs)
+
+    def size(self, k: int) -> int:
+        """The bytes GET ``k`` reads."""
+        return self.ends[k] - self.starts[k]
+
+    def requests(self, k: int) -> list[int]:
+        """The requests GET ``k`` serves."""
+        r = self.reqs[k]
+        return [r] if isinstance(r, int) else r
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __iter__(self) -> Iterator[tuple[RemoteObject, int, int, list[int]]]:
+        """``(object, start, end, requests)`` of each GET."""
+        for k in range(len(self)):
+            yield self.objs[k], self.starts[k], self.ends[k], self.requests(k)
+
+
+def plan(objs: Sequence[RemoteObject], offsets: Sequence[int], lengths: Sequence[int]) -> Gets:
     """The GETs of a batch: per object, requested ranges sorted and merged
     where the gap between them is at most the store's ``merge_gap`` (and the
-    merged range at most MAX_MERGED bytes).  Each GET is ``(object, start, end,
-    requests)``; empty requests need none.
+    merged range at most MAX_MERGED bytes).  Empty requests need none.
 
     Raises:
         RemoteError: a request past its object's end (as opened), with
@@ -64,7 +100,7 @@ def plan(
                 e.request = i  # type: ignore[attr-defined]
                 raise e
             by_obj.setdefault(id(o), []).append(i)
-    gets: list[tuple[RemoteObject, int, int, list[int]]] = []
+    gets = Gets()
     for idx in by_obj.values():
         obj = objs[idx[0]]
         gap = obj.store.settings.merge_gap
@@ -78,9 +114,9 @@ def plan(
                 cur.append(i)
             else:
                 if cur:
-                    gets.append((obj, start, end, cur))
+                    gets.add(obj, start, end, cur)
                 cur, start, end = [i], lo, hi
-        gets.append((obj, start, end, cur))
+        gets.add(obj, start, end, cur)
     return gets
 
 
@@ -293,7 +329,7 @@ class _Flow:
                 waiting.popleft()  # back in line once one of its GETs completes
                 b.queued = False
                 continue
-            size = b.gets[b.next][2] - b.gets[b.next][1]
+            size = b.gets.size(b.next)
             if self.inflight and self.bytes + size > IN_FLIGHT_BYTES:
                 break
             self.inflight += 1
@@ -328,9 +364,13 @@ class _BatchFetch:
     results are dropped.
 
     Per GET this costs one request of the client's and one callback: no task, no
-    coroutine, no shield (the cost of the client's plain loop)."""
+    coroutine, no shield (the cost of the client's plain loop), and no object of
+    its own while it is in flight (``Gets``, ``_owners``): about 8 objects a GET
+    in flight for the collector to chase, all the client's, where a bound method,
+    a ``partial``, a copied context and a tuple and a list per GET made 14."""
 
     __slots__ = (
+        "asked",
         "attempts",
         "batch",
         "bodies",
@@ -351,7 +391,8 @@ class _BatchFetch:
         self.batch = batch
         self.ended = self.queued = False
         self.next = self.inflight = 0
-        self.gets: list[tuple[RemoteObject, int, int, list[int]]] = []
+        self.gets = Gets()
+        self.asked: dict[asyncio.Future[Any], int] = {}  # the GET each pending answer is for
         try:
             objs, self.offsets, self.lengths = batch.requests()
             self.gets = plan(objs, self.offsets, self.lengths)
@@ -379,7 +420,8 @@ class _BatchFetch:
         self._get(k)
 
     def _get(self, k: int) -> None:
-        obj, start, end, _ = self.gets[k]
+        g = self.gets
+        obj, start, end = g.objs[k], g.starts[k], g.ends[k]
         self.attempts[k] += 1
         self.sent[k] = time.monotonic()
         try:
@@ -390,13 +432,18 @@ class _BatchFetch:
             self._error(k, e)
             return
         _pending.add(fut)
-        fut.add_done_callback(functools.partial(self._answered, k))
+        self._await(fut, k, _answered)
+
+    def _await(self, fut: asyncio.Future[Any], k: int, then: Any) -> None:
+        """Call ``then(fut)`` once ``fut`` (for GET ``k``) is done."""
+        _owners[fut] = self
+        self.asked[fut] = k
+        fut.add_done_callback(then, context=_CONTEXT)
 
     def _over(self, k: int, ok: bool) -> None:
         """GET ``k`` holds its slot no more."""
         self.inflight -= 1
-        _, start, end, _ = self.gets[k]
-        _flow.release(self, end - start, time.monotonic() - self.sent[k] if ok else None)
+        _flow.release(self, self.gets.size(k), time.monotonic() - self.sent[k] if ok else None)
 
     def _answered(self, k: int, fut: asyncio.Future[Any]) -> None:
         _pending.discard(fut)
@@ -407,12 +454,11 @@ class _BatchFetch:
         if e is not None:
             self._error(k, e)
             return
-        _, start, end, _ = self.gets[k]
         answer = fut.result()
-        if end - start > SYNC_BODY:  # a large body: stream it without holding the loop
+        if self.gets.size(k) > SYNC_BODY:  # a large body: stream it without holding the loop
             body = asyncio.ensure_future(answer.bytes_async())
             _pending.add(body)
-            body.add_done_callback(functools.partial(self._read, k))
+            self._await(body, k, _read)
             return
         try:
             self._got(k, answer.bytes())
@@ -430,20 +476,21 @@ class _BatchFetch:
             self._got(k, fut.result())
 
     def _got(self, k: int, body: Any) -> None:
-        _, start, end, _ = self.gets[k]
-        if len(body) != end - start:
-            self._error(k, _ShortBody(len(body), end - start))
+        size = self.gets.size(k)
+        if len(body) != size:
+            self._error(k, _ShortBody(len(body), size))
             return
         self.bodies[k] = body
         self.left -= 1
         _counts.gets += 1
-        _counts.bytes += end - start
+        _counts.bytes += size
         if self.left == 0:
             self._finish()
         self._over(k, True)
 
     def _error(self, k: int, e: BaseException) -> None:
-        obj, start, end, reqs = self.gets[k]
+        g = self.gets
+        obj, start, end = g.objs[k], g.starts[k], g.ends[k]
         self.whole[k] = self.whole[k] + 1 if _not_partial(e) else 0
         delay = (
             _retry_delay(e, self.attempts[k], self.whole[k], self.first[k], obj.store.settings)
@@ -451,7 +498,8 @@ class _BatchFetch:
             else None
         )
         if delay is None:
-            self._fail(_named(e, obj.url, start, end, self.attempts[k], "a range"), min(reqs))
+            failed = _named(e, obj.url, start, end, self.attempts[k], "a range")
+            self._fail(failed, min(g.requests(k)))
             self._over(k, False)
             return
         _counts.retries += 1
@@ -466,12 +514,14 @@ class _BatchFetch:
     def _finish(self) -> None:
         out: list[Any] = [None] * len(self.offsets)
         offsets, lengths = self.offsets, self.lengths
-        for (_, start, end, reqs), body in zip(self.gets, self.bodies, strict=True):
-            if len(reqs) == 1 and end - start == lengths[reqs[0]]:
-                out[reqs[0]] = body  # the common case: one GET per request
+        g = self.gets
+        for k, body in enumerate(self.bodies):
+            r, start = g.reqs[k], g.starts[k]
+            if isinstance(r, int) and g.ends[k] - start == lengths[r]:
+                out[r] = body  # the common case: one GET per request
                 continue
             mv = memoryview(body)
-            for i in reqs:
+            for i in g.requests(k):
                 out[i] = mv[offsets[i] - start : offsets[i] - start + lengths[i]]
         self.ended = True
         self.bodies = []
@@ -480,3 +530,23 @@ class _BatchFetch:
     def _fail(self, e: BaseException, request: int) -> None:
         self.ended = True
         self.batch.fail(e, request)
+
+
+_CONTEXT = contextvars.Context()
+"""The context the answers' callbacks run in (they read no context variable): one for
+all, where ``add_done_callback`` would copy the current one for each."""
+
+_owners: dict[asyncio.Future[Any], _BatchFetch] = {}
+"""The batch each pending answer is for (event loop thread).  With ``_BatchFetch.asked``,
+this is what a callback needs: no bound method and ``partial`` per GET, which the
+collector would have to chase while the GET is in flight."""
+
+
+def _answered(fut: asyncio.Future[Any]) -> None:
+    b = _owners.pop(fut)
+    b._answered(b.asked.pop(fut), fut)
+
+
+def _read(fut: asyncio.Future[Any]) -> None:
+    b = _owners.pop(fut)
+    b._read(b.asked.pop(fut), fut)
