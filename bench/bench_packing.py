@@ -13,8 +13,10 @@ rows of 4,096 tokens:
   each look-ahead (one core, median of 5 passes over the lengths);
 - **a batch**: the time of one step's read of 8 packed rows by the ``Fill``
   policy's reader (``tokload.Fill(4096).reader(...).read``), with all the
-  attention keys and without, against a plain ``TokenStream`` batch of 8
-  windows of 4,096 from the same tokens (32M ``uint32``, page cache warm);
+  attention keys and without, and of the reads of that step's documents alone
+  (``Documents.read_extents``: a read per document, what bounds the ``Fill``
+  goal below), against a plain ``TokenStream`` batch of 8 windows of 4,096
+  from the same tokens (32M ``uint32``, page cache warm);
 - **the loader**: through the DataLoader flat out (1 reader thread, host
   batches, ``device=None``), the time per batch of a token stream with
   ``cu_seqlens`` and ``max_seqlen``, with all the attention metadata, of
@@ -60,7 +62,7 @@ import numpy as np
 
 import tokload
 from bench import _results
-from tokload._pack import best_fit
+from tokload._pack import best_fit, row_offsets
 from tokload.packing import padding_report
 
 SMOKE = os.environ.get("TOKLOAD_BENCH_PACKING_SMOKE", "") not in ("", "0")
@@ -261,6 +263,14 @@ def batch_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         it["k"] = (it["k"] + 1) % len(seq)
         return seq[it["k"]]
 
+    # a step's documents read alone, into its rows (the I/O engine's part of a Fill step)
+    reads = []
+    for (sp,) in steps[:100]:
+        r = sched.rows(*sp)
+        dst = row_offsets(r.lengths, r.counts, WINDOW, 1)
+        out = {"tokens": np.empty(len(r.counts) * WINDOW, dtype=docs.fields["tokens"])}
+        reads.append((r.ids, r.starts, r.lengths, dst, out))
+
     plain = "TokenStream.read_batch"
     fill_base = "Fill(attention=False), one step"
     calls: dict[str, tuple[Any, float]] = {
@@ -269,6 +279,7 @@ def batch_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             lambda: stream_bounds.read_batch(nxt(pool), np.empty),
             BATCH * WINDOW,
         ),
+        READS_ALONE: (lambda: docs.read_extents(*nxt(reads)), real),
         fill_base: (lambda: fill_plain.read(nxt(steps), None), real),
         "Fill (all attention keys), one step": (lambda: fill.read(nxt(steps), None), real),
     }
@@ -307,6 +318,10 @@ def batch_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 
 
 SINGLE_FILL = "Documents, Fill (all attention keys)"
+
+READS_ALONE = "a step's documents alone, read into its rows (Documents.read_extents)"
+"""What a ``Fill`` step cannot do without: one read per document (about 45 of about
+600 tokens for 8 rows, against a plain batch's 8 windows)."""
 
 
 BLEND_FILL = (
