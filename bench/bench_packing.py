@@ -270,6 +270,7 @@ def batch_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         dst = row_offsets(r.lengths, r.counts, WINDOW, 1)
         out = {"tokens": np.empty(len(r.counts) * WINDOW, dtype=docs.fields["tokens"])}
         reads.append((r.ids, r.starts, r.lengths, dst, out))
+    real_read = statistics.mean(int(a[2].sum()) for a in reads)
 
     plain = "TokenStream.read_batch"
     fill_base = "Fill(attention=False), one step"
@@ -279,7 +280,7 @@ def batch_rows(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             lambda: stream_bounds.read_batch(nxt(pool), np.empty),
             BATCH * WINDOW,
         ),
-        READS_ALONE: (lambda: docs.read_extents(*nxt(reads)), real),
+        READS_ALONE: (lambda: docs.read_extents(*nxt(reads)), real_read),
         fill_base: (lambda: fill_plain.read(nxt(steps), None), real),
         "Fill (all attention keys), one step": (lambda: fill.read(nxt(steps), None), real),
     }
