@@ -175,6 +175,125 @@ def test_parts_sharing_one_out_are_each_checked_and_read(tmp_path: Path) -> None
         )
 
 
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    layouts=st.lists(
+        st.lists(st.integers(0, 120), min_size=1, max_size=4).filter(lambda s: sum(s) >= 1),
+        min_size=1,
+        max_size=6,
+    ),
+    data=st.data(),
+)
+def test_a_gather_part_reads_each_range_from_its_own_set(
+    tmp_path_factory: pytest.TempPathFactory, layouts: list[list[int]], data: st.DataObject
+) -> None:
+    """``RowSets(sets).at(which)``: range ``i`` from ``sets[which[i]]``, the sets on
+    backends of their own (one engine call per backend), beside a plain part
+    into the same ``out``; every byte as the streams hold it."""
+    root = tmp_path_factory.mktemp("gather")
+    ios = [io for io in BACKENDS if io != "uring" or _io.uring_available()]
+    sets, streams = [], []
+    for k, sizes in enumerate(layouts):
+        (root / f"set{k}").mkdir()
+        paths, stream = _shards(root / f"set{k}", sizes, seed=k)
+        io = data.draw(st.sampled_from(ios), label=f"io of set {k}")
+        sets.append(_rowset(paths, sizes, 4, io))
+        streams.append(stream)
+    ranges = data.draw(
+        st.lists(
+            st.tuples(st.integers(0, len(sets) - 1), st.floats(0, 1), st.integers(0, 50)),
+            max_size=30,
+        ),
+        label="ranges",
+    )
+    which = np.array([c for c, _, _ in ranges], dtype=np.int64)
+    starts = np.array(
+        [int(f * (len(streams[c]) - 1)) for c, f, _ in ranges], dtype=np.uint64
+    ).reshape(-1)
+    lengths = np.array(
+        [min(n, len(streams[c]) - int(s)) for (c, _, n), s in zip(ranges, starts, strict=True)],
+        dtype=np.uint64,
+    ).reshape(-1)
+    want = [streams[c][s : s + n] for c, s, n in zip(which, starts, lengths, strict=True)]
+    plain = streams[0][: min(7, len(streams[0]))]
+    n = int(lengths.sum())
+    dst = (np.cumsum([0, *lengths.tolist()])[:-1] * 4).astype(np.uint64)
+    out = np.full(n + len(plain), 0xDEAD, dtype=np.uint32)
+    u64 = np.uint64
+    before = _io.io_counters()["calls"]
+    _rows.read_ranges(
+        [
+            (_rows.RowSets(sets).at(which), starts, lengths, dst, out),
+            (sets[0], [0], [len(plain)], np.array([n * 4], u64), out),
+        ]
+    )
+    np.testing.assert_array_equal(out, np.concatenate([*want, plain]))
+    used = {sets[c].files.io for c, n in zip(which, lengths, strict=True) if n}
+    used.add(sets[0].files.io)
+    assert _io.io_counters()["calls"] - before == len(used)
+
+
+def test_a_gather_part_is_checked_before_any_read(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    pa, sa = _shards(tmp_path / "a", [50, 30], seed=1)
+    pb, sb = _shards(tmp_path / "b", [40], seed=2)
+    a, b = _rowset(pa, [50, 30], 4, "sync"), _rowset(pb, [40], 4, "sync")
+    both = _rows.RowSets([a, b])
+    assert len(both) == 2 and both.sets == (a, b) and both.row_bytes == 4
+    u64 = np.uint64
+    out = np.zeros(8, dtype="<u4")
+
+    def read(which: list[int], starts: list[int], lengths: list[int], dst: list[int]) -> None:
+        s, n, d = (np.array(a, u64) for a in (starts, lengths, dst))
+        _rows.read_ranges([(both.at(which), s, n, d, out)])
+
+    read([1, 0], [38, 78], [2, 2], [0, 8])
+    np.testing.assert_array_equal(out, [*sb[38:40], *sa[78:80], 0, 0, 0, 0])
+    out[:] = 0
+    with pytest.raises(IndexError, match=r"rows \[39, 41\) of set 1 are not within \[0, 40\)"):
+        read([0, 1], [0, 39], [2, 2], [0, 8])
+    with pytest.raises(IndexError, match=r"which\[1\] = 2 names no set of 2"):
+        read([0, 2], [0, 0], [2, 2], [0, 8])
+    with pytest.raises(IndexError, match=r"which\[0\] = -1 names no set of 2"):
+        read([-1], [0], [1], [0])
+    with pytest.raises(ValueError, match="a destination range runs past the end of out"):
+        read([0, 1], [0, 0], [2, 2], [0, 28])
+    with pytest.raises(ValueError, match="which, starts, lengths and dst_offsets must have"):
+        read([0], [0, 1], [1, 1], [0, 4])
+    assert not out.any()  # nothing was read by a refused call
+    with pytest.raises(ValueError, match=r"RowSets needs one row size, got \[4, 8\] bytes"):
+        _rows.RowSets([a, _rowset(pb, [20], 8, "sync")])
+    with pytest.raises(TypeError, match=r"sets\[1\] is a str, not a RowSet"):
+        _rows.RowSets([a, "b"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="RowSets needs at least one RowSet"):
+        _rows.RowSets([])
+    b.files.close()
+    with pytest.raises(ValueError, match="closed"):
+        read([1], [0], [1], [0])
+    read([0], [3], [1], [0])  # a closed set that no range uses is not in the way
+    assert out[0] == sa[3]
+
+
+def test_a_gather_part_names_the_file_of_the_range_that_failed(
+    tmp_path: Path, backend: str
+) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    pa, _ = _shards(tmp_path / "a", [10, 10], seed=1)
+    pb, _ = _shards(tmp_path / "b", [10, 10], seed=2)
+    both = _rows.RowSets([_rowset(pa, [10, 10], 4, backend), _rowset(pb, [10, 10], 4, backend)])
+    pb[1].unlink()
+    u64 = np.uint64
+    part = (both.at([0, 1, 0]), [12, 14, 0], [3, 3, 3], np.array([0, 12, 24], u64))
+    with pytest.raises(MissingShardError) as e:
+        _rows.read_ranges([(*part, np.zeros(9, np.uint32))])
+    assert e.value.filename == str(pb[1])
+    assert "while reading rows [14, 17) (12 bytes at offset 16)" in str(e.value)
+
+
 def test_empty_reads_need_no_buffer(tmp_path: Path, backend: str) -> None:
     # Zero-length ranges into an empty buffer: valid in debug builds too.
     paths, _ = _shards(tmp_path, [5, 0, 3])

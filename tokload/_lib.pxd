@@ -260,6 +260,13 @@ cdef extern from "tokload/plan.h" nogil:
                              const uint64_t *lengths, uint64_t len1,
                              const uint64_t *dst_offsets, size_t count, uint8_t *dst,
                              tl_ioreq *reqs) noexcept
+    size_t tl_rows_count_gather(const tl_rowset *const *sets, const int64_t *which,
+                                const uint8_t *use, const uint64_t *starts,
+                                const uint64_t *lengths, size_t count) noexcept
+    size_t tl_rows_plan_gather(const tl_rowset *const *sets, const int64_t *which,
+                               const uint8_t *use, const uint64_t *starts,
+                               const uint64_t *lengths, const uint64_t *dst_offsets,
+                               size_t count, uint8_t *dst, tl_ioreq *reqs) noexcept
     void tl_split_fields(const uint8_t *rows, uint64_t nrows, uint64_t row_bytes,
                          size_t nfields, const uint64_t *off, const uint64_t *size,
                          uint8_t *const *dst) noexcept

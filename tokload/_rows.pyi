@@ -1,4 +1,4 @@
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,18 @@ class RowSet:
     # WILLNEED hints for rows [starts[i], starts[i] + lengths[i]); the hints given
     def hint_ranges(self, starts: npt.ArrayLike, lengths: npt.ArrayLike) -> int: ...
 
+# Row sets of one row size read as one part of read_ranges: range i from sets[which[i]].
+class RowSets:
+    sets: tuple[RowSet, ...]
+    row_bytes: int
+    def __init__(self, sets: Iterable[RowSet]) -> None: ...
+    def __len__(self) -> int: ...
+    def at(self, which: npt.ArrayLike) -> Gather: ...
+
+class Gather:
+    sets: RowSets
+    which: npt.NDArray[np.int64]
+
 def split_fields(
     rows: np.ndarray[Any, Any] | bytes | bytearray | memoryview,
     nrows: int,
@@ -48,7 +60,7 @@ def split_fields(
 ) -> None: ...
 
 # RowSet.read of several row sets, in one engine call per backend: parts are
-# (rowset, starts, lengths, dst_offsets, out).
+# (target, starts, lengths, dst_offsets, out), the target a RowSet or RowSets.at(which).
 def read_ranges(
-    parts: Sequence[tuple[RowSet, npt.ArrayLike, npt.ArrayLike, npt.ArrayLike, Any]],
+    parts: Sequence[tuple[RowSet | Gather, npt.ArrayLike, npt.ArrayLike, npt.ArrayLike, Any]],
 ) -> None: ...

@@ -235,41 +235,156 @@ cdef class RowSet:
 
 
 
+cdef class RowSets:
+    """Row sets of one row size read as one, each range from a set of its own.
+
+    ``RowSets(sets).at(which)`` is a part's target for ``read_ranges``: range
+    ``i`` of the part is in ``sets[which[i]]``.  A blend of plain documents reads
+    every component's documents this way, as one part: one check and one plan
+    for all of them, not one per component (a task of a blend of 1,000 sources
+    touches hundreds).
+    """
+
+    def __cinit__(self, sets):
+        sets = tuple(sets)
+        if not sets:
+            raise ValueError("RowSets needs at least one RowSet")
+        for k, one in enumerate(sets):
+            if not isinstance(one, RowSet):
+                raise TypeError(f"sets[{k}] is a {type(one).__name__}, not a RowSet")
+        sizes = sorted({(<RowSet>one).rs.row_bytes for one in sets})
+        if len(sizes) != 1:
+            raise ValueError(f"RowSets needs one row size, got {sizes} bytes")
+        self.ptrs = <const lib.tl_rowset **>PyMem_Malloc(len(sets) * sizeof(lib.tl_rowset *))
+        if self.ptrs is NULL:
+            raise MemoryError()
+        for k, one in enumerate(sets):
+            self.ptrs[k] = &(<RowSet>one).rs
+        self.sets = sets
+        self.row_bytes = sizes[0]
+
+    def __dealloc__(self):
+        PyMem_Free(self.ptrs)
+
+    def __len__(self):
+        return len(self.sets)
+
+    def at(self, which):
+        """These sets as the target of a ``read_ranges`` part whose range ``i``
+        is in set ``which[i]`` (checked with the part)."""
+        return Gather(self, which)
+
+
+cdef class Gather:
+    """A ``read_ranges`` part's target: ``RowSets`` and each range's set."""
+
+    def __cinit__(self, RowSets sets, which):
+        self.sets = sets
+        self.which = np.ascontiguousarray(which, dtype=np.int64)
+
+    cdef tuple _checked(self, starts, lengths, dst_offsets, out, known):
+        """As ``RowSet._checked``, each range against its own set, plus the
+        sets the ranges use (a flag per set, as bytes)."""
+        cdef const int64_t[::1] w = self.which
+        sa = np.ascontiguousarray(starts, dtype=np.uint64)
+        la = np.ascontiguousarray(lengths, dtype=np.uint64)
+        da = np.ascontiguousarray(dst_offsets, dtype=np.uint64)
+        if la.shape[0] != sa.shape[0] or da.shape[0] != sa.shape[0] or w.shape[0] != sa.shape[0]:
+            raise ValueError("which, starts, lengths and dst_offsets must have the same length")
+        dst = _out_bytes(out, self.sets.row_bytes, 0, False, "out") if known is None else known
+        cdef const uint64_t[::1] sv = sa, lv = la, dv = da
+        cdef size_t i, n = sv.shape[0], nsets = len(self.sets.sets)
+        cdef uint64_t total, row_bytes = self.sets.row_bytes, size = dst.shape[0]
+        used = bytearray(nsets)
+        cdef unsigned char[::1] u = used
+        cdef int64_t c
+        for i in range(n):
+            c = w[i]
+            if c < 0 or <size_t>c >= nsets:
+                raise IndexError(f"which[{i}] = {c} names no set of {nsets}")
+            u[c] = 1
+            total = self.sets.ptrs[c].cum[self.sets.ptrs[c].nfiles]
+            if sv[i] > total or lv[i] > total - sv[i]:
+                raise IndexError(
+                    f"rows [{sv[i]}, {sv[i] + lv[i]}) of set {c} are not within [0, {total})")
+            if lv[i] > size // row_bytes or dv[i] > size - lv[i] * row_bytes:
+                raise ValueError("a destination range runs past the end of out")
+        for i in range(nsets):
+            if u[i]:
+                (<RowSet>self.sets.sets[i]).files.check_open()
+        return sa, la, da, dst, used
+
+    cdef list _backends(self, used):
+        cdef list got = []
+        for k, one in enumerate(self.sets.sets):
+            if used[k] and (<RowSet>one).files.backend not in got:
+                got.append((<RowSet>one).files.backend)
+        return got
+
+    cdef bytearray _use(self, used, int backend):
+        """The flags of the used sets of ``backend``."""
+        use = bytearray(len(used))
+        for k, one in enumerate(self.sets.sets):
+            use[k] = used[k] and (<RowSet>one).files.backend == backend
+        return use
+
+    cdef FileSet _files(self, use):
+        for k, one in enumerate(self.sets.sets):
+            if use[k]:
+                return (<RowSet>one).files
+        raise AssertionError("no set of the backend")
+
+
 def read_ranges(parts):
     """``RowSet.read`` of several row sets at once: one call into the I/O engine.
 
-    ``parts`` is a list of ``(rowset, starts, lengths, dst_offsets, out)``, each as
-    ``RowSet.read`` takes them (checked the same way, all before any read).  The
-    reads of every part are planned into one list and run in one engine call,
-    with the reads in flight of all of them (a blend's components read together:
-    one round of I/O where there were as many as components).  Parts whose files
-    use different backends (an object store and local files) run in one call per
-    backend.  A failure raises as ``RowSet.read`` does, naming the file of the
-    part that failed.
+    ``parts`` is a list of ``(target, starts, lengths, dst_offsets, out)``: a
+    ``RowSet`` target reads as ``RowSet.read`` takes its arguments; a
+    ``RowSets.at(which)`` target reads range ``i`` from set ``which[i]``.  Every
+    part is checked before any read.  The reads of every part are planned into
+    one list and run in one engine call, with the reads in flight of all of
+    them (a blend's components read together: one round of I/O where there were
+    as many as components).  Files of different backends (an object store and
+    local files) run in one call per backend.  A failure raises as
+    ``RowSet.read`` does, naming the file of the range that failed.
     """
     cdef list checked = []
+    cdef list backends = []
     cdef RowSet rs
-    cdef size_t total = 0, nreq
+    cdef Gather g
+    cdef size_t nreq
     cdef uint64_t item = 0
+    cdef const int64_t[::1] wv
+    cdef const uint64_t[::1] sv, lv
     out = dst = None  # the parts of a blend share one out: its bytes are checked once
     for part in parts:
-        rs = part[0]
+        target = part[0]
+        if isinstance(target, Gather):
+            g = target
+            known = dst if part[4] is out and g.sets.row_bytes == item else None
+            out, item = part[4], g.sets.row_bytes
+            sa, la, da, dst, used = g._checked(part[1], part[2], part[3], out, known)
+            if sa.shape[0] == 0:
+                continue
+            wv, sv, lv = g.which, sa, la
+            nreq = lib.tl_rows_count_gather(g.sets.ptrs, &wv[0], NULL, &sv[0], &lv[0],
+                                            sv.shape[0])
+            checked.append((g, sa, la, da, dst, nreq, used))
+            for b in g._backends(used):
+                if b not in backends:
+                    backends.append(b)
+            continue
+        rs = target
         known = dst if part[4] is out and rs.rs.row_bytes == item else None
         out, item = part[4], rs.rs.row_bytes
         sa, la, da, dst = rs._checked(part[1], part[2], part[3], out, known)
         if sa.shape[0] == 0:
             continue
-        nreq = _count(rs, sa, la)
-        checked.append((rs, sa, la, da, dst, nreq))
-        total += nreq
-    if not checked:
-        return
-    cdef list backends = []
-    for c in checked:
-        if (<RowSet>c[0]).files.backend not in backends:
-            backends.append((<RowSet>c[0]).files.backend)
+        checked.append((rs, sa, la, da, dst, _count(rs, sa, la), None))
+        if rs.files.backend not in backends:
+            backends.append(rs.files.backend)
     for b in backends:
-        _run_group([c for c in checked if (<RowSet>c[0]).files.backend == b])
+        _run_group(checked, b)
 
 
 cdef size_t _count(RowSet rs, sa, la):
@@ -278,11 +393,27 @@ cdef size_t _count(RowSet rs, sa, la):
     return lib.tl_rows_count_reqs(&rs.rs, &s[0], &l[0], 0, s.shape[0])
 
 
-cdef _run_group(list group):
-    """One engine call for the parts of ``group`` (files of one backend)."""
-    cdef size_t total = 0, m = 0, k, np_ = len(group)
-    for c in group:
+cdef _run_group(list checked, int backend):
+    """One engine call for the ranges of ``checked`` in files of ``backend``."""
+    cdef list group = []
+    cdef size_t total = 0, m = 0, k, np_
+    cdef FileSet files = None
+    for c in checked:
+        if c[6] is None:
+            if (<RowSet>c[0]).files.backend != backend:
+                continue
+            use = None
+            if files is None:
+                files = (<RowSet>c[0]).files
+        else:
+            use = (<Gather>c[0])._use(c[6], backend)
+            if not any(use):
+                continue
+            if files is None:
+                files = (<Gather>c[0])._files(use)
+        group.append((c, use))
         total += <size_t>c[5]
+    np_ = len(group)
     cdef lib.tl_ioreq *reqs = <lib.tl_ioreq *>PyMem_Malloc(max(total, 1) * sizeof(lib.tl_ioreq))
     if reqs is NULL:
         raise MemoryError()
@@ -291,9 +422,12 @@ cdef _run_group(list group):
         PyMem_Free(reqs)
         raise MemoryError()
     cdef RowSet rs
+    cdef Gather g
     cdef const uint64_t[::1] s
     cdef const uint64_t[::1] l
     cdef const uint64_t[::1] d
+    cdef const int64_t[::1] w
+    cdef const unsigned char[::1] u
     cdef uint8_t[::1] dst
     cdef lib.tl_engine eng
     cdef lib.tl_io_error err
@@ -301,25 +435,36 @@ cdef _run_group(list group):
     cdef int rc
     try:
         for k in range(np_):  # plan every part (cheap: arithmetic, with the GIL)
-            c = group[k]
-            rs, s, l, d, dst = c[0], c[1], c[2], c[3], c[4]
+            c, use = group[k]
+            s, l, d, dst = c[1], c[2], c[3], c[4]
             firsts[k] = m
-            m += lib.tl_rows_plan_many(&rs.rs, &s[0], &l[0], 0, &d[0], s.shape[0],
-                                       &dst[0] if dst.shape[0] else NULL, reqs + m)
+            if use is None:
+                rs = c[0]
+                m += lib.tl_rows_plan_many(&rs.rs, &s[0], &l[0], 0, &d[0], s.shape[0],
+                                           &dst[0] if dst.shape[0] else NULL, reqs + m)
+            else:
+                g = c[0]
+                w, u = g.which, use
+                m += lib.tl_rows_plan_gather(g.sets.ptrs, &w[0], &u[0], &s[0], &l[0], &d[0],
+                                             s.shape[0], &dst[0] if dst.shape[0] else NULL,
+                                             reqs + m)
         firsts[np_] = m
-        rs = group[0][0]
-        rs.files.engine_begin(&eng)
+        files.engine_begin(&eng)
         with nogil:
             rc = lib.tl_engine_run(&eng, reqs, m, &err, &failed)
-        rs.files.engine_end(&eng)
+        files.engine_end(&eng)
         if rc:
             k = 0
             while k + 1 < np_ and firsts[k + 1] <= failed:
                 k += 1
-            c = group[k]
+            c = group[k][0]
             i = reqs[failed].item
             sa, la = c[1], c[2]
-            _raise_io(&err, (<RowSet>c[0]).files.paths, f"rows [{sa[i]}, {sa[i] + la[i]})")
+            where = f"rows [{sa[i]}, {sa[i] + la[i]})"
+            if c[6] is None:
+                _raise_io(&err, (<RowSet>c[0]).files.paths, where)
+            g = c[0]
+            _raise_io(&err, (<RowSet>g.sets.sets[g.which[i]]).files.paths, where)
     finally:
         PyMem_Free(reqs)
         PyMem_Free(firsts)

@@ -139,6 +139,42 @@ TL_INLINE size_t tl_rows_plan_many(const tl_rowset *rs, const uint64_t *starts,
 }
 
 /*
+ * Ranges of several row sets (of one row size) as one list: range i is rows
+ * [starts[i], starts[i] + lengths[i]) of sets[which[i]], landing at dst +
+ * dst_offsets[i].  Only the ranges whose set has use[which[i]] set are planned
+ * (the sets of one I/O backend), or all where use is NULL.  The count is what
+ * tl_rows_count_reqs gives for each range (an upper bound); the plan writes
+ * the requests, each with its range as its item, and returns how many.  Every
+ * range must lie within its set and every which[i] must name one.
+ */
+TL_INLINE size_t tl_rows_count_gather(const tl_rowset *const *sets, const int64_t *which,
+                                      const uint8_t *use, const uint64_t *starts,
+                                      const uint64_t *lengths, size_t count)
+{
+    size_t total = 0;
+    for (size_t i = 0; i < count; i++)
+        if (!use || use[which[i]])
+            total += tl_rows_count_reqs(sets[which[i]], starts + i, lengths + i, 0, 1);
+    return total;
+}
+
+TL_INLINE size_t tl_rows_plan_gather(const tl_rowset *const *sets, const int64_t *which,
+                                     const uint8_t *use, const uint64_t *starts,
+                                     const uint64_t *lengths, const uint64_t *dst_offsets,
+                                     size_t count, uint8_t *dst, tl_ioreq *reqs)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < count; i++) {
+        if (use && !use[which[i]]) continue;
+        size_t m = tl_rows_plan_many(sets[which[i]], starts + i, lengths + i, 0,
+                                     dst_offsets + i, 1, dst, reqs + n);
+        for (size_t k = n; k < n + m; k++) reqs[k].item = i;
+        n += m;
+    }
+    return n;
+}
+
+/*
  * De-interleave rows of a structured dtype: field f (offset off[f], size
  * size[f] bytes in each row) of row r goes to dst[f] + r * size[f].
  */

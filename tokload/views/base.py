@@ -20,7 +20,8 @@ DataLike = str | os.PathLike[str] | Source
 Fields = np.ndarray | dict[str, np.ndarray]
 ReadPart = tuple[Any, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 """``(rowset, starts, lengths, byte offsets, out)``: one view's reads, for
-``tokload._rows.read_ranges`` (several views' reads in one engine call)."""
+``tokload._rows.read_ranges`` (several views' reads in one engine call); the
+rowset may be ``RowSets(...).at(which)``, each range from a set of its own."""
 V = TypeVar("V", bound="View")
 
 

@@ -53,7 +53,7 @@ import numpy.typing as npt
 
 from tokload._docindex import ExtentIndex, extents_many
 from tokload._permute import epoch_seeds
-from tokload._rows import read_ranges
+from tokload._rows import RowSets, read_ranges
 from tokload._slots import block_slots
 from tokload._slots import locate as locate_slots
 from tokload._slots import positions as slot_positions
@@ -484,11 +484,11 @@ class Blend(View):
         starts, lengths, dst = (np.asarray(a, dtype=np.uint64) for a in (starts, lengths, dst))
         plain = self._plain
         if plain is not None and plain.dtype.fields is None:
-            # every component a plain Documents of one plain dtype: its part, as
-            # Documents._extent_reads makes it, without a call per component
+            # every component a plain Documents of one plain dtype: one part for
+            # all of them, each document read from its component's rows (no
+            # grouping, and no check or plan per component)
             tokens, byte_dst = plain_target(plain.dtype, dst, out)
-            for c, sel in _groups(comp):
-                parts.append((plain.rows[c], starts[sel], lengths[sel], byte_dst[sel], tokens))
+            parts.append((plain.rows.at(comp), starts, lengths, byte_dst, tokens))
             return
         for c, sel in _groups(comp):
             v = self._docs(c)
@@ -622,11 +622,12 @@ def _dtype_of(view: TokenStream | Blend) -> Any:
 class _PlainDocuments:
     """What a blend whose components are all plain ``Documents`` reads them with,
     without a call per component: their document indexes and first documents
-    (``Documents._lo``) for ``extents_many``, their rows, and their dtype."""
+    (``Documents._lo``) for ``extents_many``, their rows as one ``RowSets``, and
+    their dtype."""
 
     indexes: tuple[ExtentIndex, ...]
     offsets: np.ndarray
-    rows: tuple[Any, ...]
+    rows: RowSets
     dtype: np.dtype[Any]
 
 
@@ -643,7 +644,7 @@ def _plain_documents(views: Sequence[Any]) -> _PlainDocuments | None:
     return _PlainDocuments(
         indexes,
         np.array([v._lo for v in views], dtype=np.uint64),
-        tuple(v.source.rows for v in views),
+        RowSets(v.source.rows for v in views),
         dtypes.pop(),
     )
 
