@@ -182,6 +182,45 @@ def test_nested_blends(views: list[TokenStream]) -> None:
     assert np.bincount(index[comp == 0], minlength=1000).tolist() == [3] * 1000
 
 
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    cuts=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 3)), min_size=4, max_size=4),
+    seed=st.integers(0, 2**32),
+)
+def test_plain_windows_read_as_one_part_equal_each_components_own(
+    tmp_path_factory: pytest.TempPathFactory, cuts: list[tuple[int, int]], seed: int
+) -> None:
+    """A blend of plain TokenStreams (subsets, strides of their own) reads every
+    window as one ``RowSets`` part: equal to each component's own ``read``, and
+    to the per-component path a component of another class takes."""
+    root = tmp_path_factory.mktemp("plainwin")
+    comps: list[TokenStream] = []
+    for c, (lo, stride) in enumerate(cuts):
+        with Writer(root / f"c{c}", "<u2", shard_bytes=256) as w:
+            w.write(np.arange(c * 1000, c * 1000 + 600, dtype=np.uint16))
+        v = TokenStream(root / f"c{c}", window=6, stride=stride)
+        comps.append(v.subset(lo, len(v) - 3))
+    blend = Blend([(v, 1.0) for v in comps], seed=seed, length=500, block_size=20)
+    assert blend._plain_windows is not None
+    idx = np.random.default_rng(seed).integers(0, 500, 64)
+    got = blend.read(idx)
+    assert isinstance(got, np.ndarray)
+    comp, index = blend.locate(idx)
+    for k in range(len(idx)):
+        want = comps[comp[k]].read(index[k : k + 1])
+        np.testing.assert_array_equal(got[k], np.asarray(want).reshape(-1), str(k))
+
+    class Own(TokenStream):  # another class: its windows are its own part
+        pass
+
+    own = [object.__new__(Own) for _ in comps]
+    for o, v in zip(own, comps, strict=True):
+        o.__dict__.update(v.__dict__)
+    apart = Blend([(v, 1.0) for v in own], seed=seed, length=500, block_size=20)
+    assert apart._plain_windows is None
+    np.testing.assert_array_equal(apart.read(idx), got)
+
+
 def test_through_the_dataloader_resume_and_rescale(views: list[TokenStream]) -> None:
     blend = Blend(
         [(views[0], 1), (views[1], 2), (views[2], 1)],

@@ -157,6 +157,7 @@ class Blend(View):
                 )
         first = self.views[0]
         self._plain: _PlainDocuments | None = None
+        self._plain_windows: _PlainWindows | None = None
         if self.kind == "windows":
             self.window = first.window
             self._dtype = _dtype_of(first)
@@ -166,6 +167,7 @@ class Blend(View):
                         f"component {c} has window {v.window} and dtype {_dtype_of(v)}; "
                         f"component 0 has {self.window} and {self._dtype}"
                     )
+            self._plain_windows = _plain_windows(self.views)
         else:
             from tokload.batching import Pad  # the policies read views: imported when used
 
@@ -552,7 +554,25 @@ class Blend(View):
     ) -> None:
         """Samples ``(comp, index)`` into rows ``rows`` of ``out``: a plain
         dtype's reads are added to ``parts`` (one engine call for every
-        component), a structured one's are read here and placed."""
+        component; one part for all where every component is a plain
+        ``TokenStream``), a structured one's are read here and placed."""
+        plain = self._plain_windows
+        if plain is not None and isinstance(out, np.ndarray):
+            # windows of observations lo + index, as TokenStream._window_reads
+            # makes them, without a part per component (locate's indices are
+            # within their components)
+            g = plain.lo[comp] + index.astype(np.uint64)
+            row_bytes = np.uint64(self.window * out.dtype.itemsize)
+            parts.append(
+                (
+                    plain.rows.at(comp),
+                    g * plain.stride[comp],
+                    np.full(len(comp), self.window, dtype=np.uint64),
+                    np.asarray(rows, dtype=np.uint64) * row_bytes,
+                    out,
+                )
+            )
+            return
         for c, sel in _groups(comp):
             v = self.views[c]
             if isinstance(v, Blend):
@@ -646,6 +666,29 @@ def _plain_documents(views: Sequence[Any]) -> _PlainDocuments | None:
         np.array([v._lo for v in views], dtype=np.uint64),
         RowSets(v.source.rows for v in views),
         dtypes.pop(),
+    )
+
+
+@dataclass(frozen=True)
+class _PlainWindows:
+    """What a blend whose components are all plain ``TokenStream``s reads their
+    windows with, without a part per component: their rows as one ``RowSets``,
+    and each one's first observation (``_lo``) and stride (uint64)."""
+
+    rows: RowSets
+    lo: np.ndarray
+    stride: np.ndarray
+
+
+def _plain_windows(views: Sequence[Any]) -> _PlainWindows | None:
+    """None unless every component is a plain ``TokenStream`` of a plain dtype
+    (a subclass, a user's view or a nested blend reads its own way)."""
+    if not all(type(v) is TokenStream and v.source.dtype.fields is None for v in views):
+        return None
+    return _PlainWindows(
+        RowSets(v.source.rows for v in views),
+        np.array([v._lo for v in views], dtype=np.uint64),
+        np.array([v.stride for v in views], dtype=np.uint64),
     )
 
 
