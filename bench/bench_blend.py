@@ -12,6 +12,13 @@ source). tokload's Blend over the same N positions stores only its segments;
 the figures are time and peak traced memory of construction, plus what a
 lookup of a batch costs once built.
 
+Reading many sources: the DataLoader flat out (1 reader thread, host batches,
+batches of 8) over a blend of 16 and of 256 tokload builds against the same
+loader over one build of the same 32M ``uint32`` tokens (documents of log-normal
+lengths, page cache warm), as token windows of 4,096 and as ``Fill(4096)`` with
+every attention key: time per batch, and the blend's speed over the single
+source's (median of 5 rounds of the two in turns).
+
 Many components (issue 36): 1,000 tiny local tokload builds (8 ``uint16``
 documents each, about 0.7 MB on disk in all, deleted after), opened as
 ``Documents`` and blended with ``tokload.Blend([(Documents(p), 1), ...],
@@ -25,6 +32,7 @@ for 100 and 1,000 components, per component: linear when the two agree.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import statistics
@@ -42,6 +50,11 @@ import tokload
 from bench import _results
 
 N = int(os.environ.get("TOKLOAD_BENCH_BLEND_N", 100_000_000))
+READ_TOKENS = 32 << 20
+"""Tokens of the single source, and of each blend in all (``test_reading_many_sources``)."""
+READ_COMPONENTS = (16, 256)
+READ_ROUNDS, READ_ROUND_S = 5, 0.5
+WINDOW, BATCH = 4096, 8
 COMPONENTS = int(os.environ.get("TOKLOAD_BENCH_BLEND_COMPONENTS", 1000))
 DOCS_PER_COMPONENT = 8
 WEIGHTS = [0.6, 0.3, 0.1]
@@ -51,12 +64,15 @@ RESULTS: dict[str, tuple[float, int]] = {}
 @pytest.fixture(scope="module")
 def views() -> Iterator[list[tokload.TokenStream]]:
     tmp = Path(tempfile.mkdtemp(prefix="tokload-bench-"))
-    out = []
-    for c, n in enumerate([1_000_000, 300_000, 50_000]):
-        with tokload.Writer(tmp / f"c{c}", "<u4") as w:
-            w.write(np.arange(n * 4, dtype=np.uint32))
-        out.append(tokload.TokenStream(tmp / f"c{c}", window=4))
-    yield out
+    try:
+        out = []
+        for c, n in enumerate([1_000_000, 300_000, 50_000]):
+            with tokload.Writer(tmp / f"c{c}", "<u4") as w:
+                w.write(np.arange(n * 4, dtype=np.uint32))
+            out.append(tokload.TokenStream(tmp / f"c{c}", window=4))
+        yield out
+    finally:
+        shutil.rmtree(tmp)
 
 
 def _measure(fn: Callable[[], Any]) -> tuple[float, int, Any]:
@@ -200,3 +216,83 @@ def test_many_components(many: list[Path]) -> None:
         )
         print(f"  {k:5,} components: {held / 1e6:.2f} MB held ({held / k:,.0f} B per "
               f"component), peak {peak / 1e6:.2f} MB")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sources() -> Iterator[dict[int, list[Path]]]:
+    """``READ_TOKENS`` ``uint32`` tokens in documents of log-normal lengths (median
+    600, sigma 1) as one tokload build, and as ``C`` builds of a ``C``-th each for
+    each ``C`` in ``READ_COMPONENTS``; the page cache warm; removed after."""
+    tmp = Path(tempfile.mkdtemp(prefix="tokload-bench-read-"))
+    try:
+        out: dict[int, list[Path]] = {}
+        for c in (1, *READ_COMPONENTS):
+            rng = np.random.default_rng(c)
+            per = READ_TOKENS // c
+            out[c] = []
+            for k in range(c):
+                out[c].append(tmp / f"{c}-{k:03d}")
+                tokens = rng.integers(1, 128_000, per, dtype=np.uint32)
+                ends = np.cumsum(np.maximum(1, rng.lognormal(np.log(600), 1.0, per // 300)))
+                bounds = [0, *ends[ends < per].astype(np.int64).tolist(), per]
+                with tokload.Writer(out[c][-1], "<u4", shard_bytes=64 << 20, durable=False) as w:
+                    for a, e in itertools.pairwise(bounds):
+                        w.write(tokens[a:e])
+        for p in tmp.rglob("*"):
+            if p.is_file():
+                p.read_bytes()  # warm the page cache
+        yield out
+    finally:
+        shutil.rmtree(tmp)
+
+
+def _per_batch(view: Any, batching: Any) -> float:
+    """Seconds per batch of the DataLoader flat out (1 reader thread, host batches)
+    over ``READ_ROUND_S``, after 50 batches."""
+    loader = tokload.DataLoader(view, BATCH, batching=batching, seed=1, num_threads=1, device=None)
+    try:
+        it = iter(loader)
+        for _ in range(50):
+            next(it)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < READ_ROUND_S:
+            next(it)
+            n += 1
+        return (time.perf_counter() - t0) / n
+    finally:
+        loader.close()
+
+
+def test_reading_many_sources(sources: dict[int, list[Path]]) -> None:
+    """A blend's batches against a single source's of the same tokens: windows of
+    ``WINDOW`` (``Stack``) and ``Fill(WINDOW)`` with every attention key, for a
+    blend of each ``READ_COMPONENTS`` (weights: their sizes). Rounds of the two in
+    turns; the ratio is the median of the rounds' (the VM drifts)."""
+    kinds = {
+        "token windows": (lambda p: tokload.TokenStream(p, window=WINDOW), None),
+        "Fill(4096), every attention key": (tokload.Documents, tokload.Fill(WINDOW)),
+    }
+    print()
+    for kind, (make, batching) in kinds.items():
+        single = make(sources[1][0])
+        for c in READ_COMPONENTS:
+            views = [make(p) for p in sources[c]]
+            blend = tokload.Blend([(v, len(v)) for v in views], length=sum(map(len, views)))
+            one, many = [], []
+            for _ in range(READ_ROUNDS):
+                one.append(_per_batch(single, batching))
+                many.append(_per_batch(blend, batching))
+            speed = statistics.median(a / b for a, b in zip(one, many, strict=True))
+            _results.record(
+                "bench_blend",
+                label=f"{kind}, blend of {c} sources",
+                policy=kind,
+                components=c,
+                batch_s=statistics.median(many),
+                single_batch_s=statistics.median(one),
+                speed_over_single=speed,
+                speed_over_single_runs=[a / b for a, b in zip(one, many, strict=True)],
+            )
+            print(f"{kind}: blend of {c} sources {statistics.median(many) * 1e6:.1f} us per "
+                  f"batch, a single source {statistics.median(one) * 1e6:.1f} us: {speed:.2f} "
+                  "of its speed")  # fmt: skip

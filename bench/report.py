@@ -546,6 +546,28 @@ def blend_tables(rows: list[Row]) -> str:
                 ],
             )
         )
+    reads = [r for r in rows if "speed_over_single" in r]
+    if reads:
+        text += (
+            "\n\nReading through the DataLoader flat out (1 reader thread, host batches of 8), "
+            "a blend against one source of the same 32M tokens (median of the rounds, each "
+            "the two in turns):\n\n"
+            + table(
+                ["batches", "sources", "per batch", "one source's", "speed over one source's"],
+                [
+                    [
+                        cell(r.get("policy")),
+                        cell(r.get("components")),
+                        seconds(r["batch_s"]),
+                        seconds(r.get("single_batch_s")),
+                        f"{num(r['speed_over_single'])} ("
+                        + ", ".join(num(x) for x in r.get("speed_over_single_runs") or [])
+                        + ")",
+                    ]
+                    for r in reads
+                ],
+            )
+        )
     return text
 
 
@@ -663,7 +685,9 @@ BENCHMARKS = [
         "peak traced memory), and a lookup once built. Then a blend of 1,000 tiny local "
         "tokload builds: the time to open the 1,000 `Documents` and of "
         "`tokload.Blend([(Documents(p), 1), ...], length=..., block_size=...)` (median of 3, "
-        "views opened anew each time), and the Python heap held at 100 and 1,000 components.",
+        "views opened anew each time), and the Python heap held at 100 and 1,000 components. "
+        "Last, the DataLoader's time per batch over a blend of 16 and of 256 sources against "
+        "one source of the same tokens, as token windows and as `Fill(4096)`.",
         PYTEST.format("bench_blend.py") + " -s",
         blend_tables,
     ),
