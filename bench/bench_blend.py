@@ -268,7 +268,7 @@ def test_reading_many_sources(sources: dict[int, list[Path]]) -> None:
     ``WINDOW`` (``Stack``) and ``Fill(WINDOW)`` with every attention key, for a
     blend of each ``READ_COMPONENTS`` (weights: their sizes). Rounds of the two in
     turns; the ratio is the median of the rounds' (the VM drifts)."""
-    kinds = {
+    kinds: dict[str, tuple[Callable[[Path], Any], Any]] = {
         "token windows": (lambda p: tokload.TokenStream(p, window=WINDOW), None),
         "Fill(4096), every attention key": (tokload.Documents, tokload.Fill(WINDOW)),
     }
