@@ -21,7 +21,9 @@
  *    counts one slot at a time only where a rounding put the estimate off.  For
  *    16 components and a slot in 30 asked, 95 ns a slot against 320 for the heap;
  *  - above, a binary heap keyed by each component's next time, and the jump
- *    lands at most C + 1 slots before the slot: O(C log C) per slot.
+ *    lands at most C + 1 slots before the slot: O(C log C) per jump, O(log C)
+ *    per slot merged, for blocks whose slots asked for are close together
+ *    (TL_SLOTS_SPARSE_GAP); sparser ones take the linear merge whatever C.
  *
  * tl_slots_positions and tl_slots_by_permutation are a Blend's whole lookup of
  * a group of positions (Blend.locate): sorted by position with one radix sort,
@@ -45,6 +47,14 @@
  * about 200 components for sparse slots, fewer for dense ones). */
 #ifndef TL_SLOTS_LINEAR_MAX
 #define TL_SLOTS_LINEAR_MAX 128
+#endif
+/* Above TL_SLOTS_LINEAR_MAX components, a block whose slots asked for are
+ * this many apart or more on average still takes the linear merge: each slot
+ * is a jump of O(C) in lanes and a step or two, where the heap merges every
+ * slot between them at O(log C) each (or jumps, landing up to C + 1 slots
+ * short).  A shuffled read of a long blend asks one slot a block. */
+#ifndef TL_SLOTS_SPARSE_GAP
+#define TL_SLOTS_SPARSE_GAP 24
 #endif
 /* The linear merge jumps to a slot more than this many slots ahead. */
 #ifndef TL_SLOTS_LINEAR_GAP
@@ -261,7 +271,8 @@ TL_INLINE size_t tl_slots_block(uint64_t key, const int64_t *counts, size_t ncom
 {
     size_t h = 0, w = 0;
     int64_t total = 0, active = 0, slot = -1;
-    const int linear = ncomp <= TL_SLOTS_LINEAR_MAX;
+    const int linear = ncomp <= TL_SLOTS_LINEAR_MAX || nwant < 2 ||
+                       want[nwant - 1] - want[0] >= TL_SLOTS_SPARSE_GAP * (int64_t)(nwant - 1);
     double U = 0.0; /* the sum of the phases */
     /* tl_gfc_epoch_seed(key, c) for every c: one key schedule for the block */
     uint32_t rk[TL_SPECK_ROUNDS];
