@@ -61,7 +61,7 @@ from tokload.views.base import Fields, ReadPart, View, _check_out
 from tokload.views.contract import Alloc, check_view, is_documents
 from tokload.views.documents import Documents, plain_target
 from tokload.views.metadata import StreamWithMetadata
-from tokload.views.windows import TokenStream
+from tokload.views.windows import TokenStream, window_part
 
 # Domain separation for the keys derived from the blend seed.
 _SLOT_TAG = 0x736C6F74  # "slot"
@@ -562,16 +562,8 @@ class Blend(View):
             # makes them, without a part per component (locate's indices are
             # within their components)
             g = plain.lo[comp] + index.astype(np.uint64)
-            row_bytes = np.uint64(self.window * out.dtype.itemsize)
-            parts.append(
-                (
-                    plain.rows.at(comp),
-                    g * plain.stride[comp],
-                    np.full(len(comp), self.window, dtype=np.uint64),
-                    np.asarray(rows, dtype=np.uint64) * row_bytes,
-                    out,
-                )
-            )
+            target = plain.rows.at(comp)
+            parts.append(window_part(target, g, plain.stride[comp], self.window, rows, out))
             return
         for c, sel in _groups(comp):
             v = self.views[c]

@@ -16,6 +16,19 @@ from tokload.views.base import DataLike, Fields, ReadPart, View, _check_out, _fi
 from tokload.views.contract import ATTENTION_KEYS, Alloc, attention_keys
 
 
+def window_part(
+    target: Any, g: np.ndarray, stride: Any, window: int, rows: npt.ArrayLike, out: np.ndarray
+) -> ReadPart:
+    """The read of the windows of global observations ``g`` (uint64; ``stride``
+    rows apart, a scalar or one per window) into rows ``rows`` of ``out`` (a
+    plain dtype's ``[B, window]`` array), from ``target`` (a ``RowSet``, or
+    ``RowSets.at(...)`` for a blend's), as a part for ``tokload._rows.read_ranges``."""
+    w = np.uint64(window)
+    lengths = np.full(len(g), w, dtype=np.uint64)
+    dst = np.asarray(rows, dtype=np.uint64) * (w * np.uint64(out.dtype.itemsize))
+    return (target, g * stride, lengths, dst, out)
+
+
 class _Windows(View):
     """Shared by the two windowed views: windows of a row stream."""
 
@@ -49,12 +62,9 @@ class _Windows(View):
         ``out`` (a plain dtype's ``[B, window]`` array), as a part for
         ``tokload._rows.read_ranges``: a ``Blend`` reads every component's
         windows in one engine call, straight into the batch."""
-        g = self._global(indices)
-        w = np.uint64(self.window)
-        starts = g * np.uint64(self.stride)
-        lengths = np.full(len(g), w, dtype=np.uint64)
-        dst = np.asarray(rows, dtype=np.uint64) * (w * np.uint64(out.dtype.itemsize))
-        return (self.source.rows, starts, lengths, dst, out)
+        return window_part(
+            self.source.rows, self._global(indices), np.uint64(self.stride), self.window, rows, out
+        )
 
     def storage_paths(self) -> list[str]:
         """The files a read of this view touches (the loader's read-ahead looks
