@@ -17,7 +17,8 @@ batches of 8) over a blend of 16 and of 256 tokload builds against the same
 loader over one build of the same 32M ``uint32`` tokens (documents of log-normal
 lengths, page cache warm), as token windows of 4,096 and as ``Fill(4096)`` with
 every attention key: time per batch, and the blend's speed over the single
-source's (median of 5 rounds of the two in turns).
+source's (median of 5 rounds of the two in turns, the order reversed every other
+round: ``bench_packing.in_rounds``).
 
 Many components (issue 36): 1,000 tiny local tokload builds (8 ``uint16``
 documents each, about 0.7 MB on disk in all, deleted after), opened as
@@ -48,6 +49,7 @@ import pytest
 
 import tokload
 from bench import _results
+from bench.bench_packing import in_rounds, lognormal
 
 N = int(os.environ.get("TOKLOAD_BENCH_BLEND_N", 100_000_000))
 READ_TOKENS = 32 << 20
@@ -221,8 +223,9 @@ def test_many_components(many: list[Path]) -> None:
 @pytest.fixture(scope="module")
 def sources() -> Iterator[dict[int, list[Path]]]:
     """``READ_TOKENS`` ``uint32`` tokens in documents of log-normal lengths (median
-    600, sigma 1) as one tokload build, and as ``C`` builds of a ``C``-th each for
-    each ``C`` in ``READ_COMPONENTS``; the page cache warm; removed after."""
+    600, sigma 1: ``bench_packing.lognormal``) as one tokload build, and as ``C``
+    builds of a ``C``-th each for each ``C`` in ``READ_COMPONENTS``; the page
+    cache warm; removed after."""
     tmp = Path(tempfile.mkdtemp(prefix="tokload-bench-read-"))
     try:
         out: dict[int, list[Path]] = {}
@@ -233,8 +236,8 @@ def sources() -> Iterator[dict[int, list[Path]]]:
             for k in range(c):
                 out[c].append(tmp / f"{c}-{k:03d}")
                 tokens = rng.integers(1, 128_000, per, dtype=np.uint32)
-                ends = np.cumsum(np.maximum(1, rng.lognormal(np.log(600), 1.0, per // 300)))
-                bounds = [0, *ends[ends < per].astype(np.int64).tolist(), per]
+                ends = np.cumsum(lognormal(per // 300, seed=1000 * c + k))
+                bounds = [0, *ends[ends < per].tolist(), per]
                 with tokload.Writer(out[c][-1], "<u4", shard_bytes=64 << 20, durable=False) as w:
                     for a, e in itertools.pairwise(bounds):
                         w.write(tokens[a:e])
@@ -278,10 +281,14 @@ def test_reading_many_sources(sources: dict[int, list[Path]]) -> None:
         for c in READ_COMPONENTS:
             views = [make(p) for p in sources[c]]
             blend = tokload.Blend([(v, len(v)) for v in views], length=sum(map(len, views)))
-            one, many = [], []
-            for _ in range(READ_ROUNDS):
-                one.append(_per_batch(single, batching))
-                many.append(_per_batch(blend, batching))
+            times = in_rounds(
+                {
+                    "one": lambda v=single, b=batching: _per_batch(v, b),
+                    "many": lambda v=blend, b=batching: _per_batch(v, b),
+                },
+                READ_ROUNDS,
+            )
+            one, many = times["one"], times["many"]
             speed = statistics.median(a / b for a, b in zip(one, many, strict=True))
             _results.record(
                 "bench_blend",
