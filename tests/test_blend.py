@@ -539,17 +539,17 @@ def test_locate_in_one_call_refuses_what_is_not_a_blend() -> None:
 def test_block_slots_equal_the_layout_for_any_counts(
     counts: list[int], slot_seed: int, block: int, data: Any
 ) -> None:
-    """Any number of components (a scan of their next slots up to 128, a heap
-    above where more than 8 slots of the block are asked), some of them without
-    slots in the block, and slots asked densely or sparsely: ``block_slots``
-    gives the layout's component and lane."""
+    """Any number of components (a scan of their next slots up to 128; above, a
+    heap where the slots asked are on average fewer than 24 apart, else the
+    scan), some of them without slots in the block, and slots asked densely or
+    sparsely: ``block_slots`` gives the layout's component and lane."""
     comp, lane = layout_of(slot_seed, block, counts)
     n = len(comp)
     slots = data.draw(
         st.one_of(
             st.just(list(range(n))),
             st.lists(st.integers(0, n - 1), min_size=1, max_size=3 * n),
-            st.lists(st.integers(0, n - 1), min_size=1, max_size=8),  # linear at any count
+            st.lists(st.integers(0, n - 1), min_size=1, max_size=8),  # mostly the scan
         )
     )
     got_c, got_l = block_slots(
