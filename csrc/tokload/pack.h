@@ -7,8 +7,8 @@
  * Pure integer work on the caller's memory.  A group of n documents (lengths
  * capped at W: a longer document is truncated to fill a row of its own) is
  * packed best-fit decreasing: documents by decreasing length (ties: in
- * order), each into the open row with the least room that holds it, else a new
- * row.  The open rows are kept in buckets by their room (0..W), and a two-level
+ * order; a stable radix sort, sort.h), each into the open row with the least
+ * room that holds it, else a new row.  The open rows are kept in buckets by their room (0..W), and a two-level
  * bitset of the non-empty buckets finds the least room >= a length in a few
  * word operations (W / 4096 summary words at most).  The rows are then
  * numbered by their first document, and each row lists its documents in order:
@@ -19,8 +19,8 @@
 
 #include "bounds.h"
 #include "common.h"
+#include "sort.h"
 
-#include <stdlib.h>
 #include <string.h>
 
 #define TL_PACK_NONE UINT32_MAX
@@ -32,16 +32,10 @@
 TL_INLINE size_t tl_pack_scratch_bytes(size_t n, uint64_t W)
 {
     size_t nw = (size_t)(W / 64 + 1), ns = nw / 64 + 1;
-    return n * sizeof(uint64_t)            /* sort keys */
+    return 4 * n * sizeof(uint64_t)        /* sort keys and documents, and their scratch */
            + 3 * n * sizeof(uint32_t)      /* row of each document, room, bucket links */
            + (size_t)(W + 1) * sizeof(uint32_t) /* bucket heads */
            + (nw + ns) * sizeof(uint64_t);  /* the bitset and its summary */
-}
-
-static int tl_pack_key_cmp(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
 }
 
 /* The least set bit >= from, or UINT64_MAX. */
@@ -87,8 +81,8 @@ TL_INLINE size_t tl_pack_best_fit(const uint64_t *len, size_t n, uint64_t W, voi
                                   uint32_t *order, uint32_t *starts)
 {
     size_t nw = (size_t)(W / 64 + 1), ns = nw / 64 + 1;
-    uint64_t *keys = (uint64_t *)scratch;
-    uint64_t *words = keys + n;
+    uint64_t *keys = (uint64_t *)scratch, *docs = keys + n;
+    uint64_t *words = docs + 3 * n; /* after the sort's scratch (2n) */
     uint64_t *summ = words + nw;
     uint32_t *row_of = (uint32_t *)(summ + ns);
     uint32_t *room = row_of + n;
@@ -97,14 +91,14 @@ TL_INLINE size_t tl_pack_best_fit(const uint64_t *len, size_t n, uint64_t W, voi
     memset(words, 0, (nw + ns) * sizeof(uint64_t));
     memset(head, 0xff, (size_t)(W + 1) * sizeof(uint32_t));
     for (size_t i = 0; i < n; i++) {
-        uint64_t l = len[i] < W ? len[i] : W;
-        keys[i] = ((W - l) << 32) | (uint64_t)i; /* by decreasing length, then in order */
+        keys[i] = W - (len[i] < W ? len[i] : W); /* by decreasing length, */
+        docs[i] = i;                             /* then in order: the sort is stable */
     }
-    qsort(keys, n, sizeof(uint64_t), tl_pack_key_cmp);
+    tl_sort_pairs(keys, docs, n, docs + n, docs + 2 * n);
     uint32_t rows = 0;
     for (size_t j = 0; j < n; j++) {
-        uint32_t i = (uint32_t)(keys[j] & 0xffffffffu);
-        uint64_t l = W - (keys[j] >> 32);
+        uint32_t i = (uint32_t)docs[j];
+        uint64_t l = W - keys[j];
         uint64_t c = tl_pack_find(words, summ, nw, ns, l);
         uint32_t r;
         uint64_t left;
