@@ -27,7 +27,10 @@ One run, on the same cores and the same texts:
 
 Throughput is MB of text (UTF-8 bytes of the ``text`` fields) per second of
 wall time, for every row, so the ratios compare like with like. The figures
-and ratios are printed as a table (``--json`` for machines).
+and ratios are printed as a table (``--json`` for machines) and written to
+``bench/results/bench_build.json`` with issue 14's goals: ``tokload build -j N``
+at least 90% of ``encode_batch`` on N threads (80% with metadata), and at
+least 1.5x Megatron's recipe on the same cores.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from bench import _results
 
 _WORDS = re.compile(r"\b(def|class|import|return|the|and|of|to)\b")
 _DOC_CHARS = 32 << 10
@@ -322,6 +327,7 @@ def _run(work: Path, mb: int, as_json: bool) -> int:
         builds[2, "one big file", False] / fast
     )
     summary = {"corpus": info, "cores": cores, "MB_per_s": dict(rows), "ratios": ratios}
+    _results.write("bench_build", _result_rows(rows, alone, meg), _goals(builds, alone, meg))
     if as_json:
         print(json.dumps(summary, indent=1))
     else:
@@ -332,6 +338,49 @@ def _run(work: Path, mb: int, as_json: bool) -> int:
         for name, ratio in ratios.items():
             print(f"{name:<64} {ratio:5.2f}")
     return 0
+
+
+def _result_rows(
+    rows: list[tuple[str, float]], alone: dict[int, float], meg: dict[int, float]
+) -> list[dict[str, Any]]:
+    """Each measurement: MB of text/s, over ``encode_batch`` and Megatron's recipe on
+    as many threads (the number in its name)."""
+    out = []
+    for name, rate in rows:
+        j = 2 if ("-j 2" in name or "2 thread" in name or "2 worker" in name) else 1
+        out.append(
+            {
+                "what": name,
+                "mb_per_s": rate,
+                "over_encode_batch": rate / alone[j],
+                "over_megatron": rate / meg[j],
+            }
+        )
+    return out
+
+
+def _goals(
+    builds: dict[tuple[int, str, bool], float], alone: dict[int, float], meg: dict[int, float]
+) -> list[dict[str, Any]]:
+    """Issue 14's goals, for each of the builds measured."""
+    goals = []
+    for (j, name, meta), rate in builds.items():
+        what = f"tokload build -j {j}, {name}{', metadata' if meta else ''}"
+        goals.append(
+            _results.make_goal(
+                f"{what} / encode_batch on {j} thread(s)", 0.8 if meta else 0.9, rate / alone[j]
+            )
+        )
+        if not meta:
+            goals.append(
+                _results.make_goal(
+                    f"{what} / Megatron's recipe on {j} worker(s)",
+                    1.5,
+                    rate / meg[j],
+                    fmt="{:.2f}x",
+                )
+            )
+    return goals
 
 
 if __name__ == "__main__":

@@ -28,7 +28,12 @@ all measured in one run:
   times the next ``BATCHES``.
 
 It prints M tokens/s and the ratios of tokload against the device's best and
-against each peer.  Every run is serialized with ``flock
+against each peer, and writes them to ``bench/results/bench_cold.json`` with the
+goals of issue 11: tokload's defaults at least 80% of the device's best; at
+least 5x the best peer that shuffles globally (the memmap DataLoader,
+Megatron-core), and at least litdata's figure (its shuffle is chunk-local); the
+training thread's Python loop keeping at least 90% of its speed while tokload
+streams cold data.  Every run is serialized with ``flock
 /tmp/tokload-bench.lock`` (the lock the benchmarks share).
 """
 
@@ -49,6 +54,7 @@ import pytest
 import torch
 
 import tokload
+from bench import _results
 from tokload import _io
 
 WINDOW, STRIDE, BATCH = 4097, 4096, 8
@@ -277,6 +283,45 @@ def _child_rate(formats: Path, loader: str, workers: int) -> float:
     return _median(run)
 
 
+GLOBAL_SHUFFLE_PEERS = ("torch DataLoader + np.memmap", "Megatron-core GPTDataset")
+"""The peers that shuffle the whole corpus, as tokload does (litdata shuffles within chunks)."""
+
+
+def _cold_goals(
+    default: float, device_best: float, peers: dict[str, float], skipped: list[str]
+) -> None:
+    """Issue 11's goals for cold reads, from the figures of this run."""
+    _results.goal(
+        "bench_cold",
+        "tokload defaults / the device's best random-read throughput (C probe), cold",
+        0.8,
+        default / device_best,
+        fmt="{:.2f}",
+    )
+    global_best = max(
+        (r for name, r in peers.items() if name.startswith(GLOBAL_SHUFFLE_PEERS)), default=None
+    )
+    if global_best:
+        _results.goal(
+            "bench_cold",
+            "tokload defaults / the best peer that shuffles globally (memmap DataLoader"
+            + ("" if skipped else ", Megatron-core")
+            + "), cold",
+            5.0,
+            default / global_best,
+            fmt="{:.1f}x",
+        )
+    litdata = max((r for name, r in peers.items() if name.startswith("litdata")), default=None)
+    if litdata:
+        _results.goal(
+            "bench_cold",
+            "tokload defaults (global shuffle) / litdata's best (chunk-local shuffle), cold",
+            1.0,
+            default / litdata,
+            fmt="{:.2f}x",
+        )
+
+
 def test_cold_throughput(corpus: list[Path], probe: Path) -> None:
     rows: dict[str, float] = {}
     for depth in (1, 4, 16, 64):
@@ -314,6 +359,15 @@ def test_cold_throughput(corpus: list[Path], probe: Path) -> None:
     print(f"{'reader':<62} {'M tokens/s':>10}")
     for name, rate in rows.items():
         print(f"{name:<62} {rate:>10.1f}")
+        kind = "device" if name.startswith("C probe") else "tokload" if name in tok else "peer"
+        _results.record(
+            "bench_cold",
+            part="throughput",
+            reader=name,
+            kind=kind,
+            m_tokens_per_s=rate,
+            of_device_best=rate / device_best,
+        )
     print(
         f"tokload best / device best: {best_tok / device_best:.2f} "
         f"(defaults: {tok[default] / device_best:.2f})"
@@ -324,6 +378,7 @@ def test_cold_throughput(corpus: list[Path], probe: Path) -> None:
         )
     for line in skipped:
         print(line)
+    _cold_goals(tok[default], device_best, peers, skipped)
     assert all(r > 0 for r in rows.values())
 
 
@@ -343,6 +398,22 @@ def test_cold_main_thread_slowdown(corpus: list[Path]) -> None:
         keep, runs, rate = measure_slowdown(iter(loader), before_busy=drop_caches)
     finally:
         loader.close()
+    _results.record(
+        "bench_cold",
+        part="training thread",
+        reader=f"tokload defaults (num_threads={loader.num_threads})",
+        loop_speed_kept=keep,
+        loop_speed_kept_runs=runs,
+        m_tokens_per_s=rate / 1e6,
+    )
+    _results.goal(
+        "bench_cold",
+        "the training thread's Python loop speed while tokload streams cold data, over "
+        "its speed alone (median of 5 runs)",
+        0.9,
+        keep,
+        fmt="{:.0%}",
+    )
     print(
         f"\ncold, tokload defaults (num_threads={loader.num_threads}): the main-thread "
         f"Python loop keeps {keep:.0%} of its speed (runs: "

@@ -17,7 +17,8 @@ token (version 1). For each, the page cache is dropped, the dataset opened, and
   prefetch), as a trainer runs it.
 
 Each figure is the median of ``REPEATS`` runs, all in one run of this file,
-printed as M tokens/s and as a share of TokenStream's. Warm-cache figures are
+printed as M tokens/s and as a share of TokenStream's, and written to
+``bench/results/bench_read_cold.json``. Warm-cache figures are
 ``bench/bench_read.py``'s.
 """
 
@@ -34,6 +35,7 @@ import numpy as np
 import pytest
 
 import tokload
+from bench import _results
 
 WINDOW, BATCH = 4097, 8
 BATCHES = int(os.environ.get("TOKLOAD_COLD_BATCHES", "200"))
@@ -136,6 +138,20 @@ def measure() -> dict[str, dict[str, float]]:
     }
 
 
+def result_rows(res: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+    """One row per way of reading and layout: M tokens/s and the share of TokenStream's."""
+    return [
+        {
+            "how": how,
+            "layout": name,
+            "m_tokens_per_s": r / 1e6,
+            "of_token_stream": r / rates["tokens"],
+        }
+        for how, rates in res.items()
+        for name, r in rates.items()
+    ]
+
+
 def table(res: dict[str, dict[str, float]]) -> str:
     lines = [f"{'cold, 1 record / 100 tokens':28s} {'M tokens/s':>12s} {'vs TokenStream':>15s}"]
     for how, rates in res.items():
@@ -148,10 +164,15 @@ def table(res: dict[str, dict[str, float]]) -> str:
 
 @pytest.mark.skipif(not can_drop_caches(), reason="needs root to drop the page cache")
 def test_cold_reads_of_every_layout() -> None:
-    print("\n" + table(measure()))
+    res = measure()
+    for row in result_rows(res):
+        _results.record("bench_read_cold", **row)
+    print("\n" + table(res))
 
 
 if __name__ == "__main__":
     if not can_drop_caches():
         raise SystemExit("bench_read_cold needs root to write /proc/sys/vm/drop_caches")
-    print(table(measure()))
+    measured = measure()
+    print(table(measured))
+    print(_results.write("bench_read_cold", result_rows(measured)))

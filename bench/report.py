@@ -571,6 +571,71 @@ def blend_tables(rows: list[Row]) -> str:
     return text
 
 
+def cold_tables(rows: list[Row]) -> str:
+    """bench_cold: each reader's cold tokens/s and share of the device's best; the
+    training thread's loop while tokload streams cold data."""
+    thr = [r for r in rows if r.get("part") == "throughput"]
+    out = [
+        table(
+            ["reader", "M tokens/s", "of the device's best"],
+            [
+                [cell(r.get("reader")), num(r.get("m_tokens_per_s")), pct(r.get("of_device_best"))]
+                for r in thr
+            ],
+        )
+    ]
+    for r in rows:
+        if r.get("part") == "training thread":
+            runs = ", ".join(pct(x) for x in r.get("loop_speed_kept_runs") or [])
+            out.append(
+                f"The training thread's pure-Python loop, while {cell(r.get('reader'))} "
+                f"streams cold data (delivering {num(r.get('m_tokens_per_s'))} M tokens/s "
+                f"meanwhile): {pct(r.get('loop_speed_kept'))} of its speed alone (runs: {runs})."
+            )
+    return "\n\n".join(out)
+
+
+def stall_tables(rows: list[Row]) -> str:
+    """bench_stall: the storage through the delay filesystem, then each loader's waits."""
+    probe = [r for r in rows if "p50_ms" not in r and "note" not in r]
+    loaders = [r for r in rows if "p50_ms" in r or "note" in r]
+    out = []
+    if probe:
+        out.append(
+            "The storage through the delay filesystem (C probe, random window reads): "
+            + ", ".join(
+                f"{cell(r.get('loader')).removeprefix('C probe, ')} "
+                f"{num(r.get('m_tokens_per_s'))} M tokens/s"
+                for r in probe
+            )
+            + "."
+        )
+    body = []
+    for r in loaders:
+        if "note" in r:
+            body.append([cell(r.get("loader")), cell(r.get("note"))] + [DASH] * 6)
+            continue
+        body.append(
+            [
+                cell(r.get("loader")),
+                num(r.get("p50_ms")),
+                num(r.get("p99_ms")),
+                num(r.get("p999_ms")),
+                num(r.get("max_ms")),
+                num(r.get("waited_s")),
+                cell(r.get("reads")),
+                cell(r.get("delayed")),
+            ]
+        )
+    out.append(
+        table(
+            ["loader", "p50 ms", "p99 ms", "p99.9 ms", "max ms", "waited s", "reads", "delayed"],
+            body,
+        )
+    )
+    return "\n\n".join(out)
+
+
 def cost_tables(rows: list[Row]) -> str:
     sizes = sorted({int(r["tokens"]) for r in rows})
     by = {(r["loader"], int(r["tokens"])): r for r in rows}
@@ -610,7 +675,6 @@ class Bench:
     what: str
     command: str
     render: Callable[[list[Row]], str] = generic
-    writes_json: bool = True  # False: it prints its figures but writes no results JSON yet
 
 
 PYTEST = "python -m pytest bench/{} -o python_files='bench_*.py'"
@@ -708,7 +772,7 @@ BENCHMARKS = [
         "DataLoader on each I/O path, the plain loader and peers; and the training thread "
         "while tokload streams cold data. Needs root.",
         "sudo " + PYTEST.format("bench_cold.py") + " -s",
-        writes_json=False,
+        cold_tables,
     ),
     Bench(
         "bench_read_cold",
@@ -716,7 +780,6 @@ BENCHMARKS = [
         "Tokens per second of every metadata layout read cold (page cache dropped), one batch "
         "after the other and through the DataLoader, as a share of TokenStream's. Needs root.",
         "sudo python -m bench.bench_read_cold",
-        writes_json=False,
     ),
     Bench(
         "bench_stall",
@@ -725,7 +788,7 @@ BENCHMARKS = [
         "through a FUSE filesystem that delays some of them, for tokload and the other "
         "loaders. Needs root and FUSE.",
         "sudo " + PYTEST.format("bench_stall.py") + " -s",
-        writes_json=False,
+        stall_tables,
     ),
     Bench(
         "bench_build",
@@ -733,7 +796,6 @@ BENCHMARKS = [
         "`tokload build` in MB of text per second against the tokenizer's own `encode_batch` "
         "on the same cores and Megatron-LM's preprocessing recipe, with and without metadata.",
         "python -m bench.bench_build --mb 200",
-        writes_json=False,
     ),
     Bench(
         "bench_build_memory",
@@ -829,13 +891,7 @@ def goals_section(goals: list[Row]) -> str:
 def section(bench: Bench, doc: Doc | None, assets: set[str]) -> str:
     out = [f"## {bench.title}", "", bench.what, ""]
     if doc is None:
-        if bench.writes_json:
-            out.append(f"Not run yet: `{bench.command}`")
-        else:
-            out.append(
-                f"No results here yet: `{bench.command}` prints its figures but does not "
-                "write them to `bench/results/` yet, so this page cannot show them."
-            )
+        out.append(f"Not run yet: `{bench.command}`")
         return "\n".join(out)
     load = doc.get("load")
     out += [
