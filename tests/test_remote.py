@@ -12,6 +12,7 @@ from __future__ import annotations
 import _thread
 import asyncio
 import json
+import pickle
 import shutil
 import socket
 import subprocess
@@ -216,6 +217,21 @@ def test_blend_of_local_and_remote_sources(corpus: tuple[Path, str]) -> None:
     idx = np.arange(0, len(same), 3)
     a, b = same.read_batch(idx, np.empty), mixed.read_batch(idx, np.empty)
     assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
+
+
+def test_a_pickled_remote_view_opens_the_bucket_again(corpus: tuple[Path, str]) -> None:
+    """A view of a URL pickles as its URL and storage options (no client, no open
+    object): unpickled, it lists the prefix again and reads the same bytes."""
+    _, url = corpus
+    view = Blend(
+        [(TokenStream(url, 64), 1.0), (TokenStream(url, 64, stride=9), 2.0)], seed=4, length=500
+    )
+    copied = pickle.loads(pickle.dumps(view))
+    assert copied.fingerprint == view.fingerprint
+    idx = np.arange(0, len(view), 7)
+    a, b = view.read_batch(idx, np.empty), copied.read_batch(idx, np.empty)
     for k in a:
         np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
 

@@ -35,7 +35,7 @@ from tokload.errors import FormatError, TokloadError
 from tokload.files import create_unique, open_regular
 from tokload.format import check_dtype, fingerprint
 from tokload.location import Location
-from tokload.source import Source, index_memory
+from tokload.source import Source, index_memory, reopenable
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 # megatron.core.datasets.indexed_dataset.DType codes
@@ -54,6 +54,7 @@ def _read_head(loc: Location, path: str, what: str, size: int) -> bytes:
     return loc.read(path, what, 0, min(size, loc.size(path, what)))
 
 
+@reopenable
 def open_megatron(
     prefix: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
 ) -> Source:
@@ -174,6 +175,7 @@ def _npy_layout(loc: Location, path: str, what: str) -> tuple[np.dtype[Any], int
     return dtype, rows, offset
 
 
+@reopenable
 def open_flat(
     paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     dtype: npt.DTypeLike | None = None,

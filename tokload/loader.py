@@ -567,6 +567,13 @@ class DataLoader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        raise TypeError(
+            "a DataLoader holds reader threads and cannot be pickled: pickle its view "
+            "(a view pickles as the call that opened it) and make the DataLoader in the "
+            "other process; state_dict() carries the cursor"
+        )
+
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
             self._close_iter(0.0)  # never wait on the collecting thread

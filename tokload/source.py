@@ -8,10 +8,11 @@ manifest and file sizes alone, without reading any data.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -21,7 +22,7 @@ from tokload._metaids import MetaSet
 from tokload._rows import RowSet
 from tokload._tables import compressed_table_bytes
 from tokload.envvars import env_int
-from tokload.errors import FormatError, MissingShardError
+from tokload.errors import FormatError, MissingShardError, StateError
 from tokload.format import Manifest, manifest_at
 from tokload.location import Location
 
@@ -54,6 +55,24 @@ class Source:
     """The span tables (layout ``"spans"``) or metadata blocks (``"blocks"``) of
     a stream with metadata (then ``meta`` is None), or None."""
     _closers: list[Any] = field(default_factory=list, repr=False)
+    opener: tuple[Callable[..., Source], tuple[Any, ...], dict[str, Any]] | None = field(
+        default=None, repr=False, compare=False
+    )
+    """How it was opened (``reopenable``): the function and its arguments, which
+    pickling the source records instead of its open files; None for a source
+    built by hand, which cannot be pickled."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A pickled source is opened again where it is unpickled (another
+        process: ``spawn``, Ray, ``copy.deepcopy``), by the call that opened it,
+        and must find the same data (``fingerprint``): else ``StateError``."""
+        if self.opener is None:
+            raise TypeError(
+                f"{self.description}: this Source was not made by tokload's open functions "
+                "(open_dataset, open_megatron, open_flat, a view's path), so it cannot be "
+                "pickled: pickle the path it was opened from, or a view opened from it"
+            )
+        return (_reopen, (self.opener, self.fingerprint, self.description))
 
     @property
     def num_rows(self) -> int:
@@ -69,6 +88,42 @@ class Source:
         """Close every file (idempotent)."""
         for c in self._closers:
             c.close()
+
+
+OpenFn = TypeVar("OpenFn", bound=Callable[..., Source])
+
+
+def reopenable(open_fn: OpenFn) -> OpenFn:
+    """Decorate a function that opens a Source so that the Source records the
+    call (``Source.opener``; the innermost decorated call wins) and can be
+    pickled as it."""
+
+    @functools.wraps(open_fn)
+    def opener(*args: Any, **kwargs: Any) -> Source:
+        src = open_fn(*args, **kwargs)
+        if src.opener is None:
+            src.opener = (opener, args, kwargs)
+        return src
+
+    return opener  # type: ignore[return-value]
+
+
+def _reopen(
+    opener: tuple[Callable[..., Source], tuple[Any, ...], dict[str, Any]],
+    fingerprint: str,
+    description: str,
+) -> Source:
+    """A pickled Source, opened again: StateError unless it holds the same data."""
+    fn, args, kwargs = opener
+    src = fn(*args, **kwargs)
+    if src.fingerprint != fingerprint:
+        src.close()
+        raise StateError(
+            f"{description}: the data changed since this source was pickled "
+            f"(fingerprint {fingerprint} when pickled, {src.fingerprint} now): open it "
+            "again to read what is there now"
+        )
+    return src
 
 
 def _expect_size(loc: Location, path: str, what: str, expected: int) -> None:
@@ -99,6 +154,7 @@ def index_memory() -> int:
     return env_int("TOKLOAD_INDEX_MEMORY", DEFAULT_INDEX_MEMORY, 0, "a number of bytes (>= 0)")
 
 
+@reopenable
 def open_dataset(
     path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
 ) -> Source:

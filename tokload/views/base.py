@@ -11,10 +11,10 @@ import numpy as np
 import numpy.typing as npt
 
 from tokload._io import FileSet
-from tokload.errors import MissingShardError
+from tokload.errors import MissingShardError, StateError
 from tokload.format import MANIFEST
 from tokload.location import Location
-from tokload.source import Source, open_dataset, open_dataset_at
+from tokload.source import Source, open_dataset, open_dataset_at, reopenable
 
 DataLike = str | os.PathLike[str] | Source
 Fields = np.ndarray | dict[str, np.ndarray]
@@ -35,6 +35,12 @@ def open_source(data: DataLike, storage_options: Mapping[str, Any] | None = None
     """
     if isinstance(data, Source):
         return data
+    return _open_path(data, storage_options)
+
+
+@reopenable
+def _open_path(data: str | os.PathLike[str], storage_options: Mapping[str, Any] | None) -> Source:
+    """``open_source`` of a path or URL (the call a pickled Source makes again)."""
     from tokload import interop, remote
 
     path = os.fspath(data)
@@ -82,9 +88,26 @@ def _open_remote(url: str, options: Mapping[str, Any] | None) -> Source:
 
 
 class View:
-    """What every view shares: a Source and a contiguous range of observations."""
+    """What every view shares: a Source and a contiguous range of observations.
+
+    A view pickles as the call that made it and its range (not its open files):
+    unpickled (in a process started with ``spawn``, by Ray, by ``copy.deepcopy``),
+    it opens its data again and must find the same (``fingerprint``), else
+    ``StateError``. The I/O settings of ``configure_io`` stay in the process
+    that made them.
+    """
 
     _total: int
+    _made_with: tuple[tuple[Any, ...], dict[str, Any]]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        self = super().__new__(cls)
+        self._made_with = (args, kwargs)  # what pickling records (__reduce__)
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        args, kwargs = self._made_with
+        return (_reopen_view, (type(self), args, kwargs, self._lo, self._hi, self.fingerprint))
 
     def __init__(self, data: DataLike, storage_options: Mapping[str, Any] | None = None) -> None:
         self.source = open_source(data, storage_options)
@@ -165,6 +188,29 @@ class View:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.source.description!r}, {self._config()} n={len(self)})"
+
+
+def _reopen_view(
+    cls: type[V],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    lo: int,
+    hi: int,
+    fingerprint: str,
+) -> V:
+    """A pickled view, made again: ``cls(*args, **kwargs)``, its range
+    ``[lo, hi)``, and StateError unless it reads the same data as it did."""
+    view = cls(*args, **kwargs)
+    if (lo, hi) != (view._lo, view._hi):
+        view = view.subset(lo - view._lo, hi - view._lo)
+    if view.fingerprint != fingerprint:
+        view.close()
+        raise StateError(
+            f"{view!r}: the data changed since this view was pickled (fingerprint "
+            f"{fingerprint} when pickled, {view.fingerprint} now): open it again to read "
+            "what is there now"
+        )
+    return view
 
 
 def split(view: V, weights: str | Sequence[float]) -> list[V]:
