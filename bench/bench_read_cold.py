@@ -175,4 +175,4 @@ if __name__ == "__main__":
         raise SystemExit("bench_read_cold needs root to write /proc/sys/vm/drop_caches")
     measured = measure()
     print(table(measured))
-    print(_results.write("bench_read_cold", result_rows(measured)))
+    _results.write("bench_read_cold", result_rows(measured))
