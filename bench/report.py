@@ -595,6 +595,24 @@ def cold_tables(rows: list[Row]) -> str:
     return "\n\n".join(out)
 
 
+def read_cold_tables(rows: list[Row]) -> str:
+    """bench_read_cold: each layout's cold tokens/s, read by read() and by the loader."""
+    return table(
+        ["read by", "layout", "M tokens/s", "of TokenStream's"],
+        [
+            [
+                "`view.read`, one batch after the other"
+                if r.get("how") == "read"
+                else "the DataLoader, defaults",
+                cell(r.get("layout")),
+                num(r.get("m_tokens_per_s")),
+                pct(r.get("of_token_stream")),
+            ]
+            for r in rows
+        ],
+    )
+
+
 def stall_tables(rows: list[Row]) -> str:
     """bench_stall: the storage through the delay filesystem, then each loader's waits."""
     probe = [r for r in rows if "p50_ms" not in r and "note" not in r]
@@ -780,6 +798,7 @@ BENCHMARKS = [
         "Tokens per second of every metadata layout read cold (page cache dropped), one batch "
         "after the other and through the DataLoader, as a share of TokenStream's. Needs root.",
         "sudo python -m bench.bench_read_cold",
+        read_cold_tables,
     ),
     Bench(
         "bench_stall",

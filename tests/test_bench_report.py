@@ -211,7 +211,7 @@ def test_blend_shows_many_components_and_their_heap(results: Path) -> None:
     assert "| 1,000 | 5.40 MB | 5.40 KB | 5.50 MB |" in blend
 
 
-def test_cold_and_stalls_show_each_reader_and_the_device(results: Path) -> None:
+def test_cold_reads_and_stalls_show_each_reader_and_the_device(results: Path) -> None:
     cold = [
         {"part": "throughput", "reader": "C probe, io_uring, 64 in flight", "kind": "device",
          "m_tokens_per_s": 200.0, "of_device_best": 1.0},
@@ -229,7 +229,15 @@ def test_cold_and_stalls_show_each_reader_and_the_device(results: Path) -> None:
     goal = _results.make_goal("tokload defaults / the device's best", 0.8, 0.85)
     (results / "bench_cold.json").write_text(json.dumps(_doc("bench_cold", cold, [goal])))
     (results / "bench_stall.json").write_text(json.dumps(_doc("bench_stall", stall, [])))
+    layouts = [
+        {"how": "loader", "layout": "tokens", "m_tokens_per_s": 130.0, "of_token_stream": 1.0},
+        {"how": "loader", "layout": "blocks", "m_tokens_per_s": 78.0, "of_token_stream": 0.6},
+    ]
+    doc = _doc("bench_read_cold", layouts, [])
+    (results / "bench_read_cold.json").write_text(json.dumps(doc))
     page = report.render_page(results)
+    section = page.split("## Streams with metadata, cold", 1)[1].split("\n## ", 1)[0]
+    assert "| the DataLoader, defaults | blocks | 78.0 | 60% |" in section
     section = page.split("## Cold storage", 1)[1].split("\n## ", 1)[0]
     assert "| C probe, io_uring, 64 in flight | 200 | 100% |" in section
     assert "| tokload defaults | 170 | 85% |" in section
