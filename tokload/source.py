@@ -116,14 +116,20 @@ def _reopen(
     """A pickled Source, opened again: StateError unless it holds the same data."""
     fn, args, kwargs = opener
     src = fn(*args, **kwargs)
-    if src.fingerprint != fingerprint:
-        src.close()
-        raise StateError(
-            f"{description}: the data changed since this source was pickled "
-            f"(fingerprint {fingerprint} when pickled, {src.fingerprint} now): open it "
-            "again to read what is there now"
-        )
+    refuse_changed(src, fingerprint, "source", description)
     return src
+
+
+def refuse_changed(opened: Any, fingerprint: str, what: str, name: str) -> None:
+    """StateError (``opened`` closed first) unless ``opened``, a Source or a view
+    made again from its pickle, has the ``fingerprint`` it was pickled with."""
+    now = opened.fingerprint
+    if now != fingerprint:
+        opened.close()
+        raise StateError(
+            f"{name}: the data changed since this {what} was pickled (fingerprint "
+            f"{fingerprint} when pickled, {now} now): open it again to read what is there now"
+        )
 
 
 def _expect_size(loc: Location, path: str, what: str, expected: int) -> None:

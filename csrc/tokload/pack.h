@@ -8,9 +8,10 @@
  * capped at W: a longer document is truncated to fill a row of its own) is
  * packed best-fit decreasing: documents by decreasing length (ties: in
  * order; a stable radix sort, sort.h), each into the open row with the least
- * room that holds it, else a new row.  The open rows are kept in buckets by their room (0..W), and a two-level
- * bitset of the non-empty buckets finds the least room >= a length in a few
- * word operations (W / 4096 summary words at most).  The rows are then
+ * room that holds it, else a new row.  The open rows are kept in buckets by
+ * their room (0..W), and a two-level bitset of the non-empty buckets finds the
+ * least room >= a length in a few word operations (W / 4096 summary words at
+ * most).  The rows are then
  * numbered by their first document, and each row lists its documents in order:
  * the group's order survives everywhere but in which documents share a row.
  */

@@ -11,10 +11,10 @@ import numpy as np
 import numpy.typing as npt
 
 from tokload._io import FileSet
-from tokload.errors import MissingShardError, StateError
+from tokload.errors import MissingShardError
 from tokload.format import MANIFEST
 from tokload.location import Location
-from tokload.source import Source, open_dataset, open_dataset_at, reopenable
+from tokload.source import Source, open_dataset, open_dataset_at, refuse_changed, reopenable
 
 DataLike = str | os.PathLike[str] | Source
 Fields = np.ndarray | dict[str, np.ndarray]
@@ -203,13 +203,7 @@ def _reopen_view(
     view = cls(*args, **kwargs)
     if (lo, hi) != (view._lo, view._hi):
         view = view.subset(lo - view._lo, hi - view._lo)
-    if view.fingerprint != fingerprint:
-        view.close()
-        raise StateError(
-            f"{view!r}: the data changed since this view was pickled (fingerprint "
-            f"{fingerprint} when pickled, {view.fingerprint} now): open it again to read "
-            "what is there now"
-        )
+    refuse_changed(view, fingerprint, "view", repr(view))
     return view
 
 
