@@ -120,7 +120,7 @@ def _plain_loop(url: str, inflight: int, seconds: float) -> dict[str, float]:
         while time.perf_counter() < deadline:
             o = objs[rnd.randrange(len(objs))]
             start = rnd.randrange(0, max(1, o.size - nbytes)) & ~3
-            await obs.get_range_async(o.store.store, o.key, start=start, length=nbytes)
+            await obs.get_range_async(o.store.handle, o.key, start=start, length=nbytes)
             done += 1
 
     async def run() -> float:

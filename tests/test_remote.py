@@ -42,6 +42,7 @@ from tokload import (
     Documents,
     MissingShardError,
     ObjectChangedError,
+    RangesIgnoredError,
     RemoteAccessError,
     RemoteError,
     StreamWithMetadata,
@@ -49,8 +50,9 @@ from tokload import (
     Writer,
     _remote,
     remote,
-    remote_fetch,
 )
+from tokload.remote import fetch
+from tokload.remote import loop as remote_loop
 
 MEGATRON = Path(__file__).parent / "data" / "megatron"
 BUCKET = "tokload-test"
@@ -281,7 +283,7 @@ def test_nearby_ranges_are_merged_into_one_get() -> None:
     objs = [a, a, b, a, a, a]
     offs = [1000, 0, 0, 1150, 5000, 20]
     lens = [100, 10, 8, 10, 1, 0]
-    gets = remote_fetch.plan(objs, offs, lens)
+    gets = fetch.plan(objs, offs, lens)
     # a: [0,10) alone (gap 990 > 100); [1000,1100) + [1150,1160) merged; [5000,5001) alone;
     # the empty request needs no GET; b: one GET
     got = sorted((o.key, s, e, sorted(r)) for o, s, e, r in gets)
@@ -291,7 +293,7 @@ def test_nearby_ranges_are_merged_into_one_get() -> None:
         ("a", 5000, 5001, [4]),
         ("b", 0, 8, [2]),
     ]
-    big = remote_fetch.plan([a, a], [0, remote.MAX_MERGED], [remote.MAX_MERGED, 10])
+    big = fetch.plan([a, a], [0, fetch.MAX_MERGED], [fetch.MAX_MERGED, 10])
     assert len(big) == 2  # merged ranges stay at most MAX_MERGED bytes
     # columns of plain ints: a GET that serves one request holds its number, not a list
     # (nothing per GET for the collector to chase while it waits in flight)
@@ -328,6 +330,55 @@ def test_loader_stats_count_gets_and_retries(s3: LocalS3, corpus: tuple[Path, st
     assert f"{st['remote_gets']} GETs, {st['remote_retries']} retried" in (
         tokload.stats.format_report(st)
     )
+
+
+_SLOWDOWN = (
+    "Generic S3 error: Error performing GET http://h/b/k in 3ms - Server returned non-2xx "
+    "status code: 503 Service Unavailable: <Code>SlowDown</Code>"
+)
+
+
+@pytest.mark.parametrize(
+    ("error", "kind", "retried", "named"),
+    [
+        ("GenericError", _SLOWDOWN, True, RemoteError),
+        ("GenericError", "status code: 500 Internal Server Error", True, RemoteError),
+        ("GenericError", "status code: 400 Bad Request", False, RemoteError),
+        ("GenericError", "error sending request for url", True, RemoteError),
+        ("GenericError", "kind: Timeout, operation timed out", True, RemoteError),
+        ("GenericError", "Generic error: non-partial response", True, RangesIgnoredError),
+        ("GenericError", "from http://169.254.169.254/latest/api/token", False, RemoteAccessError),
+        ("GenericError", "status code: 403 Forbidden", False, RemoteAccessError),
+        ("GenericError", "status code: 404 Not Found <Code>NoSuchBucket</Code>", False, None),
+        ("NotFoundError", "Object at location k not found", False, MissingShardError),
+        ("PreconditionError", "Request precondition failure", False, ObjectChangedError),
+        ("PermissionDeniedError", "denied", False, RemoteAccessError),
+        ("ValueError", "status code: 503 (not the client's)", False, RemoteError),
+    ],
+)
+def test_what_the_clients_errors_mean(error: str, kind: str, retried: bool, named: Any) -> None:
+    """``tokload.remote.client.kind`` reads an error of the client's by its type where it
+    has one, by its HTTP status or transport kind otherwise; retries and the error named
+    follow from it alone."""
+    import obstore.exceptions
+
+    from tokload.remote import client, failures
+
+    make = getattr(obstore.exceptions, error, None) or ValueError
+    e = make(kind)
+    assert failures.retryable(e) is retried
+    err = failures.named(e, "s3://b/k", 0, 8, 3, "a range")
+    if named is None:  # a missing bucket: named as one
+        assert isinstance(err, MissingShardError) and remote.missing_bucket(err)
+        assert "no such bucket 'b'" in str(err)
+        return
+    assert type(err) is named
+    if named is RemoteError and retried:
+        assert str(err).startswith("s3://b/k bytes [0, 8): ")
+        assert "after 3 attempts" in str(err)
+    if kind is _SLOWDOWN:
+        assert client.cause(e) == "HTTP 503 Service Unavailable (SlowDown)"
+        assert "HTTP 503 Service Unavailable (SlowDown)" in str(err)
 
 
 def test_persistent_throttling_names_the_url_range_and_cause(
@@ -534,7 +585,7 @@ def test_exit_waits_for_a_runtime_thread_handing_over_a_result(
     ``loop.call_soon_threadsafe``: if the process finalized while such a thread was in
     Python, it would abort.  The fetcher's loop counts the threads inside, and exit
     waits for them (here, a thread that ``threading`` does not know, held inside)."""
-    loop = remote._get_loop()
+    loop = remote_loop.get_loop()
     entered, release = threading.Event(), threading.Event()
     ran = threading.Event()
 
@@ -548,12 +599,12 @@ def test_exit_waits_for_a_runtime_thread_handing_over_a_result(
         _thread.start_new_thread(loop.call_soon_threadsafe, (ran.set,))
         assert entered.wait(10)
         assert _remote.inside() == 1
-        assert not remote._quiesce(limit=0.05)
+        assert not remote_loop.quiesce(limit=0.05)
         err = capsys.readouterr().err
         assert "1 of the client's threads still handing a result over" in err
         threading.Timer(0.2, release.set).start()
         t0 = time.monotonic()
-        assert remote._quiesce(limit=10)
+        assert remote_loop.quiesce(limit=10)
         assert time.monotonic() - t0 >= 0.15
         assert _remote.inside() == 0
         assert ran.wait(10)  # and the loop was woken to run the callback
@@ -570,18 +621,18 @@ def test_a_cancelled_read_lets_its_request_complete_before_exit() -> None:
 
     async def start() -> asyncio.Future[Any]:
         request = asyncio.get_running_loop().create_future()
-        task = asyncio.ensure_future(remote._settled(request))
+        task = asyncio.ensure_future(remote_loop.settled(request))
         await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not request.cancelled() and request in remote._pending
+        assert not request.cancelled() and request in remote_loop.pending
         return request
 
-    request = remote._run(start())
-    assert not remote._quiesce(limit=0.05)
-    remote._get_loop().call_soon_threadsafe(request.set_exception, RuntimeError("late"))
-    assert remote._quiesce(limit=10) and request not in remote._pending
+    request = remote_loop.run(start())
+    assert not remote_loop.quiesce(limit=0.05)
+    remote_loop.get_loop().call_soon_threadsafe(request.set_exception, RuntimeError("late"))
+    assert remote_loop.quiesce(limit=10) and request not in remote_loop.pending
 
 
 def test_a_failed_batch_exits_with_its_error_not_an_abort(
@@ -620,7 +671,7 @@ def test_a_batch_the_fetcher_drops_fails_its_read_instead_of_hanging(
     _, url = corpus
     view = TokenStream(url, 64)
     with monkeypatch.context() as m:
-        m.setattr(remote_fetch, "_BatchFetch", lambda batch: None)
+        m.setattr(fetch, "_BatchFetch", lambda batch: None)
         with pytest.raises(OSError, match=r"\.rows: a remote read failed while reading rows"):
             view.read([0, 5])
     assert np.asarray(view.read([0])).shape == (1, 64)  # the next batch is fetched as usual
@@ -640,7 +691,7 @@ def test_a_body_of_the_wrong_size_fails_the_read_and_is_never_copied(
         self.batch.finish([bytes(n + 1) if n else None for n in self.lengths])
 
     with monkeypatch.context() as m:
-        m.setattr(remote_fetch._BatchFetch, "_finish", finish_long)
+        m.setattr(fetch._BatchFetch, "_finish", finish_long)
         with pytest.raises(RuntimeError, match=r"request 0: 257 bytes for a read of 256"):
             view.read([0])
     assert np.asarray(view.read([0])).shape == (1, 64)
@@ -669,9 +720,9 @@ def test_reads_of_many_threads_share_the_process_limit(corpus: tuple[Path, str])
         np.testing.assert_array_equal(got[k], ref.read(idx))
     assert _remote.queued() == 0  # every batch ended before its reader went on
     deadline = time.monotonic() + 10  # the last GET's slot is given back just after
-    while remote_fetch._flow.inflight and time.monotonic() < deadline:
+    while fetch._flow.inflight and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert remote_fetch._flow.inflight == 0
+    assert fetch._flow.inflight == 0
 
 
 def test_the_clients_threads_keep_their_thread_state(corpus: tuple[Path, str]) -> None:
@@ -684,7 +735,7 @@ def test_the_clients_threads_keep_their_thread_state(corpus: tuple[Path, str]) -
     local, url = corpus
     ref = TokenStream(local, 32)
     view = TokenStream(url, 32, storage_options={"merge_gap": 0})
-    loop = remote._get_loop()
+    loop = remote_loop.get_loop()
     here = threading.local()
     seen: dict[int, list[int]] = {}  # native thread id -> the local's count at each result
 

@@ -1,4 +1,4 @@
-"""How many GETs the remote backend keeps in flight (``tokload.remote_fetch._Limit``), driven by
+"""How many GETs the remote backend keeps in flight (``tokload.remote.fetch._Limit``), driven by
 a simulated store: no server, no client, simulated time.
 
 The store answers ``n`` GETs in flight at ``min(n / latency, capacity(n))`` per second,
@@ -13,7 +13,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokload.remote_fetch import MAX_IN_FLIGHT, MIN_IN_FLIGHT, _Limit
+from tokload.remote.fetch import MAX_IN_FLIGHT, MIN_IN_FLIGHT, _Limit
 
 CPU_PER_GET = 110e-6  # seconds of client CPU per GET with few connections
 

@@ -518,7 +518,7 @@ cdef class FileSet:
             self.depth = _checked_depth(queue_depth, "queue_depth")
         elif self.remote is not None and not os.environ.get("TOKLOAD_IO_DEPTH"):
             # GETs in flight are sized process-wide from the latency seen
-            # (tokload.remote._Flow): a batch's own bound stays out of the way
+            # (tokload.remote.fetch._Flow): a batch's own bound stays out of the way
             self.depth = MAX_QUEUE_DEPTH
         else:
             self.depth = default_queue_depth()

@@ -3,8 +3,8 @@
 ``engine.h`` runs a batch of requests on objects (``tl_fent.remote`` set: a
 ``tokload.remote.RemoteObject``) through ``remote_run``: the reader thread,
 without the GIL, queues the batch (``csrc/tokload/handoff.h``) and waits on a
-condition variable.  The fetcher, ``tokload.remote`` on the process's event
-loop thread, is woken through the handoff's eventfd, takes the batches
+condition variable.  The fetcher, ``tokload.remote.fetch`` on the process's event
+loop thread (``tokload.remote.loop``), is woken through the handoff's eventfd, takes the batches
 (``take``: one ``Batch`` each), fetches their bytes with the client and ends
 each batch with ``Batch.finish`` (the bodies copied into the requests' buffers
 without the GIL) or ``Batch.fail`` (the exception kept for the reader, who
@@ -53,14 +53,13 @@ cdef int remote_run(void *ctx, const lib.tl_ioreq *reqs, size_t n, unsigned dept
 
 cdef int ready() except -1:
     """Before a remote batch, with the GIL: this process's fetcher is running (a
-    forked child whose parent read from a store is refused: ``remote._check_fork``)."""
+    forked child whose parent read from a store is refused: ``remote.loop.check_fork``)."""
     global _ready_pid
     if _ready_pid == getpid():
         return 0
-    from tokload import remote
+    from tokload.remote import fetch
 
-    remote._check_fork()
-    remote._get_loop()
+    fetch.ready()
     _ready_pid = getpid()
     return 0
 
@@ -100,7 +99,7 @@ def kept():
 
 
 def loop_call_soon_threadsafe(self, callback, *args, context=None):
-    """``call_soon_threadsafe`` of the fetcher's event loop (``tokload.remote._Loop``).
+    """``call_soon_threadsafe`` of the fetcher's event loop (``tokload.remote.loop._Loop``).
 
     The client's own threads (obstore's Rust runtime) hand every result over
     through it.  asyncio's version wakes the loop with a socket ``send`` that

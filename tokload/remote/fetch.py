@@ -1,14 +1,14 @@
 """A batch's reads from an object store: the one job of this module is to fetch the
 ranged GETs of the batches the I/O engine's reader threads hand over
-(``tokload/_remote.pyx``), on the process's event loop thread (``tokload.remote``).
+(``tokload/_remote.pyx``), on the process's event loop thread (``tokload.remote.loop``).
 
 Each batch's requests are merged into GETs (``plan``); the process keeps as many
 GETs in flight, for all its readers together, as cover the store's latency at the
 rate the reads go (``_Limit``, from the latency the GETs show; ``_Flow`` gives the
 slots, the oldest batch first); every answer is checked (its size; its ETag
-through ``If-Match``) and retried as ``tokload.remote._retry_delay`` says; and
-the batch ends once, with its bodies copied into place without the GIL or with
-the first error that a retry cannot help (``_BatchFetch``).
+through ``If-Match``) and retried as ``tokload.remote.failures`` says; and the
+batch ends once, with its bodies copied into place without the GIL or with the
+first error that a retry cannot help (``_BatchFetch``).
 """
 
 from __future__ import annotations
@@ -20,22 +20,13 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from tokload import _remote
 from tokload.errors import RemoteError
-from tokload.remote import (
-    MAX_MERGED,
-    RemoteObject,
-    _counts,
-    _get_loop,
-    _get_options,
-    _named,
-    _not_partial,
-    _obstore,
-    _pending,
-    _retry_delay,
-    _ShortBody,
-    _span,
-)
+from tokload.remote import client, loop
+from tokload.remote.failures import ShortBody, named, not_partial, retry_delay, span
+from tokload.remote.store import RemoteObject
+
+MAX_MERGED = 16 << 20
+"""The largest range one GET reads when it merges requests."""
 
 
 class Gets:
@@ -91,7 +82,7 @@ def plan(objs: Sequence[RemoteObject], offsets: Sequence[int], lengths: Sequence
         if lengths[i]:
             if offsets[i] + lengths[i] > o.size:
                 e = RemoteError(
-                    f"{o.url}{_span(offsets[i], offsets[i] + lengths[i])}: past the object's "
+                    f"{o.url}{span(offsets[i], offsets[i] + lengths[i])}: past the object's "
                     f"end ({o.size} bytes when opened)",
                     o.url,
                     offsets[i],
@@ -134,13 +125,16 @@ IN_FLIGHT_BYTES = 512 << 20
 """The most bytes of GETs in flight (a GET larger than that still goes, alone)."""
 
 
-def on_wake() -> None:
-    """The handoff's eventfd is readable: start the batches the readers queued."""
-    for batch in _remote.take():
-        try:
-            _BatchFetch(batch)
-        except BaseException as e:  # never leave a reader waiting (a bug: say which)
-            batch.fail(e)
+def ready() -> None:
+    """Before a remote batch (``_remote.pyx``, with the GIL): the fetcher is running in
+    this process, which may read a store (``loop.check_fork``)."""
+    loop.check_fork()
+    loop.get_loop()
+
+
+def _start(batch: Any) -> None:
+    """A batch a reader handed over (``loop.serve_batches``): its fetch begins."""
+    _BatchFetch(batch)
 
 
 class _Limit:
@@ -357,7 +351,7 @@ class _BatchFetch:
     """One reader's batch (``_remote.Batch``), fetched on the event loop thread: its
     merged GETs (``plan``), launched as ``_flow`` gives them slots (at most the
     batch's ``depth`` at once), each answer checked (size, ETag through
-    ``If-Match``) and retried as ``_retry_delay`` says.  The batch ends once: with
+    ``If-Match``) and retried as ``retry_delay`` says.  The batch ends once: with
     every body copied into place (``Batch.finish``), or with the error of the first
     GET that failed for good (``Batch.fail``), naming the lowest request it served.
     A failed batch's other GETs are not cancelled: they run to their end and their
@@ -425,13 +419,11 @@ class _BatchFetch:
         self.attempts[k] += 1
         self.sent[k] = time.monotonic()
         try:
-            fut = _obstore().get_async(
-                obj.store.store, obj.key, options=_get_options(obj, start, end)
-            )
+            fut = client.get(obj.store.handle, obj.key, start, end, obj.etag)
         except Exception as e:  # refused before it was sent
             self._error(k, e)
             return
-        _pending.add(fut)
+        loop.pending.add(fut)
         self._await(fut, k, _answered)
 
     def _await(self, fut: asyncio.Future[Any], k: int, then: Any) -> None:
@@ -446,7 +438,7 @@ class _BatchFetch:
         _flow.release(self, self.gets.size(k), time.monotonic() - self.sent[k] if ok else None)
 
     def _answered(self, k: int, fut: asyncio.Future[Any]) -> None:
-        _pending.discard(fut)
+        loop.pending.discard(fut)
         e = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
         if self.ended:
             self._over(k, False)
@@ -456,17 +448,17 @@ class _BatchFetch:
             return
         answer = fut.result()
         if self.gets.size(k) > SYNC_BODY:  # a large body: stream it without holding the loop
-            body = asyncio.ensure_future(answer.bytes_async())
-            _pending.add(body)
+            body = asyncio.ensure_future(client.body_async(answer))
+            loop.pending.add(body)
             self._await(body, k, _read)
             return
         try:
-            self._got(k, answer.bytes())
+            self._got(k, client.body(answer))
         except Exception as err:
             self._error(k, err)
 
     def _read(self, k: int, fut: asyncio.Future[Any]) -> None:
-        _pending.discard(fut)
+        loop.pending.discard(fut)
         e = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
         if self.ended:
             self._over(k, False)
@@ -478,12 +470,12 @@ class _BatchFetch:
     def _got(self, k: int, body: Any) -> None:
         size = self.gets.size(k)
         if len(body) != size:
-            self._error(k, _ShortBody(len(body), size))
+            self._error(k, ShortBody(len(body), size))
             return
         self.bodies[k] = body
         self.left -= 1
-        _counts.gets += 1
-        _counts.bytes += size
+        loop.counts.gets += 1
+        loop.counts.bytes += size
         if self.left == 0:
             self._finish()
         self._over(k, True)
@@ -491,19 +483,19 @@ class _BatchFetch:
     def _error(self, k: int, e: BaseException) -> None:
         g = self.gets
         obj, start, end = g.objs[k], g.starts[k], g.ends[k]
-        self.whole[k] = self.whole[k] + 1 if _not_partial(e) else 0
+        self.whole[k] = self.whole[k] + 1 if not_partial(e) else 0
         delay = (
-            _retry_delay(e, self.attempts[k], self.whole[k], self.first[k], obj.store.settings)
+            retry_delay(e, self.attempts[k], self.whole[k], self.first[k], obj.store.settings)
             if isinstance(e, Exception)
             else None
         )
         if delay is None:
-            failed = _named(e, obj.url, start, end, self.attempts[k], "a range")
+            failed = named(e, obj.url, start, end, self.attempts[k], "a range")
             self._fail(failed, min(g.requests(k)))
             self._over(k, False)
             return
-        _counts.retries += 1
-        _get_loop().call_later(delay, self._retry, k)  # it keeps its slot meanwhile
+        loop.counts.retries += 1
+        loop.get_loop().call_later(delay, self._retry, k)  # it keeps its slot meanwhile
 
     def _retry(self, k: int) -> None:
         if self.ended:
@@ -550,3 +542,6 @@ def _answered(fut: asyncio.Future[Any]) -> None:
 def _read(fut: asyncio.Future[Any]) -> None:
     b = _owners.pop(fut)
     b._read(b.asked.pop(fut), fut)
+
+
+loop.serve_batches(_start)

@@ -1,0 +1,61 @@
+"""Object-store URLs: the one job of this module is to tell a URL from a local path
+and take it apart (``scheme://bucket/key``)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+SCHEMES = ("s3", "gs", "az", "abfs", "abfss")
+"""The URL schemes read from an object store (``file://`` is a local path)."""
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def scheme_of(path: object) -> str | None:
+    """The lower-case scheme of a URL string (``None`` for a path)."""
+    if not isinstance(path, str):
+        return None
+    m = _SCHEME.match(path)
+    return m.group(1).lower() if m else None
+
+
+def is_url(path: object) -> bool:
+    """Whether ``path`` names an object in an object store (``s3://``, ``gs://``,
+    ``az://``, ``abfs[s]://``).  ``file://`` URLs and paths are local.
+
+    Raises:
+        ValueError: another scheme (``http://`` and the like are not datasets).
+    """
+    scheme = scheme_of(path)
+    if scheme is None or scheme == "file":
+        return False
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"{path}: unsupported URL scheme {scheme!r}; tokload reads "
+            f"{', '.join(s + '://' for s in SCHEMES)}, file:// and local paths"
+        )
+    return True
+
+
+def local_path(path: str | os.PathLike[str]) -> str:
+    """A local path, with a ``file://`` prefix removed."""
+    p = os.fspath(path)
+    return p[len("file://") :] if p.startswith("file://") else p
+
+
+def join(url: str, name: str) -> str:
+    """``url/name`` (one slash between)."""
+    return url.rstrip("/") + "/" + name
+
+
+def split_url(url: str) -> tuple[str, str, str]:
+    """``(scheme, bucket, key)`` of ``scheme://bucket/key``."""
+    scheme = scheme_of(url)
+    if scheme is None:
+        raise ValueError(f"{url}: not a URL")
+    rest = url[len(scheme) + 3 :]
+    bucket, _, key = rest.partition("/")
+    if not bucket:
+        raise ValueError(f"{url}: no bucket in the URL")
+    return scheme, bucket, key
