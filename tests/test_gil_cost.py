@@ -21,7 +21,6 @@ import pytest
 
 import tokload
 from tokload import DataLoader, Documents, StreamWithMetadata, TokenStream, Writer
-from tokload.loader import _task_builder
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +56,7 @@ def calls_per_batch(
         **loader,
         read=tokload.ReadOptions(steps_per_task=steps_per_task),
     )
-    build = _task_builder(ld, 0)
+    build = ld._task_builder(0)
     build(0)  # first tasks: permutation tables, dtype caches
     build(1)
     count = 0
@@ -138,7 +137,6 @@ def test_metadata_batches_cost_does_not_grow_with_their_records(
 _DROPS_SCRIPT = """
 import gc, os, sys
 import tokload
-from tokload.loader import _task_builder
 root = sys.argv[1]
 views = {
     "stream": (tokload.TokenStream(root + "/ds", window=4097), tokload.Stack()),
@@ -153,7 +151,7 @@ for name, (view, policy) in views.items():
         view, 8, batching=policy, num_threads=0, pin_memory=False, device=None,
         read=tokload.ReadOptions(steps_per_task=16),
     )
-    build = _task_builder(ld, 0)
+    build = ld._task_builder(0)
     build(0), build(1)
     gc.collect()
     os.getppid()

@@ -504,7 +504,7 @@ def test_bad_arguments(corpus: Path) -> None:
 def test_automatic_prefetch_follows_the_batch_size_in_bytes(corpus: Path) -> None:
     """prefetch=None: two tasks ahead until the first batch is delivered, then as many
     batches as prefetch_bytes hold (at most 512); an explicit prefetch stays as given."""
-    from tokload.loader import (
+    from tokload.tasks import (
         MAX_AUTO_PREFETCH,
         UNKNOWN_SIZE_PREFETCH,
         auto_prefetch,
@@ -551,7 +551,7 @@ def test_automatic_prefetch_follows_the_batch_size_in_bytes(corpus: Path) -> Non
 def test_automatic_prefetch_shrinks_for_larger_later_batches(corpus: Path) -> None:
     """Documents padded to each batch's longest vary in size: the depth follows the
     largest batch that began a task, and never grows back."""
-    from tokload.loader import auto_prefetch, batch_nbytes
+    from tokload.tasks import auto_prefetch, batch_nbytes
 
     ld = DataLoader(
         Documents(corpus),
@@ -832,7 +832,7 @@ def _threads_after(view: Any, batches: int, **kw: Any) -> int:
 def test_reader_threads_grow_while_tasks_wait_for_reads() -> None:
     """Tasks that mostly wait (an object store's latency) get more reader threads, up
     to MAX_WAITING_THREADS: the waits overlap, so the loader keeps up."""
-    from tokload.loader import MAX_WAITING_THREADS
+    from tokload.tasks import MAX_WAITING_THREADS
 
     read = tokload.ReadOptions(steps_per_task=2, prefetch=16)
     base = tokload.DataLoader(_Waiting(), 4, device=None).num_threads
@@ -843,7 +843,7 @@ def test_reader_threads_grow_while_tasks_wait_for_reads() -> None:
 
 
 def test_how_many_threads_waiting_tasks_get() -> None:
-    from tokload.loader import MAX_WAITING_THREADS, waiting_threads
+    from tokload.tasks import MAX_WAITING_THREADS, waiting_threads
 
     assert waiting_threads(1, 1.0, 0.9, 32) == 1  # busy with their own work
     assert waiting_threads(1, 0.01, 0.0, 32) == 1  # too little seen

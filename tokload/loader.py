@@ -12,14 +12,15 @@ It composes three stages, one job each:
   lifetime, tensors, device copies on a side stream.
 
 This module owns the policy around them: the cursor (the first position not yet
-delivered; the whole checkpoint), reader threads that build several steps per
-task ahead of the trainer, and iteration.
+delivered; the whole checkpoint), how a reader task's steps are read and made
+into batches (``DataLoader._build_task``), the statistics, and iteration: reader
+threads that build several steps per task ahead of the trainer.  Which steps a
+task builds, how many tasks ahead and on how many threads is ``tokload.tasks``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import threading
 import time
@@ -31,19 +32,23 @@ import numpy as np
 
 from tokload.batching import Batching, cut, read_step, resolve
 from tokload.errors import StateError
-from tokload.prefetch import CLOSE_S, POLL_S, Prefetcher
-from tokload.readahead import ReadAhead, wanted
+from tokload.prefetch import CLOSE_S, Prefetcher
+from tokload.readahead import wanted
 from tokload.reading import ReadOptions, from_retired
 from tokload.schedule import Schedule
 from tokload.stats import LoaderStats, format_report, log
+from tokload.tasks import (
+    Counted,
+    Failed,
+    auto_prefetch,
+    batch_nbytes,
+    task_builder,
+    waiting_threads,
+)
 from tokload.transfer import Batch, Transfer, loader_backend, retired_transfer
 from tokload.views.contract import check_view, fingerprint_upto
 
 STATE_VERSION = 1
-
-Counted = tuple[int, Any]
-"""A batch's real tokens, and per component of a blend its ``[samples, tokens]``
-(an int64 array ``[components, 2]``; None for other views)."""
 
 
 def _resolve_rank(
@@ -97,11 +102,12 @@ class DataLoader:
         mesh_dim: the mesh's data-parallel dimension (name or index, default 0).
         num_threads: reader threads; 0 builds each batch in ``next()`` (handy
             for debugging). Default: half the CPU cores, between 1 and 4, so
-            the training thread keeps a core of its own; more, up to
-            ``MAX_WAITING_THREADS``, while tasks take more than twice their
-            own CPU time (they wait for reads: an object store's latency, a
-            network file system), so that enough reads are in flight to cover
-            the wait (``num_threads`` threads' worth of work going at once).
+            the training thread keeps a core of its own; more, up to 16
+            (``tokload.tasks.MAX_WAITING_THREADS``), while tasks take more
+            than twice their own CPU time (they wait for reads: an object
+            store's latency, a network file system), so that enough reads are
+            in flight to cover the wait (``num_threads`` threads' worth of work
+            going at once).
         pin_memory: ``"auto"`` pins when CUDA is available; ``True`` requires
             it (RuntimeError otherwise); ``False`` never pins.
         device: where batches are delivered. ``"auto"`` (default): this rank's
@@ -454,6 +460,22 @@ class DataLoader:
             self._stats.built(time.perf_counter() - t0, sum(counts))
         return out, tokens, failure
 
+    def _task_builder(
+        self, base: int, lead: list[Any] | None = None, cancel: threading.Event | None = None
+    ) -> Callable[[int], Any]:
+        """The reader tasks' ``build(task)`` from cursor ``base`` (``tokload.tasks``)."""
+        hint = getattr(self.view, "hint", None) if self.readahead else None
+        return task_builder(
+            self.schedule,
+            self.steps_per_task,
+            base,
+            self._build_task,
+            io=self._io,
+            hint=hint,
+            lead=lead,
+            cancel=cancel,
+        )
+
     # ---- statistics ----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -619,7 +641,7 @@ class _LoaderIter:
             self._lead: list[Any] = [depth]
             cancel = threading.Event()  # set by the prefetcher's close: tasks give up
             self._pf = Prefetcher(
-                _task_builder(loader, loader.cursor, self._lead, cancel),
+                loader._task_builder(loader.cursor, self._lead, cancel),
                 0,
                 None,
                 depth,
@@ -672,7 +694,7 @@ class _LoaderIter:
                 self.close()
                 raise StopIteration
             (start, end), item, ntok = self._ready.pop()
-            if isinstance(item, _Failed):
+            if isinstance(item, Failed):
                 # The batch was not delivered: the cursor stays before it, and a new
                 # iterator (or a resume) builds it again.
                 self.close()
@@ -702,7 +724,7 @@ class _LoaderIter:
         """The automatic prefetch depth, from the first batch of each task: sized
         by the largest batch seen (batches of documents vary), so it only shrinks
         after the first."""
-        if isinstance(batch, _Failed) or self._pf is None:
+        if isinstance(batch, Failed) or self._pf is None:
             return
         nbytes = batch_nbytes(batch)
         if self._largest and nbytes <= self._largest:
@@ -740,170 +762,3 @@ class _LoaderIter:
         # training thread, usually): it only tells the threads to stop, and they exit
         # on their own once a read in progress returns.
         self.close(0.0)
-
-
-MAX_WAITING_THREADS = 16
-"""The most reader threads the default ``num_threads`` grows to while tasks wait for
-their reads."""
-
-
-def waiting_threads(base: int, wall: float, cpu: float, tasks: int) -> int:
-    """Reader threads for tasks that took ``wall`` seconds (summed) and used ``cpu``
-    seconds of their threads' CPU: ``base`` while a task takes less than twice its CPU
-    time (or too little is seen yet), else ``base * wall / cpu``, at most
-    MAX_WAITING_THREADS and one more than the ``tasks`` the prefetch may hold.  (A
-    CPU too busy to run the threads looks like waiting too: the threads added then
-    mostly sleep.)"""
-    if wall < 2 * cpu or wall < 0.05:
-        return base
-    return max(base, min(math.ceil(base * wall / max(cpu, 1e-6)), MAX_WAITING_THREADS, tasks + 1))
-
-
-MAX_AUTO_PREFETCH = 512
-"""The most batches the automatic prefetch builds ahead (see ``DataLoader``)."""
-
-
-UNKNOWN_SIZE_PREFETCH = 32
-"""Batches the automatic prefetch keeps when it cannot measure a batch."""
-
-
-def batch_nbytes(batch: Any) -> int:
-    """Bytes of a batch's arrays: tensors and NumPy arrays, in dicts, lists and
-    tuples at any depth (0 when there are none)."""
-    if isinstance(batch, dict):
-        return sum(batch_nbytes(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return sum(batch_nbytes(v) for v in batch)
-    n = getattr(batch, "nbytes", 0)
-    return n if isinstance(n, int) else 0
-
-
-def auto_prefetch(nbytes: int, budget: int) -> int:
-    """Batches the automatic prefetch keeps for batches of ``nbytes`` within
-    ``budget`` bytes: at most MAX_AUTO_PREFETCH, at least 1; UNKNOWN_SIZE_PREFETCH
-    when the size is unknown (0)."""
-    if nbytes <= 0:
-        return UNKNOWN_SIZE_PREFETCH
-    return max(1, min(MAX_AUTO_PREFETCH, budget // nbytes))
-
-
-class _Failed:
-    """A batch whose building raised: re-raised by the next() that would return it."""
-
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-FIRST_ALONE_S = 0.5
-"""How long the other reader tasks wait for the first one (see ``_task_builder``)."""
-
-
-def _task_builder(
-    loader: DataLoader,
-    base: int,
-    lead: list[Any] | None = None,
-    cancel: threading.Event | None = None,
-) -> Callable[[int], Any]:
-    """``build(task)``: the (span, batch, tokens) triples of the task's steps, in order.
-
-    Spans follow one another from ``base`` (with drop_last they skip epoch
-    tails), so they are computed in task order under a lock, whichever thread
-    asks first; each task is asked for once.  ``lead`` (when given) is
-    ``[tasks to read ahead]``, kept current by the caller; the builder appends
-    its ``ReadAhead`` (or None) to it.  ``cancel`` (the prefetcher's, set by its
-    ``close``) makes a task give up between its steps.
-
-    A failure ends the task's list: its step gets a ``_Failed`` (re-raised by
-    the ``next()`` that would return it) and no step after it is built. The
-    failure of a call that served several steps (``DataLoader._build_task``)
-    goes to the first of them, with a note naming their cursors: a task is never
-    read a second time to find the step that failed.
-    """
-    per = loader.steps_per_task
-    schedule = loader.schedule
-    lock = threading.Lock()
-    chain: dict[str, Any] = {"next": 0, "cursor": base}  # cursor None: the end
-    computed: dict[int, list[tuple[int, int]]] = {}
-
-    def spans_of(task: int, keep: bool = False) -> list[tuple[int, int]]:
-        with lock:
-            while chain["next"] <= task:
-                c = chain["cursor"]
-                # The first task is one step: the first batch waits for its own reads
-                # only, not for a whole task's (on an object store, round trips of 100 ms).
-                size = 1 if chain["next"] == 0 else per
-                spans = [] if c is None else schedule.spans(c, size)
-                computed[chain["next"]] = spans
-                chain["cursor"] = spans[-1][1] if len(spans) == size else None
-                chain["next"] += 1
-            if keep:  # a look ahead: the task is built later
-                return computed.get(task, [])
-            return computed.pop(task)
-
-    def indices_of(task: int) -> np.ndarray | None:
-        spans = spans_of(task, keep=True)
-        if not spans:
-            return None
-        return schedule.indices(schedule.task_positions(spans)[0])
-
-    hint = getattr(loader.view, "hint", None)
-    ahead = ReadAhead(hint, indices_of) if hint is not None and loader.readahead else None
-    if lead is not None:
-        lead.append(ahead)
-
-    first_done = threading.Event()
-
-    def build(task: int) -> list[tuple[tuple[int, int], Any, Counted]]:
-        if task == 0:
-            try:
-                return _build(task)
-            finally:
-                first_done.set()
-        if not first_done.is_set():
-            # The first batch's reads go alone (on an object store the other tasks'
-            # hundreds of requests would queue beside them): the others wait for it,
-            # half a second at most, and not at all once the prefetcher is closed.
-            deadline = time.monotonic() + FIRST_ALONE_S
-            while not (cancel is not None and cancel.is_set()):
-                left = deadline - time.monotonic()
-                if left <= 0 or first_done.wait(min(left, POLL_S)):
-                    break
-        return _build(task)
-
-    def _build(task: int) -> list[tuple[tuple[int, int], Any, Counted]]:
-        if loader._io is None:
-            spans = spans_of(task)
-        else:
-            with loader._io:  # the loader's own io and io_depth (a packer reads lengths)
-                spans = spans_of(task)
-        if not spans:  # past the end: the consumer's pass is over
-            return []
-        if ahead is not None and lead:
-            # advice only: a read that then fails reports it at its own step
-            with contextlib.suppress(Exception):
-                ahead.ahead(task, lead[0])
-        items, tokens, failure = loader._build_task(spans, cancel)
-        out: list[tuple[tuple[int, int], Any, Counted]] = list(
-            zip(spans, items, tokens, strict=False)
-        )
-        if failure is not None:
-            exc, served = failure
-            k = len(items)
-            a = spans[k][0]
-            if served > 1:
-                exc.add_note(
-                    f"(raised in a tokload reader thread while building the {served} batches "
-                    f"at cursors [{a}, {spans[k + served - 1][1]}) in one call: the failure "
-                    f"is delivered at the first of them, cursor {a}; none of them was read "
-                    "again to find the one that failed)"
-                )
-            else:
-                exc.add_note(
-                    f"(raised in a tokload reader thread while building the batch at cursor {a})"
-                )
-            out.append((spans[k], _Failed(exc), (0, None)))
-        return out
-
-    return build

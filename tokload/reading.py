@@ -27,7 +27,7 @@ class ReadOptions:
         prefetch: batches built ahead of the trainer (per rank); keep it at
             least twice ``steps_per_task`` so a task is always being built.
             Default (None): as many as ``prefetch_bytes`` of batches hold, at
-            most ``tokload.loader.MAX_AUTO_PREFETCH`` (512) and at least two
+            most ``tokload.tasks.MAX_AUTO_PREFETCH`` (512) and at least two
             tasks, sized by the largest of the batches that begin a task (until
             the first is delivered, two tasks; a ``collate`` result with no
             arrays in dicts, lists or tuples counts as unknown: 32 batches).
