@@ -7,7 +7,7 @@
  *
  * The engine (engine.h, TL_IO_REMOTE) plans a batch's requests in C like any
  * other; `tl_handoff_run` queues them and blocks on a condition variable.  The
- * fetcher (tokload/remote.py, on the process's event loop thread, which holds
+ * fetcher (tokload/remote/fetch.py, on the process's event loop thread, which holds
  * the GIL as Python threads do) is woken through `efd`, an eventfd it watches;
  * it takes the queued batches (`tl_handoff_take`), fetches their bytes with the
  * object-store client, copies them into the requests' buffers
