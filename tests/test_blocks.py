@@ -45,11 +45,11 @@ from tokload._io import uring_available
 from tokload._meta import SPAN_NONE, BlockSet, Scratch, decode_blocks, encode_blocks
 from tokload._tables import CompressedTable, compressed_table_bytes
 from tokload.checksum import verify_checksums
+from tokload.derive import convert, merge
 from tokload.errors import CorruptDataError, FormatError, TruncatedFileError
 from tokload.format import read_manifest
 from tokload.source import DEFAULT_INDEX_MEMORY
 from tokload.tools import verify
-from tokload.writer import convert, merge
 
 NONE = SPAN_NONE
 assert NONE == 0xFFFFFFFF

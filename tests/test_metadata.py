@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 
 import tokload
 from tokload import DataLoader, StreamWithMetadata, Writer
+from tokload.derive import convert, merge
 from tokload.errors import CorruptDataError, FormatError
 from tokload.format import read_manifest
 from tokload.views import RecordList
-from tokload.writer import convert, merge
 
 Doc = tuple[np.ndarray, list[tuple[int, int, bytes]]]
 
@@ -525,7 +525,7 @@ def test_a_write_stopped_part_way_leaves_the_shard_whole(
     from tokload import writer as writer_mod
 
     docs = make_docs(9, ndocs=12)
-    real_add = writer_mod._OpenShard.add
+    real_add = writer_mod.OpenShard.add
     calls = 0
 
     def add(self: Any, rows: np.ndarray, payloads: list[bytes], end: bool = True) -> None:
@@ -533,14 +533,14 @@ def test_a_write_stopped_part_way_leaves_the_shard_whole(
         calls += 1
         if calls == 8:
             if stop == "after the rows":
-                self._put(0, np.ascontiguousarray(rows).view(np.uint8).data)
+                self.put(0, np.ascontiguousarray(rows).view(np.uint8).data)
             raise KeyboardInterrupt
         real_add(self, rows, payloads, end)
 
-    monkeypatch.setattr(writer_mod._OpenShard, "add", add)
+    monkeypatch.setattr(writer_mod.OpenShard, "add", add)
     with pytest.raises(KeyboardInterrupt):
         write(tmp_path / "ds", docs, layout)
-    monkeypatch.setattr(writer_mod._OpenShard, "add", real_add)
+    monkeypatch.setattr(writer_mod.OpenShard, "add", real_add)
     assert read_manifest(tmp_path / "ds").num_documents == 7
     assert not list((tmp_path / "ds").glob(".*"))  # no hidden file left
     from tokload.tools import verify

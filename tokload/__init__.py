@@ -13,6 +13,7 @@ from tokload import errors, tools
 from tokload._permute import Permutation, epoch_seed
 from tokload.batching import Fill, Pack, Pad, Stack
 from tokload.builder import build
+from tokload.derive import convert, merge
 from tokload.errors import (
     BuildError,
     CorruptDataError,
@@ -42,7 +43,7 @@ from tokload.views import (
     TokenStream,
     split,
 )
-from tokload.writer import Writer, convert, merge
+from tokload.writer import Writer
 
 __all__ = [
     "Blend",

@@ -529,7 +529,7 @@ def _run(args: argparse.Namespace, started: float) -> int:
         print(f"tokload build: {summary}")
         return 0
     if args.command == "merge":
-        from tokload.writer import merge
+        from tokload.derive import merge
 
         m = merge(args.output, args.inputs)
         print(
@@ -538,7 +538,7 @@ def _run(args: argparse.Namespace, started: float) -> int:
         )
         return 0
     if args.command == "convert":
-        from tokload.writer import convert
+        from tokload.derive import convert
 
         m = convert(args.src, args.dst, args.layout, span_block=args.span_block)
         print(

@@ -1,4 +1,6 @@
-"""Writing datasets: ``Writer`` appends documents; ``merge`` joins datasets.
+"""Writing datasets: the one job of this module is ``Writer``, which appends
+documents to a new dataset, shard by shard (``OpenShard``); datasets made from
+other datasets (``merge``, ``convert``) are ``tokload.derive``'s.
 
 The writer keeps FORMAT.md's promise: the manifest is written last and
 atomically, and lists only shards whose files are complete and fsynced, so a
@@ -7,7 +9,6 @@ crash never leaves a manifest that refers to data that is not on disk.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import secrets
 from collections.abc import Mapping, Sequence
@@ -19,9 +20,9 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from tokload._meta import SPAN_DTYPE, decode_blocks, encode_blocks
+from tokload._meta import SPAN_DTYPE, encode_blocks
 from tokload.errors import FormatError
-from tokload.files import fsync_dir, read_regular
+from tokload.files import fsync_dir
 from tokload.format import (
     DEFAULT_METADATA_BLOCK,
     DEFAULT_SPAN_BLOCK,
@@ -126,7 +127,7 @@ class Writer:
                 f"Writer dtype: metadata_layout='per_token' needs a '<u4' field "
                 f"{METADATA_FIELD!r} in the dtype, got {self.dtype}"
             )
-        span_block = _checked_block(span_block, metadata_layout)
+        span_block = checked_block(span_block, metadata_layout)
         self.layout = metadata_layout if metadata else "per_token"
         self.shard_bytes = shard_bytes
         self.durable = durable
@@ -170,7 +171,7 @@ class Writer:
         self._seq = 0
         while self._name(self._seq) in taken:
             self._seq += 1
-        self._shard: _OpenShard | None = None
+        self._shard: OpenShard | None = None
         # Where the document being written in pieces began, and its last record.
         self._doc_mark: tuple[list[int], list[Any], list[Any]] | None = None
         self._tail: bytes | None = None
@@ -287,7 +288,7 @@ class Writer:
             self._close_shard()
             shard = None
         if shard is None:
-            shard = self._shard = _OpenShard(
+            shard = self._shard = OpenShard(
                 self.path, self._name(self._seq), self.manifest, self.durable
             )
             self._seq += 1
@@ -405,7 +406,7 @@ class Writer:
         self.close()
 
 
-def _checked_block(span_block: Any, layout: str) -> int:
+def checked_block(span_block: Any, layout: str) -> int:
     """``span_block`` checked for ``layout``, or its default there."""
     if span_block is None:
         return DEFAULT_METADATA_BLOCK if layout == "blocks" else DEFAULT_SPAN_BLOCK
@@ -433,8 +434,11 @@ def _checked_cast(values: np.ndarray, dtype: np.dtype[Any], what: str) -> np.nda
     return values.astype(dtype)
 
 
-class _OpenShard:
-    """The files of the shard being written, each with its running xxh3_64."""
+class OpenShard:
+    """The files of the shard being written (``Manifest.files()``'s extensions, in
+    that order), each with its running xxh3_64; ``finish`` closes and fsyncs them
+    and gives the shard's ``ShardInfo`` (``tokload.derive.convert`` writes a
+    shard's files through it too)."""
 
     def __init__(self, root: Path, name: str, manifest: Manifest, durable: bool = True) -> None:
         self.name = name
@@ -471,9 +475,9 @@ class _OpenShard:
         self.last_start = 0  # the last run's start and record
         self.last_record = 0
         first = np.zeros(1, _U64).tobytes()
-        self._put(1, first)  # first document starts at row 0
+        self.put(1, first)  # first document starts at row 0
         if manifest.metadata:
-            self._put(2, first)
+            self.put(2, first)
 
     _STATE = (
         "rows",
@@ -505,7 +509,8 @@ class _OpenShard:
         for a, v in zip(self._STATE, state, strict=True):
             setattr(self, a, v)
 
-    def _put(self, k: int, data: bytes | memoryview) -> None:
+    def put(self, k: int, data: bytes | memoryview) -> None:
+        """Append ``data`` to file ``k`` (an index into ``Manifest.files()``)."""
         self.files[k].write(data)
         self.hashes[k].update(data)
 
@@ -530,7 +535,7 @@ class _OpenShard:
             entries = np.empty(len(starts), SPAN_DTYPE)
             entries["start"] = starts
             entries["record"] = records
-            self._put(4, entries.tobytes())
+            self.put(4, entries.tobytes())
             self.runs += len(starts)
             self.last_start, self.last_record = int(starts[-1]), int(records[-1])
         if self.to_blocks:
@@ -540,7 +545,7 @@ class _OpenShard:
         if top > self.blocks:
             at = np.arange(self.blocks, top, dtype=np.uint64) * np.uint64(self.block)
             idx = np.searchsorted(c_starts, at, side="right").astype(np.int64) - 1
-            self._put(5, (idx + first).astype(_U64).tobytes())
+            self.put(5, (idx + first).astype(_U64).tobytes())
             self.blocks = top
 
     def shard_ids(self, local: np.ndarray) -> np.ndarray:
@@ -552,22 +557,22 @@ class _OpenShard:
 
     def add(self, rows: np.ndarray, payloads: list[bytes], end: bool = True) -> None:
         """The next rows (and their records); ``end``: they end a document."""
-        self._put(0, np.ascontiguousarray(rows).view(np.uint8).data)
+        self.put(0, np.ascontiguousarray(rows).view(np.uint8).data)
         self.rows += len(rows)
         if end:
             self.documents += 1
-            self._put(1, np.array([self.rows], _U64).tobytes())
+            self.put(1, np.array([self.rows], _U64).tobytes())
         if payloads:
             ends = self.meta_bytes + np.cumsum([len(p) for p in payloads], dtype=np.uint64)
             for p in payloads:
-                self._put(3, p)
-            self._put(2, ends.astype(_U64).tobytes())
+                self.put(3, p)
+            self.put(2, ends.astype(_U64).tobytes())
             self.records += len(payloads)
             self.meta_bytes = int(ends[-1])
 
     def finish(self, durable: bool) -> ShardInfo:
         if "msx" in self.exts:
-            self._put(5, np.array([self.runs], _U64).tobytes())
+            self.put(5, np.array([self.runs], _U64).tobytes())
         for f, ext in zip(self.files, self.work, strict=True):
             f.flush()
             if durable and ext in self.exts:
@@ -632,223 +637,3 @@ class _OpenShard:
     def remove(self) -> None:
         for p in self.paths:
             p.unlink(missing_ok=True)
-
-
-def merge(output: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str]]) -> Manifest:
-    """Join datasets into one by writing a manifest only; no data is copied.
-
-    The merged manifest lists every input's shards, in the order given, by
-    their paths relative to ``output`` (FORMAT.md), so the inputs must stay
-    where they are. All inputs need the same dtype and options. ``output`` may
-    not already hold a dataset.
-
-    Returns the merged manifest.
-    """
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / MANIFEST).exists():
-        raise FileExistsError(17, "a dataset already exists here", str(out))
-    if not inputs:
-        raise ValueError("merge needs at least one input dataset")
-    manifests = [(Path(p), read_manifest(p)) for p in inputs]
-    first = manifests[0][1]
-    merged = Manifest(
-        dtype=first.dtype,
-        documents=first.documents,
-        metadata=first.metadata,
-        metadata_layout=first.metadata_layout,
-        span_block=first.span_block,
-    )
-
-    def shape(m: Manifest) -> tuple[Any, ...]:
-        layout = (
-            (m.metadata_layout, m.span_block if m.spans or m.blocks else None)
-            if m.metadata
-            else None
-        )
-        return (m.dtype, m.documents, m.metadata, layout)
-
-    for path, m in manifests:
-        if shape(m) != shape(first):
-            raise FormatError(
-                f"{path}: dtype={m.dtype}, documents={m.documents}, metadata={m.metadata} "
-                f"(layout {shape(m)[3]}) differs from {manifests[0][0]}: dtype={first.dtype}, "
-                f"documents={first.documents}, metadata={first.metadata} "
-                f"(layout {shape(first)[3]})"
-            )
-        rel = os.path.relpath(path.resolve(), out.resolve())
-        for s in m.shards:
-            name = os.path.normpath(os.path.join(rel, s.name))
-            merged.shards.append(dataclasses.replace(s, name=name))  # checksums carried over
-        merged.user.setdefault("merged_from", []).append(rel)
-    write_manifest(out, merged)
-    return merged
-
-
-def convert(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    layout: str = "blocks",
-    *,
-    span_block: int | None = None,
-    durable: bool = True,
-) -> Manifest:
-    """Write a copy of a dataset with its metadata in another layout (FORMAT.md).
-
-    ``layout="blocks"`` (version 3) or ``"spans"`` (version 2): the rows lose
-    their ``metadata_id`` field if they have one (the other fields stay, as a
-    structured dtype) and each shard gets metadata blocks or a span table;
-    ``"per_token"`` (version 1): the rows gain a ``metadata_id`` field (a
-    plain dtype becomes the field ``"tokens"``). ``span_block`` is the
-    target's (default: 4096 rows per block, 1024 per span table block index
-    entry; converting to the same layout with another ``span_block`` re-blocks
-    it). Shards, documents and records stay as they are (a record no row
-    refers to keeps no bytes when the source is in blocks), so a
-    ``StreamWithMetadata`` of the copy gives the same batches,
-    bit for bit. Memory stays within a shard's metadata (the rows are
-    streamed in chunks). ``dst`` may not hold a dataset.
-
-    Returns the new manifest.
-    """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
-    root, out = Path(src), Path(dst)
-    m = read_manifest(root)
-    if not m.metadata or not m.documents:
-        raise FormatError(f"{root}: the dataset has no metadata (or no documents) to convert")
-    block = _checked_block(span_block, layout)
-    if m.metadata_layout == layout and (layout == "per_token" or block == m.span_block):
-        raise FormatError(
-            f"{root}: the metadata already has layout {layout!r}"
-            + ("" if layout == "per_token" else f" with span_block {block}")
-            + "; nothing to convert"
-        )
-    old = m.dtype
-    if layout != "per_token":
-        if m.metadata_layout == "per_token":
-            assert old.fields is not None
-            keep = [(n, old.fields[n][0].str) for n in old.names or () if n != METADATA_FIELD]
-            new: np.dtype[Any] = np.dtype(keep)
-        else:
-            new = old
-    else:
-        fields = (
-            [("tokens", old.str)]
-            if old.fields is None
-            else [(n, old.fields[n][0].str) for n in old.names or ()]
-        )
-        new = np.dtype([*fields, (METADATA_FIELD, "<u4")])
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / MANIFEST).exists():
-        raise FileExistsError(17, "a dataset already exists here", str(out))
-    target = Manifest(
-        dtype=new,
-        documents=m.documents,
-        metadata=True,
-        user=dict(m.user),
-        metadata_layout=layout,
-        span_block=block,
-    )
-    names: set[str] = set()
-    for k, s in enumerate(m.shards):
-        name = os.path.basename(s.name)
-        if name in names:
-            name = f"c{k:05d}-{name}"
-        names.add(name)
-        target.shards.append(_convert_shard(root, s, m, out, name, target, durable))
-    if durable:
-        fsync_dir(out)
-    write_manifest(out, target)
-    return target
-
-
-_CHUNK_ROWS = 1 << 22
-
-
-def _source_metadata(
-    base: str, s: ShardInfo, m: Manifest, rows: np.ndarray | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A shard's runs (starts, records) and records (mdx, mdb), whatever its layout."""
-    if m.blocks:
-        index = np.fromfile(f"{base}.mbx", dtype=_U64)
-        msb = np.fromfile(f"{base}.msb", dtype=np.uint8)
-        got: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] = decode_blocks(
-            m.span_block, s.rows, s.metadata_records, index, msb, f"{base}.mbx", f"{base}.msb"
-        )
-        return got
-    mdx = np.fromfile(f"{base}.mdx", dtype=_U64)
-    mdb = np.fromfile(f"{base}.mdb", dtype=np.uint8)
-    if m.spans:
-        runs = np.fromfile(f"{base}.mds", dtype=SPAN_DTYPE) if s.metadata_runs else None
-        if runs is None:
-            return np.zeros(0, np.uint64), np.zeros(0, np.uint32), mdx, mdb
-        return runs["start"].copy(), runs["record"].copy(), mdx, mdb
-    starts: list[np.ndarray] = []
-    records: list[np.ndarray] = []
-    last = None
-    for a in range(0, s.rows, _CHUNK_ROWS):
-        assert rows is not None
-        ids = np.asarray(rows[a : a + _CHUNK_ROWS][METADATA_FIELD])
-        change = np.flatnonzero(ids[1:] != ids[:-1]) + 1
-        if last is None or ids[0] != last:
-            change = np.concatenate([[0], change])
-        starts.append(change.astype(np.uint64) + np.uint64(a))
-        records.append(ids[change].astype(np.uint32))
-        last = ids[-1]
-    if not starts:
-        return np.zeros(0, np.uint64), np.zeros(0, np.uint32), mdx, mdb
-    return np.concatenate(starts), np.concatenate(records), mdx, mdb
-
-
-def _convert_shard(
-    root: Path, s: ShardInfo, m: Manifest, out: Path, name: str, target: Manifest, durable: bool
-) -> ShardInfo:
-    shard = _OpenShard(out, name, target, durable)
-    try:
-        base = str(root / s.name)
-        rows = (
-            np.memmap(f"{base}.rows", dtype=m.dtype, mode="r", shape=(s.rows,)) if s.rows else None
-        )
-        starts, records, mdx, mdb = _source_metadata(base, s, m, rows)
-        ends = np.append(starts[1:], np.uint64(s.rows))
-        for a in range(0, s.rows, _CHUNK_ROWS):
-            assert rows is not None
-            chunk = np.asarray(rows[a : a + _CHUNK_ROWS])
-            packed = np.empty(len(chunk), target.dtype)
-            for n in target.dtype.names or ("tokens",):
-                if n == METADATA_FIELD:
-                    b = a + len(chunk)
-                    r0 = int(np.searchsorted(starts, a, side="right")) - 1
-                    r1 = int(np.searchsorted(starts, b, side="left"))
-                    lo = np.maximum(starts[r0:r1], a)
-                    hi = np.minimum(ends[r0:r1], b)
-                    packed[n] = np.repeat(records[r0:r1], (hi - lo).astype(np.int64))
-                elif target.dtype.names is None:
-                    packed = chunk if m.dtype.names is None else chunk[n]
-                else:
-                    packed[n] = chunk if m.dtype.names is None else chunk[n]
-            shard._put(0, np.ascontiguousarray(packed).view(np.uint8).data)
-        if target.metadata_layout != "per_token":
-            e = np.empty(len(starts), SPAN_DTYPE)
-            e["start"], e["record"] = starts, records
-            shard._put(4, e.tobytes())
-            shard.runs = len(e)
-        if target.spans:
-            nblocks = -(-s.rows // target.span_block)
-            at = np.arange(nblocks, dtype=np.uint64) * np.uint64(target.span_block)
-            idx = np.searchsorted(starts, at, side="right") - 1
-            shard._put(5, idx.astype(_U64).tobytes())
-        # documents and records are copied as they are
-        if m.documents:
-            data = read_regular(f"{base}.docs", "shard .docs file")
-            shard._put(1, data[8:])  # _OpenShard wrote the first 0 already
-        shard._put(2, mdx[1:].astype(_U64).tobytes())
-        shard._put(3, mdb.data)
-        shard.rows, shard.documents = s.rows, s.documents
-        shard.records, shard.meta_bytes = s.metadata_records, int(mdx[-1])
-        return shard.finish(durable)
-    except BaseException:
-        for f in shard.files:
-            f.close()
-        shard.remove()
-        raise

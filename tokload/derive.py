@@ -1,0 +1,250 @@
+"""Datasets made from datasets: the one job of this module is ``merge`` (one
+dataset that lists the shards of others, by writing a manifest only) and
+``convert`` (a copy with its metadata in another layout, shard by shard through
+the writer's ``OpenShard``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokload._meta import SPAN_DTYPE, decode_blocks
+from tokload.errors import FormatError
+from tokload.files import fsync_dir, read_regular
+from tokload.format import (
+    LAYOUTS,
+    MANIFEST,
+    METADATA_FIELD,
+    Manifest,
+    ShardInfo,
+    read_manifest,
+    write_manifest,
+)
+from tokload.writer import OpenShard, checked_block
+
+_U64 = np.dtype("<u8")
+
+
+def merge(output: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str]]) -> Manifest:
+    """Join datasets into one by writing a manifest only; no data is copied.
+
+    The merged manifest lists every input's shards, in the order given, by
+    their paths relative to ``output`` (FORMAT.md), so the inputs must stay
+    where they are. All inputs need the same dtype and options. ``output`` may
+    not already hold a dataset.
+
+    Returns the merged manifest.
+    """
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST).exists():
+        raise FileExistsError(17, "a dataset already exists here", str(out))
+    if not inputs:
+        raise ValueError("merge needs at least one input dataset")
+    manifests = [(Path(p), read_manifest(p)) for p in inputs]
+    first = manifests[0][1]
+    merged = Manifest(
+        dtype=first.dtype,
+        documents=first.documents,
+        metadata=first.metadata,
+        metadata_layout=first.metadata_layout,
+        span_block=first.span_block,
+    )
+
+    def shape(m: Manifest) -> tuple[Any, ...]:
+        layout = (
+            (m.metadata_layout, m.span_block if m.spans or m.blocks else None)
+            if m.metadata
+            else None
+        )
+        return (m.dtype, m.documents, m.metadata, layout)
+
+    for path, m in manifests:
+        if shape(m) != shape(first):
+            raise FormatError(
+                f"{path}: dtype={m.dtype}, documents={m.documents}, metadata={m.metadata} "
+                f"(layout {shape(m)[3]}) differs from {manifests[0][0]}: dtype={first.dtype}, "
+                f"documents={first.documents}, metadata={first.metadata} "
+                f"(layout {shape(first)[3]})"
+            )
+        rel = os.path.relpath(path.resolve(), out.resolve())
+        for s in m.shards:
+            name = os.path.normpath(os.path.join(rel, s.name))
+            merged.shards.append(dataclasses.replace(s, name=name))  # checksums carried over
+        merged.user.setdefault("merged_from", []).append(rel)
+    write_manifest(out, merged)
+    return merged
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    layout: str = "blocks",
+    *,
+    span_block: int | None = None,
+    durable: bool = True,
+) -> Manifest:
+    """Write a copy of a dataset with its metadata in another layout (FORMAT.md).
+
+    ``layout="blocks"`` (version 3) or ``"spans"`` (version 2): the rows lose
+    their ``metadata_id`` field if they have one (the other fields stay, as a
+    structured dtype) and each shard gets metadata blocks or a span table;
+    ``"per_token"`` (version 1): the rows gain a ``metadata_id`` field (a
+    plain dtype becomes the field ``"tokens"``). ``span_block`` is the
+    target's (default: 4096 rows per block, 1024 per span table block index
+    entry; converting to the same layout with another ``span_block`` re-blocks
+    it). Shards, documents and records stay as they are (a record no row
+    refers to keeps no bytes when the source is in blocks), so a
+    ``StreamWithMetadata`` of the copy gives the same batches,
+    bit for bit. Memory stays within a shard's metadata (the rows are
+    streamed in chunks). ``dst`` may not hold a dataset.
+
+    Returns the new manifest.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    root, out = Path(src), Path(dst)
+    m = read_manifest(root)
+    if not m.metadata or not m.documents:
+        raise FormatError(f"{root}: the dataset has no metadata (or no documents) to convert")
+    block = checked_block(span_block, layout)
+    if m.metadata_layout == layout and (layout == "per_token" or block == m.span_block):
+        raise FormatError(
+            f"{root}: the metadata already has layout {layout!r}"
+            + ("" if layout == "per_token" else f" with span_block {block}")
+            + "; nothing to convert"
+        )
+    old = m.dtype
+    if layout != "per_token":
+        if m.metadata_layout == "per_token":
+            assert old.fields is not None
+            keep = [(n, old.fields[n][0].str) for n in old.names or () if n != METADATA_FIELD]
+            new: np.dtype[Any] = np.dtype(keep)
+        else:
+            new = old
+    else:
+        fields = (
+            [("tokens", old.str)]
+            if old.fields is None
+            else [(n, old.fields[n][0].str) for n in old.names or ()]
+        )
+        new = np.dtype([*fields, (METADATA_FIELD, "<u4")])
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST).exists():
+        raise FileExistsError(17, "a dataset already exists here", str(out))
+    target = Manifest(
+        dtype=new,
+        documents=m.documents,
+        metadata=True,
+        user=dict(m.user),
+        metadata_layout=layout,
+        span_block=block,
+    )
+    names: set[str] = set()
+    for k, s in enumerate(m.shards):
+        name = os.path.basename(s.name)
+        if name in names:
+            name = f"c{k:05d}-{name}"
+        names.add(name)
+        target.shards.append(_convert_shard(root, s, m, out, name, target, durable))
+    if durable:
+        fsync_dir(out)
+    write_manifest(out, target)
+    return target
+
+
+_CHUNK_ROWS = 1 << 22
+
+
+def _source_metadata(
+    base: str, s: ShardInfo, m: Manifest, rows: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A shard's runs (starts, records) and records (mdx, mdb), whatever its layout."""
+    if m.blocks:
+        index = np.fromfile(f"{base}.mbx", dtype=_U64)
+        msb = np.fromfile(f"{base}.msb", dtype=np.uint8)
+        got: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] = decode_blocks(
+            m.span_block, s.rows, s.metadata_records, index, msb, f"{base}.mbx", f"{base}.msb"
+        )
+        return got
+    mdx = np.fromfile(f"{base}.mdx", dtype=_U64)
+    mdb = np.fromfile(f"{base}.mdb", dtype=np.uint8)
+    if m.spans:
+        runs = np.fromfile(f"{base}.mds", dtype=SPAN_DTYPE) if s.metadata_runs else None
+        if runs is None:
+            return np.zeros(0, np.uint64), np.zeros(0, np.uint32), mdx, mdb
+        return runs["start"].copy(), runs["record"].copy(), mdx, mdb
+    starts: list[np.ndarray] = []
+    records: list[np.ndarray] = []
+    last = None
+    for a in range(0, s.rows, _CHUNK_ROWS):
+        assert rows is not None
+        ids = np.asarray(rows[a : a + _CHUNK_ROWS][METADATA_FIELD])
+        change = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+        if last is None or ids[0] != last:
+            change = np.concatenate([[0], change])
+        starts.append(change.astype(np.uint64) + np.uint64(a))
+        records.append(ids[change].astype(np.uint32))
+        last = ids[-1]
+    if not starts:
+        return np.zeros(0, np.uint64), np.zeros(0, np.uint32), mdx, mdb
+    return np.concatenate(starts), np.concatenate(records), mdx, mdb
+
+
+def _convert_shard(
+    root: Path, s: ShardInfo, m: Manifest, out: Path, name: str, target: Manifest, durable: bool
+) -> ShardInfo:
+    shard = OpenShard(out, name, target, durable)
+    try:
+        base = str(root / s.name)
+        rows = (
+            np.memmap(f"{base}.rows", dtype=m.dtype, mode="r", shape=(s.rows,)) if s.rows else None
+        )
+        starts, records, mdx, mdb = _source_metadata(base, s, m, rows)
+        ends = np.append(starts[1:], np.uint64(s.rows))
+        for a in range(0, s.rows, _CHUNK_ROWS):
+            assert rows is not None
+            chunk = np.asarray(rows[a : a + _CHUNK_ROWS])
+            packed = np.empty(len(chunk), target.dtype)
+            for n in target.dtype.names or ("tokens",):
+                if n == METADATA_FIELD:
+                    b = a + len(chunk)
+                    r0 = int(np.searchsorted(starts, a, side="right")) - 1
+                    r1 = int(np.searchsorted(starts, b, side="left"))
+                    lo = np.maximum(starts[r0:r1], a)
+                    hi = np.minimum(ends[r0:r1], b)
+                    packed[n] = np.repeat(records[r0:r1], (hi - lo).astype(np.int64))
+                elif target.dtype.names is None:
+                    packed = chunk if m.dtype.names is None else chunk[n]
+                else:
+                    packed[n] = chunk if m.dtype.names is None else chunk[n]
+            shard.put(0, np.ascontiguousarray(packed).view(np.uint8).data)
+        if target.metadata_layout != "per_token":
+            e = np.empty(len(starts), SPAN_DTYPE)
+            e["start"], e["record"] = starts, records
+            shard.put(4, e.tobytes())
+            shard.runs = len(e)
+        if target.spans:
+            nblocks = -(-s.rows // target.span_block)
+            at = np.arange(nblocks, dtype=np.uint64) * np.uint64(target.span_block)
+            idx = np.searchsorted(starts, at, side="right") - 1
+            shard.put(5, idx.astype(_U64).tobytes())
+        # documents and records are copied as they are
+        if m.documents:
+            data = read_regular(f"{base}.docs", "shard .docs file")
+            shard.put(1, data[8:])  # OpenShard wrote the first 0 already
+        shard.put(2, mdx[1:].astype(_U64).tobytes())
+        shard.put(3, mdb.data)
+        shard.rows, shard.documents = s.rows, s.documents
+        shard.records, shard.meta_bytes = s.metadata_records, int(mdx[-1])
+        return shard.finish(durable)
+    except BaseException:
+        for f in shard.files:
+            f.close()
+        shard.remove()
+        raise
