@@ -97,3 +97,28 @@ def test_no_compiled_code_takes_the_gil_back_inside_a_nogil_section(pyx: Path) -
     """C never calls into Python: the remote backend hands its batches to the fetcher
     and waits (csrc/tokload/handoff.h) instead of taking the GIL inside the engine."""
     assert not re.search(r"\bwith\s+gil\b", pyx.read_text()), f"{pyx.name}: `with gil`"
+
+
+def test_only_the_client_module_knows_the_object_store_client() -> None:
+    """``tokload.remote.client`` is the one module that imports obstore (its requests,
+    credentials, and what its exceptions mean): another client is one module."""
+    importers = sorted(
+        str(p.relative_to(ROOT))
+        for p in [*(ROOT / "tokload").rglob("*.py"), *(ROOT / "tokload").glob("*.pyx")]
+        if re.search(r"^\s*(import|from)\s+obstore\b", p.read_text(), re.M)
+    )
+    assert importers == ["tokload/remote/client.py"]
+
+
+def test_the_remote_modules_import_no_module_that_imports_them() -> None:
+    """The remote package has no import cycle: each module imports only modules
+    listed before it in this order (the fetcher's loop is told what serves its
+    batches, ``loop.serve_batches``, instead of importing the fetcher)."""
+    order = ["urls", "client", "store", "failures", "loop", "objects", "fetch"]
+    for k, name in enumerate(order):
+        text = (ROOT / "tokload" / "remote" / f"{name}.py").read_text()
+        used = set(re.findall(r"^from tokload\.remote(?:\.(\w+))? import (.+)$", text, re.M))
+        for module, names in used:
+            imported = [module] if module else [n.strip() for n in names.split(",")]
+            for m in imported:
+                assert m in order[:k], f"remote/{name}.py imports remote/{m}.py"
