@@ -22,8 +22,9 @@ What the rest of ``tokload.remote`` asks of a client, all of it here:
   ``TRANSIENT``, or ``None``), from its type where the client gives one and its
   HTTP status or message otherwise; ``cause(e)``: what went wrong, in a few words.
 
-Every request is sent, and every answer handed to Python, by the client's own
-threads; the answers wake the fetcher's event loop through its
+``tests/test_remote_client.py`` reads datasets through an in-memory client made of
+these functions alone.  Every request is sent, and every answer handed to Python,
+by the client's own threads; the answers wake the fetcher's event loop through its
 ``call_soon_threadsafe`` (``tokload.remote.loop``).
 """
 
