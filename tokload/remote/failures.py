@@ -68,26 +68,21 @@ def named(
     e: BaseException, url: str, start: int | None, end: int | None, attempts: int, what: str
 ) -> BaseException:
     """The tokload exception for a failed request (one line, URL and range)."""
-    where = f"{url}{span(start, end)}"
     tries = f" after {attempts} attempts" if attempts > 1 else ""
+
+    def at(cls: type[RemoteError], says: str) -> RemoteError:
+        """``cls`` saying ``says`` of the request's URL and range."""
+        return cls(f"{url}{span(start, end)}: {says}", url, start, end, attempts)
+
     if isinstance(e, ShortBody):
-        return RemoteError(
-            f"{where}: {what}: {e}{tries}; the connection kept ending early",
-            url,
-            start,
-            end,
-            attempts,
-        )
+        return at(RemoteError, f"{what}: {e}{tries}; the connection kept ending early")
     k = client.kind(e)
     if k == client.CHANGED:
-        return ObjectChangedError(
-            f"{where}: the object changed since the dataset was opened (its ETag is no "
-            "longer the one listed then); tokload does not mix old and new bytes: reopen the "
-            "dataset to read the new data",
-            url,
-            start,
-            end,
-            attempts,
+        return at(
+            ObjectChangedError,
+            "the object changed since the dataset was opened (its ETag is no longer the "
+            "one listed then); tokload does not mix old and new bytes: reopen the dataset "
+            "to read the new data",
         )
     if k == client.NO_BUCKET:
         bucket = split_url(url)[1]
@@ -97,35 +92,25 @@ def named(
     if k == client.MISSING:
         return MissingShardError(2, f"missing {what}", url)
     if k == client.NO_CREDENTIALS:
-        return RemoteAccessError(
-            f"{where}: no credentials found for this store (tried storage_options, the "
-            "environment, web identity, a task role, AWS profiles (~/.aws, AWS_PROFILE) and "
-            "the instance metadata service); set AWS_PROFILE or AWS_ACCESS_KEY_ID and "
+        return at(
+            RemoteAccessError,
+            "no credentials found for this store (tried storage_options, the environment, "
+            "web identity, a task role, AWS profiles (~/.aws, AWS_PROFILE) and the instance "
+            "metadata service); set AWS_PROFILE or AWS_ACCESS_KEY_ID and "
             "AWS_SECRET_ACCESS_KEY, or pass storage_options={'skip_signature': True} for a "
             "public bucket",
-            url,
-            start,
-            end,
-            attempts,
         )
     cause = client.cause(e)
     if k == client.DENIED:
-        return RemoteAccessError(
-            f"{where}: access denied ({what}): {cause}", url, start, end, attempts
-        )
+        return at(RemoteAccessError, f"access denied ({what}): {cause}")
     if k == client.NOT_PARTIAL:
-        return RangesIgnoredError(
-            f"{where}: the server answered the ranged GET with the whole object{tries} "
-            "(HTTP 200, not 206 Partial Content): it, or a proxy in front of it, ignores "
-            "Range headers, and tokload reads byte ranges only; S3, GCS, Azure and MinIO "
-            "honour them",
-            url,
-            start,
-            end,
-            attempts,
+        return at(
+            RangesIgnoredError,
+            f"the server answered the ranged GET with the whole object{tries} (HTTP 200, "
+            "not 206 Partial Content): it, or a proxy in front of it, ignores Range "
+            "headers, and tokload reads byte ranges only; S3, GCS, Azure and MinIO honour "
+            "them",
         )
     if k == client.UNREACHABLE:
-        return RemoteError(
-            f"{where}: endpoint unreachable{tries} ({what}): {cause}", url, start, end, attempts
-        )
-    return RemoteError(f"{where}: {what} failed{tries}: {cause}", url, start, end, attempts)
+        return at(RemoteError, f"endpoint unreachable{tries} ({what}): {cause}")
+    return at(RemoteError, f"{what} failed{tries}: {cause}")
