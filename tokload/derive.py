@@ -20,14 +20,13 @@ from tokload.format import (
     LAYOUTS,
     MANIFEST,
     METADATA_FIELD,
+    U64,
     Manifest,
     ShardInfo,
     read_manifest,
     write_manifest,
 )
 from tokload.writer import OpenShard, checked_block
-
-_U64 = np.dtype("<u8")
 
 
 def merge(output: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str]]) -> Manifest:
@@ -166,13 +165,13 @@ def _source_metadata(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """A shard's runs (starts, records) and records (mdx, mdb), whatever its layout."""
     if m.blocks:
-        index = np.fromfile(f"{base}.mbx", dtype=_U64)
+        index = np.fromfile(f"{base}.mbx", dtype=U64)
         msb = np.fromfile(f"{base}.msb", dtype=np.uint8)
         got: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] = decode_blocks(
             m.span_block, s.rows, s.metadata_records, index, msb, f"{base}.mbx", f"{base}.msb"
         )
         return got
-    mdx = np.fromfile(f"{base}.mdx", dtype=_U64)
+    mdx = np.fromfile(f"{base}.mdx", dtype=U64)
     mdb = np.fromfile(f"{base}.mdb", dtype=np.uint8)
     if m.spans:
         runs = np.fromfile(f"{base}.mds", dtype=SPAN_DTYPE) if s.metadata_runs else None
@@ -233,12 +232,12 @@ def _convert_shard(
             nblocks = -(-s.rows // target.span_block)
             at = np.arange(nblocks, dtype=np.uint64) * np.uint64(target.span_block)
             idx = np.searchsorted(starts, at, side="right") - 1
-            shard.put(5, idx.astype(_U64).tobytes())
+            shard.put(5, idx.astype(U64).tobytes())
         # documents and records are copied as they are
         if m.documents:
             data = read_regular(f"{base}.docs", "shard .docs file")
             shard.put(1, data[8:])  # OpenShard wrote the first 0 already
-        shard.put(2, mdx[1:].astype(_U64).tobytes())
+        shard.put(2, mdx[1:].astype(U64).tobytes())
         shard.put(3, mdb.data)
         shard.rows, shard.documents = s.rows, s.documents
         shard.records, shard.meta_bytes = s.metadata_records, int(mdx[-1])

@@ -30,6 +30,9 @@ VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 METADATA_FIELD = "metadata_id"
 NO_METADATA = 0xFFFFFFFF
+U64 = np.dtype("<u8")
+"""The integers of a shard's index files (``.docs``, ``.mdx``, ``.mbx``, a span
+table's block index and count): little-endian uint64 (FORMAT.md)."""
 CHECKSUM_KEY = "xxh3_64"
 """The per-shard manifest key of the files' checksums (FORMAT.md)."""
 LAYOUTS = ("blocks", "spans", "per_token")

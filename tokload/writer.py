@@ -31,6 +31,7 @@ from tokload.format import (
     MAX_METADATA_BLOCK,
     METADATA_FIELD,
     NO_METADATA,
+    U64,
     Manifest,
     ShardInfo,
     check_dtype,
@@ -41,7 +42,6 @@ from tokload.format import (
 Span = tuple[int, int, bytes]
 """A metadata record attached to rows ``[start, stop)`` of a document."""
 
-_U64 = np.dtype("<u8")
 CONTINUED = NO_METADATA - 1
 """A piece's local record id for "the record the previous piece ended with"."""
 MAX_RECORD = 0xFFFFFFFF
@@ -474,7 +474,7 @@ class OpenShard:
         self.blocks = 0  # block index entries written
         self.last_start = 0  # the last run's start and record
         self.last_record = 0
-        first = np.zeros(1, _U64).tobytes()
+        first = np.zeros(1, U64).tobytes()
         self.put(1, first)  # first document starts at row 0
         if manifest.metadata:
             self.put(2, first)
@@ -545,7 +545,7 @@ class OpenShard:
         if top > self.blocks:
             at = np.arange(self.blocks, top, dtype=np.uint64) * np.uint64(self.block)
             idx = np.searchsorted(c_starts, at, side="right").astype(np.int64) - 1
-            self.put(5, (idx + first).astype(_U64).tobytes())
+            self.put(5, (idx + first).astype(U64).tobytes())
             self.blocks = top
 
     def shard_ids(self, local: np.ndarray) -> np.ndarray:
@@ -561,18 +561,18 @@ class OpenShard:
         self.rows += len(rows)
         if end:
             self.documents += 1
-            self.put(1, np.array([self.rows], _U64).tobytes())
+            self.put(1, np.array([self.rows], U64).tobytes())
         if payloads:
             ends = self.meta_bytes + np.cumsum([len(p) for p in payloads], dtype=np.uint64)
             for p in payloads:
                 self.put(3, p)
-            self.put(2, ends.astype(_U64).tobytes())
+            self.put(2, ends.astype(U64).tobytes())
             self.records += len(payloads)
             self.meta_bytes = int(ends[-1])
 
     def finish(self, durable: bool) -> ShardInfo:
         if "msx" in self.exts:
-            self.put(5, np.array([self.runs], _U64).tobytes())
+            self.put(5, np.array([self.runs], U64).tobytes())
         for f, ext in zip(self.files, self.work, strict=True):
             f.flush()
             if durable and ext in self.exts:
@@ -605,7 +605,7 @@ class OpenShard:
         record per 100)."""
         mdx_p, mdb_p, mds_p = self.paths[2:5]
         runs = np.fromfile(mds_p, SPAN_DTYPE)
-        mdx = np.fromfile(mdx_p, _U64)
+        mdx = np.fromfile(mdx_p, U64)
         mdb = np.fromfile(mdb_p, np.uint8)
         out = [self.root / f"{self.name}.msb", self.root / f"{self.name}.mbx"]
         self.paths += out
@@ -623,7 +623,7 @@ class OpenShard:
             if durable:
                 os.fsync(f.fileno())
         with open(out[1], "xb") as f:
-            data = index.astype(_U64).tobytes()
+            data = index.astype(U64).tobytes()
             f.write(data)
             hashes[1].update(data)
             f.flush()
