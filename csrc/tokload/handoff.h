@@ -7,10 +7,10 @@
  *
  * The engine (engine.h, TL_IO_REMOTE) plans a batch's requests in C like any
  * other; `tl_handoff_run` queues them and blocks on a condition variable.  The
- * fetcher (tokload/remote/fetch.py, on the process's event loop thread, which holds
- * the GIL as Python threads do) is woken through `efd`, an eventfd it watches;
- * it takes the queued batches (`tl_handoff_take`), fetches their bytes with the
- * object-store client, copies them into the requests' buffers
+ * fetcher (tokload/remote/fetch.py, on the process's event loop thread, which
+ * holds the GIL as Python threads do) is woken through `efd`, an eventfd it
+ * watches; it takes the queued batches (`tl_handoff_take`), fetches their
+ * bytes with the object-store client, copies them into the requests' buffers
  * (`tl_handoff_copy`, called without the GIL) and ends each batch
  * (`tl_handoff_finish`).  No reader thread ever calls into Python: a read in an
  * object store looks, to the code that asked for it, like a slow preadv.

@@ -11,9 +11,9 @@
  * room that holds it, else a new row.  The open rows are kept in buckets by
  * their room (0..W), and a two-level bitset of the non-empty buckets finds the
  * least room >= a length in a few word operations (W / 4096 summary words at
- * most).  The rows are then
- * numbered by their first document, and each row lists its documents in order:
- * the group's order survives everywhere but in which documents share a row.
+ * most).  The rows are then numbered by their first document, and each row
+ * lists its documents in order: the group's order survives everywhere but in
+ * which documents share a row.
  */
 #ifndef TOKLOAD_PACK_H
 #define TOKLOAD_PACK_H
