@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,19 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
             for d in range(DOCS):
                 out.write(json.dumps({"text": texts[(d * 7 + f) % 64], "id": d}) + "\n")
     return root
+
+
+@pytest.fixture(autouse=True)
+def _sigint_as_a_terminal_leaves_it() -> Iterator[None]:
+    """The builds here start with SIGINT's default action, as from a terminal: a suite
+    started in the background (``pytest &`` in a script, where the shell ignores
+    SIGINT for it) would pass its ignored SIGINT on to them (an ignored signal stays
+    ignored across ``exec``; a handler does not)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def _session(sid: int) -> list[int]:
@@ -216,3 +230,32 @@ def test_ctrl_c_stops_a_large_plain_text_build_within_a_second(tmp_path: Path) -
         assert not list((out / "parts").iterdir()), "a half-written document was kept"
     finally:
         big.unlink(missing_ok=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_build_that_starts_with_sigint_ignored_keeps_ignoring_it(
+    corpus: Path, tmp_path: Path, workers: int
+) -> None:
+    """As under ``nohup`` or ``&`` in a script: the SIGINT is not acted on, with one
+    worker or a pool of them, and the build ends complete."""
+    out = tmp_path / "ds"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the build
+    try:
+        p = _start(corpus, out, workers)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    deadline = time.monotonic() + 60
+    while not list((out / "parts").glob("*.tmp")) if (out / "parts").exists() else True:
+        assert p.poll() is None, p.communicate()
+        assert time.monotonic() < deadline, "the build never started writing"
+        time.sleep(0.01)
+    if workers > 1:  # the pool is running: the parent's handler is in place
+        while len(_session(p.pid)) < 1 + workers and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert p.poll() is None, "the build ended before the signal: make the input bigger"
+    os.killpg(p.pid, signal.SIGINT)
+    stdout, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert f"from {FILES} inputs in {FILES} chunks ({FILES} built now)" in stdout
+    assert tokload.open_dataset(out).num_documents == FILES * DOCS

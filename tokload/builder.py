@@ -455,7 +455,8 @@ def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[..., 
     terminates them: no worker prints a traceback, none outlives the build.
     SIGINT is blocked meanwhile, so one that arrives while they start stays
     pending here (Linux keeps a blocked signal pending even while ignored)
-    and is raised as soon as they have started. Workers report the bytes
+    and is raised as soon as they have started. A SIGINT this process ignores
+    (inherited so) is left ignored. Workers report the bytes
     they have read through a queue, so the progress bar moves within chunks.
     """
     ctx = mp.get_context("spawn")
@@ -484,9 +485,12 @@ def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[..., 
     # leave a lock half released ("release unlocked lock" instead of the
     # KeyboardInterrupt), so the signal only sets a flag here, and the loop
     # raises KeyboardInterrupt at a safe point (it wakes every 0.2 s).
+    # A SIGINT ignored on entry (a job started with `&` by a shell without job
+    # control, `nohup`) stays ignored, as it does for a build in one process.
     interrupted = threading.Event()
     old_sigint = None
-    if main_thread:
+    catch = main_thread and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    if catch:
         old_sigint = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.set())
     try:
         results = pool.imap_unordered(_build_task, tasks)
@@ -508,7 +512,7 @@ def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[..., 
         pool.join()
         raise
     finally:
-        if main_thread:
+        if catch:
             signal.signal(signal.SIGINT, old_sigint)
     pool.close()
     pool.join()
