@@ -12,13 +12,14 @@
    delivered at the task's first step, with a note naming the task's cursors.
 5. Failures that a retry hid are counted in ``stats()``; none is hidden by the
    loader itself.
-6. A randomized run of all of it (threads, I/O backends, local files and a local
-   S3 server) under a 30 s watchdog per run and 5 s per forked child:
+6. A randomized run of all of it (threads, I/O backends, local files and a fast
+   local S3 server in its own process) under a 30 s watchdog per run and 5 s per forked child:
    ``TOKLOAD_SEAM_RUNS`` runs (a few by default; the ``slow`` variant runs 1,000).
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import json
@@ -894,17 +895,31 @@ def _runs(master: random.Random, runs: int, views: dict[str, Any], remote_share:
             raise
 
 
+@pytest.fixture(scope="module")
+def fast_remote(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TokenStream]:
+    """The corpus on the benchmarks' fast S3 server (``bench/fasts3.py``), 5 ms added to
+    every answer so that GETs are in flight when a run closes, forks or moves the
+    cursor. It runs in a process of its own: moto (the fault tests' server) runs in
+    this one, where it held the GIL against the loader and made the object-store
+    runs two thirds of the randomized tests' time."""
+    pytest.importorskip("obstore")
+    from bench.fasts3 import FastS3Process
+
+    root = tmp_path_factory.mktemp("fasts3")
+    shutil.copytree(corpus, root / "seams" / "ds")
+    with FastS3Process(root, latency_ms=5, lifetime=3600) as srv:
+        options = {"endpoint": srv.endpoint, "access_key_id": "seams"}
+        options |= {"secret_access_key": "seams", "region": "us-east-1"}
+        yield TokenStream("s3://seams/ds", 9, stride=5, storage_options=FAST | options)
+
+
 def _views(corpus: Path, request: pytest.FixtureRequest) -> dict[str, Any]:
     views: dict[str, Any] = {
         "stream": TokenStream(corpus, window=9, stride=5),
         "docs": Documents(corpus),
     }
-    try:  # the object store where moto and obstore are installed
-        url = request.getfixturevalue("remote_url")
-        request.getfixturevalue("s3env")
-    except pytest.skip.Exception:
-        return views
-    views["remote"] = TokenStream(url, 9, stride=5, storage_options=FAST)
+    with contextlib.suppress(pytest.skip.Exception):  # where obstore is installed
+        views["remote"] = request.getfixturevalue("fast_remote")
     return views
 
 
