@@ -237,8 +237,8 @@ def test_ctrl_c_stops_a_large_plain_text_build_within_a_second(tmp_path: Path) -
 def test_a_build_that_starts_with_sigint_ignored_keeps_ignoring_it(
     corpus: Path, tmp_path: Path, workers: int
 ) -> None:
-    """As under ``nohup`` or ``&`` in a script: the SIGINT is not acted on, with one
-    worker or a pool of them, and the build ends complete."""
+    """As after ``&`` in a script: the SIGINT is not acted on, with one worker or a
+    pool of them, and the build ends complete."""
     out = tmp_path / "ds"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the build
     try:

@@ -456,8 +456,8 @@ def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[..., 
     SIGINT is blocked meanwhile, so one that arrives while they start stays
     pending here (Linux keeps a blocked signal pending even while ignored)
     and is raised as soon as they have started. A SIGINT this process ignores
-    (inherited so) is left ignored. Workers report the bytes
-    they have read through a queue, so the progress bar moves within chunks.
+    (as inherited) is left ignored. Workers report the bytes they have read
+    through a queue, so the progress bar moves within chunks.
     """
     ctx = mp.get_context("spawn")
     threads = max(1, (os.cpu_count() or 1) // workers)
@@ -486,7 +486,7 @@ def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[..., 
     # KeyboardInterrupt), so the signal only sets a flag here, and the loop
     # raises KeyboardInterrupt at a safe point (it wakes every 0.2 s).
     # A SIGINT ignored on entry (a job started with `&` by a shell without job
-    # control, `nohup`) stays ignored, as it does for a build in one process.
+    # control, which ignores SIGINT for it) stays ignored, as in a one-process build.
     interrupted = threading.Event()
     old_sigint = None
     catch = main_thread and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
