@@ -13,8 +13,9 @@
 5. Failures that a retry hid are counted in ``stats()``; none is hidden by the
    loader itself.
 6. A randomized run of all of it (threads, I/O backends, local files and a fast
-   local S3 server in its own process) under a 30 s watchdog per run and 5 s per forked child:
-   ``TOKLOAD_SEAM_RUNS`` runs (a few by default; the ``slow`` variant runs 1,000).
+   local S3 server in its own process) under a 30 s watchdog per run and 5 s per
+   forked child: ``TOKLOAD_SEAM_RUNS`` runs (a few by default; the ``slow``
+   variant runs 1,000).
 """
 
 from __future__ import annotations
