@@ -95,18 +95,23 @@ def _start(corpus: Path, out: Path, workers: int) -> subprocess.Popen[str]:
     )
 
 
-def _interrupt(corpus: Path, out: Path, workers: int, group: bool) -> None:
-    p = _start(corpus, out, workers)
+def _writing(p: subprocess.Popen[str], out: Path, workers: int) -> None:
+    """Wait until the build ``p`` writes a part (its temporary directory exists) and,
+    with workers, until the pool's processes exist: the moment to signal it."""
     deadline = time.monotonic() + 60
-    # Signal once a part is being written (its temporary directory exists).
     while not list((out / "parts").glob("*.tmp")) if (out / "parts").exists() else True:
         assert p.poll() is None, p.communicate()
         assert time.monotonic() < deadline, "the build never started writing"
         time.sleep(0.01)
-    if workers > 1:  # wait until the pool's processes exist, so there are workers to stop
+    if workers > 1:  # the pool is running (and the parent's handler in place)
         while len(_session(p.pid)) < 1 + workers and time.monotonic() < deadline:
             time.sleep(0.01)
     assert p.poll() is None, "the build ended before the signal: make the input bigger"
+
+
+def _interrupt(corpus: Path, out: Path, workers: int, group: bool) -> None:
+    p = _start(corpus, out, workers)
+    _writing(p, out, workers)
     sent = time.monotonic()
     if group:
         os.killpg(p.pid, signal.SIGINT)
@@ -245,15 +250,7 @@ def test_a_build_that_starts_with_sigint_ignored_keeps_ignoring_it(
         p = _start(corpus, out, workers)
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    deadline = time.monotonic() + 60
-    while not list((out / "parts").glob("*.tmp")) if (out / "parts").exists() else True:
-        assert p.poll() is None, p.communicate()
-        assert time.monotonic() < deadline, "the build never started writing"
-        time.sleep(0.01)
-    if workers > 1:  # the pool is running: the parent's handler is in place
-        while len(_session(p.pid)) < 1 + workers and time.monotonic() < deadline:
-            time.sleep(0.01)
-    assert p.poll() is None, "the build ended before the signal: make the input bigger"
+    _writing(p, out, workers)
     os.killpg(p.pid, signal.SIGINT)
     stdout, err = p.communicate(timeout=120)
     assert p.returncode == 0, err
