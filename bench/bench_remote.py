@@ -27,10 +27,18 @@ tokens, log-normal documents of median 600 tokens) in tokload's format, with 0,
   a full collection of the process's heap holds the GIL while the client's answers
   pile up on threads that wait for it);
 - at 100 ms, ``Documents(url)`` through the ``DataLoader`` with its defaults:
-  real tokens/s against the token stream's;
-- at 20 ms (``TOKLOAD_BENCH_REMOTE_PEERS=1``), the peers reading the same
-  corpus in their own formats from moto (``bench/peers/remote.py``: MosaicML
-  streaming and litdata, their recommended settings, an empty cache first).
+  real tokens/s against the token stream's.
+
+Every measurement starts with a full collection (``gc.collect()``, as ``timeit`` and
+pyperf start theirs), so that the garbage one measurement leaves is not collected
+during the next one: a full collection of this process's heap (torch imported) holds
+the GIL for 0.1 to 0.6 s, and landed by chance in one measurement or another. The
+full collections that do run within a measurement (its own garbage's) are counted
+and timed in its row (``full_gcs``, ``full_gc_ms``).
+
+With ``TOKLOAD_BENCH_REMOTE_PEERS=1``, the peers read the same corpus at 20 ms, in
+their own formats, from moto (``bench/peers/remote.py``: MosaicML streaming and
+litdata, their recommended settings, an empty cache first).
 
 Environment: TOKLOAD_BENCH_REMOTE_TOKENS (corpus size, default 200000000),
 TOKLOAD_BENCH_REMOTE_SECONDS (per measurement, default 6),
@@ -48,7 +56,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import pytest
@@ -106,6 +114,34 @@ def _write_bytes() -> int:
     return 0
 
 
+class _FullCollections:
+    """A measurement's full collections: ``gc.collect()`` first (the garbage of
+    what ran before is not this measurement's), then the collections of the
+    oldest generation while it runs, counted and timed (wall time: the GIL is held
+    throughout)."""
+
+    def __enter__(self) -> Self:
+        gc.collect()
+        self.count, self.seconds, self._t = 0, 0.0, 0.0
+        gc.callbacks.append(self._seen)
+        return self
+
+    def _seen(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._t
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._seen)
+
+    def row(self) -> dict[str, float]:
+        return {"full_gcs": self.count, "full_gc_ms": 1e3 * self.seconds}
+
+
 def _plain_loop(url: str, inflight: int, seconds: float) -> dict[str, float]:
     """GETs/s and CPU per GET of ranged GETs of one window's bytes at random offsets,
     ``inflight`` at once from one asyncio loop: the client as plainly as it is written."""
@@ -128,10 +164,15 @@ def _plain_loop(url: str, inflight: int, seconds: float) -> dict[str, float]:
         await asyncio.gather(*[worker(t0 + seconds, random.Random(k)) for k in range(inflight)])
         return time.perf_counter() - t0
 
-    cpu0 = time.process_time()
-    elapsed = asyncio.run(run())
-    cpu = time.process_time() - cpu0
-    return {"gets_per_s": done / elapsed, "cpu_us_per_get": 1e6 * cpu / max(done, 1)}
+    with _FullCollections() as gcs:
+        cpu0 = time.process_time()
+        elapsed = asyncio.run(run())
+        cpu = time.process_time() - cpu0
+    return {
+        "gets_per_s": done / elapsed,
+        "cpu_us_per_get": 1e6 * cpu / max(done, 1),
+        **gcs.row(),
+    }
 
 
 def _tokload(view: Any, seconds: float, waits: bool, **kw: Any) -> dict[str, Any]:
@@ -139,6 +180,15 @@ def _tokload(view: Any, seconds: float, waits: bool, **kw: Any) -> dict[str, Any
     a batch's lengths where it has them), open to first batch; with ``waits``, the
     trainer's next() waits once the prefetch is full at 80% of the rate."""
     w0 = _write_bytes()
+    with _FullCollections() as gcs:
+        got = _tokload_measured(view, seconds, waits, **kw)
+    got["local_bytes_written"] = _write_bytes() - w0
+    got.update(gcs.row())
+    return got
+
+
+def _tokload_measured(view: Any, seconds: float, waits: bool, **kw: Any) -> dict[str, Any]:
+    """``_tokload``'s measurement itself."""
     t0 = time.perf_counter()
     loader = tokload.DataLoader(view, BATCH, seed=1, **kw)
     got: dict[str, Any] = {}
@@ -183,7 +233,6 @@ def _tokload(view: Any, seconds: float, waits: bool, **kw: Any) -> dict[str, Any
             got["wait_max_ms"] = float(np.max(spent) * 1e3)
     finally:
         loader.close()
-    got["local_bytes_written"] = _write_bytes() - w0
     return got
 
 

@@ -355,6 +355,14 @@ def packing_tables(rows: list[Row]) -> str:
     return text
 
 
+def _full_gcs(r: Row) -> str:
+    """The full collections within a measurement, and their time (bench_remote)."""
+    n = r.get("full_gcs")
+    if n is None:
+        return DASH
+    return "none" if not n else f"{n:.0f} ({num(r['full_gc_ms'])} ms)"
+
+
 def remote_tables(rows: list[Row]) -> str:
     """bench_remote: per latency, the plain client loop's best and each loader against it."""
     parts = []
@@ -371,6 +379,7 @@ def remote_tables(rows: list[Row]) -> str:
             body.append(
                 [cell(r["label"]), num(r["gets_per_s"]), DASH, num(r["cpu_us_per_get"])]
                 + [DASH] * 4
+                + [_full_gcs(r)]
             )
         for r in here:
             if r in plain:
@@ -387,6 +396,7 @@ def remote_tables(rows: list[Row]) -> str:
                     seconds(r.get("open_to_first_batch_s", r.get("first_batch_s"))),
                     DASH if r.get("wait_p999_ms") is None else f"{num(r['wait_p999_ms'])} ms",
                     cell(r.get("local_bytes_written", r.get("local_cache_bytes"))),
+                    _full_gcs(r),
                 ]
             )
         parts.append(
@@ -401,6 +411,7 @@ def remote_tables(rows: list[Row]) -> str:
                     "open to first batch",
                     "next() p99.9 (prefetch full)",
                     "local disk written (bytes)",
+                    "full collections (GIL held)",
                 ],
                 body,
             )
@@ -842,6 +853,10 @@ BENCHMARKS = [
         "defaults and the two averaged (this VM's speed drifts by a fifth from one minute to "
         "the next); the goals take tokload's GETs/s over the whole measurement (from the "
         "first batch, while the limit on GETs in flight settles) and over its second half. "
+        "Every measurement starts with `gc.collect()` (as `timeit` and pyperf start theirs): "
+        "a full collection of this process's heap (torch imported) holds the GIL for 0.1 to "
+        "0.6 s, and the garbage one measurement left was otherwise collected, by chance, in "
+        "another; the full collections that run within a measurement are in its row. "
         "`Documents` reads documents of about 1,000 tokens on average (a median of 600), a "
         "GET each, against windows of 4,097 tokens: at the same GETs/s its real tokens/s are "
         "about a quarter of the token stream's, which bounds that goal. S3 serves about "
