@@ -7,6 +7,11 @@ dataset and flat files with an end-of-document token; a block-diagonal attention
 built from the outputs equals attention over each document alone; and through the
 DataLoader every sample comes exactly once across a resume on another world size,
 with the extras of its batch.
+
+A ``Blend`` of such streams (of the three formats, nested too) gives, for every
+sample, its component's own extras, and the batch's ``cu_seqlens`` over its rows;
+through the DataLoader the same, exactly once across a resume on another world
+size; components whose keys differ are refused.
 """
 
 from __future__ import annotations
@@ -169,7 +174,7 @@ def test_flat_files_with_an_end_of_document_token(tmp_path: Path) -> None:
     check(view, lengths, np.arange(len(view)))
 
 
-def test_a_view_without_documents_and_a_blend_refuse(tmp_path: Path) -> None:
+def test_a_view_without_documents_and_bad_keys_are_refused(tmp_path: Path) -> None:
     np.arange(1000, dtype=np.uint16).tofile(tmp_path / "flat.bin")
     with pytest.raises(ValueError, match=r"flat\.bin: boundaries=True needs document boundaries"):
         tokload.TokenStream(tokload.open_flat(tmp_path / "flat.bin", np.uint16), 8, boundaries=True)
@@ -182,8 +187,6 @@ def test_a_view_without_documents_and_a_blend_refuse(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"an empty list of keys; give False for none"):
         tokload.TokenStream(str(MEGATRON), 8, boundaries=[])
     view = tokload.TokenStream(str(MEGATRON), 8, boundaries=True)
-    with pytest.raises(TypeError, match=r"component 0 is a TokenStream with boundaries=True"):
-        tokload.Blend([(view, 1.0)])
     # the same samples: a checkpoint of one resumes on the other
     assert view.fingerprint == tokload.TokenStream(str(MEGATRON), 8).fingerprint
 
@@ -392,3 +395,164 @@ def test_each_step_gets_its_slice_of_a_tasks_values(kind: str) -> None:
     parts = cut(Task(whole, steps, []), whole)
     np.testing.assert_array_equal(np.asarray(parts[0]["cu"]), arr[2:8].reshape(2, 3))
     assert tuple(parts[1]["cu"].shape) == (0, 4)
+
+
+def _formats(tmp_path: Path, keys: Any, window: int = 23) -> list[tokload.TokenStream]:
+    """Streams with boundaries of the three formats, ``uint16``: a tokload build, the
+    Megatron fixture, a flat file with an end-of-document token."""
+    rng = np.random.default_rng(7)
+    with tokload.Writer(tmp_path / "ds", "<u2", shard_bytes=512) as w:
+        for _ in range(300):
+            w.write(rng.integers(1, 1000, int(rng.integers(0, 40)), dtype=np.uint16))
+    lengths = [int(x) for x in rng.integers(1, 30, 150)]
+    parts = [np.concatenate([rng.integers(1, 500, n - 1), [0]]) for n in lengths]
+    np.concatenate(parts).astype(np.uint16).tofile(tmp_path / "flat.bin")
+    flat = tokload.open_flat(tmp_path / "flat.bin", np.uint16, eos=0)
+    return [
+        tokload.TokenStream(tmp_path / "ds", window=window, boundaries=keys),
+        tokload.TokenStream(str(MEGATRON), window=window, stride=7, boundaries=keys),
+        tokload.TokenStream(flat, window=window, stride=11, boundaries=keys),
+    ]
+
+
+def _per_sample(blend: tokload.Blend, idx: np.ndarray) -> dict[str, Any]:
+    """What a blend's boundaries of ``idx`` must be: each sample's component's own,
+    row by row, and ``cu_seqlens`` / ``max_seqlen`` over the rows together."""
+    rows: list[dict[str, Any]] = []
+    for i in idx.tolist():
+        view: Any = blend
+        j = i
+        while isinstance(view, tokload.Blend):  # a nested blend: down to a stream
+            comp, index = view.locate([j])
+            view, j = view.views[int(comp[0])], int(index[0])
+        rows.append(tokload.TokenStream.boundaries(view, [j]))
+    w = blend.window
+    out: dict[str, Any] = {}
+    for key, dtype in (("position_ids", np.int64), ("segment_ids", np.int32), ("loss_mask", bool)):
+        if not rows or key in rows[0]:
+            out[key] = np.concatenate([np.empty((0, w), dtype), *(r[key] for r in rows)])
+    starts = [r["cu_seqlens"][:-1] + b * w for b, r in enumerate(rows)]
+    out["cu_seqlens"] = np.concatenate([*starts, [len(rows) * w]]).astype(np.int32)
+    out["max_seqlen"] = max((r["max_seqlen"] for r in rows), default=0)
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    weights=st.lists(st.floats(0.1, 5.0), min_size=3, max_size=3),
+    seed=st.integers(0, 1000),
+    nested=st.booleans(),
+    held=st.booleans(),
+    positions=st.lists(st.integers(0, 10**6), max_size=12),
+)
+def test_a_blend_of_streams_gives_each_sample_its_components_extras(
+    weights: list[float], seed: int, nested: bool, held: bool, positions: list[int]
+) -> None:
+    """``held``: the tokload build's document index in memory or read entry by entry."""
+    with tempfile.TemporaryDirectory() as d:
+        env = {"TOKLOAD_INDEX_MEMORY": str(1 << 30 if held else 0)}
+        with mock.patch.dict(os.environ, env):
+            streams = _formats(Path(d), True)
+        comps: list[tuple[Any, float]] = list(zip(streams, weights, strict=True))
+        if nested:  # the first two as a blend of their own
+            inner = tokload.Blend(comps[:2], seed=seed + 1, block_size=16, length=500)
+            comps = [(inner, 1.0), comps[2]]
+        blend = tokload.Blend(comps, seed=seed, block_size=32, length=2000)
+        assert blend.boundary_keys == tokload.views.BOUNDARY_KEYS and blend.batch_keys
+        idx = np.array([p % len(blend) for p in positions], dtype=np.int64)
+        got, want = blend.boundaries(idx), _per_sample(blend, idx)
+        for key in ("position_ids", "segment_ids", "loss_mask", "cu_seqlens"):
+            assert got[key].dtype == want[key].dtype, key
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        assert got["max_seqlen"] == want["max_seqlen"]
+        batch = blend.read_batch(idx, np.empty)  # the tokens with them
+        np.testing.assert_array_equal(batch["tokens"], blend.read(idx))
+        np.testing.assert_array_equal(batch["cu_seqlens"], want["cu_seqlens"])
+        for s in streams:
+            s.close()
+
+
+def test_a_blend_of_streams_through_the_loader_exactly_once(tmp_path: Path) -> None:
+    """Steps read as a task (``read_steps``) and resumed on another world size: each
+    batch has its samples' extras, and every position of the blend comes once."""
+    blend = tokload.Blend(
+        [(s, w) for s, w in zip(_formats(tmp_path, True), (3.0, 1.0, 2.0), strict=True)],
+        seed=4,
+        block_size=6,
+        length=300,
+    )
+
+    def make(**kw: Any) -> tokload.DataLoader:
+        return tokload.DataLoader(blend, seed=2, epochs=1, **kw)
+
+    got = run_segments(make, [Segment(2, 4, 7), Segment(3, 3, None)])
+    seen: list[int] = []
+    for b in got.batches.values():
+        idx = b["index"].cpu().numpy()
+        want = _per_sample(blend, idx)
+        for key in ("position_ids", "segment_ids", "loss_mask", "cu_seqlens"):
+            np.testing.assert_array_equal(b[key].cpu().numpy(), want[key], err_msg=key)
+        assert b["max_seqlen"] == want["max_seqlen"]
+        np.testing.assert_array_equal(b["tokens"].cpu().numpy(), blend.read(idx))
+        comp, index = blend.locate(idx)
+        np.testing.assert_array_equal(b["component"].cpu().numpy(), comp)
+        np.testing.assert_array_equal(b["component_index"].cpu().numpy(), index)
+        seen.extend(idx.tolist())
+    assert sorted(seen) == list(range(len(blend)))
+
+
+def test_a_blend_of_streams_with_only_some_keys_and_refusals(tmp_path: Path) -> None:
+    varlen = _formats(tmp_path, ["cu_seqlens", "max_seqlen"])
+    blend = tokload.Blend([(s, 1.0) for s in varlen], length=100)
+    assert blend.batch_keys == ("cu_seqlens", "max_seqlen")
+    batch = next(iter(tokload.DataLoader(blend, 4, num_threads=0, device=None)))
+    assert sorted(batch) == [
+        "component",
+        "component_index",
+        "cu_seqlens",
+        "index",
+        "max_seqlen",
+        "position",
+        "tokens",
+    ]
+    want = _per_sample(blend, batch["index"].numpy())
+    np.testing.assert_array_equal(batch["cu_seqlens"].numpy(), want["cu_seqlens"])
+    plain = tokload.TokenStream(str(MEGATRON), window=23)
+    with pytest.raises(
+        ValueError,
+        match=r"component 1 has boundaries=False, component 0 boundaries=\['cu_seqlens', "
+        r"'max_seqlen'\]: the windows of a blend carry the same attention keys",
+    ):
+        tokload.Blend([(varlen[0], 1.0), (plain, 1.0)], length=10)
+    full = tokload.TokenStream(str(MEGATRON), window=23, boundaries=True)
+    with pytest.raises(ValueError, match=r"component 1 has boundaries=\['position_ids', "):
+        tokload.Blend([(varlen[0], 1.0), (full, 1.0)], length=10)
+    # a blend without keys still answers boundaries() (all of them), as a stream does
+    bare = tokload.Blend([(plain, 1.0)], length=10)
+    assert not bare.with_boundaries and not bare.batch_keys
+    assert sorted(bare.boundaries([1, 2])) == sorted(tokload.views.BOUNDARY_KEYS)
+
+
+def test_boundary_arrays_checks_the_cuts_it_is_given() -> None:
+    """``boundary_arrays`` (what a blend calls with its components' cuts gathered)
+    refuses counts and cuts that do not agree before any C code reads them, and
+    cuts outside their window or out of order with the index's error."""
+    from tokload._docindex import boundary_arrays
+
+    u = np.uint64
+    got, cu, top = boundary_arrays(
+        np.array([0, 10], u), 8, np.array([1, 0], u), np.array([3], u), np.empty
+    )
+    assert cu.tolist() == [0, 3, 8, 16] and top == 8
+    assert got["position_ids"][0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match=r"2 windows, 1 counts of cuts"):
+        boundary_arrays(np.array([0, 10], u), 8, np.array([1], u), np.array([3], u), np.empty)
+    with pytest.raises(ValueError, match=r"the counts of cuts add up to 2, and there are 1 cuts"):
+        boundary_arrays(np.array([0, 10], u), 8, np.array([1, 1], u), np.array([3], u), np.empty)
+    with pytest.raises(ValueError, match=r"window must be positive"):
+        boundary_arrays(np.array([0], u), 0, np.array([0], u), np.array([], u), np.empty)
+    for cuts in ([8], [0], [5, 3]):  # past the window, at its first row, decreasing
+        with pytest.raises(tokload.CorruptDataError, match=r"the window at row 0 are out of"):
+            boundary_arrays(
+                np.array([0], u), 8, np.array([len(cuts)], u), np.array(cuts, u), np.empty
+            )

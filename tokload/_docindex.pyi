@@ -48,6 +48,30 @@ def window_boundaries(
     per_token: Sequence[str] = ("position_ids", "segment_ids", "loss_mask"),
 ) -> tuple[dict[str, np.ndarray[Any, Any]], npt.NDArray[np.int32], int]: ...
 
+# Where documents start inside those windows: (starts, ncuts, cuts), uint64:
+# each window's first row, the documents starting inside it after that row, and
+# their first rows, window after window.
+def window_cuts(
+    index: ExtentIndex,
+    indices: npt.ArrayLike,
+    first: int,
+    count: int,
+    stride: int,
+    window: int,
+    total_rows: int,
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint64]]: ...
+
+# window_boundaries' result from window_cuts' (of one source, or gathered row by
+# row from several: a Blend's).
+def boundary_arrays(
+    starts: npt.ArrayLike,
+    window: int,
+    ncuts: npt.ArrayLike,
+    cuts: npt.ArrayLike,
+    alloc: Callable[[tuple[int, ...], Any], np.ndarray[Any, Any]],
+    per_token: Sequence[str] = ("position_ids", "segment_ids", "loss_mask"),
+) -> tuple[dict[str, np.ndarray[Any, Any]], npt.NDArray[np.int32], int]: ...
+
 # Documents first + ids[b] as one batch, in one call: (values, lengths, offsets)
 # back to back when pack, else ([B, L] values, lengths) padded with the row `pad`.
 def read_documents(

@@ -206,20 +206,34 @@ def window_boundaries(ExtentIndex index not None, indices, uint64_t first, uint6
                       per_token=("position_ids", "segment_ids", "loss_mask")):
     """The attention metadata of observations ``indices`` of a view of ``count``
     windows of ``window`` rows, observation ``i`` starting at row
-    ``(first + i) * stride`` (checked as ``RowSet.read_windows`` checks them).
+    ``(first + i) * stride`` (checked as ``RowSet.read_windows`` checks them):
+    ``boundary_arrays`` of their ``window_cuts``.
 
-    Finds the documents that start inside each window: where the index is a
-    tokload dataset's with its shards' tables held in memory, by a binary search
-    of each table a window spans, in C; otherwise with a batched search of
-    ``index`` (one ``fill`` of all active searches per round: a few rounds for
-    documents of similar sizes, at most ``2 log2(documents)``) and one more
-    ``fill`` for their first rows. Then computes the arrays in C without the
-    GIL. Returns ``(arrays, cu_seqlens, max_seqlen)``: ``arrays`` holds those
-    of ``"position_ids"`` (int64), ``"segment_ids"`` (int32) and
-    ``"loss_mask"`` (bool) that ``per_token`` names, each ``[B, window]`` and
-    allocated with ``alloc`` (the others are not computed); ``cu_seqlens`` is
-    int32 over the flattened batch. Document 0 must start at row 0 and the
-    index be sorted by row (checked where a window sees it).
+    Returns ``(arrays, cu_seqlens, max_seqlen)``: ``arrays`` holds those of
+    ``"position_ids"`` (int64), ``"segment_ids"`` (int32) and ``"loss_mask"``
+    (bool) that ``per_token`` names, each ``[B, window]`` and allocated with
+    ``alloc`` (the others are not computed); ``cu_seqlens`` is int32 over the
+    flattened batch. Document 0 must start at row 0 and the index be sorted by
+    row (checked where a window sees it).
+    """
+    starts, ncuts, cuts = window_cuts(index, indices, first, count, stride, window, total_rows)
+    return boundary_arrays(starts, window, ncuts, cuts, alloc, per_token)
+
+
+def window_cuts(ExtentIndex index not None, indices, uint64_t first, uint64_t count,
+                uint64_t stride, uint64_t window, uint64_t total_rows):
+    """Where documents start inside the windows of observations ``indices`` (as
+    ``window_boundaries`` takes them): ``(starts, ncuts, cuts)``, uint64 arrays:
+    each window's first row, how many documents start inside it after that row,
+    and those documents' first rows, window after window.
+
+    Finds them where the index is a tokload dataset's with its shards' tables
+    held in memory, by a binary search of each table a window spans, in C;
+    otherwise with a batched search of ``index`` (one ``fill`` of all active
+    searches per round: a few rounds for documents of similar sizes, at most
+    ``2 log2(documents)``) and one more ``fill`` for their first rows. A
+    ``Blend`` of token streams gathers its components' cuts, row by row, and
+    makes the arrays of the whole batch in one ``boundary_arrays``.
     """
     cdef const int64_t[::1] iv = _indices(indices)
     cdef size_t nwin = iv.shape[0], ns = 2 * nwin, i, na, j
@@ -231,14 +245,11 @@ def window_boundaries(ExtentIndex index not None, indices, uint64_t first, uint6
     cdef uint64_t ndocs = index.total
     if ndocs == 0:
         raise ValueError("the source has no documents")
-    if nwin * window >= (<uint64_t>1 << 31):
-        raise ValueError(f"{nwin} windows of {window} rows: cu_seqlens (int32) cannot hold "
-                         f"{nwin * window} tokens")
     index._files().check_open()
     if isinstance(index, DocIndex) and (<DocIndex>index).tables.enabled and nwin:
         # the shards' indexes are held in memory: search them directly
         ncuts, cuts = _cuts_from_tables(<DocIndex>index, r, window)
-        return _boundary_arrays(r, window, ncuts, cuts, alloc, per_token)
+        return starts, ncuts, cuts
     cdef lib.tl_bsearch *srch = <lib.tl_bsearch *>PyMem_Malloc(max(ns, 1) * sizeof(lib.tl_bsearch))
     cdef uint64_t *buf = <uint64_t *>PyMem_Malloc(max(ns, 1) * 4 * sizeof(uint64_t))
     if srch is NULL or buf is NULL:
@@ -294,7 +305,7 @@ def window_boundaries(ExtentIndex index not None, indices, uint64_t first, uint6
     finally:
         PyMem_Free(srch)
         PyMem_Free(buf)
-    return _boundary_arrays(r, window, ncuts, cuts, alloc, per_token)
+    return starts, ncuts, cuts
 
 
 cdef tuple _cuts_from_tables(DocIndex index, const uint64_t[::1] r, uint64_t window):
@@ -358,17 +369,38 @@ cdef int _load_tables(DocIndex index, const uint64_t[::1] r, uint64_t window) ex
     return 0
 
 
-cdef tuple _boundary_arrays(const uint64_t[::1] r, uint64_t window, ncuts, cuts, alloc,
-                            per_token):
-    """The arrays of ``window_boundaries`` from each window's cuts."""
+def boundary_arrays(starts, uint64_t window, ncuts, cuts, alloc,
+                    per_token=("position_ids", "segment_ids", "loss_mask")):
+    """The arrays of ``window_boundaries`` from each window's cuts (``window_cuts``),
+    computed in C without the GIL: windows of ``window`` rows starting at rows
+    ``starts``, window ``i`` with ``ncuts[i]`` documents starting inside it after
+    its first row, at the next ``ncuts[i]`` rows of ``cuts`` (uint64 arrays).
+    ``CorruptDataError`` where a window's cuts are not increasing rows inside it
+    (an index not sorted by row)."""
+    cdef const uint64_t[::1] r = np.ascontiguousarray(starts, dtype=np.uint64)
+    cdef const uint64_t[::1] nv = np.ascontiguousarray(ncuts, dtype=np.uint64)
+    cuts = np.ascontiguousarray(cuts, dtype=np.uint64)
+    cdef const uint64_t[::1] cv = cuts
+    if window == 0:
+        raise ValueError("window must be positive")
+    if nv.shape[0] != r.shape[0]:
+        raise ValueError(f"{r.shape[0]} windows, {nv.shape[0]} counts of cuts")
+    cdef uint64_t want = 0
+    cdef size_t i
+    for i in range(nv.shape[0]):
+        want += nv[i]
+    if want != <uint64_t>cv.shape[0]:
+        raise ValueError(f"the counts of cuts add up to {want}, and there are {cv.shape[0]} cuts")
+    if r.shape[0] * window >= (<uint64_t>1 << 31):
+        raise ValueError(f"{r.shape[0]} windows of {window} rows: cu_seqlens (int32) cannot "
+                         f"hold {r.shape[0] * window} tokens")
     cdef size_t nwin = r.shape[0]
-    cdef size_t total = cuts.shape[0]
+    cdef size_t total = cv.shape[0]
     cdef int64_t *pp
     cdef int32_t *sp
     cdef uint8_t *mp
     arrays = token_arrays(nwin, window, alloc, per_token, &pp, &sp, &mp)
     cu = np.empty(total + nwin + 1, dtype=np.int32)
-    cdef const uint64_t[::1] cv = cuts, nv = ncuts
     cdef int32_t[::1] cuv = cu
     cdef uint64_t longest = 0
     cdef size_t k = 0, bad = 0

@@ -61,7 +61,7 @@ from tokload.views.base import Fields, ReadPart, View, _check_out
 from tokload.views.contract import Alloc, check_view, is_documents
 from tokload.views.documents import Documents, plain_target
 from tokload.views.metadata import StreamWithMetadata
-from tokload.views.windows import TokenStream, window_part
+from tokload.views.windows import TokenStream, WindowBoundaries, window_part
 
 # Domain separation for the keys derived from the blend seed.
 _SLOT_TAG = 0x736C6F74  # "slot"
@@ -91,12 +91,12 @@ class _Segment:
     before: tuple[int, ...]  # samples of each component before first_block
 
 
-class Blend(View):
+class Blend(WindowBoundaries, View):
     """A weighted, scheduled mixture of views; itself a view for the DataLoader.
 
     Args:
         components: ``[(view, weight), ...]``; the views are of one kind:
-            TokenStreams (same window and dtype), or views of documents
+            TokenStreams (same window, dtype and ``boundaries``), or views of documents
             (``Documents`` of tokload builds, Megatron prefixes, flat files,
             local or in an object store, or a user's view with the document
             contract of ``tokload.batching``; same fields and dtypes), or
@@ -111,7 +111,10 @@ class Blend(View):
         rounds: Feistel rounds of the permutations.
 
     ``blend.locate(positions)`` gives ``(component, index in component)``;
-    ``blend.read(positions)`` reads the samples (a blend of windows);
+    ``blend.read(positions)`` reads the samples (a blend of windows), and
+    ``blend.boundaries(positions)`` the attention keys of their documents (as
+    ``TokenStream.boundaries``; the loader's batches carry those the components'
+    ``boundaries=`` names);
     ``blend.proportions(a, b)`` counts the components over positions
     ``[a, b)``. A blend of documents is batched by any policy of documents
     (``Pad``, ``Pack``, ``Fill``: best-fit over the blend's documents), and
@@ -167,6 +170,16 @@ class Blend(View):
                         f"component {c} has window {v.window} and dtype {_dtype_of(v)}; "
                         f"component 0 has {self.window} and {self._dtype}"
                     )
+            keys = tuple(getattr(first, "boundary_keys", ()))
+            for c, v in enumerate(self.views):
+                theirs = tuple(getattr(v, "boundary_keys", ()))
+                if theirs != keys:
+                    raise ValueError(
+                        f"component {c} has boundaries={list(theirs) or False}, component 0 "
+                        f"boundaries={list(keys) or False}: the windows of a blend carry the "
+                        "same attention keys"
+                    )
+            self._set_boundary_keys(keys)
             self._plain_windows = _plain_windows(self.views)
         else:
             from tokload.batching import Pad  # the policies read views: imported when used
@@ -409,12 +422,12 @@ class Blend(View):
 
     def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, np.ndarray]:
         """The view protocol (``tokload.views.contract``), as the components'
-        ``read_batch``: windows stacked, or documents padded to the batch's
-        longest (``"lengths"`` too), as ``Pad()`` gives them."""
+        ``read_batch``: windows stacked (with the attention keys the components'
+        ``boundaries=`` names), or documents padded to the batch's longest
+        (``"lengths"`` too), as ``Pad()`` gives them."""
         if self.kind == "documents":
             return self._read_padded(np.asarray(indices).reshape(-1), alloc)
-        got = self.read(indices, out=self.empty(len(indices), alloc=alloc))
-        return got if isinstance(got, dict) else {"tokens": got}
+        return super().read_batch(indices, alloc)
 
     @property
     def num_components(self) -> int:
@@ -578,6 +591,35 @@ class Blend(View):
                 for name, arr in out.items():
                     arr[at] = got[name]
 
+    def _window_cuts(self, indices: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where documents start inside the windows at blend positions ``indices``
+        (``tokload._docindex.window_cuts``): each component's for its windows,
+        gathered row by row, so that the batch's arrays are made in one call."""
+        if self.kind != "windows":
+            raise TypeError(
+                "a blend of documents has no windows: batch it with Fill(window) for "
+                "document masking"
+            )
+        comp, index = self.locate(indices)
+        b = len(comp)
+        starts = np.empty(b, dtype=np.uint64)
+        ncuts = np.empty(b, dtype=np.uint64)
+        first = np.empty(b, dtype=np.int64)  # where each row's cuts begin in `got`
+        got: list[np.ndarray] = []
+        base = 0
+        for c, sel in _groups(comp):
+            s_c, n_c, cuts_c = self.views[c]._window_cuts(index[sel])
+            starts[sel], ncuts[sel] = s_c, n_c
+            first[sel] = base + np.cumsum(n_c, dtype=np.int64) - n_c.astype(np.int64)
+            got.append(cuts_c)
+            base += len(cuts_c)
+        n = ncuts.astype(np.int64)
+        grouped = np.concatenate(got) if got else np.empty(0, dtype=np.uint64)
+        # row r's cuts are grouped[first[r] : first[r] + n[r]]: taken in row order
+        ahead = np.cumsum(n) - n
+        take = np.arange(base, dtype=np.int64) + np.repeat(first - ahead, n)
+        return starts, ncuts, grouped[take]
+
     def __getitem__(self, i: int) -> Fields:
         got = self.read(self._index(i))
         if isinstance(got, dict):
@@ -704,12 +746,6 @@ def _kind(view: Any, c: int) -> str:
     if isinstance(view, Blend):
         return view.kind
     if isinstance(view, TokenStream) and not isinstance(view, StreamWithMetadata):
-        if view.with_boundaries:
-            raise TypeError(
-                f"component {c} is a TokenStream with boundaries=True: a Blend of windows "
-                "reads tokens only; blend plain token streams, or blend Documents and batch "
-                "them with Fill(window) for document masking"
-            )
         return "windows"
     if is_documents(view):
         return "documents"

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from tokload._docindex import split_cu_seqlens, window_boundaries
+from tokload._docindex import boundary_arrays, split_cu_seqlens, window_cuts
 from tokload._rows import split_fields
 from tokload.errors import FormatError
 from tokload.views.base import DataLike, Fields, ReadPart, View, _check_out, _field_layout
@@ -97,76 +97,33 @@ def _boundary_keys(boundaries: object) -> tuple[str, ...]:
     return attention_keys(boundaries, "boundaries")
 
 
-class TokenStream(_Windows):
-    """Windows of the concatenated token stream.
+class WindowBoundaries:
+    """What a view of windows with the documents' boundaries reads (a
+    ``TokenStream(..., boundaries=...)``, and a ``Blend`` of them): the tokens
+    (``read``) and the attention keys ``boundary_keys`` names, for one batch
+    (``read_batch``) or several steps at once (``read_steps``). The view says
+    where documents start inside its windows (``_window_cuts``); the arrays of
+    a whole batch are then made in one compiled call (``boundary_arrays``)."""
 
-    Args:
-        data: a tokload dataset directory, a Megatron ``.bin/.idx`` prefix, a
-            ``.npy`` token file, or a ``Source``; any of them may be an
-            object-store URL (``s3://bucket/prefix``, ``gs://``, ``az://``).
-        window: rows per observation (e.g. 4097 for 4096-token training with
-            the next-token target).
-        stride: rows between the starts of consecutive observations (default
-            ``window``: non-overlapping). ``len(view)`` is
-            ``(rows - window) // stride + 1``.
-        boundaries: add, to each batch the DataLoader reads, where the
-            documents inside each window start (``boundaries(indices)``): per
-            token ``"position_ids"`` (int64, 0 at the start of each document
-            and of the window), ``"segment_ids"`` (int32, the document's number
-            in the window) and ``"loss_mask"`` (bool, False where a token starts
-            the window or a document: as a next-token target it would be
-            predicted across a boundary); per batch ``"cu_seqlens"`` (int32,
-            the segments' starts over the flattened ``[B * window]`` batch, then
-            ``B * window``) and ``"max_seqlen"`` (int). Needs a source with
-            documents (a tokload dataset, a Megatron prefix, flat files opened
-            with ``eos=`` or ``doc_index=``). The tokens are the same as without,
-            and so is the fingerprint (a checkpoint resumes either way). A list
-            of those keys computes only them: ``["cu_seqlens", "max_seqlen"]``
-            for a variable-length attention kernel writes nothing per token.
-        storage_options: for an object-store URL, what overrides the
-            environment's settings (endpoint, credentials, retries, requests
-            merged; see ``tokload.remote``).
+    window: int
+    boundary_keys: tuple[str, ...] = ()
+    """The attention keys the batches carry (none: tokens only)."""
+    with_boundaries: bool = False
+    batch_keys: tuple[str, ...] = ()
+    """Those of ``boundary_keys`` that belong to a batch, not to its rows: the loader
+    reads tasks through ``read_steps``."""
 
-    ``view[i]`` and ``view.read(indices)`` give, for a plain dtype, arrays of
-    shape ``[window]`` / ``[B, window]``; for a structured dtype a dict with
-    one such array per field. Reads cost one binary search and one ``preadv``
-    per shard a window spans, whatever ``i`` is.
-    """
+    def _set_boundary_keys(self, keys: tuple[str, ...]) -> None:
+        self.boundary_keys = keys
+        self.with_boundaries = bool(keys)
+        self.batch_keys = tuple(k for k in keys if k in BATCH_KEYS)
 
-    rowwise = True
-    """Each observation is one row of every array: the loader reads many steps at once
-    (with ``boundaries``, through ``read_steps``: ``cu_seqlens`` and ``max_seqlen``
-    belong to a batch, not to its rows)."""
+    read: Callable[..., Fields]  # the view's own: its tokens
+    empty: Callable[..., Fields]
 
-    def __init__(
-        self,
-        data: DataLike,
-        window: int,
-        stride: int | None = None,
-        *,
-        boundaries: bool | Sequence[str] = False,
-        storage_options: Mapping[str, Any] | None = None,
-    ) -> None:
-        super().__init__(data, window, stride, storage_options)
-        self.boundary_keys = _boundary_keys(boundaries)
-        self.with_boundaries = bool(self.boundary_keys)
-        # the values of a whole batch, not of its rows: the loader reads tasks with read_steps
-        self.batch_keys = tuple(k for k in self.boundary_keys if k in BATCH_KEYS)
-        if self.with_boundaries:
-            docs = self.source.docs
-            if docs is None or docs.total == 0:
-                raise ValueError(
-                    f"{self.source.description}: boundaries=True needs document boundaries, "
-                    "and this source has none (flat files: open them with "
-                    "tokload.open_flat(..., eos=...) or doc_index=)"
-                )
-            first, _ = docs.extents([0])
-            if int(first[0]) != 0:
-                raise FormatError(
-                    f"{self.source.description}: its first document starts at row "
-                    f"{int(first[0])}, not 0; boundaries=True needs documents that cover "
-                    "the stream in order"
-                )
+    def _window_cuts(self, indices: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``tokload._docindex.window_cuts`` of windows ``indices``."""
+        raise NotImplementedError
 
     def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
         """The view protocol (``tokload.views.contract``): ``"tokens"`` ``[B, window]``
@@ -218,21 +175,8 @@ class TokenStream(_Windows):
     def _window_boundaries(
         self, indices: npt.ArrayLike, alloc: Alloc, keys: Sequence[str]
     ) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
-        docs = self.source.docs
-        if docs is None:
-            raise ValueError(f"{self.source.description} has no document boundaries")
-        arrays, cu, longest = window_boundaries(
-            docs,
-            self._indices(indices),
-            self._lo,
-            len(self),
-            self.stride,
-            self.window,
-            self.source.num_rows,
-            alloc,
-            keys,
-        )
-        return arrays, cu, longest
+        starts, ncuts, cuts = self._window_cuts(indices)
+        return boundary_arrays(starts, self.window, ncuts, cuts, alloc, keys)
 
     def boundaries(self, indices: npt.ArrayLike, alloc: Alloc = np.empty) -> dict[str, Any]:
         """Where documents start inside windows ``indices``, as attention metadata.
@@ -258,6 +202,89 @@ class TokenStream(_Windows):
         if "max_seqlen" in keys:
             out["max_seqlen"] = longest
         return out
+
+
+class TokenStream(WindowBoundaries, _Windows):
+    """Windows of the concatenated token stream.
+
+    Args:
+        data: a tokload dataset directory, a Megatron ``.bin/.idx`` prefix, a
+            ``.npy`` token file, or a ``Source``; any of them may be an
+            object-store URL (``s3://bucket/prefix``, ``gs://``, ``az://``).
+        window: rows per observation (e.g. 4097 for 4096-token training with
+            the next-token target).
+        stride: rows between the starts of consecutive observations (default
+            ``window``: non-overlapping). ``len(view)`` is
+            ``(rows - window) // stride + 1``.
+        boundaries: add, to each batch the DataLoader reads, where the
+            documents inside each window start (``boundaries(indices)``): per
+            token ``"position_ids"`` (int64, 0 at the start of each document
+            and of the window), ``"segment_ids"`` (int32, the document's number
+            in the window) and ``"loss_mask"`` (bool, False where a token starts
+            the window or a document: as a next-token target it would be
+            predicted across a boundary); per batch ``"cu_seqlens"`` (int32,
+            the segments' starts over the flattened ``[B * window]`` batch, then
+            ``B * window``) and ``"max_seqlen"`` (int). Needs a source with
+            documents (a tokload dataset, a Megatron prefix, flat files opened
+            with ``eos=`` or ``doc_index=``). The tokens are the same as without,
+            and so is the fingerprint (a checkpoint resumes either way). A list
+            of those keys computes only them: ``["cu_seqlens", "max_seqlen"]``
+            for a variable-length attention kernel writes nothing per token.
+        storage_options: for an object-store URL, what overrides the
+            environment's settings (endpoint, credentials, retries, requests
+            merged; see ``tokload.remote``).
+
+    ``view[i]`` and ``view.read(indices)`` give, for a plain dtype, arrays of
+    shape ``[window]`` / ``[B, window]``; for a structured dtype a dict with
+    one such array per field. Reads cost one binary search and one ``preadv``
+    per shard a window spans, whatever ``i`` is.
+    """
+
+    rowwise = True
+    """Each observation is one row of every array: the loader reads many steps at once
+    (with ``boundaries``, through ``read_steps``: ``cu_seqlens`` and ``max_seqlen``
+    belong to a batch, not to its rows)."""
+
+    def __init__(
+        self,
+        data: DataLike,
+        window: int,
+        stride: int | None = None,
+        *,
+        boundaries: bool | Sequence[str] = False,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(data, window, stride, storage_options)
+        self._set_boundary_keys(_boundary_keys(boundaries))
+        if self.with_boundaries:
+            docs = self.source.docs
+            if docs is None or docs.total == 0:
+                raise ValueError(
+                    f"{self.source.description}: boundaries=True needs document boundaries, "
+                    "and this source has none (flat files: open them with "
+                    "tokload.open_flat(..., eos=...) or doc_index=)"
+                )
+            first, _ = docs.extents([0])
+            if int(first[0]) != 0:
+                raise FormatError(
+                    f"{self.source.description}: its first document starts at row "
+                    f"{int(first[0])}, not 0; boundaries=True needs documents that cover "
+                    "the stream in order"
+                )
+
+    def _window_cuts(self, indices: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        docs = self.source.docs
+        if docs is None:
+            raise ValueError(f"{self.source.description} has no document boundaries")
+        return window_cuts(
+            docs,
+            self._indices(indices),
+            self._lo,
+            len(self),
+            self.stride,
+            self.window,
+            self.source.num_rows,
+        )
 
     def __getitem__(self, i: int) -> Fields:
         out = self.read(self._index(i))
