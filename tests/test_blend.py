@@ -295,7 +295,10 @@ def test_bad_components(views: list[TokenStream], tmp_path: Path) -> None:
         def read_batch(self, indices: Any, alloc: Any) -> dict[str, Any]:
             return {}
 
-    with pytest.raises(TypeError, match="component 0 must be a TokenStream, a view of documents"):
+    with pytest.raises(
+        TypeError,
+        match="component 0 must be a TokenStream, a StreamWithMetadata, a view of documents",
+    ):
         Blend([(Rows(), 1)], length=10)
     with pytest.raises(TypeError, match="component 0 is not a view"):
         Blend([(object(), 1)], length=10)

@@ -6,6 +6,11 @@ Every window is checked against a pure-Python reference built from the
 documents and spans as written; the two layouts of the same data, and the
 conversions between them, give the same batches bit for bit through the
 DataLoader; damaged span tables raise CorruptDataError naming the file.
+
+A ``Blend`` of streams with metadata (of the three layouts, nested too) gives each
+row its sample's tokens and records, the batch's records distinct and in order of
+first appearance, and through the DataLoader every position once across a resume on
+another world size; streams of another window, fields or ``deserialize`` are refused.
 """
 
 from __future__ import annotations
@@ -548,3 +553,125 @@ def test_a_write_stopped_part_way_leaves_the_shard_whole(
     assert verify(tmp_path / "ds", deep=True) == []
     view = StreamWithMetadata(tmp_path / "ds", window=5, stride=5)
     check_against_reference(view, docs[:7], np.arange(len(view)))
+
+
+def _three_layouts(tmp_path: Path, window: int = 29) -> tuple[list[StreamWithMetadata], list[Any]]:
+    """Streams of the three layouts, and each one's reference (tokens, records)."""
+    views, refs = [], []
+    for k, layout in enumerate(["blocks", "spans", "per_token"]):
+        docs = make_docs(10 + k, ndocs=40 + 20 * k, maxlen=120)
+        ds = write(tmp_path / layout, docs, layout, shard_bytes=1500, span_block=5)
+        views.append(StreamWithMetadata(ds, window=window, stride=window - 3 * k))
+        refs.append(reference(docs))
+    return views, refs
+
+
+def _check_blend_rows(blend: tokload.Blend, refs: list[Any], idx: np.ndarray, b: Any) -> None:
+    """Each row of ``b`` (a batch of blend positions ``idx``) is its sample's window
+    and records, and the batch's records are distinct, in order of first appearance."""
+    comp, index = blend.locate(idx)
+    for k, (c, i) in enumerate(zip(comp.tolist(), index.tolist(), strict=True)):
+        view: Any = blend.views[c]
+        refs_here = refs
+        while isinstance(view, tokload.Blend):  # nested: down to a stream
+            cc, ii = view.locate([i])
+            refs_here = refs_here[c]
+            c, i, view = int(cc[0]), int(ii[0]), view.views[int(cc[0])]
+        toks, recs = refs_here[c]
+        s = i * view.stride
+        np.testing.assert_array_equal(b.fields["tokens"][k], toks[s : s + view.window])
+        got = [None if p < 0 else b.metadata[p] for p in b.positions[k].tolist()]
+        assert got == recs[s : s + view.window]
+    used = [p for p in b.positions.ravel().tolist() if p >= 0]
+    assert list(dict.fromkeys(used)) == list(range(len(b.metadata)))
+    assert b.metadata.offsets[0] == 0 and len(b.metadata.data) == b.metadata.offsets[-1]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    weights=st.lists(st.floats(0.1, 5.0), min_size=3, max_size=3),
+    seed=st.integers(0, 1000),
+    nested=st.booleans(),
+    positions=st.lists(st.integers(0, 10**6), max_size=16),
+)
+def test_a_blend_of_streams_with_metadata_gives_each_row_its_records(
+    tmp_path_factory: pytest.TempPathFactory,
+    weights: list[float],
+    seed: int,
+    nested: bool,
+    positions: list[int],
+) -> None:
+    views, refs = _three_layouts(tmp_path_factory.mktemp("m"))
+    comps: list[tuple[Any, float]] = list(zip(views, weights, strict=True))
+    refs_of: list[Any] = list(refs)
+    if nested:  # the first two as a blend of their own
+        comps = [(tokload.Blend(comps[:2], seed=seed + 1, block_size=8, length=300), 1.0), comps[2]]
+        refs_of = [refs[:2], refs[2]]
+    blend = tokload.Blend(comps, seed=seed, block_size=16, length=1000)
+    idx = np.array([p % len(blend) for p in positions], dtype=np.int64)
+    _check_blend_rows(blend, refs_of, idx, blend.read(idx))
+    raw = blend.read_batch(idx, np.empty)
+    assert sorted(raw) == [
+        "metadata",
+        "metadata_bytes",
+        "metadata_offsets",
+        "metadata_positions",
+        "tokens",
+    ]
+    if len(idx):
+        one = blend[int(idx[0])]
+        np.testing.assert_array_equal(one.fields["tokens"], raw["tokens"][0])
+
+
+def test_a_blend_of_streams_with_metadata_through_the_loader(tmp_path: Path) -> None:
+    views, refs = _three_layouts(tmp_path)
+    blend = tokload.Blend(list(zip(views, (2.0, 1.0, 1.0), strict=True)), seed=3, length=240)
+
+    def make(**kw: Any) -> DataLoader:
+        return DataLoader(blend, seed=5, epochs=1, **kw)
+
+    got = run_segments(make, [Segment(2, 3, 5), Segment(3, 2, None)])
+    assert_exactly_once(got, len(blend), len(blend))
+    for batch in got.batches.values():
+        idx = batch["index"].numpy()
+        comp, index = blend.locate(idx)
+        assert batch["component"].tolist() == comp.tolist()
+        assert batch["component_index"].tolist() == index.tolist()
+        b = tokload.views.MetadataBatch(
+            {"tokens": batch["tokens"].numpy()},
+            batch["metadata_positions"].numpy(),
+            batch["metadata"],
+        )
+        _check_blend_rows(blend, refs, idx, b)
+
+
+def test_a_blend_of_streams_with_metadata_counts_each_component(tmp_path: Path) -> None:
+    """``stats()`` gives each component's samples and tokens, as the batches say."""
+    views, _ = _three_layouts(tmp_path)
+    blend = tokload.Blend(list(zip(views, (1.0, 3.0, 2.0), strict=True)), seed=1, length=600)
+    loader = DataLoader(blend, 4, seed=2, device=None, read=tokload.ReadOptions(steps_per_task=3))
+    seen = np.zeros(3, dtype=np.int64)
+    for _, batch in zip(range(25), loader, strict=False):  # range first: no 26th batch
+        seen += np.bincount(batch["component"].numpy(), minlength=3)
+    got = loader.stats()
+    loader.close()
+    assert got["component_samples"] == seen.tolist() and seen.sum() == 100
+    assert got["component_tokens"] == (seen * 29).tolist()
+
+
+def test_a_blend_of_streams_with_metadata_refuses_other_streams(tmp_path: Path) -> None:
+    views, _ = _three_layouts(tmp_path)
+    other = StreamWithMetadata(views[0].source, window=30)
+    with pytest.raises(ValueError, match=r"component 1 has window 30 and fields tokens: uint16; "):
+        tokload.Blend([(views[0], 1.0), (other, 1.0)], length=10)
+    odd = StreamWithMetadata(views[1].source, window=29, deserialize=json.loads)
+    with pytest.raises(ValueError, match=r"component 1 deserializes its records with <function"):
+        tokload.Blend([(views[0], 1.0), (odd, 1.0)], length=10)
+    plain = tokload.TokenStream(views[0].source, window=29)
+    with pytest.raises(
+        TypeError, match=r"component 1 is a view of windows, component 0 of metadata"
+    ):
+        tokload.Blend([(views[0], 1.0), (plain, 1.0)], length=10)
+    blend = tokload.Blend([(views[0], 1.0)], length=10)
+    with pytest.raises(TypeError, match=r"reads into arrays of its own"):
+        blend.read([0], out={"tokens": np.empty((1, 29), np.uint16)})

@@ -330,7 +330,19 @@ class _StackReader:
                     self._with_origin(r)
         except Exception as e:
             failure = (e, len(spans) if many else 1)
-        return Task(None, raws, [self.tokens.one(r) for r in raws], failure)
+        tokens = [self.tokens.one(r) for r in raws]
+        by: list[np.ndarray] | None = None
+        if self.has_origin and raws:  # a blend's samples and tokens per component
+            by = []
+            for r, t in zip(raws, tokens, strict=True):
+                n = len(r["index"])
+                each = r["lengths"] if "lengths" in r else np.full(n, t // n if n else 0)
+                got = _by_component(self.view, r, each, [(0, n)])
+                if got is None:
+                    by = None
+                    break
+                by.append(got[0])
+        return Task(None, raws, tokens, failure, by_component=by)
 
 
 # ---- documents -------------------------------------------------------------------------------

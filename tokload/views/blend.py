@@ -60,7 +60,7 @@ from tokload._slots import positions as slot_positions
 from tokload.views.base import Fields, ReadPart, View, _check_out
 from tokload.views.contract import Alloc, check_view, is_documents
 from tokload.views.documents import Documents, plain_target
-from tokload.views.metadata import StreamWithMetadata
+from tokload.views.metadata import MetadataBatch, StreamWithMetadata, gather_batches
 from tokload.views.windows import TokenStream, WindowBoundaries, window_part
 
 # Domain separation for the keys derived from the blend seed.
@@ -96,7 +96,9 @@ class Blend(WindowBoundaries, View):
 
     Args:
         components: ``[(view, weight), ...]``; the views are of one kind:
-            TokenStreams (same window, dtype and ``boundaries``), or views of documents
+            TokenStreams (same window, dtype and ``boundaries``),
+            StreamWithMetadatas (same window, fields and ``deserialize``), or views
+            of documents
             (``Documents`` of tokload builds, Megatron prefixes, flat files,
             local or in an object store, or a user's view with the document
             contract of ``tokload.batching``; same fields and dtypes), or
@@ -181,6 +183,23 @@ class Blend(WindowBoundaries, View):
                     )
             self._set_boundary_keys(keys)
             self._plain_windows = _plain_windows(self.views)
+        elif self.kind == "metadata":
+            self.window = first.window
+            self._record_fields = _record_fields(first)
+            self.deserialize = first.deserialize
+            for c, v in enumerate(self.views):
+                if v.window != self.window or _record_fields(v) != self._record_fields:
+                    raise ValueError(
+                        f"component {c} has window {v.window} and fields "
+                        f"{_names(dict(_record_fields(v)))}; component 0 has {self.window} "
+                        f"and {_names(dict(self._record_fields))}"
+                    )
+                if v.deserialize is not self.deserialize:
+                    raise ValueError(
+                        f"component {c} deserializes its records with {v.deserialize!r}, "
+                        f"component 0 with {self.deserialize!r}: the records of a blend "
+                        "have one schema (give every stream the same deserialize)"
+                    )
         else:
             from tokload.batching import Pad  # the policies read views: imported when used
 
@@ -423,10 +442,14 @@ class Blend(WindowBoundaries, View):
     def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, np.ndarray]:
         """The view protocol (``tokload.views.contract``), as the components'
         ``read_batch``: windows stacked (with the attention keys the components'
-        ``boundaries=`` names), or documents padded to the batch's longest
-        (``"lengths"`` too), as ``Pad()`` gives them."""
+        ``boundaries=`` names), windows with their records (as
+        ``StreamWithMetadata.read_batch``: one batch's records, in order of first
+        appearance), or documents padded to the batch's longest (``"lengths"``
+        too), as ``Pad()`` gives them."""
         if self.kind == "documents":
             return self._read_padded(np.asarray(indices).reshape(-1), alloc)
+        if self.kind == "metadata":
+            return self._read_records(np.asarray(indices).reshape(-1), alloc).raw()
         return super().read_batch(indices, alloc)
 
     @property
@@ -537,10 +560,15 @@ class Blend(WindowBoundaries, View):
         raw["lengths"] = lengths.astype(np.int64)
         return raw
 
-    def read(self, indices: npt.ArrayLike, out: Fields | None = None) -> Fields:
+    def read(self, indices: npt.ArrayLike, out: Fields | None = None) -> Any:
         """The samples at blend positions ``indices`` (a blend of windows), each
         component's windows read straight into their rows of ``out`` (a plain
-        dtype; a structured one is read per component, then placed)."""
+        dtype; a structured one is read per component, then placed); for a blend
+        of streams with metadata, a ``MetadataBatch`` (``out`` not taken)."""
+        if self.kind == "metadata":
+            if out is not None:
+                raise TypeError("a blend of streams with metadata reads into arrays of its own")
+            return self._read_records(np.asarray(indices).reshape(-1), np.empty)
         if self.kind != "windows":
             raise TypeError("read() is a blend of windows'; batch documents with a policy")
         comp, index = self.locate(indices)
@@ -591,6 +619,25 @@ class Blend(WindowBoundaries, View):
                 for name, arr in out.items():
                     arr[at] = got[name]
 
+    def _read_records(self, indices: np.ndarray, alloc: Alloc) -> MetadataBatch:
+        """Windows with their records (a blend of streams with metadata): each
+        component's read of its samples, one batch per component (nested blends
+        too), gathered row by row with the records renumbered over the batch
+        (``gather_batches``)."""
+        comp, index = self.locate(indices)
+        parts = []
+        for c, sel in _groups(comp):
+            v = self.views[c]
+            got = (
+                v._read_records(index[sel], np.empty)
+                if isinstance(v, Blend)
+                else v.read(index[sel])
+            )
+            parts.append((sel, got))
+        return gather_batches(
+            parts, len(comp), self.window, self._record_fields, alloc, self.deserialize
+        )
+
     def _window_cuts(self, indices: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Where documents start inside the windows at blend positions ``indices``
         (``tokload._docindex.window_cuts``): each component's for its windows,
@@ -620,8 +667,12 @@ class Blend(WindowBoundaries, View):
         take = np.arange(base, dtype=np.int64) + np.repeat(first - ahead, n)
         return starts, ncuts, grouped[take]
 
-    def __getitem__(self, i: int) -> Fields:
+    def __getitem__(self, i: int) -> Any:
         got = self.read(self._index(i))
+        if isinstance(got, MetadataBatch):
+            return MetadataBatch(
+                {k: v[0] for k, v in got.fields.items()}, got.positions[0], got.metadata
+            )
         if isinstance(got, dict):
             return {k: v[0] for k, v in got.items()}
         return np.asarray(got[0])
@@ -666,6 +717,13 @@ class Blend(WindowBoundaries, View):
             f"block_size={getattr(self, 'block_size', '?')}, "
             f"n={len(self) if hasattr(self, '_total') else '?'})"
         )
+
+
+def _record_fields(view: StreamWithMetadata | Blend) -> list[tuple[str, np.dtype[Any]]]:
+    """The fields (but ``metadata_id``) of a stream with metadata's windows."""
+    if isinstance(view, Blend):
+        return view._record_fields
+    return [(name, dt) for name, dt, _ in view._lay]
 
 
 def _dtype_of(view: TokenStream | Blend) -> Any:
@@ -741,18 +799,21 @@ def _groups(comp: np.ndarray) -> list[tuple[int, np.ndarray]]:
 
 
 def _kind(view: Any, c: int) -> str:
-    """``"windows"`` (token streams, blends of them) or ``"documents"`` (the
-    document contract of ``tokload.batching``); TypeError for any other view."""
+    """``"windows"`` (token streams, blends of them), ``"metadata"`` (streams with
+    metadata, blends of them) or ``"documents"`` (the document contract of
+    ``tokload.batching``); TypeError for any other view."""
     if isinstance(view, Blend):
         return view.kind
-    if isinstance(view, TokenStream) and not isinstance(view, StreamWithMetadata):
+    if isinstance(view, TokenStream):
         return "windows"
+    if isinstance(view, StreamWithMetadata):
+        return "metadata"
     if is_documents(view):
         return "documents"
     raise TypeError(
-        f"component {c} must be a TokenStream, a view of documents (Documents, or a view "
-        "with extents, fields and read_extents: see tokload.batching) or a Blend of "
-        f"them, got {type(view).__name__}"
+        f"component {c} must be a TokenStream, a StreamWithMetadata, a view of documents "
+        "(Documents, or a view with extents, fields and read_extents: see "
+        f"tokload.batching) or a Blend of them, got {type(view).__name__}"
     )
 
 

@@ -39,6 +39,64 @@ class MetadataBatch:
     positions: np.ndarray
     metadata: RecordList
 
+    def raw(self) -> dict[str, Any]:
+        """The batch as the view protocol's dict (``StreamWithMetadata.read_batch``)."""
+        raw: dict[str, Any] = dict(self.fields)
+        raw["metadata_positions"] = self.positions
+        raw["metadata_bytes"] = self.metadata.data
+        raw["metadata_offsets"] = self.metadata.offsets
+        raw["metadata"] = self.metadata
+        return raw
+
+
+def gather_batches(
+    parts: Sequence[tuple[np.ndarray, MetadataBatch]],
+    b: int,
+    window: int,
+    fields: Sequence[tuple[str, np.dtype[Any]]],
+    alloc: Alloc,
+    deserialize: Callable[[bytes], Any],
+) -> MetadataBatch:
+    """Batches of several streams as one batch of ``b`` rows (a ``Blend``'s): each
+    part gives the rows it fills (an int64 array) and a batch of as many rows.
+    The fields and positions are placed row by row; the records are renumbered in
+    order of first appearance over the whole batch, row-major, as a read of one
+    stream gives them (a record of two parts is two records). The arrays are made
+    with ``alloc``."""
+    out = {name: alloc((b, window), dt) for name, dt in fields}
+    positions = alloc((b, window), np.int32)
+    datas: list[np.ndarray] = []
+    starts: list[np.ndarray] = []
+    nrec = nbytes = 0
+    for rows, got in parts:
+        for name, _ in fields:
+            out[name][rows] = got.fields[name]
+        pos = got.positions
+        positions[rows] = np.where(pos >= 0, pos + nrec, -1)
+        datas.append(np.asarray(got.metadata.data))
+        offsets = np.asarray(got.metadata.offsets, dtype=np.int64)
+        starts.append(offsets[:-1] + nbytes)
+        nrec += len(offsets) - 1
+        nbytes += int(offsets[-1])
+    flat = positions.reshape(-1)
+    used = flat[flat >= 0]
+    old, first = np.unique(used, return_index=True)
+    order = old[np.argsort(first, kind="stable")]  # old numbers, by first appearance
+    renumber = np.full(max(nrec, 1), -1, dtype=np.int32)
+    renumber[order] = np.arange(len(order), dtype=np.int32)
+    at = flat >= 0
+    flat[at] = renumber[flat[at]]
+    every = np.concatenate([*starts, np.array([nbytes], dtype=np.int64)])  # record k: k, k+1
+    begin, lengths = every[:-1][order], np.diff(every)[order]
+    offsets = alloc((len(order) + 1,), np.int64)
+    offsets[0] = 0
+    np.cumsum(lengths, out=offsets[1:])
+    data = alloc((int(offsets[-1]),), np.uint8)
+    whole = np.concatenate(datas) if datas else np.empty(0, dtype=np.uint8)
+    take = np.repeat(begin - offsets[:-1], lengths) + np.arange(len(data), dtype=np.int64)
+    data[:] = whole[take]
+    return MetadataBatch(out, positions, RecordList(data, offsets, deserialize))
+
 
 class StreamWithMetadata(_Windows):
     """Token windows whose rows carry metadata records.
@@ -106,12 +164,7 @@ class StreamWithMetadata(_Windows):
             positions=alloc((b, self.window), np.int32),
             alloc=alloc,
         )
-        raw: dict[str, Any] = dict(res.fields)
-        raw["metadata_positions"] = res.positions
-        raw["metadata_bytes"] = res.metadata.data
-        raw["metadata_offsets"] = res.metadata.offsets
-        raw["metadata"] = res.metadata
-        return raw
+        return res.raw()
 
     def read_batches(self, batches: list[np.ndarray], alloc: Alloc) -> list[dict[str, Any]]:
         """``read_batch`` of each index array of ``batches`` (the view
