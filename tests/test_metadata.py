@@ -645,6 +645,42 @@ def test_a_blend_of_streams_with_metadata_through_the_loader(tmp_path: Path) -> 
         _check_blend_rows(blend, refs, idx, b)
 
 
+def test_a_blend_of_streams_with_metadata_reads_a_task_in_one_call_per_component(
+    tmp_path: Path,
+) -> None:
+    """``read_batches`` (the loader's call for a task's steps) gives what ``read_batch``
+    of each batch gives, with one ``read_batches`` of each component for all of them."""
+    views, _ = _three_layouts(tmp_path)
+    blend = tokload.Blend([(v, 1.0) for v in views], seed=0, length=300, block_size=6)
+    batches = [np.arange(k * 5, k * 5 + 5) for k in range(4)] + [np.array([], np.int64)]
+    calls = [0, 0, 0]
+
+    def counting(k: int, real: Any) -> Any:
+        def call(*args: Any) -> Any:
+            calls[k] += 1
+            return real(*args)
+
+        return call
+
+    for k, v in enumerate(views):
+        v.read_batches = counting(k, v.read_batches)  # type: ignore[method-assign]
+    many = blend.read_batches(batches, np.empty)
+    assert calls == [1, 1, 1]
+    for ix, got in zip(batches, many, strict=True):
+        one = blend.read_batch(ix, np.empty)
+        assert sorted(got) == sorted(one)
+        for key in ("tokens", "metadata_positions", "metadata_bytes", "metadata_offsets"):
+            np.testing.assert_array_equal(got[key], one[key], err_msg=key)
+        assert list(got["metadata"]) == list(one["metadata"])
+    calls[:] = [0, 0, 0]
+    loader = DataLoader(
+        blend, 4, epochs=1, num_threads=1, device=None, read=tokload.ReadOptions(steps_per_task=4)
+    )
+    steps = sum(1 for _ in loader)
+    tasks = 1 + -(-(steps - 1) // 4)  # the first task is one step
+    assert steps == 75 and max(calls) <= tasks
+
+
 def test_a_blend_of_streams_with_metadata_counts_each_component(tmp_path: Path) -> None:
     """``stats()`` gives each component's samples and tokens, as the batches say."""
     views, _ = _three_layouts(tmp_path)

@@ -620,23 +620,46 @@ class Blend(WindowBoundaries, View):
                     arr[at] = got[name]
 
     def _read_records(self, indices: np.ndarray, alloc: Alloc) -> MetadataBatch:
-        """Windows with their records (a blend of streams with metadata): each
-        component's read of its samples, one batch per component (nested blends
-        too), gathered row by row with the records renumbered over the batch
-        (``gather_batches``)."""
-        comp, index = self.locate(indices)
-        parts = []
+        """Windows with their records (a blend of streams with metadata)."""
+        return self._read_records_many([indices], alloc)[0]
+
+    def read_batches(self, batches: list[np.ndarray], alloc: Alloc) -> list[dict[str, Any]]:
+        """``read_batch`` of each index array of ``batches`` (the view protocol's
+        several-batches call, which the loader makes for a task's steps): a blend
+        of streams with metadata asks each component for its samples of all the
+        batches in one ``read_batches`` of its own (one round of reads per
+        component for the task, where the stream has metadata blocks), then
+        gathers each batch. Other blends read one batch after the other."""
+        flat = [np.asarray(ix).reshape(-1) for ix in batches]
+        if self.kind != "metadata":
+            return [self.read_batch(ix, alloc) for ix in flat]
+        return [b.raw() for b in self._read_records_many(flat, alloc)]
+
+    def _read_records_many(self, batches: list[np.ndarray], alloc: Alloc) -> list[MetadataBatch]:
+        """Windows with their records, batch by batch (a blend of streams with
+        metadata): each component's samples of all the batches in one call of its
+        own (nested blends too), then each batch gathered row by row with its
+        records renumbered over the batch (``gather_batches``)."""
+        sizes = [len(ix) for ix in batches]
+        comp, index = self.locate(np.concatenate(batches) if batches else np.empty(0, np.int64))
+        batch_of = np.repeat(np.arange(len(batches)), sizes)
+        row_of = np.arange(len(comp)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        parts: list[list[tuple[np.ndarray, MetadataBatch]]] = [[] for _ in batches]
         for c, sel in _groups(comp):
             v = self.views[c]
-            got = (
-                v._read_records(index[sel], np.empty)
-                if isinstance(v, Blend)
-                else v.read(index[sel])
-            )
-            parts.append((sel, got))
-        return gather_batches(
-            parts, len(comp), self.window, self._record_fields, alloc, self.deserialize
-        )
+            asked = [sel[batch_of[sel] == j] for j in range(len(batches))]
+            asked = [a for a in asked if len(a)]
+            if isinstance(v, Blend):
+                got = v._read_records_many([index[a] for a in asked], np.empty)
+            else:
+                raws = v.read_batches([index[a] for a in asked], np.empty)
+                got = [_as_metadata_batch(r, self._record_fields) for r in raws]
+            for a, g in zip(asked, got, strict=True):
+                parts[int(batch_of[a[0]])].append((row_of[a], g))
+        return [
+            gather_batches(p, n, self.window, self._record_fields, alloc, self.deserialize)
+            for p, n in zip(parts, sizes, strict=True)
+        ]
 
     def _window_cuts(self, indices: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Where documents start inside the windows at blend positions ``indices``
@@ -717,6 +740,15 @@ class Blend(WindowBoundaries, View):
             f"block_size={getattr(self, 'block_size', '?')}, "
             f"n={len(self) if hasattr(self, '_total') else '?'})"
         )
+
+
+def _as_metadata_batch(
+    raw: dict[str, Any], fields: list[tuple[str, np.dtype[Any]]]
+) -> MetadataBatch:
+    """A stream's ``read_batch`` dict as the ``MetadataBatch`` it was made from."""
+    return MetadataBatch(
+        {name: raw[name] for name, _ in fields}, raw["metadata_positions"], raw["metadata"]
+    )
 
 
 def _record_fields(view: StreamWithMetadata | Blend) -> list[tuple[str, np.dtype[Any]]]:
