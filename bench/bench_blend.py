@@ -15,8 +15,9 @@ lookup of a batch costs once built.
 Reading many sources: the DataLoader flat out (1 reader thread, host batches,
 batches of 8) over a blend of 16 and of 256 tokload builds against the same
 loader over one build of the same 32M ``uint32`` tokens (documents of log-normal
-lengths, page cache warm), as token windows of 4,096 and as ``Fill(4096)`` with
-every attention key: time per batch, and the blend's speed over the single
+lengths, page cache warm), as token windows of 4,096, as the same windows with
+every attention key (``boundaries=True``) and as ``Fill(4096)`` with every
+attention key: time per batch, and the blend's speed over the single
 source's (median of 5 rounds of the two in turns, the order reversed every other
 round: ``bench_packing.in_rounds``).
 
@@ -268,11 +269,16 @@ def _per_batch(view: Any, batching: Any) -> float:
 
 def test_reading_many_sources(sources: dict[int, list[Path]]) -> None:
     """A blend's batches against a single source's of the same tokens: windows of
-    ``WINDOW`` (``Stack``) and ``Fill(WINDOW)`` with every attention key, for a
+    ``WINDOW`` (``Stack``), without and with their documents' attention keys, and
+    ``Fill(WINDOW)`` with every attention key, for a
     blend of each ``READ_COMPONENTS`` (weights: their sizes). Rounds of the two in
     turns; the ratio is the median of the rounds' (the VM drifts)."""
     kinds: dict[str, tuple[Callable[[Path], Any], Any]] = {
         "token windows": (lambda p: tokload.TokenStream(p, window=WINDOW), None),
+        "token windows with boundaries=True": (
+            lambda p: tokload.TokenStream(p, window=WINDOW, boundaries=True),
+            None,
+        ),
         "Fill(4096), every attention key": (tokload.Documents, tokload.Fill(WINDOW)),
     }
     print()

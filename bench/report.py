@@ -780,7 +780,8 @@ BENCHMARKS = [
         "`tokload.Blend([(Documents(p), 1), ...], length=..., block_size=...)` (median of 3, "
         "views opened anew each time), and the Python heap held at 100 and 1,000 components. "
         "Last, the DataLoader's time per batch over a blend of 16 and of 256 sources against "
-        "one source of the same tokens, as token windows and as `Fill(4096)`.",
+        "one source of the same tokens, as token windows, as token windows with every "
+        "attention key (`boundaries=True`) and as `Fill(4096)`.",
         PYTEST.format("bench_blend.py") + " -s",
         blend_tables,
     ),
