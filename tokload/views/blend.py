@@ -672,22 +672,28 @@ class Blend(WindowBoundaries, View):
             )
         comp, index = self.locate(indices)
         b = len(comp)
+        rows: list[np.ndarray] = []
+        got: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        for c, sel in _groups(comp):  # nothing per component but its own call
+            rows.append(sel)
+            got.append(self.views[c]._window_cuts(index[sel]))
+        if not got:
+            empty = np.empty(0, dtype=np.uint64)
+            return empty, empty.copy(), empty.copy()
+        # the rows component by component (``order``), then put back in row order
+        order = np.concatenate(rows)
+        n_grouped = np.concatenate([n for _, n, _ in got]).astype(np.int64)
         starts = np.empty(b, dtype=np.uint64)
         ncuts = np.empty(b, dtype=np.uint64)
-        first = np.empty(b, dtype=np.int64)  # where each row's cuts begin in `got`
-        got: list[np.ndarray] = []
-        base = 0
-        for c, sel in _groups(comp):
-            s_c, n_c, cuts_c = self.views[c]._window_cuts(index[sel])
-            starts[sel], ncuts[sel] = s_c, n_c
-            first[sel] = base + np.cumsum(n_c, dtype=np.int64) - n_c.astype(np.int64)
-            got.append(cuts_c)
-            base += len(cuts_c)
-        n = ncuts.astype(np.int64)
-        grouped = np.concatenate(got) if got else np.empty(0, dtype=np.uint64)
+        first = np.empty(b, dtype=np.int64)  # where each row's cuts begin in `grouped`
+        starts[order] = np.concatenate([s for s, _, _ in got])
+        ncuts[order] = n_grouped
+        first[order] = np.cumsum(n_grouped) - n_grouped
+        grouped = np.concatenate([cuts for _, _, cuts in got])
         # row r's cuts are grouped[first[r] : first[r] + n[r]]: taken in row order
+        n = ncuts.astype(np.int64)
         ahead = np.cumsum(n) - n
-        take = np.arange(base, dtype=np.int64) + np.repeat(first - ahead, n)
+        take = np.arange(len(grouped), dtype=np.int64) + np.repeat(first - ahead, n)
         return starts, ncuts, grouped[take]
 
     def __getitem__(self, i: int) -> Any:
