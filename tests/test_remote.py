@@ -163,6 +163,41 @@ def test_windows_with_boundaries_match_local(corpus: tuple[Path, str], data: Any
         np.testing.assert_array_equal(np.asarray(got_a[k]), np.asarray(got_b[k]), err_msg=k)
 
 
+def test_blends_of_local_and_remote_windows_read_the_same(
+    corpus: tuple[Path, str], meta_corpus: tuple[Path, str]
+) -> None:
+    """A blend of the bucket's stream with boundaries and a local one (and of streams
+    with metadata) gives the batches the same blend of local copies gives."""
+    local, url = corpus
+    idx = np.random.default_rng(5).integers(0, 400, 24)
+
+    def both(make: Any) -> tuple[Any, Any]:
+        mixed = tokload.Blend([(make(url), 2.0), (make(local), 1.0)], seed=3, length=400)
+        here = tokload.Blend([(make(local), 2.0), (make(local), 1.0)], seed=3, length=400)
+        return mixed.read_batch(idx, np.empty), here.read_batch(idx, np.empty)
+
+    got, want = both(lambda p: TokenStream(p, 97, stride=31, boundaries=True))
+    assert got.keys() == want.keys() and "cu_seqlens" in got
+    for k in got:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+    m_local, m_url = meta_corpus
+    mixed = tokload.Blend(
+        [(StreamWithMetadata(m_url, 20, stride=7), 1.0), (StreamWithMetadata(m_local, 20), 1.0)],
+        seed=1,
+        length=200,
+    )
+    here = tokload.Blend(
+        [(StreamWithMetadata(m_local, 20, stride=7), 1.0), (StreamWithMetadata(m_local, 20), 1.0)],
+        seed=1,
+        length=200,
+    )
+    a, b = mixed.read(idx % 200), here.read(idx % 200)
+    np.testing.assert_array_equal(a.positions, b.positions)
+    assert list(a.metadata) == list(b.metadata)
+    for k in a.fields:
+        np.testing.assert_array_equal(a.fields[k], b.fields[k], err_msg=k)
+
+
 def test_stream_with_metadata_reads_the_same(meta_corpus: tuple[Path, str]) -> None:
     local, url = meta_corpus
     a, b = StreamWithMetadata(local, 20, stride=7), StreamWithMetadata(url, 20, stride=7)
