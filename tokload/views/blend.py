@@ -43,6 +43,7 @@ block share one merge); nothing grows with the number of positions.
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -642,20 +643,22 @@ class Blend(WindowBoundaries, View):
         records renumbered over the batch (``gather_batches``)."""
         sizes = [len(ix) for ix in batches]
         comp, index = self.locate(np.concatenate(batches) if batches else np.empty(0, np.int64))
-        batch_of = np.repeat(np.arange(len(batches)), sizes)
-        row_of = np.arange(len(comp)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        ends = np.cumsum(sizes)
+        row_of = np.arange(len(comp)) - np.repeat(ends - sizes, sizes)
         parts: list[list[tuple[np.ndarray, MetadataBatch]]] = [[] for _ in batches]
         for c, sel in _groups(comp):
             v = self.views[c]
-            asked = [sel[batch_of[sel] == j] for j in range(len(batches))]
-            asked = [a for a in asked if len(a)]
+            # sel is in position order: its samples of batch j are one run of it
+            bounds = np.searchsorted(sel, ends).tolist()
+            runs = [(j, sel[a:e]) for j, (a, e) in enumerate(itertools.pairwise([0, *bounds]))]
+            asked = [(j, rows) for j, rows in runs if len(rows)]
             if isinstance(v, Blend):
-                got = v._read_records_many([index[a] for a in asked], np.empty)
+                got = v._read_records_many([index[rows] for _, rows in asked], np.empty)
             else:
-                raws = v.read_batches([index[a] for a in asked], np.empty)
+                raws = v.read_batches([index[rows] for _, rows in asked], np.empty)
                 got = [_as_metadata_batch(r, self._record_fields) for r in raws]
-            for a, g in zip(asked, got, strict=True):
-                parts[int(batch_of[a[0]])].append((row_of[a], g))
+            for (j, rows), g in zip(asked, got, strict=True):
+                parts[j].append((row_of[rows], g))
         return [
             gather_batches(p, n, self.window, self._record_fields, alloc, self.deserialize)
             for p, n in zip(parts, sizes, strict=True)
