@@ -24,6 +24,7 @@ from tokload._slots import positions as slot_positions
 from tokload.errors import StateError
 from tokload.views import blend as blend_module
 from tokload.views.blend import _COMP_TAG, _SLOT_TAG, largest_remainder
+from tokload.views.blend_reads import DocumentMix, WindowMix
 
 FOUR_WEIGHTS = st.lists(st.floats(0.0, 10.0), min_size=4, max_size=4).filter(lambda w: sum(w) > 0.1)
 """Weights of the four ``views``, not all (nearly) zero."""
@@ -201,7 +202,7 @@ def test_plain_windows_read_as_one_part_equal_each_components_own(
         v = TokenStream(root / f"c{c}", window=6, stride=stride)
         comps.append(v.subset(lo, len(v) - 3))
     blend = Blend([(v, 1.0) for v in comps], seed=seed, length=500, block_size=20)
-    assert blend._plain_windows is not None
+    assert isinstance(blend._mix, WindowMix) and blend._mix.plain is not None
     idx = np.random.default_rng(seed).integers(0, 500, 64)
     got = blend.read(idx)
     assert isinstance(got, np.ndarray)
@@ -217,7 +218,7 @@ def test_plain_windows_read_as_one_part_equal_each_components_own(
     for o, v in zip(own, comps, strict=True):
         o.__dict__.update(v.__dict__)
     apart = Blend([(v, 1.0) for v in own], seed=seed, length=500, block_size=20)
-    assert apart._plain_windows is None
+    assert isinstance(apart._mix, WindowMix) and apart._mix.plain is None
     np.testing.assert_array_equal(apart.read(idx), got)
 
 
@@ -628,7 +629,7 @@ def test_a_blend_of_documents_finds_extents_in_one_call(tmp_path: Path) -> None:
             return super().extents(indices)
 
     blend = Blend([(v, 1.0) for v in views], length=300, seed=2)
-    assert blend._plain is not None
+    assert isinstance(blend._mix, DocumentMix) and blend._mix.plain is not None
     positions = rng.permutation(300)
     comp, index = blend.locate(positions)
     starts, lengths = blend.extents(positions)
@@ -640,7 +641,7 @@ def test_a_blend_of_documents_finds_extents_in_one_call(tmp_path: Path) -> None:
     other = Blend(
         [(Shifted(tmp_path / "d0"), 1.0), (views[1], 1.0), (views[2], 1.0)], length=300, seed=2
     )
-    assert other._plain is None
+    assert isinstance(other._mix, DocumentMix) and other._mix.plain is None
     got = other.extents(positions)
     np.testing.assert_array_equal(got[0], starts)
     np.testing.assert_array_equal(got[1], lengths)

@@ -18,7 +18,8 @@ protocol the DataLoader reads through (``len``, ``fingerprint``,
 ``read_batch``) and, for views of documents, the document contract the
 batching policies read through (``extents``, ``fields``, ``read_extents``).
 One module per view: ``base`` (what they share), ``windows``, ``documents``,
-``metadata``, ``blend``.
+``metadata``, ``blend`` (a blend's positions: layout, ``locate``, fingerprints),
+with ``blend_reads`` (what a blend reads, by the kind of its components).
 """
 
 from tokload.views.base import DataLike, Fields, View, open_source, split

@@ -43,7 +43,6 @@ block share one merge); nothing grows with the number of positions.
 from __future__ import annotations
 
 import bisect
-import itertools
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -52,17 +51,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from tokload._docindex import ExtentIndex, extents_many
 from tokload._permute import epoch_seeds
-from tokload._rows import RowSets, read_ranges
+from tokload._rows import read_ranges
 from tokload._slots import block_slots
 from tokload._slots import locate as locate_slots
 from tokload._slots import positions as slot_positions
 from tokload.views.base import Fields, ReadPart, View, _check_out
+from tokload.views.blend_reads import DocumentMix, RecordMix, WindowMix
 from tokload.views.contract import Alloc, check_view, is_documents
-from tokload.views.documents import Documents, plain_target
-from tokload.views.metadata import MetadataBatch, StreamWithMetadata, gather_batches
-from tokload.views.windows import TokenStream, WindowBoundaries, window_part
+from tokload.views.metadata import MetadataBatch, StreamWithMetadata
+from tokload.views.windows import TokenStream, WindowBoundaries
 
 # Domain separation for the keys derived from the blend seed.
 _SLOT_TAG = 0x736C6F74  # "slot"
@@ -161,58 +159,19 @@ class Blend(WindowBoundaries, View):
                     f"component {c} is a view of {_kind(v, c)}, component 0 of {self.kind}: "
                     "a Blend mixes views of one kind"
                 )
-        first = self.views[0]
-        self._plain: _PlainDocuments | None = None
-        self._plain_windows: _PlainWindows | None = None
-        if self.kind == "windows":
-            self.window = first.window
-            self._dtype = _dtype_of(first)
-            for c, v in enumerate(self.views):
-                if v.window != self.window or _dtype_of(v) != self._dtype:
-                    raise ValueError(
-                        f"component {c} has window {v.window} and dtype {_dtype_of(v)}; "
-                        f"component 0 has {self.window} and {self._dtype}"
-                    )
-            keys = tuple(getattr(first, "boundary_keys", ()))
-            for c, v in enumerate(self.views):
-                theirs = tuple(getattr(v, "boundary_keys", ()))
-                if theirs != keys:
-                    raise ValueError(
-                        f"component {c} has boundaries={list(theirs) or False}, component 0 "
-                        f"boundaries={list(keys) or False}: the windows of a blend carry the "
-                        "same attention keys"
-                    )
-            self._set_boundary_keys(keys)
-            self._plain_windows = _plain_windows(self.views)
-        elif self.kind == "metadata":
-            self.window = first.window
-            self._record_fields = _record_fields(first)
-            self.deserialize = first.deserialize
-            for c, v in enumerate(self.views):
-                if v.window != self.window or _record_fields(v) != self._record_fields:
-                    raise ValueError(
-                        f"component {c} has window {v.window} and fields "
-                        f"{_names(dict(_record_fields(v)))}; component 0 has {self.window} "
-                        f"and {_names(dict(self._record_fields))}"
-                    )
-                if v.deserialize is not self.deserialize:
-                    raise ValueError(
-                        f"component {c} deserializes its records with {v.deserialize!r}, "
-                        f"component 0 with {self.deserialize!r}: the records of a blend "
-                        "have one schema (give every stream the same deserialize)"
-                    )
+        nested = [isinstance(v, Blend) for v in self.views]
+        mix = _MIXES[self.kind](self.views, nested)  # checks that the components agree
+        self._mix: WindowMix | RecordMix | DocumentMix = mix
+        if isinstance(mix, WindowMix):
+            self.window = mix.window
+            self._set_boundary_keys(mix.keys)
+        elif isinstance(mix, RecordMix):
+            self.window = mix.window
+            self.deserialize = mix.deserialize
         else:
             from tokload.batching import Pad  # the policies read views: imported when used
 
             self.batching = Pad()
-            self._fields = dict(first.fields)
-            for c, v in enumerate(self.views):
-                if dict(v.fields) != self._fields:
-                    raise ValueError(
-                        f"component {c} has the fields {_names(v.fields)}; "
-                        f"component 0 has {_names(self._fields)}"
-                    )
-            self._plain = _plain_documents(self.views)
         self.seed, self.block_size, self.rounds = int(seed), int(block_size), int(rounds)
         k = len(self.views)
         stages = [(0, list(map(float, (w for _, w in components))))]
@@ -259,7 +218,7 @@ class Blend(WindowBoundaries, View):
                 f"length {length} is past the end of the blend ({end} positions: "
                 "its capped components run out)"
             )
-        self.source = getattr(first, "source", None)  # type: ignore[assignment]  # components keep theirs
+        self.source = getattr(self.views[0], "source", None)  # type: ignore[assignment]  # components keep theirs
         self._total = int(length)
         self._lo, self._hi = 0, self._total
         self._sizes = np.asarray(self.sizes, dtype=np.int64)
@@ -427,7 +386,7 @@ class Blend(WindowBoundaries, View):
             total += np.bincount(slot_comp, minlength=k)
         return total
 
-    # ---- reading ------------------------------------------------------------------------
+    # ---- reading: what is read for located samples is the mix's (blend_reads) ----------
 
     def empty(self, batch: int, alloc: Alloc = np.empty) -> Fields:
         """Arrays ``read`` can fill for ``batch`` observations (as the components')."""
@@ -447,11 +406,30 @@ class Blend(WindowBoundaries, View):
         ``StreamWithMetadata.read_batch``: one batch's records, in order of first
         appearance), or documents padded to the batch's longest (``"lengths"``
         too), as ``Pad()`` gives them."""
-        if self.kind == "documents":
-            return self._read_padded(np.asarray(indices).reshape(-1), alloc)
-        if self.kind == "metadata":
-            return self._read_records(np.asarray(indices).reshape(-1), alloc).raw()
+        mix = self._mix
+        if isinstance(mix, DocumentMix):
+            return mix.read_padded(*self.locate(np.asarray(indices).reshape(-1)), alloc)
+        if isinstance(mix, RecordMix):
+            return self._records([indices], alloc)[0].raw()
         return super().read_batch(indices, alloc)
+
+    def read_batches(self, batches: list[np.ndarray], alloc: Alloc) -> list[dict[str, Any]]:
+        """``read_batch`` of each index array of ``batches`` (the view protocol's
+        several-batches call, which the loader makes for a task's steps): a blend
+        of streams with metadata asks each component for its samples of all the
+        batches in one ``read_batches`` of its own (one round of reads per
+        component for the task, where the stream has metadata blocks), then
+        gathers each batch. Other blends read one batch after the other."""
+        if not isinstance(self._mix, RecordMix):
+            return [self.read_batch(ix, alloc) for ix in batches]
+        return [b.raw() for b in self._records(batches, alloc)]
+
+    def _records(self, batches: Sequence[npt.ArrayLike], alloc: Alloc) -> list[MetadataBatch]:
+        """Windows with their records, batch by batch (``RecordMix.read_batches``)."""
+        flat = [np.asarray(ix, dtype=np.int64).reshape(-1) for ix in batches]
+        located = self.locate(np.concatenate(flat) if flat else np.empty(0, np.int64))
+        assert isinstance(self._mix, RecordMix)
+        return self._mix.read_batches(*located, [len(ix) for ix in flat], alloc)
 
     @property
     def num_components(self) -> int:
@@ -464,29 +442,64 @@ class Blend(WindowBoundaries, View):
         comp, index = self.locate(indices)
         return {"component": comp, "component_index": index}
 
+    def read(self, indices: npt.ArrayLike, out: Fields | None = None) -> Any:
+        """The samples at blend positions ``indices`` (a blend of windows), each
+        component's windows read straight into their rows of ``out`` (a plain
+        dtype; a structured one is read per component, then placed); for a blend
+        of streams with metadata, a ``MetadataBatch`` (``out`` not taken)."""
+        mix = self._mix
+        if isinstance(mix, RecordMix):
+            if out is not None:
+                raise TypeError("a blend of streams with metadata reads into arrays of its own")
+            return self._records([indices], np.empty)[0]
+        if not isinstance(mix, WindowMix):
+            raise TypeError("read() is a blend of windows'; batch documents with a policy")
+        comp, index = self.locate(indices)
+        b = len(comp)
+        if out is None:
+            out = self.empty(b)
+        if isinstance(out, dict):
+            for name, arr in out.items():
+                _check_out(arr, (b, self.window), arr.dtype, f"out[{name!r}]")
+        else:
+            _check_out(out, (b, self.window), out.dtype, "out")
+        parts: list[ReadPart] = []
+        mix.read_rows(comp, index, np.arange(b, dtype=np.uint64), out, parts)
+        read_ranges(parts)
+        return out
+
+    def _window_cuts(self, indices: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where documents start inside the windows at blend positions ``indices``
+        (``WindowMix.window_cuts``): the batch's attention keys are then made in
+        one call (``WindowBoundaries``)."""
+        if not isinstance(self._mix, WindowMix):
+            raise TypeError(
+                "a blend of documents has no windows: batch it with Fill(window) for "
+                "document masking"
+            )
+        return self._mix.window_cuts(*self.locate(indices))
+
     # ---- the document contract (tokload.batching) -------------------------------------
 
     @property
     def fields(self) -> dict[str, Any]:
         """The components' ``fields`` (a blend of documents)."""
-        if self.kind != "documents":
+        if not isinstance(self._mix, DocumentMix):
             raise AttributeError("fields: a blend of windows is not a view of documents")
-        return dict(self._fields)
+        return dict(self._mix.fields)
+
+    def _documents(self) -> DocumentMix:
+        if not isinstance(self._mix, DocumentMix):
+            raise TypeError("a blend of windows is not a view of documents")
+        return self._mix
 
     def extents(self, indices: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """Each sample's ``extents`` in its component (a blend of documents):
         one compiled call over every component's document index where all are
         plain ``Documents`` (``tokload._docindex.extents_many``), else a call
         per component."""
-        comp, index = self.locate(indices)
-        plain = self._plain
-        if plain is not None:
-            return extents_many(plain.indexes, plain.offsets, comp, index)
-        starts = np.empty(len(comp), dtype=np.uint64)
-        lengths = np.empty(len(comp), dtype=np.uint64)
-        for c, sel in _groups(comp):
-            starts[sel], lengths[sel] = self._docs(c).extents(index[sel])
-        return starts, lengths
+        mix = self._documents()
+        return mix.extents(*self.locate(indices))
 
     def read_extents(
         self,
@@ -499,205 +512,10 @@ class Blend(WindowBoundaries, View):
         """The samples' documents into ``out``: every component's reads straight
         into the same arrays (no temporary per component), in one engine call
         (``tokload._rows.read_ranges``)."""
+        mix = self._documents()
         parts: list[ReadPart] = []
-        self._extent_parts(indices, starts, lengths, dst, out, parts)
+        mix.extent_parts(*self.locate(indices), starts, lengths, dst, out, parts)
         read_ranges(parts)
-
-    def _extent_reads(self, *args: Any) -> None:
-        """Not one part: a blend's reads are its components' (``_extent_parts``)."""
-        return None
-
-    def _extent_parts(
-        self,
-        indices: np.ndarray,
-        starts: np.ndarray,
-        lengths: np.ndarray,
-        dst: np.ndarray,
-        out: Mapping[str, np.ndarray],
-        parts: list[ReadPart],
-    ) -> None:
-        """Add the reads of the samples' documents to ``parts`` (nested blends'
-        too); a component that cannot give its reads as a part (a structured
-        dtype, a user's view) reads its documents here."""
-        comp, index = self.locate(indices)
-        starts, lengths, dst = (np.asarray(a, dtype=np.uint64) for a in (starts, lengths, dst))
-        plain = self._plain
-        if plain is not None and plain.dtype.fields is None:
-            # every component a plain Documents of one plain dtype: one part for
-            # all of them, each document read from its component's rows (no
-            # grouping, and no check or plan per component)
-            tokens, byte_dst = plain_target(plain.dtype, dst, out)
-            parts.append((plain.rows.at(comp), starts, lengths, byte_dst, tokens))
-            return
-        for c, sel in _groups(comp):
-            v = self._docs(c)
-            args = (index[sel], starts[sel], lengths[sel], dst[sel], out)
-            if isinstance(v, Blend):
-                v._extent_parts(*args, parts)
-                continue
-            reads = getattr(v, "_extent_reads", None)
-            part = reads(*args[1:]) if reads is not None else None
-            if part is None:
-                v.read_extents(*args)
-            else:
-                parts.append(part)
-
-    def _docs(self, c: int) -> Any:
-        if self.kind != "documents":
-            raise TypeError("a blend of windows is not a view of documents")
-        return self.views[c]
-
-    def _read_padded(self, indices: np.ndarray, alloc: Alloc) -> dict[str, np.ndarray]:
-        starts, lengths = self.extents(indices)
-        width = max(1, int(lengths.max())) if len(lengths) else 1
-        b = len(indices)
-        out = {k: alloc((b * width,), dt) for k, dt in self._fields.items()}
-        for a in out.values():
-            a[...] = 0
-        dst = np.arange(b, dtype=np.uint64) * np.uint64(width)
-        if b:
-            self.read_extents(indices, starts, lengths, dst, out)
-        raw = {k: v.reshape(b, width) for k, v in out.items()}
-        raw["lengths"] = lengths.astype(np.int64)
-        return raw
-
-    def read(self, indices: npt.ArrayLike, out: Fields | None = None) -> Any:
-        """The samples at blend positions ``indices`` (a blend of windows), each
-        component's windows read straight into their rows of ``out`` (a plain
-        dtype; a structured one is read per component, then placed); for a blend
-        of streams with metadata, a ``MetadataBatch`` (``out`` not taken)."""
-        if self.kind == "metadata":
-            if out is not None:
-                raise TypeError("a blend of streams with metadata reads into arrays of its own")
-            return self._read_records(np.asarray(indices).reshape(-1), np.empty)
-        if self.kind != "windows":
-            raise TypeError("read() is a blend of windows'; batch documents with a policy")
-        comp, index = self.locate(indices)
-        b = len(comp)
-        if out is None:
-            out = self.empty(b)
-        if isinstance(out, dict):
-            for name, arr in out.items():
-                _check_out(arr, (b, self.window), arr.dtype, f"out[{name!r}]")
-        else:
-            _check_out(out, (b, self.window), out.dtype, "out")
-        parts: list[ReadPart] = []
-        self._read_rows(comp, index, np.arange(b, dtype=np.uint64), out, parts)
-        read_ranges(parts)
-        return out
-
-    def _read_rows(
-        self,
-        comp: np.ndarray,
-        index: np.ndarray,
-        rows: np.ndarray,
-        out: Fields,
-        parts: list[ReadPart],
-    ) -> None:
-        """Samples ``(comp, index)`` into rows ``rows`` of ``out``: a plain
-        dtype's reads are added to ``parts`` (one engine call for every
-        component; one part for all where every component is a plain
-        ``TokenStream``), a structured one's are read here and placed."""
-        plain = self._plain_windows
-        if plain is not None and isinstance(out, np.ndarray):
-            # windows of observations lo + index, as TokenStream._window_reads
-            # makes them, without a part per component (locate's indices are
-            # within their components)
-            g = plain.lo[comp] + index.astype(np.uint64)
-            target = plain.rows.at(comp)
-            parts.append(window_part(target, g, plain.stride[comp], self.window, rows, out))
-            return
-        for c, sel in _groups(comp):
-            v = self.views[c]
-            if isinstance(v, Blend):
-                v._read_rows(*v.locate(index[sel]), rows[sel], out, parts)
-            elif isinstance(out, np.ndarray):
-                parts.append(v._window_reads(index[sel], rows[sel], out))
-            else:
-                got = v.read(index[sel])
-                assert isinstance(got, dict)
-                at = rows[sel].astype(np.int64)
-                for name, arr in out.items():
-                    arr[at] = got[name]
-
-    def _read_records(self, indices: np.ndarray, alloc: Alloc) -> MetadataBatch:
-        """Windows with their records (a blend of streams with metadata)."""
-        return self._read_records_many([indices], alloc)[0]
-
-    def read_batches(self, batches: list[np.ndarray], alloc: Alloc) -> list[dict[str, Any]]:
-        """``read_batch`` of each index array of ``batches`` (the view protocol's
-        several-batches call, which the loader makes for a task's steps): a blend
-        of streams with metadata asks each component for its samples of all the
-        batches in one ``read_batches`` of its own (one round of reads per
-        component for the task, where the stream has metadata blocks), then
-        gathers each batch. Other blends read one batch after the other."""
-        flat = [np.asarray(ix).reshape(-1) for ix in batches]
-        if self.kind != "metadata":
-            return [self.read_batch(ix, alloc) for ix in flat]
-        return [b.raw() for b in self._read_records_many(flat, alloc)]
-
-    def _read_records_many(self, batches: list[np.ndarray], alloc: Alloc) -> list[MetadataBatch]:
-        """Windows with their records, batch by batch (a blend of streams with
-        metadata): each component's samples of all the batches in one call of its
-        own (nested blends too), then each batch gathered row by row with its
-        records renumbered over the batch (``gather_batches``)."""
-        sizes = [len(ix) for ix in batches]
-        comp, index = self.locate(np.concatenate(batches) if batches else np.empty(0, np.int64))
-        ends = np.cumsum(sizes)
-        row_of = np.arange(len(comp)) - np.repeat(ends - sizes, sizes)
-        parts: list[list[tuple[np.ndarray, MetadataBatch]]] = [[] for _ in batches]
-        for c, sel in _groups(comp):
-            v = self.views[c]
-            # sel is in position order: its samples of batch j are one run of it
-            bounds = np.searchsorted(sel, ends).tolist()
-            runs = [(j, sel[a:e]) for j, (a, e) in enumerate(itertools.pairwise([0, *bounds]))]
-            asked = [(j, rows) for j, rows in runs if len(rows)]
-            if isinstance(v, Blend):
-                got = v._read_records_many([index[rows] for _, rows in asked], np.empty)
-            else:
-                raws = v.read_batches([index[rows] for _, rows in asked], np.empty)
-                got = [_as_metadata_batch(r, self._record_fields) for r in raws]
-            for (j, rows), g in zip(asked, got, strict=True):
-                parts[j].append((row_of[rows], g))
-        return [
-            gather_batches(p, n, self.window, self._record_fields, alloc, self.deserialize)
-            for p, n in zip(parts, sizes, strict=True)
-        ]
-
-    def _window_cuts(self, indices: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Where documents start inside the windows at blend positions ``indices``
-        (``tokload._docindex.window_cuts``): each component's for its windows,
-        gathered row by row, so that the batch's arrays are made in one call."""
-        if self.kind != "windows":
-            raise TypeError(
-                "a blend of documents has no windows: batch it with Fill(window) for "
-                "document masking"
-            )
-        comp, index = self.locate(indices)
-        b = len(comp)
-        rows: list[np.ndarray] = []
-        got: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        for c, sel in _groups(comp):  # nothing per component but its own call
-            rows.append(sel)
-            got.append(self.views[c]._window_cuts(index[sel]))
-        if not got:
-            empty = np.empty(0, dtype=np.uint64)
-            return empty, empty.copy(), empty.copy()
-        # the rows component by component (``order``), then put back in row order
-        order = np.concatenate(rows)
-        n_grouped = np.concatenate([n for _, n, _ in got]).astype(np.int64)
-        starts = np.empty(b, dtype=np.uint64)
-        ncuts = np.empty(b, dtype=np.uint64)
-        first = np.empty(b, dtype=np.int64)  # where each row's cuts begin in `grouped`
-        starts[order] = np.concatenate([s for s, _, _ in got])
-        ncuts[order] = n_grouped
-        first[order] = np.cumsum(n_grouped) - n_grouped
-        grouped = np.concatenate([cuts for _, _, cuts in got])
-        # row r's cuts are grouped[first[r] : first[r] + n[r]]: taken in row order
-        n = ncuts.astype(np.int64)
-        ahead = np.cumsum(n) - n
-        take = np.arange(len(grouped), dtype=np.int64) + np.repeat(first - ahead, n)
-        return starts, ncuts, grouped[take]
 
     def __getitem__(self, i: int) -> Any:
         got = self.read(self._index(i))
@@ -751,94 +569,6 @@ class Blend(WindowBoundaries, View):
         )
 
 
-def _as_metadata_batch(
-    raw: dict[str, Any], fields: list[tuple[str, np.dtype[Any]]]
-) -> MetadataBatch:
-    """A stream's ``read_batch`` dict as the ``MetadataBatch`` it was made from."""
-    return MetadataBatch(
-        {name: raw[name] for name, _ in fields}, raw["metadata_positions"], raw["metadata"]
-    )
-
-
-def _record_fields(view: StreamWithMetadata | Blend) -> list[tuple[str, np.dtype[Any]]]:
-    """The fields (but ``metadata_id``) of a stream with metadata's windows."""
-    if isinstance(view, Blend):
-        return view._record_fields
-    return [(name, dt) for name, dt, _ in view._lay]
-
-
-def _dtype_of(view: TokenStream | Blend) -> Any:
-    return view._dtype if isinstance(view, Blend) else view.source.dtype
-
-
-@dataclass(frozen=True)
-class _PlainDocuments:
-    """What a blend whose components are all plain ``Documents`` reads them with,
-    without a call per component: their document indexes and first documents
-    (``Documents._lo``) for ``extents_many``, their rows as one ``RowSets``, and
-    their dtype."""
-
-    indexes: tuple[ExtentIndex, ...]
-    offsets: np.ndarray
-    rows: RowSets
-    dtype: np.dtype[Any]
-
-
-def _plain_documents(views: Sequence[Any]) -> _PlainDocuments | None:
-    """None unless every component is a plain ``Documents`` with a document
-    index of its own (a user's view, a subclass or a nested blend has its own
-    ``extents`` and reads)."""
-    if not all(type(v) is Documents for v in views):
-        return None
-    indexes = tuple(v.source.docs for v in views)
-    dtypes = {v.source.dtype for v in views}
-    if not all(isinstance(i, ExtentIndex) for i in indexes) or len(dtypes) != 1:
-        return None
-    return _PlainDocuments(
-        indexes,
-        np.array([v._lo for v in views], dtype=np.uint64),
-        RowSets(v.source.rows for v in views),
-        dtypes.pop(),
-    )
-
-
-@dataclass(frozen=True)
-class _PlainWindows:
-    """What a blend whose components are all plain ``TokenStream``s reads their
-    windows with, without a part per component: their rows as one ``RowSets``,
-    and each one's first observation (``_lo``) and stride (uint64)."""
-
-    rows: RowSets
-    lo: np.ndarray
-    stride: np.ndarray
-
-
-def _plain_windows(views: Sequence[Any]) -> _PlainWindows | None:
-    """None unless every component is a plain ``TokenStream`` of a plain dtype
-    (a subclass, a user's view or a nested blend reads its own way)."""
-    if not all(type(v) is TokenStream and v.source.dtype.fields is None for v in views):
-        return None
-    return _PlainWindows(
-        RowSets(v.source.rows for v in views),
-        np.array([v._lo for v in views], dtype=np.uint64),
-        np.array([v.stride for v in views], dtype=np.uint64),
-    )
-
-
-def _groups(comp: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """``(component, the positions of comp that hold it)`` for each component
-    present: one stable sort, not a scan per component (a blend may have 1,000)."""
-    if len(comp) == 0:
-        return []
-    order = np.argsort(comp, kind="stable")
-    sorted_comp = comp[order]
-    cuts = np.flatnonzero(np.diff(sorted_comp)) + 1
-    return [
-        (int(sorted_comp[a]), order[a:e])
-        for a, e in zip([0, *cuts.tolist()], [*cuts.tolist(), len(comp)], strict=True)
-    ]
-
-
 def _kind(view: Any, c: int) -> str:
     """``"windows"`` (token streams, blends of them), ``"metadata"`` (streams with
     metadata, blends of them) or ``"documents"`` (the document contract of
@@ -858,5 +588,6 @@ def _kind(view: Any, c: int) -> str:
     )
 
 
-def _names(fields: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k}: {np.dtype(v)}" for k, v in fields.items())
+_MIXES: dict[str, type[WindowMix | RecordMix | DocumentMix]] = {
+    mix.kind: mix for mix in (WindowMix, RecordMix, DocumentMix)
+}
