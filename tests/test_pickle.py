@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import multiprocessing as mp
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 from test_mixtures import doc_tokens, write_megatron
 
 import tokload
+from tokload.remote.urls import absolute_local
 from tokload.source import Source
 
 
@@ -105,6 +107,42 @@ def test_a_pickled_view_reads_what_the_original_reads(root: Path, kind: str) -> 
             assert got[0].keys() == got[1].keys()
             for key in got[0]:
                 _same(np.asarray(got[0][key]), np.asarray(got[1][key]))
+
+
+@pytest.mark.parametrize("kind", list(VIEWS))
+def test_a_view_opened_by_a_relative_path_unpickles_in_another_directory(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A view (or source) opened from paths relative to the working directory
+    holds and records them made absolute: after a ``chdir`` it still reads its
+    files, and unpickled where the working directory is another (a Ray
+    worker's) it reads the same data, not what those names mean there."""
+    monkeypatch.chdir(root)
+    view = VIEWS[kind](Path())  # every path relative: "build", "mega", "flat.npy", ...
+    blob = pickle.dumps(view)
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "build").mkdir(parents=True)  # a name there that means nothing
+    monkeypatch.chdir(elsewhere)
+    copied = pickle.loads(blob)
+    assert copied.fingerprint == view.fingerprint
+    ix = np.arange(min(len(view), 4))
+    want, got = (v.read_batch(ix, np.empty) for v in (view, copied))
+    assert want.keys() == got.keys()
+    for key in want:
+        _same(np.asarray(want[key]), np.asarray(got[key]))
+
+
+def test_absolute_local_makes_local_paths_absolute_and_leaves_urls() -> None:
+    here = os.getcwd()
+    assert absolute_local("build") == os.path.join(here, "build")
+    assert absolute_local(Path("a/../b")) == os.path.join(here, "b")
+    assert absolute_local("file:///data/x") == "/data/x"
+    assert absolute_local(["a", "/b"]) == [os.path.join(here, "a"), "/b"]
+    assert absolute_local(("a",)) == (os.path.join(here, "a"),)
+    p = Path("/abs/path")
+    assert absolute_local(p) is p  # already absolute: as given
+    for kept in ("s3://bucket/prefix", "gs://b/k", "http://host/x", 3, None):
+        assert absolute_local(kept) == kept
 
 
 def test_a_view_pickled_before_its_data_changed_refuses(tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from tokload._io import FileSet
@@ -44,7 +43,9 @@ class Location:
         self.listed = listed  # remote: one LIST of the prefix (else a HEAD per object)
         self._heads: dict[str, Any] = {}
         self.root: str = (
-            os.fspath(root).rstrip("/") if self.remote else str(Path(remote.local_path(root)))
+            # a local root made absolute: its files are opened as reads need them,
+            # after the caller may have changed directory
+            os.fspath(root).rstrip("/") if self.remote else os.path.abspath(remote.local_path(root))
         )
         self._objects: dict[str, Any] | None = None
 

@@ -9,6 +9,7 @@ manifest and file sizes alone, without reading any data.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from tokload.envvars import env_int
 from tokload.errors import FormatError, MissingShardError, StateError
 from tokload.format import Manifest, manifest_at
 from tokload.location import Location
+from tokload.remote.urls import absolute_local
 
 
 @dataclass
@@ -96,12 +98,20 @@ OpenFn = TypeVar("OpenFn", bound=Callable[..., Source])
 def reopenable(open_fn: OpenFn) -> OpenFn:
     """Decorate a function that opens a Source so that the Source records the
     call (``Source.opener``; the innermost decorated call wins) and can be
-    pickled as it."""
+    pickled as it. The function's first parameter is the data's path: a
+    relative local one is recorded made absolute (``absolute_local``)."""
+
+    first = next(iter(inspect.signature(open_fn).parameters))  # the path's parameter
 
     @functools.wraps(open_fn)
     def opener(*args: Any, **kwargs: Any) -> Source:
         src = open_fn(*args, **kwargs)
         if src.opener is None:
+            # the path as opened here, whatever directory unpickles it
+            if args:
+                args = (absolute_local(args[0]), *args[1:])
+            elif first in kwargs:
+                kwargs = {**kwargs, first: absolute_local(kwargs[first])}
             src.opener = (opener, args, kwargs)
         return src
 

@@ -44,6 +44,30 @@ def local_path(path: str | os.PathLike[str]) -> str:
     return p[len("file://") :] if p.startswith("file://") else p
 
 
+def absolute_local(path: object) -> object:
+    """``path`` as it names the same file from any working directory: a relative
+    local path (or each of a list's or tuple's) made absolute against the
+    current one, a ``file://`` prefix removed; URLs, absolute paths and other
+    objects unchanged.
+
+    A pickled source or view opens its data again where it is unpickled, which
+    may be another directory (a Ray worker's, a job launched elsewhere): what it
+    records is its path made absolute when it was opened.
+    """
+    if isinstance(path, (list, tuple)):
+        return type(path)(absolute_local(p) for p in path)
+    if not isinstance(path, (str, os.PathLike)):
+        return path
+    p = os.fspath(path)
+    if not isinstance(p, str):
+        return path  # bytes paths are not opened by tokload
+    scheme = scheme_of(p)
+    if scheme is not None and scheme != "file":
+        return path
+    local = local_path(p)
+    return path if local == p and os.path.isabs(p) else os.path.abspath(local)
+
+
 def join(url: str, name: str) -> str:
     """``url/name`` (one slash between)."""
     return url.rstrip("/") + "/" + name

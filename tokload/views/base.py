@@ -14,6 +14,7 @@ from tokload._io import FileSet
 from tokload.errors import MissingShardError
 from tokload.format import MANIFEST
 from tokload.location import Location
+from tokload.remote.urls import absolute_local
 from tokload.source import Source, open_dataset, open_dataset_at, refuse_changed, reopenable
 
 DataLike = str | os.PathLike[str] | Source
@@ -111,6 +112,12 @@ class View:
 
     def __init__(self, data: DataLike, storage_options: Mapping[str, Any] | None = None) -> None:
         self.source = open_source(data, storage_options)
+        args, kwargs = self._made_with
+        # pickled, the view opens its data again, maybe in another directory
+        if args and args[0] is data:
+            self._made_with = ((absolute_local(data), *args[1:]), kwargs)
+        elif kwargs.get("data") is data:
+            self._made_with = (args, {**kwargs, "data": absolute_local(data)})
         self._lo = 0
         self._hi = -1  # set by subclasses once _total is known
 
