@@ -218,6 +218,13 @@ def test_writer_rejects_bad_spans_and_modes(tmp_path: Path) -> None:
         Writer(tmp_path / "pad", padded)
     with pytest.raises(FormatError, match=r"differs from"):
         tokload.merge(tmp_path / "mm", [tmp_path / "m", tmp_path / "p"])
+    with pytest.raises(FileExistsError, match=r"a dataset already exists here: '.*/m'$"):
+        tokload.merge(tmp_path / "m", [tmp_path / "p"])
+    with pytest.raises(FileExistsError, match=r"a dataset already exists here: '.*/p'$"):
+        tokload.convert(tmp_path / "m", tmp_path / "p", "blocks")
+    with pytest.raises(ValueError, match=r"merge needs at least one input dataset"):
+        tokload.merge(tmp_path / "none", [])
+    assert not (tmp_path / "none").exists()  # refused before anything is made
 
 
 def test_bad_megatron_files(tmp_path: Path) -> None:

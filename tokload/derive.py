@@ -29,6 +29,16 @@ from tokload.format import (
 from tokload.writer import OpenShard, checked_block
 
 
+def _new_dataset_dir(output: str | os.PathLike[str]) -> Path:
+    """The directory a new dataset is written to (made if missing): FileExistsError
+    if it already holds one (a manifest), before anything is written there."""
+    out = Path(output)
+    if (out / MANIFEST).exists():
+        raise FileExistsError(17, "a dataset already exists here", str(out))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def merge(output: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str]]) -> Manifest:
     """Join datasets into one by writing a manifest only; no data is copied.
 
@@ -39,12 +49,9 @@ def merge(output: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str
 
     Returns the merged manifest.
     """
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / MANIFEST).exists():
-        raise FileExistsError(17, "a dataset already exists here", str(out))
     if not inputs:
         raise ValueError("merge needs at least one input dataset")
+    out = _new_dataset_dir(output)
     manifests = [(Path(p), read_manifest(p)) for p in inputs]
     first = manifests[0][1]
     merged = Manifest(
@@ -133,9 +140,7 @@ def convert(
             else [(n, old.fields[n][0].str) for n in old.names or ()]
         )
         new = np.dtype([*fields, (METADATA_FIELD, "<u4")])
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / MANIFEST).exists():
-        raise FileExistsError(17, "a dataset already exists here", str(out))
+    out = _new_dataset_dir(out)
     target = Manifest(
         dtype=new,
         documents=m.documents,
