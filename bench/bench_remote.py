@@ -173,6 +173,7 @@ def _plain_loop(url: str, inflight: int, seconds: float) -> dict[str, float]:
     return {
         "gets_per_s": done / elapsed,
         "cpu_us_per_get": 1e6 * cpu / max(done, 1),
+        "bytes_per_get": nbytes,
         **gcs.row(),
     }
 
@@ -198,7 +199,7 @@ def _tokload_measured(view: Any, seconds: float, waits: bool, **kw: Any) -> dict
         it = iter(loader)
         next(it)
         t_first = time.perf_counter()
-        gets0, cpu0 = remote.counters()["gets"], time.process_time()
+        c0, cpu0 = remote.counters(), time.process_time()
         n = tokens = 0
         half: tuple[float, int] | None = None
         while time.perf_counter() - t_first < seconds:
@@ -209,7 +210,8 @@ def _tokload_measured(view: Any, seconds: float, waits: bool, **kw: Any) -> dict
             if half is None and time.perf_counter() - t_first >= seconds / 2:
                 half = (time.perf_counter(), remote.counters()["gets"])
         elapsed = time.perf_counter() - t_first
-        gets = remote.counters()["gets"] - gets0
+        c1 = remote.counters()
+        gets = c1["gets"] - c0["gets"]
         assert half is not None
         got = {
             "open_to_first_batch_s": t_first - t0,
@@ -217,6 +219,7 @@ def _tokload_measured(view: Any, seconds: float, waits: bool, **kw: Any) -> dict
             "gets_per_s_second_half": (remote.counters()["gets"] - half[1])
             / (time.perf_counter() - half[0]),
             "cpu_us_per_get": 1e6 * (time.process_time() - cpu0) / max(gets, 1),
+            "bytes_per_get": (c1["bytes"] - c0["bytes"]) / max(gets, 1),
             "tokens_per_s": tokens / elapsed,
         }
         if waits:

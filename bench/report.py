@@ -363,6 +363,11 @@ def _full_gcs(r: Row) -> str:
     return "none" if not n else f"{n:.0f} ({num(r['full_gc_ms'])} ms)"
 
 
+def _kilobytes(n: Any) -> str:
+    """Bytes per GET as kB (bench_remote); a dash where the run did not count them."""
+    return DASH if n is None else f"{num(float(n) / 1e3)} kB"
+
+
 def remote_tables(rows: list[Row]) -> str:
     """bench_remote: per latency, the plain client loop's best and each loader against it."""
     parts = []
@@ -378,6 +383,7 @@ def remote_tables(rows: list[Row]) -> str:
         for r in sorted(plain, key=lambda m: -float(m["gets_per_s"])):
             body.append(
                 [cell(r["label"]), num(r["gets_per_s"]), DASH, num(r["cpu_us_per_get"])]
+                + [_kilobytes(r.get("bytes_per_get"))]
                 + [DASH] * 4
                 + [_full_gcs(r)]
             )
@@ -392,6 +398,7 @@ def remote_tables(rows: list[Row]) -> str:
                     num(gets) if gets is not None else DASH,
                     ratio(gets, best["gets_per_s"]) if best and gets else DASH,
                     num(r["cpu_us_per_get"]) if "cpu_us_per_get" in r else DASH,
+                    _kilobytes(r.get("bytes_per_get")),
                     mega(rate, " tokens/s") if rate is not None else cell(r.get("error")),
                     seconds(r.get("open_to_first_batch_s", r.get("first_batch_s"))),
                     DASH if r.get("wait_p999_ms") is None else f"{num(r['wait_p999_ms'])} ms",
@@ -407,6 +414,7 @@ def remote_tables(rows: list[Row]) -> str:
                     "GETs/s",
                     "of the plain loop's best",
                     "client CPU per GET (µs)",
+                    "bytes per GET",
                     "tokens/s",
                     "open to first batch",
                     "next() p99.9 (prefetch full)",
@@ -847,10 +855,12 @@ BENCHMARKS = [
         "1,024 GETs in flight (the client as plainly as it is written) against tokload's "
         "DataLoader with its defaults, tuned (4 threads, `io_depth` 256) and with its "
         "defaults after `gc.freeze()` (the object-storage guide's advice): GETs/s, the "
-        "client's CPU per GET, tokens/s, open to first batch, the trainer's `next()` wait "
+        "client's CPU per GET, the bytes per GET, tokens/s, open to first batch, the "
+        "trainer's `next()` wait "
         "once the prefetch is full (at 20 ms, consuming at 80% of the rate), the bytes "
-        "written to local disk; at 100 ms, `Documents` against the token stream in real "
-        "tokens/s. The reference is the plain loop's best, measured again after tokload's "
+        "written to local disk; at 100 ms, `Documents` with its defaults (its storage "
+        "options too) against the token stream in real tokens/s. The reference is the plain "
+        "loop's best, measured again after tokload's "
         "defaults and the two averaged (this VM's speed drifts by a fifth from one minute to "
         "the next); the goals take tokload's GETs/s over the whole measurement (from the "
         "first batch, while the limit on GETs in flight settles) and over its second half. "
@@ -859,8 +869,10 @@ BENCHMARKS = [
         "0.6 s, and the garbage one measurement left was otherwise collected, by chance, in "
         "another; the full collections that run within a measurement are in its row. "
         "`Documents` reads documents of about 1,000 tokens on average (a median of 600), a "
-        "GET each, against windows of 4,097 tokens: at the same GETs/s its real tokens/s are "
-        "about a quarter of the token stream's, which bounds that goal. S3 serves about "
+        "GET each (two of a task's documents less than `merge_gap`, 64 KiB, apart in the "
+        "corpus's one object of 762 MiB are rare), against windows of 4,097 tokens: at the "
+        "same GETs/s its real tokens/s are about a quarter of the token stream's, which "
+        "bounds that goal. S3 serves about "
         "5,500 GETs/s per prefix. With "
         "`TOKLOAD_BENCH_REMOTE_PEERS=1`, MosaicML streaming and litdata read the same corpus "
         "in their own formats from moto (which they upload to) at 20 ms.",

@@ -337,6 +337,29 @@ def test_nearby_ranges_are_merged_into_one_get() -> None:
     assert sorted(gets.requests(gets.starts.index(1000))) == [0, 3]
 
 
+def test_by_default_ranges_merge_when_close_not_across_a_shuffles_gaps() -> None:
+    """The default ``merge_gap`` (64 KiB): windows that touch or lie a few kB apart
+    are one GET; windows 100 kB apart (a shuffle's neighbours in a large object) are
+    a GET each, not one GET of the bytes between them."""
+
+    class FakeStore:
+        settings = remote.Settings()
+
+        def url(self, key: str) -> str:
+            return "s3://b/" + key
+
+    a = remote.RemoteObject(FakeStore(), "a", 10**9, None)  # type: ignore[arg-type]
+    window = 16_388
+    offs = [0, window, 3 * window, 3 * window + 100_000, 10**8]
+    gets = fetch.plan([a] * 5, offs, [window] * 5)
+    got = sorted((s, e, sorted(r)) for _, s, e, r in gets)
+    assert got == [
+        (0, 4 * window, [0, 1, 2]),  # touching, and a gap of one window: merged
+        (3 * window + 100_000, 4 * window + 100_000, [3]),
+        (10**8, 10**8 + window, [4]),
+    ]
+
+
 @pytest.mark.parametrize("kind", ["503", "429", "500", "drop", "truncate", "short"])
 def test_transient_faults_are_retried(s3: LocalS3, corpus: tuple[Path, str], kind: str) -> None:
     local, url = corpus

@@ -27,7 +27,7 @@ class Settings:
     retry_seconds: float = 120.0
     timeout: float = 30.0
     connect_timeout: float = 5.0
-    merge_gap: int = 1 << 20
+    merge_gap: int = 1 << 16
     backoff: float = 0.1
     max_backoff: float = 10.0
 
