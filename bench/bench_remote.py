@@ -27,8 +27,8 @@ tokens, log-normal documents of median 600 tokens) in tokload's format, with 0,
   a full collection of the process's heap holds the GIL while the client's answers
   pile up on threads that wait for it);
 - at 100 ms, ``Documents(url)`` through the ``DataLoader`` with its defaults (its
-  storage options too: a task's documents that lie within ``merge_gap``, 1 MiB, of
-  each other in one object are read with one GET): real tokens/s against the token
+  storage options too: a task's documents that lie within ``merge_gap``, 64 KiB,
+  of each other in one object are read with one GET): real tokens/s against the token
   stream's.
 
 Every measurement starts with a full collection (``gc.collect()``, as ``timeit`` and
