@@ -31,26 +31,10 @@ class DocIndex(ExtentIndex):
         self, files: FileSet, docs: npt.ArrayLike, rows: RowSet, in_memory: bool = False
     ) -> None: ...
 
-# Attention metadata of observations `indices` of a view of `count` windows
-# (observation i at row (first + i) * stride), as read_windows checks them: the
-# position/segment/loss-mask arrays [B, window] that per_token names (made with
-# alloc), cu_seqlens
-# (int32) and max_seqlen.
-def window_boundaries(
-    index: ExtentIndex,
-    indices: npt.ArrayLike,
-    first: int,
-    count: int,
-    stride: int,
-    window: int,
-    total_rows: int,
-    alloc: Callable[[tuple[int, ...], Any], np.ndarray[Any, Any]],
-    per_token: Sequence[str] = ("position_ids", "segment_ids", "loss_mask"),
-) -> tuple[dict[str, np.ndarray[Any, Any]], npt.NDArray[np.int32], int]: ...
-
-# Where documents start inside those windows: (starts, ncuts, cuts), uint64:
-# each window's first row, the documents starting inside it after that row, and
-# their first rows, window after window.
+# Where documents start inside windows `indices` of a view of `count` windows
+# (observation i at row (first + i) * stride), as read_windows checks them:
+# (starts, ncuts, cuts), uint64: each window's first row, the documents starting
+# inside it after that row, and their first rows, window after window.
 def window_cuts(
     index: ExtentIndex,
     indices: npt.ArrayLike,
@@ -61,8 +45,10 @@ def window_cuts(
     total_rows: int,
 ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint64]]: ...
 
-# window_boundaries' result from window_cuts' (of one source, or gathered row by
-# row from several: a Blend's).
+# The attention metadata from window_cuts' result (of one source, or gathered row
+# by row from several: a Blend's): the position/segment/loss-mask arrays
+# [B, window] that per_token names (made with alloc), cu_seqlens (int32) and
+# max_seqlen.
 def boundary_arrays(
     starts: npt.ArrayLike,
     window: int,

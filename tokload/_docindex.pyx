@@ -1,7 +1,7 @@
 """The document index: each document's first row and length, and what is built
 from it per batch without the GIL: documents read back to back or padded
 (``read_documents``) and the document boundaries inside token windows
-(``window_boundaries``: ``csrc/tokload/bounds.h``)."""
+(``window_cuts``, then ``boundary_arrays``: ``csrc/tokload/bounds.h``)."""
 
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
@@ -138,7 +138,7 @@ cdef class DocIndex(ExtentIndex):
         self._doc_cum = cum
         self._row_cum = np.array(rows.cum)
         self.total = cum[len(counts)]
-        # each table with its directory, to find a window's documents (window_boundaries)
+        # each table with its directory, to find a window's documents (window_cuts)
         self.tables = ShardTables(RowSet(files, counts + np.uint64(1), 8), in_memory,
                                   directory=np.diff(self._row_cum))
 
@@ -201,29 +201,12 @@ cdef const uint64_t[::1] _checked_ids(ids, uint64_t total, str what) except *:
 
 
 
-def window_boundaries(ExtentIndex index not None, indices, uint64_t first, uint64_t count,
-                      uint64_t stride, uint64_t window, uint64_t total_rows, alloc,
-                      per_token=("position_ids", "segment_ids", "loss_mask")):
-    """The attention metadata of observations ``indices`` of a view of ``count``
-    windows of ``window`` rows, observation ``i`` starting at row
-    ``(first + i) * stride`` (checked as ``RowSet.read_windows`` checks them):
-    ``boundary_arrays`` of their ``window_cuts``.
-
-    Returns ``(arrays, cu_seqlens, max_seqlen)``: ``arrays`` holds those of
-    ``"position_ids"`` (int64), ``"segment_ids"`` (int32) and ``"loss_mask"``
-    (bool) that ``per_token`` names, each ``[B, window]`` and allocated with
-    ``alloc`` (the others are not computed); ``cu_seqlens`` is int32 over the
-    flattened batch. Document 0 must start at row 0 and the index be sorted by
-    row (checked where a window sees it).
-    """
-    starts, ncuts, cuts = window_cuts(index, indices, first, count, stride, window, total_rows)
-    return boundary_arrays(starts, window, ncuts, cuts, alloc, per_token)
-
-
 def window_cuts(ExtentIndex index not None, indices, uint64_t first, uint64_t count,
                 uint64_t stride, uint64_t window, uint64_t total_rows):
-    """Where documents start inside the windows of observations ``indices`` (as
-    ``window_boundaries`` takes them): ``(starts, ncuts, cuts)``, uint64 arrays:
+    """Where documents start inside the windows of observations ``indices`` of a
+    view of ``count`` windows of ``window`` rows, observation ``i`` starting at row
+    ``(first + i) * stride`` (checked as ``RowSet.read_windows`` checks them; document
+    0 must start at row 0): ``(starts, ncuts, cuts)``, uint64 arrays:
     each window's first row, how many documents start inside it after that row,
     and those documents' first rows, window after window.
 
@@ -371,12 +354,18 @@ cdef int _load_tables(DocIndex index, const uint64_t[::1] r, uint64_t window) ex
 
 def boundary_arrays(starts, uint64_t window, ncuts, cuts, alloc,
                     per_token=("position_ids", "segment_ids", "loss_mask")):
-    """The arrays of ``window_boundaries`` from each window's cuts (``window_cuts``),
-    computed in C without the GIL: windows of ``window`` rows starting at rows
-    ``starts``, window ``i`` with ``ncuts[i]`` documents starting inside it after
-    its first row, at the next ``ncuts[i]`` rows of ``cuts`` (uint64 arrays).
-    ``CorruptDataError`` where a window's cuts are not increasing rows inside it
-    (an index not sorted by row)."""
+    """The attention metadata of windows from their cuts (``window_cuts``, of one
+    source, or gathered row by row from several: a ``Blend``'s), computed in C
+    without the GIL: windows of ``window`` rows starting at rows ``starts``,
+    window ``i`` with ``ncuts[i]`` documents starting inside it after its first
+    row, at the next ``ncuts[i]`` rows of ``cuts`` (uint64 arrays).
+
+    Returns ``(arrays, cu_seqlens, max_seqlen)``: ``arrays`` holds those of
+    ``"position_ids"`` (int64), ``"segment_ids"`` (int32) and ``"loss_mask"``
+    (bool) that ``per_token`` names, each ``[B, window]`` and allocated with
+    ``alloc`` (the others are not computed); ``cu_seqlens`` is int32 over the
+    flattened batch. ``CorruptDataError`` where a window's cuts are not
+    increasing rows inside it (an index not sorted by row)."""
     cdef const uint64_t[::1] r = np.ascontiguousarray(starts, dtype=np.uint64)
     cdef const uint64_t[::1] nv = np.ascontiguousarray(ncuts, dtype=np.uint64)
     cuts = np.ascontiguousarray(cuts, dtype=np.uint64)

@@ -272,7 +272,7 @@ def row_boundaries(lengths, counts, uint64_t window, alloc,
 
     Row ``k`` holds ``counts[k]`` documents, of ``lengths`` (all rows' back to
     back), then padding. Returns ``(arrays, cu_seqlens, max_seqlen)`` as
-    ``window_boundaries`` does: ``arrays`` holds those of ``"position_ids"``
+    ``tokload._docindex.boundary_arrays`` does: ``arrays`` holds those of ``"position_ids"``
     (int64), ``"segment_ids"`` (int32) and ``"loss_mask"`` (bool) that
     ``per_token`` names, each ``[rows, window]`` and made with ``alloc``; the
     padding is each row's last segment, with ``loss_mask`` False throughout.
