@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -123,15 +124,19 @@ def test_global_batches_do_not_depend_on_the_number_of_ranks(
 
 
 def test_device_mesh_data_parallel_dimension(corpus: Path) -> None:
-    class FakeMesh:  # the two DeviceMesh methods the loader uses
+    class FakeMesh:  # what the loader uses of a DeviceMesh (size takes an index only)
+        mesh_dim_names = ("dp", "tp")
+        ndim = 2
+
         def __init__(self, ranks: dict[str, int], sizes: dict[str, int]) -> None:
             self.ranks, self.sizes = ranks, sizes
 
-        def get_local_rank(self, dim: str) -> int:
-            return self.ranks[dim]
+        def get_local_rank(self, dim: int) -> int:
+            return self.ranks[self.mesh_dim_names[dim]]
 
-        def size(self, dim: str) -> int:
-            return self.sizes[dim]
+        def size(self, dim: int) -> int:
+            assert isinstance(dim, int)
+            return self.sizes[self.mesh_dim_names[dim]]
 
     view = TokenStream(corpus, window=9)
     a = DataLoader(
@@ -144,6 +149,35 @@ def test_device_mesh_data_parallel_dimension(corpus: Path) -> None:
     assert torch.equal(next(iter(a))["tokens"], next(iter(b))["tokens"])
     with pytest.raises(ValueError, match="either a DeviceMesh or rank/world_size"):
         DataLoader(view, 4, mesh=FakeMesh({"dp": 0}, {"dp": 1}), rank=0, world_size=1)
+    with pytest.raises(ValueError, match=r"mesh_dim='pp' is not a dimension of the DeviceMesh: "
+                       r"its dimensions are named \['dp', 'tp'\]"):  # fmt: skip
+        DataLoader(view, 4, mesh=FakeMesh({"dp": 1}, {"dp": 2}), mesh_dim="pp")
+    with pytest.raises(ValueError, match="mesh_dim=2 is not a dimension of a 2-D DeviceMesh"):
+        DataLoader(view, 4, mesh=FakeMesh({"dp": 1}, {"dp": 2}), mesh_dim=2)
+    c = DataLoader(view, 4, mesh=FakeMesh({"dp": 1, "tp": 3}, {"dp": 2, "tp": 4}), mesh_dim=-1)
+    assert (c.rank, c.world_size) == (3, 4)
+
+
+def test_real_device_mesh_by_name(corpus: Path) -> None:
+    """torch's own DeviceMesh (its ``size`` takes an index only), one gloo process."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        for dim in ("dp", "tp", 1):
+            ld = DataLoader(TokenStream(corpus, window=9), 4, mesh=mesh, mesh_dim=dim)
+            assert (ld.rank, ld.world_size) == (0, 1)
+        with pytest.raises(ValueError, match="mesh_dim='pp' is not a dimension"):
+            DataLoader(TokenStream(corpus, window=9), 4, mesh=mesh, mesh_dim="pp")
+    finally:
+        dist.destroy_process_group()
 
 
 def test_rank_defaults_to_torch_distributed(corpus: Path) -> None:
@@ -484,8 +518,14 @@ def test_bad_arguments(corpus: Path) -> None:
         DataLoader([1, 2], 4)
     with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0"):
         DataLoader(view, 0)
-    with pytest.raises(ValueError, match="epochs must be >= 1 or None, got 0"):
+    with pytest.raises(ValueError, match="epochs must be an integer >= 1 or None, got 0"):
         DataLoader(view, 2, epochs=0)
+    with pytest.raises(ValueError, match=r"epochs must be an integer >= 1 or None, got 1\.5"):
+        DataLoader(view, 2, epochs=1.5)  # type: ignore[arg-type]
+    two: Any = np.int64(2)
+    assert len(DataLoader(view, 2, epochs=two, num_threads=0)) == len(
+        DataLoader(view, 2, epochs=2, num_threads=0)
+    )
     with pytest.raises(ValueError, match="drop_last with a global batch of 8000"):
         DataLoader(view, 1000, rank=0, world_size=8, drop_last=True)
     with pytest.raises(ValueError, match="the view is empty"):

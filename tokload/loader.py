@@ -21,6 +21,7 @@ task builds, how many tasks ahead and on how many threads is ``tokload.tasks``'s
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import threading
 import time
@@ -57,7 +58,7 @@ def _resolve_rank(
     if mesh is not None:
         if rank is not None or world_size is not None:
             raise ValueError("give either a DeviceMesh or rank/world_size, not both")
-        dim = 0 if mesh_dim is None else mesh_dim
+        dim = _mesh_index(mesh, 0 if mesh_dim is None else mesh_dim)
         return int(mesh.get_local_rank(dim)), int(mesh.size(dim))
     if rank is None and world_size is None:
         try:
@@ -72,6 +73,21 @@ def _resolve_rank(
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     return rank, world_size
+
+
+def _mesh_index(mesh: Any, dim: str | int) -> int:
+    """The index of ``mesh``'s dimension ``dim`` (a name of ``mesh.mesh_dim_names``, or
+    an index): ``DeviceMesh.size`` takes an index only."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    ndim = int(getattr(mesh, "ndim", len(names) or 1))
+    if isinstance(dim, str):
+        if dim not in names:
+            have = f"its dimensions are named {list(names)}" if names else "it has no names"
+            raise ValueError(f"mesh_dim={dim!r} is not a dimension of the DeviceMesh: {have}")
+        return names.index(dim)
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
+        raise ValueError(f"mesh_dim={dim!r} is not a dimension of a {ndim}-D DeviceMesh")
+    return dim % ndim
 
 
 class DataLoader:
@@ -197,8 +213,10 @@ class DataLoader:
             num_threads = min(4, max(1, (os.cpu_count() or 2) // 2))
         if num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {num_threads}")
-        if epochs is not None and (isinstance(epochs, bool) or epochs < 1):
-            raise ValueError(f"epochs must be >= 1 or None, got {epochs}")
+        if epochs is not None and (
+            isinstance(epochs, bool) or not isinstance(epochs, numbers.Integral) or epochs < 1
+        ):
+            raise ValueError(f"epochs must be an integer >= 1 or None, got {epochs!r}")
         self.read = read
         # this loader's reads only: its reader threads read in this scope
         self._io = read.scope()
@@ -213,6 +231,7 @@ class DataLoader:
                 f"least that many samples, the view has {n}"
             )
         self.seed, self.shuffle, self.rounds = int(seed), bool(shuffle), int(rounds)
+        epochs = None if epochs is None else int(epochs)
         self.epochs, self.drop_last = epochs, bool(drop_last)
         self.total = None if epochs is None else epochs * n
         self.prefetch = read.prefetch
