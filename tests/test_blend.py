@@ -254,7 +254,9 @@ def test_through_the_dataloader_resume_and_rescale(views: list[TokenStream]) -> 
     ("kwargs", "exc", "match"),
     [
         ({"components": []}, ValueError, "at least one component"),
-        ({"weights": [1, -1]}, ValueError, r"stage 0: weights must be non-negative"),
+        ({"weights": [1, -1]}, ValueError, r"stage 0: weights must be finite and non-negative"),
+        ({"weights": [float("inf"), 1]}, ValueError, r"weights must be finite and non-negative"),
+        ({"weights": [float("nan"), 1]}, ValueError, r"weights must be finite and non-negative"),
         ({"weights": [0, 0]}, ValueError, r"stage 0: all weights are zero"),
         ({"schedule": [(200, [1, 1]), (100, [1, 2])]}, ValueError, r"out of order: stage 2"),
         ({"schedule": [(150, [1, 1])]}, ValueError, r"starts at position 150, not a multiple"),
@@ -653,6 +655,13 @@ def test_a_blend_of_documents_finds_extents_in_one_call(tmp_path: Path) -> None:
     for row, n, c, i in zip(fast["tokens"], fast["lengths"], comp, index, strict=True):
         d = i + (7 if c == 1 else 0)  # the subset's first document
         assert row[:n].tolist() == (c * 1000 + d * 10 + np.arange(n) % 10).tolist()
+    # one document, as Documents[i] gives it; read() is for windows, and says so
+    for p in (0, 17, -1):
+        c, i = (int(a[0]) for a in blend.locate([p % 300]))
+        np.testing.assert_array_equal(blend[p], views[c][i])
+    with pytest.raises(TypeError, match=r"read\(\) reads a blend of windows; a blend of "
+                       r"documents is read with blend\[i\] or read_batch"):  # fmt: skip
+        blend.read([0])
 
 
 def test_extents_many_refuses_what_is_not_a_document(tmp_path: Path) -> None:

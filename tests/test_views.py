@@ -233,8 +233,9 @@ def test_subset_and_split(tmp_path: Path) -> None:
     part = stream.subset(7, 9)
     np.testing.assert_array_equal(part[1], c.stream[400:450])
     assert part.fingerprint != stream.fingerprint
-    with pytest.raises(ValueError, match="split weights"):
-        tokload.split(docs, "0,0")
+    for bad in ("0,0", "1,inf", "nan,1", [1, -1]):
+        with pytest.raises(ValueError, match="split weights must be finite and non-negative"):
+            tokload.split(docs, bad)
 
 
 # ---- stream with metadata --------------------------------------------------------------------

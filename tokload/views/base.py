@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Self, TypeVar
@@ -223,8 +224,10 @@ def split(view: V, weights: str | Sequence[float]) -> list[V]:
     cumulative weights. The parts cover the view exactly.
     """
     w = [float(x) for x in weights.split(",")] if isinstance(weights, str) else list(weights)
-    if not w or any(x < 0 for x in w) or sum(w) <= 0:
-        raise ValueError(f"split weights must be non-negative with a positive sum, got {weights!r}")
+    if not w or not all(0 <= x < math.inf for x in w) or sum(w) <= 0:  # NaN fails too
+        raise ValueError(
+            f"split weights must be finite and non-negative with a positive sum, got {weights!r}"
+        )
     n = len(view)
     total = sum(w)
     bounds = [0]

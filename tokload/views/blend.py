@@ -43,6 +43,7 @@ block share one merge); nothing grows with the number of positions.
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -180,8 +181,10 @@ class Blend(WindowBoundaries, View):
         for i, (pos, weights) in enumerate(stages):
             if len(weights) != k:
                 raise ValueError(f"stage {i} gives {len(weights)} weights for {k} components")
-            if any(w < 0 or w != w for w in weights):
-                raise ValueError(f"stage {i}: weights must be non-negative, got {weights}")
+            if not all(0 <= w < math.inf for w in weights):  # NaN fails too
+                raise ValueError(
+                    f"stage {i}: weights must be finite and non-negative, got {weights}"
+                )
             if sum(weights) <= 0:
                 raise ValueError(f"stage {i}: all weights are zero")
             if pos % self.block_size:
@@ -453,7 +456,10 @@ class Blend(WindowBoundaries, View):
                 raise TypeError("a blend of streams with metadata reads into arrays of its own")
             return self._records([indices], np.empty)[0]
         if not isinstance(mix, WindowMix):
-            raise TypeError("read() is a blend of windows'; batch documents with a policy")
+            raise TypeError(
+                "read() reads a blend of windows; a blend of documents is read with "
+                "blend[i] or read_batch, or batched by the DataLoader (Pad, Pack or Fill)"
+            )
         comp, index = self.locate(indices)
         b = len(comp)
         if out is None:
@@ -518,6 +524,11 @@ class Blend(WindowBoundaries, View):
         read_ranges(parts)
 
     def __getitem__(self, i: int) -> Any:
+        if isinstance(self._mix, DocumentMix):  # the document's rows, as Documents[i]
+            got = self.read_batch(self._index(i), np.empty)
+            n = int(got.pop("lengths")[0])
+            rows = {k: v[0, :n] for k, v in got.items()}
+            return rows["tokens"] if list(rows) == ["tokens"] else rows
         got = self.read(self._index(i))
         if isinstance(got, MetadataBatch):
             return MetadataBatch(
