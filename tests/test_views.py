@@ -377,6 +377,41 @@ def test_flat_files_npy_and_bin(tmp_path: Path) -> None:
         tokload.open_flat(tmp_path / "a.bin")
 
 
+def test_flat_files_refuse_an_eos_or_index_that_does_not_fit(tmp_path: Path) -> None:
+    """An eos no row can hold would make the file one document; an index that does
+    not run from row 0 to the file's last would leave rows in no document."""
+    np.array([5, 6, 0, 7, 8, 0, 9, 4], dtype=np.uint16).tofile(tmp_path / "a.bin")
+    before = set(tmp_path.iterdir())
+    for eos in (65536, -1):
+        with pytest.raises(ValueError, match=rf"a\.bin: eos={eos} is not a token of its dtype "
+                           r"uint16 \(0 to 65535\)"):  # fmt: skip
+            tokload.open_flat(tmp_path / "a.bin", np.uint16, eos=eos)
+    not_ints: list[Any] = ["0", 0.0, True]
+    for bad in not_ints:
+        with pytest.raises(ValueError, match="eos must be an integer token"):
+            tokload.open_flat(tmp_path / "a.bin", np.uint16, eos=bad)
+    assert set(tmp_path.iterdir()) == before  # no cache written for a refused eos
+    zero: Any = np.int64(0)
+    assert len(Documents(tokload.open_flat(tmp_path / "a.bin", np.uint16, eos=zero))) == 3
+    for offsets, got in (([0, 3, 7], "0 to 7"), ([1, 3, 8], "1 to 8"), ([0, 3, 9], "0 to 9")):
+        np.save(tmp_path / "i.npy", np.array(offsets, dtype=np.uint64))
+        with pytest.raises(
+            tokload.FormatError,
+            match=rf"i\.npy: a document index of .*a\.bin must run from row 0 to its 8 rows, "
+            rf"but it runs from {got}",
+        ):
+            tokload.open_flat(tmp_path / "a.bin", np.uint16, doc_index=tmp_path / "i.npy")
+    np.array([0, 3, 8], dtype="<u8").tofile(tmp_path / "i.docs")  # raw uint64
+    assert (
+        len(
+            Documents(
+                tokload.open_flat(tmp_path / "a.bin", np.uint16, doc_index=tmp_path / "i.docs")
+            )
+        )
+        == 2
+    )
+
+
 def test_headerless_npy_files_as_olmo_core_writes_them(tmp_path: Path) -> None:
     """OLMo-core and dolma name headerless token files ``.npy`` (np.memmap, no header)."""
     tokens = np.random.default_rng(2).integers(0, 2**32, 5000, dtype=np.uint32)

@@ -17,6 +17,7 @@ before it is opened.
 from __future__ import annotations
 
 import io
+import numbers
 import os
 import struct
 import tempfile
@@ -194,9 +195,10 @@ def open_flat(
             OLMo-core and dolma write them, with ``np.memmap``) is read as headerless
             when ``dtype`` is given.
         doc_index: per file, a ``.npy`` or raw little-endian ``uint64`` array of
-            ``documents + 1`` row offsets (0 first, the file's rows last); gives
-            the source documents.
-        eos: alternatively, the end-of-document token: document boundaries are
+            ``documents + 1`` row offsets (0 first, the file's rows last, else
+            FormatError); gives the source documents.
+        eos: alternatively, the end-of-document token (an integer the dtype
+            holds, else ValueError): document boundaries are
             found by one pass over each file the first time (vectorized, in
             chunks) and cached next to it as ``<file>.eos<token>.docs``, which
             later opens read without scanning. A document ends with its eos
@@ -243,6 +245,8 @@ def open_flat(
         layouts.append((dt, rows, base))
     dt0 = layouts[0][0]
     check_dtype(dt0, str(plist[0]))
+    if eos is not None:
+        _check_eos(eos, dt0, plist[0])
     for p, (dt, _, _) in zip(plist, layouts, strict=True):
         if dt != dt0:
             raise FormatError(f"{p}: dtype {dt} differs from {plist[0]}'s {dt0}")
@@ -256,7 +260,7 @@ def open_flat(
     try:
         if eos is not None:
             doc_index = [
-                _eos_index(Path(p), r, b, dt0, eos, private)
+                _eos_index(Path(p), r, b, dt0, int(eos), private)
                 for p, (_, r, b) in zip(plist, layouts, strict=True)
             ]
         if doc_index is not None:
@@ -279,6 +283,7 @@ def open_flat(
                     entries, ibase = size // 8, 0
                 if entries < 1:
                     raise FormatError(f"{ip}: a document index needs at least one entry")
+                _check_index_ends(loc, ip, ibase, entries, plist[k], layouts[k][1])
                 doc_counts[k] = entries - 1
                 bases.append(ibase)
                 samples[k] += ":" + loc.sample_digest(ip, "document index")
@@ -308,6 +313,36 @@ def open_flat(
         src._closers.append(_Unlink(tmp))
         weakref.finalize(src, tmp.unlink, missing_ok=True)
     return src
+
+
+def _check_eos(eos: Any, dtype: np.dtype[Any], path: str) -> None:
+    """ValueError unless ``eos`` is a token that rows of ``dtype`` can hold (any other
+    value matches no row: the whole file would be one document)."""
+    if dtype.fields is not None:
+        raise ValueError(f"{path}: eos= needs plain token rows, not the structured dtype {dtype}")
+    if isinstance(eos, bool) or not isinstance(eos, numbers.Integral):
+        raise ValueError(f"eos must be an integer token, got {eos!r}")
+    info = np.iinfo(dtype)
+    if not info.min <= int(eos) <= info.max:
+        raise ValueError(
+            f"{path}: eos={int(eos)} is not a token of its dtype {dtype} ({info.min} to {info.max})"
+        )
+
+
+def _check_index_ends(
+    loc: Location, index: str, base: int, entries: int, tokens: str, rows: int
+) -> None:
+    """FormatError unless the document index ``index`` (``entries`` uint64 from byte
+    ``base``) starts at row 0 and ends at ``rows``, the token file's: a document
+    index covers its file (the rows between would be in no document)."""
+    first = int(np.frombuffer(loc.read(index, "document index", base, base + 8), "<u8")[0])
+    at = base + 8 * (entries - 1)
+    last = int(np.frombuffer(loc.read(index, "document index", at, at + 8), "<u8")[0])
+    if first != 0 or last != rows:
+        raise FormatError(
+            f"{index}: a document index of {tokens} must run from row 0 to its {rows} rows, "
+            f"but it runs from {first} to {last}"
+        )
 
 
 class _Unlink:
