@@ -480,3 +480,30 @@ def test_plan_spreads_the_gets_over_the_prefixes_that_hold_the_rows(
         ["plan", str(dataset), "--world-size", "2", "--tokens-per-s", "5", "--json"], capsys
     )
     assert json.loads(out)["prefixes_needed"] == 1
+
+
+def test_plan_and_inspect_say_what_the_data_cannot_give(
+    dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Arguments the data cannot answer are the user's mistake (exit 2, one line), not
+    a bug of tokload's; a document past the last is not another one wrapped around."""
+    np.save(tmp_path / "flat.npy", np.arange(50, dtype=np.uint16))
+    code, _, err = cli(
+        ["plan", str(tmp_path / "flat.npy"), "--world-size", "2", "--tokens-per-s", "5",
+         "--documents"],
+        capsys,
+    )  # fmt: skip
+    assert code == 2
+    assert one_line(err) == (
+        f"tokload plan: error: {tmp_path / 'flat.npy'}: has no document boundaries to read "
+        "documents by: plan it as windows (without --documents; window=N in Python)"
+    )
+    n = len(tokload.Documents(dataset))
+    code, out, _ = cli(["inspect", str(dataset), "--sample", str(n - 1)], capsys)
+    assert code == 0 and f"document {n - 1}: " in out
+    code, out, err = cli(["inspect", str(dataset), "--sample", str(n)], capsys)
+    assert code == 2 and out == ""
+    assert one_line(err) == (
+        f"tokload inspect: error: {dataset}: there is no document {n}: the dataset has {n:,} "
+        f"(0 to {n - 1:,})"
+    )

@@ -98,4 +98,4 @@ class BuildError(TokloadError, ValueError):
 
 
 class UsageError(TokloadError, ValueError):
-    """The arguments of a build are wrong (``tokload build`` exits with 2)."""
+    """The arguments of a command are wrong (the ``tokload`` command exits with 2)."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from tokload.errors import TokloadError
+from tokload.errors import TokloadError, UsageError
 from tokload.format import METADATA_FIELD
 from tokload.location import Location
 from tokload.source import open_dataset
@@ -23,6 +23,12 @@ def inspect(path: str | os.PathLike[str], sample: int | None = 0, tokens: int = 
     src = open_dataset(path)
     m = src.manifest
     assert m is not None
+    if sample is not None and m.num_documents and not 0 <= sample < m.num_documents:
+        src.close()
+        raise UsageError(
+            f"{path}: there is no document {sample}: the dataset has {m.num_documents:,} "
+            f"(0 to {m.num_documents - 1:,})"
+        )
     lines = [
         f"dataset     {path}",
         f"dtype       {m.dtype}",
@@ -45,11 +51,9 @@ def inspect(path: str | os.PathLike[str], sample: int | None = 0, tokens: int = 
         from tokload.views import Documents
 
         docs = Documents(src)
-        d = docs[sample % len(docs)]
+        d = docs[sample]
         toks = d["token"] if isinstance(d, dict) else d
-        lines.append(
-            f"document {sample % len(docs)}: {len(toks)} rows; first {min(tokens, len(toks))}:"
-        )
+        lines.append(f"document {sample}: {len(toks)} rows; first {min(tokens, len(toks))}:")
         lines.append("  ids     " + " ".join(map(str, toks[:tokens].tolist())))
         root = None if Location(path).remote else path  # a tokenizer file is read locally
         tok = from_description(tok_desc, root=root) if isinstance(tok_desc, dict) else None
@@ -63,7 +67,7 @@ def inspect(path: str | os.PathLike[str], sample: int | None = 0, tokens: int = 
         if m.metadata:
             from tokload.views import StreamWithMetadata
 
-            starts, _ = docs.extents([sample % len(docs)])
+            starts, _ = docs.extents([sample])
             view = StreamWithMetadata(src, window=1, stride=1)
             first = view[int(starts[0])] if len(view) > int(starts[0]) else None
             if first is not None and first.metadata:
@@ -101,8 +105,8 @@ def plan(
     """
     from tokload.views.base import open_source
 
-    if world_size < 1 or tokens_per_s <= 0:
-        raise ValueError(
+    if world_size < 1 or not tokens_per_s > 0:
+        raise UsageError(
             f"world_size must be >= 1 and tokens_per_s > 0, got {world_size} and {tokens_per_s}"
         )
     src = open_source(os.fspath(path), storage_options)
@@ -112,10 +116,13 @@ def plan(
         rows = np.diff(cum)
         total = float(cum[-1])
         if total == 0:
-            raise ValueError(f"{path}: the dataset has no rows")
+            raise UsageError(f"{path}: the dataset has no rows: there is nothing to read")
         if window is None:
             if src.docs is None:
-                raise ValueError(f"{path}: no documents to read (give a window instead)")
+                raise UsageError(
+                    f"{path}: has no document boundaries to read documents by: plan it as "
+                    "windows (without --documents; window=N in Python)"
+                )
             per_sample = total / max(src.num_documents, 1)
             held = _index_in_memory(src.docs)
             gets_per_sample = 1.0 if held else 2.0
