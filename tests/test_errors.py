@@ -178,6 +178,12 @@ def test_indices_out_of_range(tmp_path: Path) -> None:
         stream.read([0], out=np.empty((2, 7), np.uint32))
     with pytest.raises(ValueError, match=r"window must be a positive integer, got 0"):
         TokenStream(ds, window=0)
+    with pytest.raises(ValueError, match=r"window must be a positive integer, got True"):
+        TokenStream(ds, window=True)
+    with pytest.raises(ValueError, match=r"stride must be a positive integer, got 2\.5"):
+        TokenStream(ds, window=7, stride=2.5)  # type: ignore[arg-type]
+    seven: Any = np.int64(7)
+    assert TokenStream(ds, window=seven, stride=5).fingerprint == stream.fingerprint
     with pytest.raises(FormatError, match="has no metadata"):
         StreamWithMetadata(ds, window=3)
     stream.close()

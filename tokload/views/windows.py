@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,13 +40,12 @@ class _Windows(View):
         stride: int | None,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(data, storage_options)
         stride = window if stride is None else stride
-        if not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive integer, got {window!r}")
-        if not isinstance(stride, int) or stride < 1:
-            raise ValueError(f"stride must be a positive integer, got {stride!r}")
-        self.window, self.stride = window, stride
+        for name, value in (("window", window), ("stride", stride)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        super().__init__(data, storage_options)
+        self.window, self.stride = int(window), int(stride)
         rows = self.source.num_rows
         self._total = 0 if rows < window else (rows - window) // stride + 1
         self._init_range()
