@@ -85,9 +85,9 @@ def _mesh_index(mesh: Any, dim: str | int) -> int:
             have = f"its dimensions are named {list(names)}" if names else "it has no names"
             raise ValueError(f"mesh_dim={dim!r} is not a dimension of the DeviceMesh: {have}")
         return names.index(dim)
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or not -ndim <= dim < ndim:
         raise ValueError(f"mesh_dim={dim!r} is not a dimension of a {ndim}-D DeviceMesh")
-    return dim % ndim
+    return int(dim) % ndim
 
 
 class DataLoader:
