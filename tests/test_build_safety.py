@@ -156,6 +156,23 @@ def test_a_dataset_written_by_the_writer_is_not_built_over(tmp_path: Path) -> No
     with pytest.raises(UsageError, match="holds no tokload build"):
         build([jsonl(tmp_path / "a.jsonl")], tmp_path / "ds")
     assert dataset_files(tmp_path / "ds") == before
+    # --force builds beside the user's files, never over the Writer's manifest
+    with pytest.raises(UsageError, match=r"ds: holds manifest.json, which tokload build did not"):
+        build([jsonl(tmp_path / "a.jsonl")], tmp_path / "ds", force=True)
+    assert dataset_files(tmp_path / "ds") == before
+    assert len(tokload.Documents(tmp_path / "ds")) == 1
+
+
+def test_force_never_replaces_a_tokenizer_or_a_parts_file_of_the_users(tmp_path: Path) -> None:
+    src = jsonl(tmp_path / "a.jsonl")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text("{}")  # a model's: a byte build removes its own
+    (model / "parts").write_text("not a directory")
+    mine = snapshot(model)
+    with pytest.raises(UsageError, match=r"model: holds tokenizer.json, parts, which tokload"):
+        build([src], model, force=True)
+    assert snapshot(model) == mine
 
 
 # ---- inputs a user means -------------------------------------------------------------------

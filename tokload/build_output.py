@@ -24,8 +24,9 @@ from typing import Any
 
 from tokload.build_plan import Chunk
 from tokload.errors import TokloadError, UsageError
-from tokload.format import read_manifest
+from tokload.format import MANIFEST, read_manifest
 from tokload.inputs import BUILD_MARKER
+from tokload.tokenizer import TOKENIZER_FILE
 
 PARTS = "parts"
 """The folder under the output that holds one dataset per chunk."""
@@ -54,7 +55,8 @@ def check_output(out: Path, files: Sequence[Path], force: bool) -> None:
 
     A directory that is empty, or holds a build (its marker, or a manifest
     written by ``tokload build``), is fine; any other non-empty directory
-    needs ``force`` (and its files stay untouched). A build from inputs of
+    needs ``force`` (and its files stay untouched: one the build would write
+    over, such as a ``Writer`` dataset's manifest, is refused even then). A build from inputs of
     which none is among ``files`` needs ``force`` to be replaced.
     """
     if not out.is_dir():
@@ -68,6 +70,7 @@ def check_output(out: Path, files: Sequence[Path], force: bool) -> None:
             built = read_manifest(out).user.get("built_by") == "tokload build"
     if not built:
         if force:
+            _check_beside(out)
             return
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         raise UsageError(
@@ -81,6 +84,26 @@ def check_output(out: Path, files: Sequence[Path], force: bool) -> None:
         raise UsageError(
             f"{out}: holds a dataset built from other inputs ({shown}), none of which is an "
             "input of this build; build into another directory, or pass --force to replace it"
+        )
+
+
+def _check_beside(out: Path) -> None:
+    """Refuse to build beside files of the user's that the build would write over.
+
+    A build writes ``manifest.json`` and ``tokenizer.json`` (or removes it, for
+    the byte tokenizer) at the top of its output, and its chunks under
+    ``parts/``; in a directory it did not build, any of these already there is
+    the user's (a ``Writer`` dataset, a model's tokenizer), so even ``--force``
+    does not replace it.
+    """
+    taken = [name for name in (MANIFEST, TOKENIZER_FILE) if (out / name).exists()]
+    if (out / PARTS).exists() and not (out / PARTS).is_dir():
+        taken.append(PARTS)
+    if taken:
+        raise UsageError(
+            f"{out}: holds {', '.join(taken)}, which tokload build did not write and would "
+            "replace; --force builds beside other files but never over these: build into "
+            "another directory"
         )
 
 
