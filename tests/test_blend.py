@@ -263,7 +263,11 @@ def test_through_the_dataloader_resume_and_rescale(views: list[TokenStream]) -> 
         ({"schedule": [(200, [1])]}, ValueError, r"stage 1 gives 1 weights for 2 components"),
         ({"length": None}, ValueError, r"length is required unless every component is capped"),
         ({"max_epochs": {5: 1}}, ValueError, r"max_epochs: need a component in \[0, 2\)"),
-        ({"block_size": 0}, ValueError, r"block_size must be positive"),
+        ({"block_size": 0}, ValueError, r"block_size must be a positive integer, got 0"),
+        ({"block_size": 100.5}, ValueError, r"block_size must be a positive integer, got 100\.5"),
+        # a float seed ran as the int it truncated to
+        ({"seed": 1.5}, ValueError, r"seed must be an integer in \[0, 2\*\*64 - 1\], got 1\.5"),
+        ({"rounds": -1}, ValueError, r"rounds must be an integer in \[0, 65536\], got -1"),
     ],
 )
 def test_bad_blends(

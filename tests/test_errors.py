@@ -19,6 +19,7 @@ from timeouts import no_hang
 
 import tokload
 from tokload import (
+    Blend,
     CorruptDataError,
     Documents,
     FormatError,
@@ -172,6 +173,20 @@ def test_indices_out_of_range(tmp_path: Path) -> None:
         stream[n]
     with pytest.raises(TypeError, match=r"indices must be integers, got dtype float64"):
         stream.read([1.0])
+    # view[i] takes what read takes: a float was truncated (view[1.9] was window 1)
+    md = small(tmp_path / "md", metadata=True)
+    views = (
+        stream,
+        Documents(ds),
+        StreamWithMetadata(md, window=3),
+        Blend([(stream, 1.0), (stream, 1.0)], length=20),
+    )
+    for view in views:
+        for bad in (1.9, 1.0, np.float64(1), True, np.True_, "1", np.array([1])):
+            with pytest.raises(TypeError, match=r"view indices must be integers, not "):
+                view[bad]
+        for good in (1, np.int64(1), np.uint8(1), np.array(1)):
+            np.testing.assert_equal(_values(view[good]), _values(view[1]))
     with pytest.raises(TypeError, match=r"out must have dtype uint32, got int64"):
         stream.read([0], out=np.empty((1, 7), np.int64))
     with pytest.raises(ValueError, match=r"out has shape \(2, 7\), expected \(1, 7\)"):
@@ -191,7 +206,18 @@ def test_indices_out_of_range(tmp_path: Path) -> None:
         stream.read([0])
 
 
+def _values(sample: Any) -> Any:
+    """A sample's arrays, whatever the view returns one as."""
+    if hasattr(sample, "positions"):  # a MetadataBatch: its rows and their records
+        return sample.fields, sample.positions, list(sample.metadata)
+    return sample.values if hasattr(sample, "values") else sample
+
+
 def test_writer_rejects_bad_spans_and_modes(tmp_path: Path) -> None:
+    for bad in ("4k", 0, 1.5, True):
+        with pytest.raises(ValueError, match=r"shard_bytes must be a positive integer, got "):
+            Writer(tmp_path / "sb", "<u4", shard_bytes=bad)  # type: ignore[arg-type]
+    assert not (tmp_path / "sb").exists()  # refused before anything is made
     with Writer(tmp_path / "m", META_DT, metadata=True) as w:
         with pytest.raises(
             ValueError,

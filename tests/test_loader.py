@@ -538,7 +538,80 @@ def test_bad_arguments(corpus: Path) -> None:
         DataLoader(view, 2, read=tokload.ReadOptions(prefetch=0))
     with pytest.raises(ValueError, match=r"prefetch_bytes must be a positive integer, got 0"):
         DataLoader(view, 2, read=tokload.ReadOptions(prefetch_bytes=0))
+    for depth in (1.5, True):  # truncated to 1 before
+        with pytest.raises(ValueError, match=rf"io_depth={depth}: expected an integer in \[1, "):
+            tokload.ReadOptions(io_depth=depth)  # type: ignore[arg-type]
     assert os.cpu_count()
+
+
+@pytest.mark.parametrize(
+    ("value", "integer"),
+    [
+        (3, True),
+        (np.int64(-3), True),
+        (np.uint64(2**64 - 1), True),
+        (np.int8(0), True),
+        (True, False),
+        (np.True_, False),
+        (3.0, False),
+        (np.float32(3), False),
+        ("3", False),
+        (None, False),
+        (np.array(3), False),  # an array, even of one integer
+    ],
+)
+def test_what_an_integer_argument_is(value: object, integer: bool) -> None:
+    from tokload.arguments import is_integer
+
+    assert is_integer(value) is integer
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        # a float was truncated (seed 1.5 ran, and resumed, as seed 1), a string failed in int()
+        ({"seed": 1.5}, r"seed must be an integer in \[0, 2\*\*64 - 1\], got 1\.5"),
+        ({"seed": "a"}, r"seed must be an integer in \[0, 2\*\*64 - 1\], got 'a'"),
+        ({"seed": -1}, r"seed must be an integer in \[0, 2\*\*64 - 1\], got -1"),
+        (
+            {"seed": 1 << 64},
+            r"seed must be an integer in \[0, 2\*\*64 - 1\], got 18446744073709551616",
+        ),
+        ({"seed": True}, r"seed must be an integer in \[0, 2\*\*64 - 1\], got True"),
+        ({"rounds": 6.0}, r"rounds must be an integer in \[0, 65536\], got 6\.0"),
+        ({"rounds": 70000}, r"rounds must be an integer in \[0, 65536\], got 70000"),
+        ({"num_threads": 1.5}, r"num_threads must be an integer >= 0 or None, got 1\.5"),
+        ({"num_threads": -1}, r"num_threads must be an integer >= 0 or None, got -1"),
+        ({"batch_size": 2.0}, r"batch_size must be a positive integer, got 2\.0"),
+        ({"batch_size": True}, r"batch_size must be a positive integer, got True"),
+    ],
+)
+def test_numbers_are_checked_when_the_loader_is_made(
+    corpus: Path, kwargs: dict[str, Any], message: str
+) -> None:
+    args = {"batch_size": 2, "num_threads": 0, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        DataLoader(TokenStream(corpus, window=9), **args)
+
+
+def test_numpy_integers_are_integers_everywhere(corpus: Path) -> None:
+    """A size or seed read from an array is taken as the int it holds, and kept as an int."""
+    view = TokenStream(corpus, window=9)
+    plain = DataLoader(view, 4, seed=2**64 - 1, rounds=6, epochs=1, num_threads=0, device=None)
+    ld = DataLoader(
+        view,
+        np.int64(4),  # type: ignore[arg-type]
+        seed=np.uint64(2**64 - 1),  # type: ignore[arg-type]
+        rounds=np.int32(6),  # type: ignore[arg-type]
+        epochs=np.int64(1),  # type: ignore[arg-type]
+        num_threads=np.int8(0),  # type: ignore[arg-type]
+        device=None,
+        read=tokload.ReadOptions(prefetch=np.int64(2), steps_per_task=np.int16(3)),  # type: ignore[arg-type]
+    )
+    assert type(ld.batch_size) is int and type(ld.state_dict()["seed"]) is int
+    assert ld.state_dict() == plain.state_dict()
+    for a, b in zip(plain, ld, strict=True):
+        assert torch.equal(a["tokens"], b["tokens"])
 
 
 def test_automatic_prefetch_follows_the_batch_size_in_bytes(corpus: Path) -> None:

@@ -43,6 +43,7 @@ import weakref
 import numpy as np
 
 from tokload._remote import take_error as _take_remote_error
+from tokload.arguments import is_integer
 from tokload.envvars import env_int
 from tokload.errors import CorruptDataError, MissingShardError, TruncatedFileError
 
@@ -217,14 +218,20 @@ def default_queue_depth():
     env = os.environ.get("TOKLOAD_IO_DEPTH")
     if not env:
         return DEFAULT_QUEUE_DEPTH
-    return _checked_depth(env, "TOKLOAD_IO_DEPTH")
+    return _checked_depth(env, "TOKLOAD_IO_DEPTH", text=True)
 
 
-def _checked_depth(value, str where):
-    try:
+def _checked_depth(value, str where, bint text=False):
+    """``value`` as a queue depth: an integer argument (a float or bool is refused,
+    not truncated), or with ``text`` an environment variable's digits."""
+    d = 0
+    if is_integer(value):
         d = int(value)
-    except (TypeError, ValueError):
-        d = 0
+    elif text:
+        try:
+            d = int(value)
+        except ValueError:
+            pass
     if not 1 <= d <= MAX_QUEUE_DEPTH:
         raise ValueError(f"{where}={value!r}: expected an integer in [1, {MAX_QUEUE_DEPTH}]")
     return d

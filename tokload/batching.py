@@ -56,6 +56,7 @@ import numpy as np
 
 from tokload._docindex import split_cu_seqlens
 from tokload._pack import pad_rows, row_boundaries, row_offsets
+from tokload.arguments import is_integer
 from tokload.assembly import Assembly
 from tokload.packing import DEFAULT_LOOKAHEAD, PackedSchedule, Packing
 from tokload.schedule import Schedule
@@ -431,9 +432,7 @@ class Pad(_BySample):
     value: int = 0
 
     def __post_init__(self) -> None:
-        if self.to is not None and (
-            isinstance(self.to, bool) or not isinstance(self.to, (int, np.integer)) or self.to < 1
-        ):
+        if self.to is not None and (not is_integer(self.to) or self.to < 1):
             raise ValueError(f"Pad(to=...) must be a positive integer or None, got {self.to!r}")
 
     def check(self, view: Any) -> None:

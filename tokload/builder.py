@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from tokload.arguments import is_integer
 from tokload.build_output import (
     MARKER_TEXT,
     PARTS,
@@ -236,11 +237,11 @@ def build(
     t0 = time.perf_counter()
     if on_error not in ("stop", "skip"):
         raise UsageError(f"on_error must be 'stop' or 'skip', got {on_error!r}")
-    if workers < 1:
+    if not is_integer(workers) or workers < 1:
         raise UsageError(f"workers must be at least 1, got {workers}")
-    if shard_bytes < 1:
+    if not is_integer(shard_bytes) or shard_bytes < 1:
         raise UsageError(f"shard_bytes must be positive, got {shard_bytes}")
-    if chunk_bytes < 1:
+    if not is_integer(chunk_bytes) or chunk_bytes < 1:
         raise UsageError(f"chunk_bytes must be positive, got {chunk_bytes}")
     if not 0 <= max_skipped <= 1:
         raise UsageError(f"max_skipped must be a fraction from 0 to 1, got {max_skipped}")

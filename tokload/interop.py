@@ -17,7 +17,6 @@ before it is opened.
 from __future__ import annotations
 
 import io
-import numbers
 import os
 import struct
 import tempfile
@@ -32,6 +31,7 @@ import numpy.typing as npt
 from tokload._docindex import DocIndex
 from tokload._megatron import MegatronIndex
 from tokload._rows import RowSet
+from tokload.arguments import is_integer
 from tokload.errors import FormatError, TokloadError
 from tokload.files import create_unique, open_regular
 from tokload.format import check_dtype, fingerprint
@@ -320,7 +320,7 @@ def _check_eos(eos: Any, dtype: np.dtype[Any], path: str) -> None:
     value matches no row: the whole file would be one document)."""
     if dtype.fields is not None:
         raise ValueError(f"{path}: eos= needs plain token rows, not the structured dtype {dtype}")
-    if isinstance(eos, bool) or not isinstance(eos, numbers.Integral):
+    if not is_integer(eos):
         raise ValueError(f"eos must be an integer token, got {eos!r}")
     info = np.iinfo(dtype)
     if not info.min <= int(eos) <= info.max:

@@ -21,7 +21,6 @@ task builds, how many tasks ahead and on how many threads is ``tokload.tasks``'s
 from __future__ import annotations
 
 import contextlib
-import numbers
 import os
 import threading
 import time
@@ -31,6 +30,7 @@ from typing import Any, Self
 
 import numpy as np
 
+from tokload.arguments import is_integer, positive_integer, seed_and_rounds
 from tokload.batching import Batching, cut, read_step, resolve
 from tokload.errors import StateError
 from tokload.prefetch import CLOSE_S, Prefetcher
@@ -85,7 +85,7 @@ def _mesh_index(mesh: Any, dim: str | int) -> int:
             have = f"its dimensions are named {list(names)}" if names else "it has no names"
             raise ValueError(f"mesh_dim={dim!r} is not a dimension of the DeviceMesh: {have}")
         return names.index(dim)
-    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or not -ndim <= dim < ndim:
+    if not is_integer(dim) or not -ndim <= dim < ndim:
         raise ValueError(f"mesh_dim={dim!r} is not a dimension of a {ndim}-D DeviceMesh")
     return int(dim) % ndim
 
@@ -106,7 +106,8 @@ class DataLoader:
             (documents best-fit into rows, with the attention keys). Default
             (None): the view's ``batching`` attribute (``Pad()`` for
             ``Documents`` and blends of them), else ``Stack()``.
-        seed: the run seed; epoch ``e`` uses ``Permutation.for_epoch(n, seed, e)``.
+        seed: the run seed, an integer in [0, 2**64 - 1]; epoch ``e`` uses
+            ``Permutation.for_epoch(n, seed, e)``.
         shuffle: False reads in order (evaluation: ``shuffle=False, epochs=1``).
         rank: this rank. Default: from ``torch.distributed`` when it is
             initialized, else 0.
@@ -142,7 +143,7 @@ class DataLoader:
         drop_last: never let a global batch straddle the end of an epoch (its
             last ``n % G`` positions are skipped), and drop a final partial
             batch. Default False: nothing is ever skipped.
-        rounds: Feistel rounds of the permutation.
+        rounds: Feistel rounds of the permutation (0 to 65536; default 6).
         read: how this loader reads (``ReadOptions``: its prefetch, the steps
             of a reader task, its I/O backend and depth, read-ahead); the
             batches are the same whatever it is. Default: ``ReadOptions()``.
@@ -203,20 +204,18 @@ class DataLoader:
         device = retired_transfer(device, retired)
         read = from_retired(read, retired)
         check_view(view)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        batch_size = positive_integer("batch_size", batch_size)
         n = len(view)
         if n == 0:
             raise ValueError(f"the view is empty: {view!r}")
         self.auto_threads = num_threads is None
         if num_threads is None:
             num_threads = min(4, max(1, (os.cpu_count() or 2) // 2))
-        if num_threads < 0:
-            raise ValueError(f"num_threads must be >= 0, got {num_threads}")
-        if epochs is not None and (
-            isinstance(epochs, bool) or not isinstance(epochs, numbers.Integral) or epochs < 1
-        ):
+        if not is_integer(num_threads) or num_threads < 0:
+            raise ValueError(f"num_threads must be an integer >= 0 or None, got {num_threads!r}")
+        if epochs is not None and (not is_integer(epochs) or epochs < 1):
             raise ValueError(f"epochs must be an integer >= 1 or None, got {epochs!r}")
+        seed, rounds = seed_and_rounds(seed, rounds)
         self.read = read
         # this loader's reads only: its reader threads read in this scope
         self._io = read.scope()

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from tokload._pack import MAX_WINDOW, best_fit, gather_rows, greedy_rows
+from tokload.arguments import is_integer
 from tokload.schedule import Schedule
 
 Extents = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
@@ -60,7 +61,7 @@ class Packing:
             ("window", self.window, MAX_WINDOW),
             ("lookahead", self.lookahead, MAX_LOOKAHEAD),
         ):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            if not is_integer(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
             if not 1 <= value <= top:
                 raise ValueError(f"{name} must be in [1, {top}], got {value}")

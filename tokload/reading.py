@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from tokload._io import io_scope
+from tokload.arguments import is_integer
 
 DEFAULT_PREFETCH_BYTES = 256 << 20
 """The memory the automatic prefetch may fill per rank (256 MiB)."""
@@ -80,13 +81,13 @@ class ReadOptions:
 
     def __post_init__(self) -> None:
         p = self.prefetch
-        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 1):
+        if p is not None and (not is_integer(p) or p < 1):
             raise ValueError(f"prefetch must be >= 1 or None, got {p!r}")
         b = self.prefetch_bytes
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        if not is_integer(b) or b < 1:
             raise ValueError(f"prefetch_bytes must be a positive integer, got {b!r}")
         s = self.steps_per_task
-        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+        if not is_integer(s) or s < 1:
             raise ValueError(f"steps_per_task must be >= 1, got {s!r}")
         if self.readahead not in (None, True, False):
             raise ValueError(f"readahead must be None, True or False, got {self.readahead!r}")

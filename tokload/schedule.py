@@ -19,6 +19,7 @@ from collections import OrderedDict
 import numpy as np
 
 from tokload._permute import Permutation
+from tokload.arguments import is_integer
 
 POSITION_LIMIT = 1 << 64
 """Positions are unsigned 64-bit integers: a cursor is in ``[0, 2**64)``."""
@@ -76,7 +77,7 @@ class Schedule:
 
     def check_cursor(self, value: object) -> int:
         """``value`` as a cursor, or ValueError naming what is wrong with it."""
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if not is_integer(value):
             raise ValueError(f"cursor must be a non-negative integer, got {value!r}")
         c = int(value)
         if not 0 <= c < POSITION_LIMIT:

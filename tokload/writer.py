@@ -21,6 +21,7 @@ import numpy.typing as npt
 import xxhash
 
 from tokload._meta import SPAN_DTYPE, encode_blocks
+from tokload.arguments import positive_integer
 from tokload.errors import FormatError
 from tokload.files import fsync_dir
 from tokload.format import (
@@ -102,8 +103,7 @@ class Writer:
         self.path = Path(path)
         if mode not in ("w", "a"):
             raise ValueError(f"mode must be 'w' or 'a', got {mode!r}")
-        if shard_bytes < 1:
-            raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+        shard_bytes = positive_integer("shard_bytes", shard_bytes)
         self.dtype: np.dtype[Any] = np.dtype(dtype).newbyteorder("<")
         check_dtype(self.dtype, "Writer dtype")
         has_field = METADATA_FIELD in (self.dtype.fields or {})
@@ -410,13 +410,12 @@ def checked_block(span_block: Any, layout: str) -> int:
     """``span_block`` checked for ``layout``, or its default there."""
     if span_block is None:
         return DEFAULT_METADATA_BLOCK if layout == "blocks" else DEFAULT_SPAN_BLOCK
-    if isinstance(span_block, bool) or not isinstance(span_block, int) or span_block < 1:
-        raise ValueError(f"span_block must be a positive integer, got {span_block!r}")
-    if layout == "blocks" and span_block > MAX_METADATA_BLOCK:
+    block = positive_integer("span_block", span_block)
+    if layout == "blocks" and block > MAX_METADATA_BLOCK:
         raise ValueError(
-            f"span_block must be at most {MAX_METADATA_BLOCK} for metadata blocks, got {span_block}"
+            f"span_block must be at most {MAX_METADATA_BLOCK} for metadata blocks, got {block}"
         )
-    return span_block
+    return block
 
 
 def _checked_cast(values: np.ndarray, dtype: np.dtype[Any], what: str) -> np.ndarray:

@@ -12,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tokload._io import FileSet
+from tokload.arguments import is_integer
 from tokload.errors import MissingShardError
 from tokload.format import MANIFEST
 from tokload.location import Location
@@ -168,10 +169,11 @@ class View:
 
     def _index(self, i: int) -> np.ndarray:
         n = len(self)
-        try:
-            j = int(np.asarray(i).item()) if not isinstance(i, int) else i
-        except (TypeError, ValueError):
-            raise TypeError(f"view indices must be integers, not {type(i).__name__}") from None
+        scalar = isinstance(i, np.ndarray) and i.ndim == 0 and i.dtype.kind in "iu"
+        if is_integer(i) or scalar:
+            j = int(i)
+        else:  # a float would be truncated, a bool taken as 0 or 1
+            raise TypeError(f"view indices must be integers, not {type(i).__name__} {i!r}")
         if j < 0:
             j += n
         if not 0 <= j < n:

@@ -57,6 +57,7 @@ from tokload._rows import read_ranges
 from tokload._slots import block_slots
 from tokload._slots import locate as locate_slots
 from tokload._slots import positions as slot_positions
+from tokload.arguments import positive_integer, seed_and_rounds
 from tokload.views.base import Fields, ReadPart, View, _check_out
 from tokload.views.blend_reads import DocumentMix, RecordMix, WindowMix
 from tokload.views.contract import Alloc, check_view, is_documents
@@ -103,7 +104,8 @@ class Blend(WindowBoundaries, View):
             local or in an object store, or a user's view with the document
             contract of ``tokload.batching``; same fields and dtypes), or
             Blends of them. Weights are the first stage's.
-        seed: the blend's key (slot interleaving and component shuffles).
+        seed: the blend's key (slot interleaving and component shuffles), an
+            integer in [0, 2**64 - 1].
         length: number of positions (``len(blend)``); default: where the blend
             ends because every component is capped, else required.
         block_size: ``M``; proportions are exact in every block of ``M``.
@@ -141,8 +143,8 @@ class Blend(WindowBoundaries, View):
     ) -> None:
         if not components:
             raise ValueError("a Blend needs at least one component")
-        if block_size < 1:
-            raise ValueError(f"block_size must be positive, got {block_size}")
+        block_size = positive_integer("block_size", block_size)
+        seed, rounds = seed_and_rounds(seed, rounds)
         self.views: list[Any] = []
         for c, (v, _w) in enumerate(components):
             try:

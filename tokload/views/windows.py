@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -12,6 +11,7 @@ import numpy.typing as npt
 
 from tokload._docindex import boundary_arrays, split_cu_seqlens, window_cuts
 from tokload._rows import split_fields
+from tokload.arguments import positive_integer
 from tokload.errors import FormatError
 from tokload.views.base import DataLike, Fields, ReadPart, View, _check_out, _field_layout
 from tokload.views.contract import ATTENTION_KEYS, Alloc, attention_keys
@@ -41,11 +41,9 @@ class _Windows(View):
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         stride = window if stride is None else stride
-        for name, value in (("window", window), ("stride", stride)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        window, stride = positive_integer("window", window), positive_integer("stride", stride)
         super().__init__(data, storage_options)
-        self.window, self.stride = int(window), int(stride)
+        self.window, self.stride = window, stride
         rows = self.source.num_rows
         self._total = 0 if rows < window else (rows - window) // stride + 1
         self._init_range()
