@@ -412,6 +412,53 @@ def test_flat_files_refuse_an_eos_or_index_that_does_not_fit(tmp_path: Path) -> 
     )
 
 
+def test_a_long_document_index_is_checked_from_the_bytes_of_its_digest(tmp_path: Path) -> None:
+    """The first and last entries come from the sample the file's digest reads; an index
+    whose last entry is not the file's end (bytes after the array) is read where it is."""
+    rows = 30_000
+    np.arange(rows, dtype=np.uint16).tofile(tmp_path / "a.bin")
+    ends = np.arange(0, rows + 1, 10, dtype=np.uint64)  # 3,001 entries: 24 kB, past 2 blocks
+    for last, trailing in ((rows - 1, b""), (rows, b"\0" * 8), (rows + 10, b"\0" * 8)):
+        ends[-1] = last
+        np.save(tmp_path / "i.npy", ends)
+        with open(tmp_path / "i.npy", "ab") as f:
+            f.write(trailing)  # after the array: the last entry is not the file's last bytes
+        if last != rows:
+            with pytest.raises(tokload.FormatError, match=rf"runs from 0 to {last}$"):
+                tokload.open_flat(tmp_path / "a.bin", np.uint16, doc_index=tmp_path / "i.npy")
+        else:
+            docs = Documents(
+                tokload.open_flat(tmp_path / "a.bin", np.uint16, doc_index=tmp_path / "i.npy")
+            )
+            assert len(docs) == 3000 and docs[2999].tolist() == list(range(29_990, rows))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.binary(max_size=300),
+    block=st.integers(1, 80),
+    start=st.integers(0, 300),
+    length=st.integers(1, 16),
+)
+def test_a_sample_holds_the_bytes_it_says(data: bytes, block: int, start: int, length: int) -> None:
+    """``Sample.at`` gives a file's bytes where its head or tail holds them, and its
+    digest is SHA-256 of the size, the first ``block`` bytes and the last after them."""
+    import hashlib
+
+    from tokload.files import sample
+
+    got = sample(len(data), lambda a, b: data[a:b], block)
+    end = min(start + length, len(data))
+    start = min(start, end)
+    part = got.at(start, end)
+    assert part is None or part == data[start:end]
+    if end <= block or start >= max(block, len(data) - block):
+        assert part == data[start:end]
+    h = hashlib.sha256(len(data).to_bytes(8, "little") + data[:block])
+    h.update(data[max(block, len(data) - block) :] if len(data) > block else b"")
+    assert got.digest == h.hexdigest()
+
+
 def test_headerless_npy_files_as_olmo_core_writes_them(tmp_path: Path) -> None:
     """OLMo-core and dolma name headerless token files ``.npy`` (np.memmap, no header)."""
     tokens = np.random.default_rng(2).integers(0, 2**32, 5000, dtype=np.uint32)

@@ -4,7 +4,7 @@ A dataset's files are opened only when they are regular files (a FIFO or a
 device in a shard's place is refused by ``stat`` before the ``open`` that would
 block on it); new files are created with the umask's mode under a unique name,
 and directories are synced after a rename. Cheap identities of files without
-checksums (``sample_digest``) are computed here too.
+checksums (``sample_digest``, ``Sample``) are computed here too.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import secrets
 import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from tokload.errors import FormatError, MissingShardError
 
@@ -78,6 +79,41 @@ def read_regular(path: str | os.PathLike[str], what: str) -> bytes:
         return f.read()
 
 
+@dataclass(frozen=True)
+class Sample:
+    """A file's size and the bytes its ``sample_digest`` covers: the first
+    ``block`` bytes (``head``) and the last ``block`` after them (``tail``,
+    empty for a file of at most ``block`` bytes). Whoever needs a file's first
+    or last bytes too reads them from here, not again."""
+
+    size: int
+    head: bytes
+    tail: bytes
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of the size, the head and the tail."""
+        h = hashlib.sha256(self.size.to_bytes(8, "little"))
+        h.update(self.head)
+        h.update(self.tail)
+        return h.hexdigest()
+
+    def at(self, start: int, end: int) -> bytes | None:
+        """The file's bytes ``[start, end)`` if the head or the tail holds them, else None."""
+        if end <= len(self.head):
+            return self.head[start:end]
+        first = self.size - len(self.tail)
+        if start >= first:
+            return self.tail[start - first : end - first]
+        return None
+
+
+def sample(size: int, read: Callable[[int, int], bytes], block: int = 4096) -> Sample:
+    """The ``Sample`` of ``size`` bytes that ``read(start, end)`` returns: two reads."""
+    head = read(0, min(block, size))
+    return Sample(size, head, read(max(block, size - block), size) if size > block else b"")
+
+
 def sample_digest(path: str | os.PathLike[str], what: str, block: int = 4096) -> str:
     """SHA-256 of a file's size, first ``block`` bytes and last ``block`` bytes.
 
@@ -87,18 +123,9 @@ def sample_digest(path: str | os.PathLike[str], what: str, block: int = 4096) ->
     """
     fd = open_regular(path, what)
     try:
-        return digest(os.fstat(fd).st_size, lambda a, b: os.pread(fd, b - a, a), block)
+        return sample(os.fstat(fd).st_size, lambda a, b: os.pread(fd, b - a, a), block).digest
     finally:
         os.close(fd)
-
-
-def digest(size: int, read: Callable[[int, int], bytes], block: int) -> str:
-    """``sample_digest`` of ``size`` bytes that ``read(start, end)`` returns."""
-    h = hashlib.sha256(size.to_bytes(8, "little"))
-    h.update(read(0, min(block, size)))
-    if size > block:
-        h.update(read(max(block, size - block), size))
-    return h.hexdigest()
 
 
 def create_unique(directory: str | os.PathLike[str], prefix: str) -> tuple[int, str]:

@@ -33,7 +33,7 @@ from tokload._megatron import MegatronIndex
 from tokload._rows import RowSet
 from tokload.arguments import is_integer
 from tokload.errors import FormatError, TokloadError
-from tokload.files import create_unique, open_regular
+from tokload.files import Sample, create_unique, open_regular
 from tokload.format import check_dtype, fingerprint
 from tokload.location import Location
 from tokload.source import Source, index_memory, reopenable
@@ -283,10 +283,11 @@ def open_flat(
                     entries, ibase = size // 8, 0
                 if entries < 1:
                     raise FormatError(f"{ip}: a document index needs at least one entry")
-                _check_index_ends(loc, ip, ibase, entries, plist[k], layouts[k][1])
+                ends = loc.sample(ip, "document index")
+                _check_index_ends(loc, ip, ends, ibase, entries, plist[k], layouts[k][1])
                 doc_counts[k] = entries - 1
                 bases.append(ibase)
-                samples[k] += ":" + loc.sample_digest(ip, "document index")
+                samples[k] += ":" + ends.digest
             ifiles = loc.fileset(ilist, bases)
             closers.append(ifiles)
             in_memory = 8 * (sum(doc_counts) + len(doc_counts)) <= index_memory()
@@ -330,14 +331,22 @@ def _check_eos(eos: Any, dtype: np.dtype[Any], path: str) -> None:
 
 
 def _check_index_ends(
-    loc: Location, index: str, base: int, entries: int, tokens: str, rows: int
+    loc: Location, index: str, ends: Sample, base: int, entries: int, tokens: str, rows: int
 ) -> None:
     """FormatError unless the document index ``index`` (``entries`` uint64 from byte
-    ``base``) starts at row 0 and ends at ``rows``, the token file's: a document
-    index covers its file (the rows between would be in no document)."""
-    first = int(np.frombuffer(loc.read(index, "document index", base, base + 8), "<u8")[0])
-    at = base + 8 * (entries - 1)
-    last = int(np.frombuffer(loc.read(index, "document index", at, at + 8), "<u8")[0])
+    ``base``; ``ends`` its sample) starts at row 0 and ends at ``rows``, the token
+    file's: a document index covers its file (the rows between would be in no
+    document). The two entries come from the sample, read for the file's digest
+    anyway, unless it does not hold them."""
+
+    def entry(k: int) -> int:
+        at = base + 8 * k
+        got = ends.at(at, at + 8)
+        if got is None:
+            got = loc.read(index, "document index", at, at + 8)
+        return int(np.frombuffer(got, "<u8")[0])
+
+    first, last = entry(0), entry(entries - 1)
     if first != 0 or last != rows:
         raise FormatError(
             f"{index}: a document index of {tokens} must run from row 0 to its {rows} rows, "

@@ -14,7 +14,14 @@ from typing import Any
 
 from tokload._io import FileSet
 from tokload.errors import FormatError, MissingShardError
-from tokload.files import digest, open_regular, read_regular, regular_size, sample_digest
+from tokload.files import (
+    Sample,
+    open_regular,
+    read_regular,
+    regular_size,
+    sample,
+    sample_digest,
+)
 
 
 class Location:
@@ -113,7 +120,12 @@ class Location:
         last ``block`` bytes (the same value for a local copy and a remote one)."""
         if not self.remote:
             return sample_digest(path, what, block)
-        return digest(self.size(path, what), lambda a, b: self.read(path, what, a, b), block)
+        return self.sample(path, what, block).digest
+
+    def sample(self, path: str, what: str, block: int = 4096) -> Sample:
+        """The size and the first and last ``block`` bytes of a file or object
+        (``Sample``; its ``digest`` is ``sample_digest``'s): two reads."""
+        return sample(self.size(path, what), lambda a, b: self.read(path, what, a, b), block)
 
     def fileset(self, paths: Sequence[str], bases: Sequence[int] | None = None) -> FileSet:
         """A FileSet of ``paths`` (objects keep the ETag they were listed with)."""
