@@ -264,8 +264,17 @@ def test_chunk_names_and_records(tmp_path: Path) -> None:
     c = Chunk(3, "x", 12, 40, "bytes", 5, 9, 4, (9, 1))
     assert c.name == "00003-00012"
     assert c.record() == {"index": 12, "count": 40, "unit": "bytes", "start": 5, "end": 9}
-    with pytest.raises(Exception, match="chunk_bytes must be positive, got 0"):
+    with pytest.raises(Exception, match="chunk_bytes must be a positive integer, got 0"):
         build([write_corpus(tmp_path, files=1)[0]], tmp_path / "o", chunk_bytes=0)
+    bad: Any
+    for name, bad, message in (
+        ("chunk_bytes", 1.5, r"chunk_bytes must be a positive integer, got 1\.5"),
+        ("shard_bytes", True, r"shard_bytes must be a positive integer, got True"),
+        ("workers", 1.5, r"workers must be an integer >= 1, got 1\.5"),  # was 'at least 1'
+    ):
+        with pytest.raises(tokload.UsageError, match=message):
+            build([write_corpus(tmp_path, files=1)[0]], tmp_path / "o", **{name: bad})
+    assert not (tmp_path / "o").exists()
 
 
 def test_offsets_are_asked_for_annotated_texts_only(

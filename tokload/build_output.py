@@ -56,8 +56,9 @@ def check_output(out: Path, files: Sequence[Path], force: bool) -> None:
     A directory that is empty, or holds a build (its marker, or a manifest
     written by ``tokload build``), is fine; any other non-empty directory
     needs ``force`` (and its files stay untouched: one the build would write
-    over, such as a ``Writer`` dataset's manifest, is refused even then). A build from inputs of
-    which none is among ``files`` needs ``force`` to be replaced.
+    over, such as a ``Writer`` dataset's manifest, is refused even then). A
+    build from inputs of which none is among ``files`` needs ``force`` to be
+    replaced.
     """
     if not out.is_dir():
         return

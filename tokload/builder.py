@@ -238,11 +238,11 @@ def build(
     if on_error not in ("stop", "skip"):
         raise UsageError(f"on_error must be 'stop' or 'skip', got {on_error!r}")
     if not is_integer(workers) or workers < 1:
-        raise UsageError(f"workers must be at least 1, got {workers}")
+        raise UsageError(f"workers must be an integer >= 1, got {workers!r}")
     if not is_integer(shard_bytes) or shard_bytes < 1:
-        raise UsageError(f"shard_bytes must be positive, got {shard_bytes}")
+        raise UsageError(f"shard_bytes must be a positive integer, got {shard_bytes!r}")
     if not is_integer(chunk_bytes) or chunk_bytes < 1:
-        raise UsageError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        raise UsageError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
     if not 0 <= max_skipped <= 1:
         raise UsageError(f"max_skipped must be a fraction from 0 to 1, got {max_skipped}")
     k, n = parse_part(part)
