@@ -181,11 +181,13 @@ def test_indices_out_of_range(tmp_path: Path) -> None:
         StreamWithMetadata(md, window=3),
         Blend([(stream, 1.0), (stream, 1.0)], length=20),
     )
+    bads: list[Any] = [1.9, 1.0, np.float64(1), True, np.True_, "1", np.array([1])]
+    goods: list[Any] = [1, np.int64(1), np.uint8(1), np.array(1)]
     for view in views:
-        for bad in (1.9, 1.0, np.float64(1), True, np.True_, "1", np.array([1])):
+        for bad in bads:
             with pytest.raises(TypeError, match=r"view indices must be integers, not "):
                 view[bad]
-        for good in (1, np.int64(1), np.uint8(1), np.array(1)):
+        for good in goods:
             np.testing.assert_equal(_values(view[good]), _values(view[1]))
     with pytest.raises(TypeError, match=r"out must have dtype uint32, got int64"):
         stream.read([0], out=np.empty((1, 7), np.int64))
