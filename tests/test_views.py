@@ -377,6 +377,26 @@ def test_flat_files_npy_and_bin(tmp_path: Path) -> None:
         tokload.open_flat(tmp_path / "a.bin")
 
 
+def test_an_eos_cache_is_not_used_for_a_copy_that_kept_an_older_mtime(tmp_path: Path) -> None:
+    """``cp -p``, ``rsync -a`` and ``tar x`` keep a file's older mtime; its ctime still
+    says it changed after the cache was written, so the cache is recomputed."""
+    import shutil
+
+    train, other = tmp_path / "train.bin", tmp_path / "other.bin"
+    np.array([7, 0, 8, 9, 0, 5, 6], np.uint16).tofile(other)
+    np.array([1, 2, 0, 3, 4, 0, 5], np.uint16).tofile(train)
+    os.utime(other, ns=(1, 10**18))  # older than the cache about to be written
+    docs = Documents(tokload.open_flat(train, np.uint16, eos=0))
+    assert [d.tolist() for d in docs] == [[1, 2, 0], [3, 4, 0], [5]]
+    cache = tmp_path / "train.bin.eos0.docs"
+    assert cache.exists()
+    shutil.copy2(other, train)  # same size, the older mtime kept
+    assert os.stat(train).st_mtime_ns < os.stat(cache).st_mtime_ns
+    docs = Documents(tokload.open_flat(train, np.uint16, eos=0))
+    assert [d.tolist() for d in docs] == [[7, 0], [8, 9, 0], [5, 6]]
+    np.testing.assert_array_equal(np.fromfile(cache, "<u8"), [0, 2, 5, 7])  # rewritten
+
+
 def test_flat_files_refuse_an_eos_or_index_that_does_not_fit(tmp_path: Path) -> None:
     """An eos no row can hold would make the file one document; an index that does
     not run from row 0 to the file's last would leave rows in no document."""
@@ -391,6 +411,10 @@ def test_flat_files_refuse_an_eos_or_index_that_does_not_fit(tmp_path: Path) -> 
         with pytest.raises(ValueError, match="eos must be an integer token"):
             tokload.open_flat(tmp_path / "a.bin", np.uint16, eos=bad)
     assert set(tmp_path.iterdir()) == before  # no cache written for a refused eos
+    # a big-endian dtype was read as its little-endian twin (1 came back as 256)
+    with pytest.raises(tokload.FormatError, match=r"a\.bin: rows must be little-endian, got "
+                       r"dtype >u2"):  # fmt: skip
+        tokload.open_flat(tmp_path / "a.bin", ">u2")
     zero: Any = np.int64(0)
     assert len(Documents(tokload.open_flat(tmp_path / "a.bin", np.uint16, eos=zero))) == 3
     for offsets, got in (([0, 3, 7], "0 to 7"), ([1, 3, 8], "1 to 8"), ([0, 3, 9], "0 to 9")):

@@ -237,7 +237,7 @@ def open_flat(
         else:
             if dtype is None:
                 raise ValueError(f"{p}: a headerless file needs dtype= (e.g. np.uint16)")
-            dt = np.dtype(dtype).newbyteorder("<")
+            dt = np.dtype(dtype)  # as given: a big-endian one is refused below, not flipped
             size = loc.size(p, "token file")
             if size % dt.itemsize:
                 raise FormatError(f"{p}: {size} bytes is not a whole number of {dt} rows")
@@ -373,13 +373,16 @@ def _eos_index(
     does): each writes the cache under a unique temporary name and renames it
     into place atomically, so a reader sees no cache or a whole one. A cache
     is used only when it is a regular file of the right shape (0 first, the
-    file's rows last) no older than the data; otherwise the index is
-    recomputed. Where the cache cannot be written (a read-only directory),
-    the index goes to a private temporary file, appended to ``private`` for
-    the caller to unlink when the source is closed or collected.
+    file's rows last) written after the data last changed (its mtime or its
+    ctime: a copy that keeps an older mtime still sets the ctime); otherwise the
+    index is recomputed, and cached only if the data did not change meanwhile.
+    Where the cache cannot be written (a read-only directory), the index goes
+    to a private temporary file, appended to ``private`` for the caller to
+    unlink when the source is closed or collected.
     """
     cache = path.with_name(f"{path.name}.eos{eos}.docs")
-    if _cache_ok(cache, rows, os.stat(path).st_mtime):
+    before = _changed_ns(os.stat(path))
+    if _cache_ok(cache, rows, before):
         return cache
     data = np.memmap(path, dtype=dtype, mode="r", offset=base, shape=(rows,)) if rows else None
     ends: list[np.ndarray] = [np.zeros(1, dtype="<u8")]
@@ -393,8 +396,10 @@ def _eos_index(
         offsets = np.append(offsets, np.uint64(rows))
     payload = offsets.astype("<u8").tobytes()
     try:
+        if _changed_ns(os.stat(path)) != before:  # changed while scanned: cache nothing
+            raise OSError(f"{path} changed while its eos tokens were found")
         fd, tmp = create_unique(cache.parent, f".{cache.name}-")
-    except OSError:  # read-only directory, no permission, ...
+    except OSError:  # read-only directory, no permission, the data changed, ...
         fd, name = tempfile.mkstemp(prefix="tokload-eos-", suffix=".docs")
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
@@ -410,15 +415,23 @@ def _eos_index(
     return cache
 
 
-def _cache_ok(cache: Path, rows: int, data_mtime: float) -> bool:
-    """Whether ``cache`` is a usable document index of a file of ``rows`` rows."""
+def _changed_ns(st: os.stat_result) -> int:
+    """When a file last changed, in ns: the later of its mtime and its ctime. A copy
+    that keeps an older mtime (``cp -p``, ``rsync -a``, ``tar x``) still sets the
+    ctime, which cannot be set back."""
+    return max(st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _cache_ok(cache: Path, rows: int, data_changed_ns: int) -> bool:
+    """Whether ``cache`` is a usable document index of a file of ``rows`` rows that
+    last changed at ``data_changed_ns`` (``_changed_ns``): written after that."""
     try:
         fd = open_regular(cache, "document index cache")
     except (OSError, TokloadError):
         return False
     try:
         st = os.fstat(fd)
-        if st.st_mtime < data_mtime or st.st_size < 8 or st.st_size % 8:
+        if st.st_mtime_ns < data_changed_ns or st.st_size < 8 or st.st_size % 8:
             return False
         first = int.from_bytes(os.pread(fd, 8, 0), "little")
         last = int.from_bytes(os.pread(fd, 8, st.st_size - 8), "little")
