@@ -280,6 +280,40 @@ def test_bad_blends(
         Blend(comps, **args)
 
 
+def test_read_into_out_checks_it_against_the_components(
+    views: list[TokenStream], tmp_path: Path
+) -> None:
+    """``out`` must match ``empty`` as a TokenStream's must: an array of another dtype
+    of the same size was filled with raw bytes and returned as if valid."""
+    blend = Blend([(views[0], 1), (views[1], 1)], length=40)
+    want = blend.read(np.arange(6))
+    for dt in (np.float32, np.int32, np.dtype(">u4"), np.uint16):
+        with pytest.raises(TypeError, match=rf"out must have dtype uint32, got {np.dtype(dt)}"):
+            blend.read(np.arange(6), out=np.zeros((6, 4), dt))
+    with pytest.raises(ValueError, match=r"out has shape \(5, 4\), expected \(6, 4\)"):
+        blend.read(np.arange(6), out=np.zeros((5, 4), np.uint32))
+    out = np.zeros((6, 4), np.uint32)
+    assert blend.read(np.arange(6), out=out) is out
+    np.testing.assert_array_equal(out, want)
+    # structured rows: a dict of the fields, each checked
+    rows = np.dtype([("token", "<u4"), ("metadata_id", "<u4")])
+    parts = []
+    for c in range(2):
+        with Writer(tmp_path / f"s{c}", rows) as w:
+            w.write({"token": np.arange(20) + 100 * c, "metadata_id": np.arange(20)})
+        parts.append((TokenStream(tmp_path / f"s{c}", window=4), 1))
+    fields = Blend(parts, length=10)
+    good: Any = fields.empty(3)
+    fields.read(np.arange(3), out=good)
+    bad = {**good, "metadata_id": np.zeros((3, 4), np.int64)}
+    with pytest.raises(TypeError, match=r"out\['metadata_id'\] must have dtype uint32, got int64"):
+        fields.read(np.arange(3), out=bad)
+    with pytest.raises(TypeError, match=r"out\['token'\] must be a numpy array, got NoneType"):
+        fields.read(np.arange(3), out={"metadata_id": good["metadata_id"]})
+    with pytest.raises(TypeError, match=r"out must be a dict of per-field arrays"):
+        fields.read(np.arange(3), out=np.zeros((3, 4), np.uint32))
+
+
 def test_bad_components(views: list[TokenStream], tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="component 1 is empty"):
         Blend([(views[0], 1), (views[1].subset(0, 0), 1)], length=10)

@@ -466,11 +466,14 @@ class Blend(WindowBoundaries, View):
         b = len(comp)
         if out is None:
             out = self.empty(b)
-        if isinstance(out, dict):
-            for name, arr in out.items():
-                _check_out(arr, (b, self.window), arr.dtype, f"out[{name!r}]")
+        like = self.empty(0)  # what out must match: the components' dtype, or fields
+        if isinstance(like, dict):
+            if not isinstance(out, dict):
+                raise TypeError("out must be a dict of per-field arrays for a structured dtype")
+            for name, arr in like.items():
+                _check_out(out.get(name), (b, self.window), arr.dtype, f"out[{name!r}]")
         else:
-            _check_out(out, (b, self.window), out.dtype, "out")
+            _check_out(out, (b, self.window), like.dtype, "out")
         parts: list[ReadPart] = []
         mix.read_rows(comp, index, np.arange(b, dtype=np.uint64), out, parts)
         read_ranges(parts)
