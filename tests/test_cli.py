@@ -443,7 +443,7 @@ def test_convert_between_metadata_layouts(
 
 
 def test_plan_spreads_the_gets_over_the_prefixes_that_hold_the_rows(
-    dataset: Path, capsys: pytest.CaptureFixture[str]
+    dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A shuffled read touches every row equally: each chunk's prefix serves GETs in
     proportion to its rows; a window that runs across two files takes two GETs."""
@@ -454,8 +454,20 @@ def test_plan_spreads_the_gets_over_the_prefixes_that_hold_the_rows(
     src.close()
     total, window = cum[-1], 33
     r = plan(dataset, 64, 1000.0, window)
-    per_window = 1 + (window - 1) * len(paths) / total
+    # counted: the files a window at each start touches (the boundaries between files
+    # inside it, plus one); k files have k - 1 such boundaries
+    starts = np.arange(int(total))
+    inner = cum[1:-1]
+    crossed = np.searchsorted(inner, starts + window, "left") - np.searchsorted(
+        inner, starts, "right"
+    )
+    per_window = 1 + float(crossed.mean())
+    assert per_window == pytest.approx(1 + (window - 1) * (len(paths) - 1) / total)
     assert r["gets_per_sample"] == pytest.approx(per_window)
+    # one file: no window runs across two (this said 1 + (window - 1) / rows)
+    np.save(tmp_path / "one.npy", np.arange(100_000, dtype=np.uint16))
+    one = plan(tmp_path / "one.npy", 8, 1000.0, 4097)
+    assert one["gets_per_sample"] == 1.0
     assert r["gets_per_s"] == pytest.approx(64 * 1000 / window * per_window)
     want: dict[str, float] = {}
     for p, rows in zip(paths, cum[1:] - cum[:-1], strict=True):

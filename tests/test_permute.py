@@ -277,6 +277,24 @@ def test_slices_and_steps() -> None:
     assert p[-1000] == full[0]
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    start=st.none() | st.integers(-60, 60),
+    stop=st.none() | st.integers(-60, 60),
+    step=st.none() | st.integers(-7, 7).filter(bool),
+)
+def test_every_slice_is_the_list_slice(
+    n: int, start: int | None, stop: int | None, step: int | None
+) -> None:
+    """Any slice, empty ones with a negative step included (p[-100::-1] of 10 raised
+    OverflowError), is the slice of the list of values, as uint64."""
+    p = Permutation(n, seed=3)
+    got = p[start:stop:step]
+    assert got.dtype == np.uint64
+    assert got.tolist() == [p[i] for i in range(n)][start:stop:step]
+
+
 def test_out_arrays_and_dtypes() -> None:
     p = Permutation(10_000, seed=2)
     idx = np.arange(10_000, dtype=np.int32).reshape(100, 100)

@@ -479,6 +479,8 @@ cdef class Permutation:
 
     def _slice(self, key):
         r = range(*key.indices(self._g.n))
+        if not len(r):  # (a start of -1 for p[-100::-1] is no uint64)
+            return np.empty(0, dtype=np.uint64)
         if r.step == 1:
             return self.range(r.start, max(r.start, r.stop))
         idx = np.arange(len(r), dtype=np.uint64)

@@ -132,7 +132,9 @@ def plan(
         else:
             per_sample = float(window)
             nonempty = max(int((rows > 0).sum()), 1)
-            gets_per_sample = 1.0 + min(1.0, (window - 1) * nonempty / total)
+            # a window takes two GETs when it starts in the window - 1 rows before
+            # one of the nonempty - 1 boundaries between files
+            gets_per_sample = 1.0 + min(1.0, (window - 1) * (nonempty - 1) / total)
             reading = f"windows of {window:,} tokens"
     finally:
         src.close()
