@@ -112,6 +112,23 @@ def test_usage_errors_exit_2_with_one_line(
     assert line.startswith("tokload") and "error:" in line and "--help" in line
 
 
+def test_bench_without_a_window_is_a_usage_error(
+    dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A window longer than the dataset, or an empty dataset, is the command line's
+    mistake (exit 2), not 'a bug in tokload' (exit 1)."""
+    rows = tokload.open_dataset(dataset).num_rows
+    code, _, err = cli(["bench", str(dataset), "--window", str(rows + 1)], capsys)
+    assert code == 2
+    assert f"holds {rows:,} tokens, no window of {rows + 1:,}: give a smaller --window" in (
+        one_line(err)
+    )
+    with tokload.Writer(tmp_path / "empty", "<u2"):
+        pass
+    code, _, err = cli(["bench", str(tmp_path / "empty")], capsys)
+    assert code == 2 and "the dataset has no rows: there is nothing to read" in one_line(err)
+
+
 def test_build_argument_mistakes_found_late_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

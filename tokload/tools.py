@@ -421,6 +421,14 @@ def bench(
     t0 = time.perf_counter()
     view = TokenStream(path, window=window, stride=window - 1)
     t_open = time.perf_counter()
+    if not len(view):
+        rows = view.source.num_rows
+        view.close()
+        if not rows:
+            raise UsageError(f"{path}: the dataset has no rows: there is nothing to read")
+        raise UsageError(
+            f"{path}: holds {rows:,} tokens, no window of {window:,}: give a smaller --window"
+        )
     loader = DataLoader(view, batch_size, seed=0, num_threads=num_threads)
     try:
         it = iter(loader)
