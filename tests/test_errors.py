@@ -87,6 +87,20 @@ def test_file_truncated_after_open(tmp_path: Path) -> None:
     np.testing.assert_array_equal(view[0], np.arange(10))  # other shards still read
     with pytest.raises(FormatError, match="rows is 12 bytes"):
         tokload.open_dataset(ds)  # and the next open refuses the dataset
+    # a read that starts past the new end names the file's size, not the read's start
+    flat = tmp_path / "t.bin"
+    np.arange(1000, dtype=np.uint16).tofile(flat)
+    last = TokenStream(tokload.open_flat(flat, np.uint16), window=10)
+    os.truncate(flat, 500)
+    with pytest.raises(
+        TruncatedFileError,
+        match=r"t\.bin: file ended at byte 500 while reading rows \[990, 1000\) \(20 bytes at "
+        r"offset 1980\)",
+    ):
+        last.read([99])
+    flat.unlink()  # the size cannot be known now
+    with pytest.raises(TruncatedFileError, match=r"t\.bin: file ended at or before byte 1980 "):
+        last.read([99])
 
 
 def test_document_offsets_decreasing_or_past_the_end(tmp_path: Path) -> None:
@@ -286,6 +300,18 @@ def test_bad_megatron_files(tmp_path: Path) -> None:
     ):
         docs.read([0])
     np.testing.assert_array_equal(docs[1], Documents(MEGATRON / "tiny_uint16")[1])
+    # a bad length is named as the length, at its own byte (it was 'the pointer')
+    rows = (tmp_path / "t.bin").stat().st_size // 2
+    for length in (-1, rows + 1):
+        bad = bytearray(idx)
+        bad[34 + 4 : 34 + 8] = length.to_bytes(4, "little", signed=True)  # sequence 1's
+        (tmp_path / "t.idx").write_bytes(bad)
+        with pytest.raises(
+            CorruptDataError,
+            match=rf"t\.idx: the length of sequence 1: bad value {length} at byte 38 "
+            rf"\(the \.bin holds {rows} rows\)",
+        ):
+            Documents(tmp_path / "t").read([1])
     (tmp_path / "t.bin").unlink()
     with pytest.raises(MissingShardError, match="missing Megatron data"):
         tokload.open_megatron(tmp_path / "t")

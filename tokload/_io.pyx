@@ -374,6 +374,18 @@ def _debug_uring_broken():
     return {"rings": _broken_rings, "inflight": _broken_inflight}
 
 
+def _eof_byte(path, uint64_t offset, uint64_t done):
+    """Where a read that stopped short found the file's end: after the ``done`` bytes
+    it got, or (none) where the file ends now, which is at or before ``offset``."""
+    if done:
+        return f"byte {offset + done}"
+    try:
+        size = os.stat(path).st_size
+    except (OSError, TypeError, ValueError):
+        return f"or before byte {offset}"
+    return f"byte {size}" if size <= offset else f"or before byte {offset}"
+
+
 cdef object _raise_io(lib.tl_io_error *err, list paths, str what):
     """Raise the exception for a failed read of paths[err.file]."""
     path = paths[err.file] if 0 <= err.file < len(paths) else "?"
@@ -386,8 +398,9 @@ cdef object _raise_io(lib.tl_io_error *err, list paths, str what):
         raise e
     if err.code == lib.TL_IO_EOF:
         raise TruncatedFileError(
-            f"{path}: file ended at byte {err.offset + err.done} while reading {what} "
-            f"({err.length} bytes at offset {err.offset}); was it truncated after opening?"
+            f"{path}: file ended at {_eof_byte(path, err.offset, err.done)} while reading "
+            f"{what} ({err.length} bytes at offset {err.offset}); was it truncated after "
+            "opening?"
         )
     if err.code == lib.TL_ERR_CORRUPT:
         raise CorruptDataError(f"{path}: {what}: bad value {err.done} at byte {err.offset}")

@@ -287,10 +287,10 @@ cdef extern from "tokload/plan.h" nogil:
     void tl_megatron_plan(tl_fent *idx, uint64_t len_off, uint64_t ptr_off,
                           const uint64_t *ids, size_t count, int32_t *lens,
                           int64_t *ptrs, tl_ioreq *reqs) noexcept
-    int tl_megatron_finish(uint64_t ptr_off, uint64_t itemsize, uint64_t bin_rows,
-                           const uint64_t *ids, size_t count, const int32_t *lens,
-                           const int64_t *ptrs, uint64_t *out_start, uint64_t *out_len,
-                           tl_io_error *err, size_t *failed_item) noexcept
+    int tl_megatron_finish(uint64_t len_off, uint64_t ptr_off, uint64_t itemsize,
+                           uint64_t bin_rows, const uint64_t *ids, size_t count,
+                           const int32_t *lens, const int64_t *ptrs, uint64_t *out_start,
+                           uint64_t *out_len, tl_io_error *err, size_t *failed_item) noexcept
 
     ctypedef struct tl_meta_shard:
         tl_fent *index

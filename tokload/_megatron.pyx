@@ -13,6 +13,7 @@ from tokload._io cimport FileSet, _raise_io
 
 import numpy as np
 
+from tokload.errors import CorruptDataError
 from tokload.forksafe import ForkSafeLock
 
 
@@ -117,9 +118,16 @@ cdef class MegatronIndex(ExtentIndex):
                 if rc:
                     failed = reqs[failed].item
                 else:
-                    rc = lib.tl_megatron_finish(self.ptr_off, self.itemsize, self.bin_rows, ids,
-                                                n, lens, ptrs, starts, lengths, &err, &failed)
+                    rc = lib.tl_megatron_finish(self.len_off, self.ptr_off, self.itemsize,
+                                                self.bin_rows, ids, n, lens, ptrs, starts,
+                                                lengths, &err, &failed)
             self.file.engine_end(&eng)
+            if rc == lib.TL_ERR_CORRUPT and err.length == 4:  # a length, not a pointer
+                raise CorruptDataError(
+                    f"{self.file.paths[0]}: the length of sequence {ids[failed]}: bad value "
+                    f"{<int64_t>err.done} at byte {err.offset} (the .bin holds "
+                    f"{self.bin_rows} rows)"
+                )
             if rc:
                 _raise_io(&err, self.file.paths, f"the pointer of sequence {ids[failed]}")
         finally:

@@ -297,7 +297,10 @@ TL_INLINE int tl_docs_finish(const tl_fent *idx_files, const uint64_t *doc_cum,
  * int64 byte pointers into the .bin at byte ptr_off, nseq of each.
  * tl_megatron_plan writes two requests per id (request 2i: its length into
  * lens[i]; 2i + 1: its pointer into ptrs[i]); tl_megatron_finish checks that
- * a pointer is a multiple of itemsize and the sequence ends within bin_rows.
+ * a pointer is a multiple of itemsize within the .bin (a bad one: err->length
+ * 8, the pointer's offset and value) and that the sequence's length is
+ * non-negative and ends within bin_rows (a bad one: err->length 4, the
+ * length's offset and its value, sign-extended).
  */
 TL_INLINE void tl_megatron_plan(tl_fent *idx, uint64_t len_off, uint64_t ptr_off,
                                 const uint64_t *ids, size_t count, int32_t *lens,
@@ -317,22 +320,22 @@ TL_INLINE void tl_megatron_plan(tl_fent *idx, uint64_t len_off, uint64_t ptr_off
     }
 }
 
-TL_INLINE int tl_megatron_finish(uint64_t ptr_off, uint64_t itemsize, uint64_t bin_rows,
-                                 const uint64_t *ids, size_t count, const int32_t *lens,
-                                 const int64_t *ptrs, uint64_t *out_start, uint64_t *out_len,
-                                 tl_io_error *err, size_t *failed_item)
+TL_INLINE int tl_megatron_finish(uint64_t len_off, uint64_t ptr_off, uint64_t itemsize,
+                                 uint64_t bin_rows, const uint64_t *ids, size_t count,
+                                 const int32_t *lens, const int64_t *ptrs, uint64_t *out_start,
+                                 uint64_t *out_len, tl_io_error *err, size_t *failed_item)
 {
     for (size_t i = 0; i < count; i++) {
         int32_t len = lens[i];
         int64_t ptr = ptrs[i];
-        if (TL_UNLIKELY(len < 0 || ptr < 0 || (uint64_t)ptr % itemsize ||
-                        (uint64_t)ptr / itemsize > bin_rows ||
+        int bad_ptr = ptr < 0 || (uint64_t)ptr % itemsize || (uint64_t)ptr / itemsize > bin_rows;
+        if (TL_UNLIKELY(bad_ptr || len < 0 ||
                         (uint64_t)len > bin_rows - (uint64_t)ptr / itemsize)) {
             err->code = TL_ERR_CORRUPT;
             err->file = 0;
-            err->offset = ptr_off + 8 * ids[i];
-            err->length = 8;
-            err->done = (uint64_t)ptr;
+            err->offset = bad_ptr ? ptr_off + 8 * ids[i] : len_off + 4 * ids[i];
+            err->length = bad_ptr ? 8 : 4;
+            err->done = bad_ptr ? (uint64_t)ptr : (uint64_t)(int64_t)len;
             *failed_item = i;
             return TL_ERR_CORRUPT;
         }
