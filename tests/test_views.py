@@ -397,6 +397,20 @@ def test_an_eos_cache_is_not_used_for_a_copy_that_kept_an_older_mtime(tmp_path: 
     np.testing.assert_array_equal(np.fromfile(cache, "<u8"), [0, 2, 5, 7])  # rewritten
 
 
+def test_a_file_that_changes_while_its_eos_tokens_are_found_is_not_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokload import interop
+
+    np.array([1, 2, 0, 3], np.uint16).tofile(tmp_path / "t.bin")
+    seen = iter([1, 2])  # the file's change time before the scan, then after it
+    monkeypatch.setattr(interop, "_changed_ns", lambda st: next(seen))
+    src = tokload.open_flat(tmp_path / "t.bin", np.uint16, eos=0)
+    assert len(Documents(src)) == 2
+    assert not (tmp_path / "t.bin.eos0.docs").exists()  # a private index instead
+    src.close()
+
+
 def test_flat_files_refuse_an_eos_or_index_that_does_not_fit(tmp_path: Path) -> None:
     """An eos no row can hold would make the file one document; an index that does
     not run from row 0 to the file's last would leave rows in no document."""

@@ -395,16 +395,12 @@ def _eos_index(
     if offsets[-1] != rows:
         offsets = np.append(offsets, np.uint64(rows))
     payload = offsets.astype("<u8").tobytes()
+    if _changed_ns(os.stat(path)) != before:  # changed while scanned: cache nothing
+        return _private_index(payload, private)
     try:
-        if _changed_ns(os.stat(path)) != before:  # changed while scanned: cache nothing
-            raise OSError(f"{path} changed while its eos tokens were found")
         fd, tmp = create_unique(cache.parent, f".{cache.name}-")
-    except OSError:  # read-only directory, no permission, the data changed, ...
-        fd, name = tempfile.mkstemp(prefix="tokload-eos-", suffix=".docs")
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-        private.append(Path(name))
-        return Path(name)
+    except OSError:  # read-only directory, no permission, ...
+        return _private_index(payload, private)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
@@ -413,6 +409,15 @@ def _eos_index(
         Path(tmp).unlink(missing_ok=True)
         raise
     return cache
+
+
+def _private_index(payload: bytes, private: list[Path]) -> Path:
+    """``payload`` in a private temporary file, appended to ``private``."""
+    fd, name = tempfile.mkstemp(prefix="tokload-eos-", suffix=".docs")
+    with os.fdopen(fd, "wb") as f:
+        f.write(payload)
+    private.append(Path(name))
+    return Path(name)
 
 
 def _changed_ns(st: os.stat_result) -> int:
