@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 from harness import Segment, assert_exactly_once, run_segments
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import tokload
@@ -555,6 +555,54 @@ def test_locate_in_one_call_equals_its_parts(
     comp, index = blend.locate(q)
     assert comp.dtype == index.dtype == np.int64
     assert comp.tolist() == want_c.tolist() and index.tolist() == want_i.tolist()
+
+
+@pytest.fixture(scope="module")
+def small_views(tmp_path_factory: pytest.TempPathFactory) -> list[TokenStream]:
+    """Components of 13, 7, 3 and 29 windows: each runs out within a few blocks."""
+    root = tmp_path_factory.mktemp("small")
+    out = []
+    for c, n in enumerate([13, 7, 3, 29]):
+        with Writer(root / f"c{c}", "<u2") as w:
+            w.write(np.arange(4 * n, dtype=np.uint16))
+        out.append(TokenStream(root / f"c{c}", window=4))
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    weights=st.lists(st.integers(1, 9).map(float), min_size=4, max_size=4),
+    caps=st.dictionaries(st.integers(0, 3), st.integers(1, 2), min_size=1),
+    block=st.integers(1, 30),
+)
+@example(weights=[9.0, 6.0, 7.0, 3.0], caps={1: 1, 2: 1}, block=26)  # 1 got 8 of its 7
+@example(weights=[3.0, 7.0, 5.0, 5.0], caps={0: 2, 1: 1, 2: 2, 3: 1}, block=12)  # a count -1
+def test_a_capped_component_never_passes_its_cap(
+    small_views: list[TokenStream], weights: list[float], caps: dict[int, int], block: int
+) -> None:
+    """Every component sees its own positions 0, 1, 2, ... once each, a capped one
+    never more than ``max_epochs`` passes (the slots a running-out component freed
+    were dealt to capped ones past their cap: a sample came twice, and a later
+    block got a negative count), and a blend that ends has given each its all."""
+    views = small_views
+    ends = len(caps) == len(views)
+    blend = Blend(
+        list(zip(views, weights, strict=True)),
+        block_size=block,
+        max_epochs=caps,
+        length=None if ends else 300,
+    )
+    assert all(n >= 0 for seg in blend._segments for n in seg.counts)
+    n = len(blend)
+    comp, own = blend.component_positions(np.arange(n))
+    counted = np.bincount(comp, minlength=4)
+    assert blend.proportions(0, n).tolist() == counted.tolist()
+    for c, view in enumerate(views):
+        assert own[comp == c].tolist() == list(range(counted[c]))
+        if c in caps:
+            assert counted[c] <= caps[c] * len(view)
+            if ends:
+                assert counted[c] == caps[c] * len(view)
 
 
 def test_locate_in_one_call_refuses_what_is_not_a_blend() -> None:

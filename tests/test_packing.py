@@ -552,6 +552,15 @@ def test_bad_options_are_refused(tmp_path: Path) -> None:
     for policy in (tokload.Fill(8, value=1 << 40), tokload.Pad(value=-1)):
         with pytest.raises(OverflowError, match=r"the padding value -?\d+ does not fit the field"):
             tokload.DataLoader(tokload.Documents(tmp_path / "ds"), 2, batching=policy)
+    # nor is one that is not an integer (1.5 padded with 1, "7" was parsed)
+    bads: list[Any] = [1.5, "7", True, None]
+    for bad in bads:
+        with pytest.raises(ValueError, match=r"Pad\(value=\.\.\.\) must be an integer token"):
+            tokload.Pad(value=bad)
+        with pytest.raises(ValueError, match=r"Fill\(value=\.\.\.\) must be an integer token"):
+            tokload.Fill(8, value=bad)
+    seven: Any = np.int64(7)
+    assert tokload.Pad(value=seven).value == 7
 
 
 @pytest.mark.parametrize(

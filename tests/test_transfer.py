@@ -281,6 +281,12 @@ def test_device_arguments_without_a_gpu() -> None:
 def test_collate_and_an_explicit_device_conflict(corpus: Path) -> None:
     with pytest.raises(ValueError, match="give either collate or device='cuda'"):
         DataLoader(TokenStream(corpus, window=9), 2, collate=dict, device="cuda")
+    # "cpu" copies nothing, as None: collate goes with it (it was refused)
+    for host in ("cpu", torch.device("cpu")):
+        ld = DataLoader(TokenStream(corpus, window=9), 2, collate=dict, device=host, epochs=1)
+        batch = next(iter(ld))
+        assert isinstance(batch, dict) and isinstance(batch["tokens"], np.ndarray)
+        ld.close()
 
 
 def test_a_backend_is_given_as_the_device(corpus: Path) -> None:

@@ -349,6 +349,13 @@ class _StackReader:
 # ---- documents -------------------------------------------------------------------------------
 
 
+def _check_value_type(policy: str, value: object) -> None:
+    """ValueError unless the padding ``value`` is an integer token (a float was
+    truncated to another token, a string parsed)."""
+    if not is_integer(value):
+        raise ValueError(f"{policy}(value=...) must be an integer token, got {value!r}")
+
+
 def _check_value(view: Any, value: int) -> None:
     """OverflowError when the padding ``value`` does not fit a field of the view."""
     for name, dt in view.fields.items():
@@ -434,6 +441,7 @@ class Pad(_BySample):
     def __post_init__(self) -> None:
         if self.to is not None and (not is_integer(self.to) or self.to < 1):
             raise ValueError(f"Pad(to=...) must be a positive integer or None, got {self.to!r}")
+        _check_value_type("Pad", self.value)
 
     def check(self, view: Any) -> None:
         check_documents(view, "Pad")
@@ -583,6 +591,7 @@ class Fill:
 
     def __post_init__(self) -> None:
         Packing(self.window, self.lookahead)  # checks both
+        _check_value_type("Fill", self.value)
         object.__setattr__(self, "keys", attention_keys(self.attention))
 
     @property

@@ -185,7 +185,8 @@ def retired_transfer(device: Any, given: dict[str, Any]) -> Any:
 def loader_backend(device: Any, pin_memory: bool | str, collate: Any) -> TransferBackend:
     """The backend for the DataLoader's ``device``, ``pin_memory`` and ``collate``:
     ``device`` itself when it is a backend, else the one the arguments describe
-    (``collate`` replaces the device copy, so it excludes an explicit device)."""
+    (``collate`` replaces the device copy, so it excludes a device that copies:
+    any but ``None``, ``"auto"`` and ``"cpu"``)."""
     if is_backend(device):
         if not (isinstance(pin_memory, str) and pin_memory == "auto"):
             raise ValueError(
@@ -199,8 +200,9 @@ def loader_backend(device: Any, pin_memory: bool | str, collate: Any) -> Transfe
             )
         backend: TransferBackend = device
         return backend
-    explicit = device is not None and not (isinstance(device, str) and device == "auto")
-    if collate is not None and explicit:
+    # "cpu" keeps host batches (as None does): no copy for collate to exclude
+    copies = device is not None and str(device) not in ("auto", "cpu")
+    if collate is not None and copies:
         raise ValueError(
             "collate= replaces the conversion to tensors and the device copy; "
             f"give either collate or device={device!r}, not both"

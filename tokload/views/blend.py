@@ -265,22 +265,41 @@ class Blend(WindowBoundaries, View):
                     block += run
                     continue
                 # One block where some capped component has fewer left than its count:
-                # give it what is left and deal the freed slots to the others.
-                short = {c: limit[c] - used[c] for c in limit if counts[c] > limit[c] - used[c]}
-                fixed = [short.get(c, 0) for c in range(k)]
-                rest = m - sum(fixed)
-                others = [0.0 if c in short else w for c, w in enumerate(live)]
-                if sum(others) > 0:
-                    extra = largest_remainder(others, rest)
-                    counts = [f + e for f, e in zip(fixed, extra, strict=True)]
-                    segments.append(_Segment(block, 1, tuple(counts), tuple(used)))
-                    used = [u + n for u, n in zip(used, counts, strict=True)]
-                    block += 1
-                else:
-                    # only exhausted components were left: a final partial block
-                    segments.append(_Segment(block, 1, tuple(fixed), tuple(used)))
+                # give it what is left and deal the freed slots to the others, until
+                # no capped component is dealt more than it has left.
+                counts, final = self._short_block(counts, live, used, limit)
+                segments.append(_Segment(block, 1, tuple(counts), tuple(used)))
+                if final:  # only exhausted components were left: a final partial block
                     return segments
+                used = [u + n for u, n in zip(used, counts, strict=True)]
+                block += 1
         return segments
+
+    def _short_block(
+        self, counts: list[int], live: list[float], used: list[int], limit: dict[int, int]
+    ) -> tuple[list[int], bool]:
+        """The counts of a block in which a capped component has fewer left than
+        ``counts`` gives it, and whether it is the blend's last (partial) block.
+
+        Each such component gets what it has left, and the slots it frees are
+        dealt to the others by weight; a capped one dealt more than it has left
+        is fixed in turn, until none is (the dealing never gives a component more
+        than its cap: a sample past it would come twice)."""
+        fixed: dict[int, int] = {}
+        while True:
+            short = {
+                c: limit[c] - used[c]
+                for c in limit
+                if c not in fixed and counts[c] > limit[c] - used[c]
+            }
+            if not short:
+                return counts, False
+            fixed.update(short)
+            others = [0.0 if c in fixed else w for c, w in enumerate(live)]
+            if sum(others) <= 0:
+                return [fixed.get(c, 0) for c in range(len(counts))], True
+            extra = largest_remainder(others, self.block_size - sum(fixed.values()))
+            counts = [fixed.get(c, e) for c, e in enumerate(extra)]
 
     def _end_position(self) -> int | None:
         """Where the blend ends (every component capped), or None when it never does.
