@@ -265,6 +265,8 @@ def test_compressed_parquet_and_text_inputs(tmp_path: Path) -> None:
         ("[1]", "not a JSON object", r"bad\.jsonl:2: a JSON list, not an object"),
         ('{"body": "x"}', "missing text field", r"bad\.jsonl:2: no text field 'text'"),
         ('{"text": 5}', "text field not a string", r"bad\.jsonl:2: field 'text' is a int"),
+        # present but null: not 'no text field' (with the field listed beside it)
+        ('{"text": null}', "text field not a string", r"bad\.jsonl:2: field 'text' is null, not"),
         (
             '{"text": "abc", "spans": 3}',
             "annotations not a list",

@@ -228,6 +228,13 @@ def test_include_and_exclude_globs(tmp_path: Path) -> None:
     assert find_inputs([src / "pkg" / "a.py"]).files == [src / "pkg" / "a.py"]
     with pytest.raises(UsageError, match=r"no input files .*--include"):
         build([src / "pkg"], tmp_path / "out")
+    # --include replaces the extensions, not the passing over of metadata files
+    repo = hf_repo(tmp_path / "repo")
+    (repo / "data" / "part.json").write_text('{"text": "real training text"}\n')
+    (repo / "config.json").write_text("{}")
+    found = find_inputs([repo], include=["*.json"])
+    assert [p.name for p in found.files] == ["part.json"]
+    assert found.passed_over["files that are not data"] == 2  # dataset_info, config
 
 
 @pytest.mark.parametrize(

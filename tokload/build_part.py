@@ -173,7 +173,7 @@ def build_chunk(
                 assert rec is not None
                 text = rec.get(opts.text_field)
                 if not isinstance(text, str):
-                    if text is None:
+                    if opts.text_field not in rec:
                         fields = ", ".join(map(str, list(rec)[:8])) or "none"
                         fail(
                             line,
@@ -185,7 +185,9 @@ def build_chunk(
                         fail(
                             line,
                             TEXT_NOT_STRING,
-                            f"field {opts.text_field!r} is a {type(text).__name__}, not a string",
+                            f"field {opts.text_field!r} is "
+                            + ("null" if text is None else f"a {type(text).__name__}")
+                            + ", not a string",
                         )
                     continue
                 pending.append((line, text, rec))

@@ -246,6 +246,8 @@ def _walk(
             rel = str(p.relative_to(top))
             if name.startswith("."):
                 found.skip("hidden files", p)
+            elif name in NON_DATA_NAMES:  # --include replaces the extensions, not this
+                found.skip("files that are not data", p)
             elif include and not _matches(rel, name, include):
                 found.skip("files not matching --include", p)
             elif not include and not is_data_file(name):
