@@ -110,6 +110,29 @@ def test_a_text_file_in_pieces_is_one_document_with_the_whole_texts_tokens(
     assert records == [{"document": {"path": str(tmp_path / "big.txt")}}]
 
 
+@pytest.mark.parametrize("suffix", [".gz", ".bz2", ".xz", ".zst"])
+def test_a_compressed_text_file_is_read_decompressed(tmp_path: Path, suffix: str) -> None:
+    """``book.txt.gz`` is listed as compressed text: it was read raw (its first byte is
+    no UTF-8, so the build failed, or skipped it with ``on_error='skip'``)."""
+    import bz2
+    import gzip
+    import lzma
+
+    text = "".join(f"line {i} of a book\n" for i in range(2000)).encode()
+    if suffix == ".zst":
+        zstandard = pytest.importorskip("zstandard")
+        packed = zstandard.ZstdCompressor().compress(text)
+    else:
+        packed = {".gz": gzip, ".bz2": bz2, ".xz": lzma}[suffix].compress(text)
+    (tmp_path / f"book.txt{suffix}").write_bytes(packed)
+    (tmp_path / "plain.txt").write_bytes(text)
+    build([tmp_path / f"book.txt{suffix}"], tmp_path / "z", progress=False)
+    build([tmp_path / "plain.txt"], tmp_path / "p", progress=False)
+    z, p = tokload.Documents(tmp_path / "z"), tokload.Documents(tmp_path / "p")
+    assert len(z) == len(p) == 1
+    np.testing.assert_array_equal(np.asarray(z[0]), np.asarray(p[0]))
+
+
 def test_an_unreadable_text_file_leaves_no_part_of_its_document(tmp_path: Path) -> None:
     good = b"first line\nsecond line\n" * 200
     (tmp_path / "bad.txt").write_bytes(good + b"\xff\xfe not utf-8" + good)

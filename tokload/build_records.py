@@ -109,9 +109,16 @@ class ChunkInput:
 
 
 def _open_lines(inp: ChunkInput) -> IO[bytes]:
-    path, chunk = inp.path, inp.chunk
+    chunk = inp.chunk
     if chunk.unit == "bytes":
         return inp.binary(chunk.start, chunk.end)
+    return _decompressed(inp)
+
+
+def _decompressed(inp: ChunkInput) -> IO[bytes]:
+    """The whole input's bytes, decompressed by its suffix (.gz, .bz2, .xz, .zst);
+    the hash still covers the bytes on disk."""
+    path = inp.path
     raw = inp.binary()
     if path.suffix in _COMPRESSED:
         return io.BufferedReader(_COMPRESSED[path.suffix](raw, "rb"), _READ_CHUNK)
@@ -218,7 +225,7 @@ def records(inp: ChunkInput, text_field: str) -> Iterator[Record]:
                     row += 1
                     yield row, rec, None, WHOLE
     else:
-        with inp.binary() as f:
+        with _decompressed(inp) as f:
             for flags, piece in text_pieces(f):
                 yield 1, {text_field: piece, "path": str(path)}, None, flags
 
