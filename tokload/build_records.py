@@ -121,14 +121,39 @@ def _decompressed(inp: ChunkInput) -> IO[bytes]:
     path = inp.path
     raw = inp.binary()
     if path.suffix in _COMPRESSED:
-        return io.BufferedReader(_COMPRESSED[path.suffix](raw, "rb"), _READ_CHUNK)
+        return io.BufferedReader(_UpToDamage(_COMPRESSED[path.suffix](raw, "rb")), _READ_CHUNK)
     if path.suffix == ".zst":
         try:
             import zstandard
         except ImportError:
             raise BuildError(f"{path}: reading .zst needs the 'zstandard' package") from None
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw), _READ_CHUNK)
+        stream = zstandard.ZstdDecompressor().stream_reader(raw)
+        return io.BufferedReader(_UpToDamage(stream), _READ_CHUNK)
     return raw
+
+
+class _UpToDamage(io.RawIOBase):
+    """A decompressor read with ``read1``: each read returns what one read of the
+    file decompressed to, so the lines before a truncated or damaged part are
+    read (and built) before its error is raised. A decompressor's ``read(n)``
+    gathers ``n`` bytes first, and loses them all to the error (the whole file,
+    when it decompresses to less than ``n``)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        data = self.stream.read1(len(b))
+        n = len(data)
+        b[:n] = data
+        return n
+
+    def close(self) -> None:
+        self.stream.close()
+        super().close()
 
 
 def lines_before(path: Path, offset: int) -> int:
