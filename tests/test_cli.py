@@ -112,6 +112,29 @@ def test_usage_errors_exit_2_with_one_line(
     assert line.startswith("tokload") and "error:" in line and "--help" in line
 
 
+def test_inspect_shows_any_fields_and_no_record_for_an_empty_document(tmp_path: Path) -> None:
+    """Structured rows without a ``token`` field are shown field by field (inspect
+    raised KeyError: 'token'); an empty document has no first token, so no record
+    (the next document's was shown as its own)."""
+    from tokload.tools import inspect
+
+    with tokload.Writer(tmp_path / "labelled", [("input_ids", "<u4"), ("labels", "<u2")]) as w:
+        w.write({"input_ids": np.arange(6), "labels": [0, 0, 3, 3, 3, 0]})
+    text = inspect(tmp_path / "labelled")
+    assert "  input_ids 0 1 2 3 4 5" in text and "  labels  0 0 3 3 3 0" in text
+    (tmp_path / "a.jsonl").write_text(
+        "".join(
+            json.dumps({"id": f"doc-{i}", "text": t}) + "\n" for i, t in enumerate(["a", "", "d"])
+        )
+    )
+    tokload.build(
+        [tmp_path / "a.jsonl"], tmp_path / "out", eos=False, keep_fields=["id"], progress=False
+    )
+    empty = inspect(tmp_path / "out", sample=1)
+    assert "document 1: 0 rows" in empty and "doc-2" not in empty and "metadata" in empty
+    assert "metadata of its first token" in inspect(tmp_path / "out", sample=2)
+
+
 def test_bench_without_a_window_is_a_usage_error(
     dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -591,6 +591,28 @@ def test_build_to_s3_is_published_manifest_last_and_resumes(s3: LocalS3, tmp_pat
     assert problem.startswith(f"{rows}: damaged")
 
 
+def test_inspect_decodes_a_remote_sample_with_the_datasets_tokenizer(
+    tmp_path: Path, s3: LocalS3
+) -> None:
+    """The dataset's copy of its tokenizer.json is read from the store (inspect said
+    it was missing, and decoded nothing, wherever the dataset was not local)."""
+    pytest.importorskip("tokenizers")
+    from test_build import _hf_tokenizer
+
+    tj = _hf_tokenizer(tmp_path / "tok.json")
+    (tmp_path / "a.jsonl").write_text(
+        "".join(json.dumps({"text": f"hello world {i}"}) + "\n" for i in range(5))
+    )
+    tokload.build([tmp_path / "a.jsonl"], tmp_path / "ds", tokenizer=tj, progress=False)
+    tj.unlink()  # only the dataset's own copy is left, as on another machine
+    s3.upload_dir(str(tmp_path / "ds"), BUCKET, "inspect-tok")
+    local = tokload.tools.inspect(tmp_path / "ds")
+    text = tokload.tools.inspect(f"s3://{BUCKET}/inspect-tok")
+    decoded = next(line for line in local.splitlines() if line.startswith("  text    "))
+    assert "hello world 0" in decoded
+    assert decoded in text.splitlines()
+
+
 def test_a_forked_child_is_refused_not_hung(corpus: tuple[Path, str]) -> None:
     """obstore's runtime does not survive fork(): a child forked after the parent read
     from the store gets a RemoteError at its first read instead of hanging."""

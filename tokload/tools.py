@@ -52,19 +52,24 @@ def inspect(path: str | os.PathLike[str], sample: int | None = 0, tokens: int = 
 
         docs = Documents(src)
         d = docs[sample]
-        toks = d["token"] if isinstance(d, dict) else d
-        lines.append(f"document {sample}: {len(toks)} rows; first {min(tokens, len(toks))}:")
-        lines.append("  ids     " + " ".join(map(str, toks[:tokens].tolist())))
-        root = None if Location(path).remote else path  # a tokenizer file is read locally
-        tok = from_description(tok_desc, root=root) if isinstance(tok_desc, dict) else None
-        if tok is not None:
+        fields = d if isinstance(d, dict) else {"ids": d}
+        rows = len(next(iter(fields.values())))
+        lines.append(f"document {sample}: {rows} rows; first {min(tokens, rows)}:")
+        for name, values in fields.items():  # structured rows: every field (input_ids, ...)
+            shown = "ids" if name == "token" else name
+            lines.append(f"  {shown:<7s} " + " ".join(map(str, values[:tokens].tolist())))
+        toks = fields.get("token", fields.get("ids"))
+        tok = _dataset_tokenizer(path, tok_desc) if isinstance(tok_desc, dict) else None
+        if toks is None:
+            pass  # no token field to decode
+        elif tok is not None:
             lines.append("  text    " + repr(tok.decode([int(t) for t in toks[:tokens]])))
         elif isinstance(tok_desc, dict):
             lines.append(
                 f"  text    (not decoded: the tokenizer file {tok_desc.get('file')!r} is "
                 "missing from the dataset or not the one it was built with)"
             )
-        if m.metadata:
+        if m.metadata and rows:  # an empty document has no first token
             from tokload.views import StreamWithMetadata
 
             starts, _ = docs.extents([sample])
@@ -74,6 +79,26 @@ def inspect(path: str | os.PathLike[str], sample: int | None = 0, tokens: int = 
                 lines.append(f"  metadata of its first token: {first.metadata[0]!r}")
     src.close()
     return "\n".join(lines)
+
+
+def _dataset_tokenizer(path: str | os.PathLike[str], desc: dict[str, Any]) -> Any:
+    """The tokenizer ``desc`` describes, from the dataset's copy of its file (read
+    from the store for a remote dataset) when its SHA-256 is the recorded one."""
+    loc = Location(path)
+    if not loc.remote or not isinstance(desc.get("file"), str):
+        return from_description(desc, root=None if loc.remote else path)
+    import tempfile
+
+    from tokload.remote.urls import join
+
+    try:
+        data = loc.read(join(os.fspath(path), desc["file"]), "tokenizer file")
+    except (OSError, TokloadError):
+        return from_description({**desc, "file": None})
+    with tempfile.TemporaryDirectory(prefix="tokload-inspect-") as d:
+        with open(os.path.join(d, os.path.basename(desc["file"])), "wb") as f:
+            f.write(data)
+        return from_description(desc, root=d)
 
 
 S3_GETS_PER_PREFIX = 5500
