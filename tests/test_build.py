@@ -312,6 +312,40 @@ def test_unreadable_input(tmp_path: Path) -> None:
         build([tmp_path / "missing.jsonl"], tmp_path / "o3", progress=False)
 
 
+def test_kept_parquet_columns_of_types_json_lacks(tmp_path: Path) -> None:
+    """Timestamps, dates, decimals and bytes are kept in a JSON form (the build
+    crashed with 'Object of type datetime is not JSON serializable')."""
+    import base64
+    import datetime
+    import decimal
+
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    when = datetime.datetime(2020, 1, 1, 12, 0)
+    table = pa.table(
+        {
+            "text": ["first document"],
+            "ts": [when],
+            "day": [when.date()],
+            "price": pa.array([decimal.Decimal("1.25")], pa.decimal128(5, 2)),
+            "blob": [b"\x00\xff"],
+        }
+    )
+    pq.write_table(table, tmp_path / "data.parquet")
+    keep = ["ts", "day", "price", "blob"]
+    build([tmp_path / "data.parquet"], tmp_path / "out", keep_fields=keep, progress=False)
+    stream = tokload.StreamWithMetadata(tmp_path / "out", window=4, deserialize=json.loads)
+    (record,) = list(stream[0].metadata)
+    assert record == {
+        "document": {
+            "ts": "2020-01-01T12:00:00",
+            "day": "2020-01-01",
+            "price": "1.25",
+            "blob": base64.b64encode(b"\x00\xff").decode(),
+        }
+    }
+
+
 @pytest.mark.parametrize("suffix", [".gz", ".bz2", ".xz"])
 def test_a_truncated_compressed_input_keeps_the_records_before_the_damage(
     tmp_path: Path, suffix: str

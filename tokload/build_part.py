@@ -16,7 +16,10 @@ and end, ...]}`` (empty parts omitted, keys sorted).
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import datetime
+import decimal
 import itertools
 import json
 import os
@@ -37,6 +40,7 @@ from tokload.build_records import (
     FIRST,
     LAST,
     NO_TEXT,
+    NOT_JSON,
     TEXT_NOT_STRING,
     UNREADABLE,
     WHOLE,
@@ -342,5 +346,25 @@ def _spans(
         if covering:
             record["annotations"] = covering
         if record and b > a:
-            spans.append((a, b, json.dumps(record, sort_keys=True, separators=(",", ":")).encode()))
+            try:
+                payload = json.dumps(
+                    record, sort_keys=True, separators=(",", ":"), default=_json_value
+                )
+            except (TypeError, ValueError) as e:
+                return None, (NOT_JSON, f"a kept field or annotation has {e}")
+            spans.append((a, b, payload.encode()))
     return spans, None
+
+
+def _json_value(v: Any) -> Any:
+    """A JSON form of the values Parquet columns hold that JSON lacks: dates and times
+    as ISO 8601 text, decimals as their text, bytes as base64; TypeError otherwise."""
+    if isinstance(v, datetime.date | datetime.time):  # datetime is a date
+        return v.isoformat()
+    if isinstance(v, datetime.timedelta):
+        return v.total_seconds()
+    if isinstance(v, decimal.Decimal):
+        return str(v)
+    if isinstance(v, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(v)).decode("ascii")
+    raise TypeError(f"a {type(v).__name__} value ({v!r:.40}), which has no JSON form")

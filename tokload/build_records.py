@@ -178,6 +178,7 @@ ANNOTATIONS_NOT_LIST = "annotations not a list"
 ANNOTATION_NO_SPAN = "annotation without integer start/end"
 ANNOTATION_OUTSIDE = "annotation outside the text"
 UNREADABLE = "unreadable input"
+NOT_JSON = "field without a JSON form"
 
 Record = tuple[int, dict[str, Any] | None, tuple[str, str] | None, int]
 """(line, record, (reason key, message), FIRST/LAST flags) of one input record; lines count
