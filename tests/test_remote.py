@@ -404,6 +404,7 @@ _SLOWDOWN = (
         ("GenericError", "status code: 400 Bad Request", False, RemoteError),
         ("GenericError", "error sending request for url", True, RemoteError),
         ("GenericError", "kind: Timeout, operation timed out", True, RemoteError),
+        ("GenericError", "timeout error: HTTP error: error sending request", True, RemoteError),
         ("GenericError", "Generic error: non-partial response", True, RangesIgnoredError),
         ("GenericError", "from http://169.254.169.254/latest/api/token", False, RemoteAccessError),
         ("GenericError", "status code: 403 Forbidden", False, RemoteAccessError),
@@ -437,6 +438,10 @@ def test_what_the_clients_errors_mean(error: str, kind: str, retried: bool, name
     if kind is _SLOWDOWN:
         assert client.cause(e) == "HTTP 503 Service Unavailable (SlowDown)"
         assert "HTTP 503 Service Unavailable (SlowDown)" in str(err)
+    # a timeout is worded "error sending request" too: it is a timeout, not unreachable
+    timed_out = "timeout" in kind.lower() or "timed out" in kind
+    assert ("timed out after 3 attempts" in str(err)) is (timed_out and named is RemoteError)
+    assert ("endpoint unreachable" in str(err)) is (kind == "error sending request for url")
 
 
 def test_persistent_throttling_names_the_url_range_and_cause(

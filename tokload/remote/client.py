@@ -19,7 +19,7 @@ What the rest of ``tokload.remote`` asks of a client, all of it here:
 - ``head``, ``list_prefix``, ``put``, ``delete``: awaitables of the other requests;
 - ``kind(e)``: what an exception of the client's means (``CHANGED``, ``MISSING``,
   ``NO_BUCKET``, ``NO_CREDENTIALS``, ``DENIED``, ``NOT_PARTIAL``, ``UNREACHABLE``,
-  ``TRANSIENT``, or ``None``), from its type where the client gives one and its
+  ``TIMEOUT``, ``TRANSIENT``, or ``None``), from its type where the client gives one and its
   HTTP status or message otherwise; ``cause(e)``: what went wrong, in a few words.
 
 ``tests/test_remote_client.py`` reads datasets through an in-memory client made of
@@ -46,10 +46,12 @@ NO_CREDENTIALS = "no credentials"  # the client found none (and asked instance m
 DENIED = "denied"  # access denied, or not authenticated
 NOT_PARTIAL = "not partial"  # a ranged GET answered with 200 and the whole object
 UNREACHABLE = "unreachable"  # the endpoint could not be connected to (retried)
-TRANSIENT = "transient"  # throttled, a server error, a timeout, a dropped connection
+TIMEOUT = "timeout"  # a request took longer than its timeout (retried)
+TRANSIENT = "transient"  # throttled, a server error, a dropped connection
 
 _STATUS = re.compile(r"status code: (\d{3})")
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_TIMEOUT = re.compile(r"kind: Timeout|timed out|timeout error", re.I)
 _CONNECT = re.compile(r"kind: Connect|error sending request")
 _TRANSPORT = re.compile(
     r"kind: (Connect|Timeout|Request|Body|Decode|Interrupted)|error sending request"
@@ -268,6 +270,8 @@ def kind(e: BaseException) -> str | None:
         return None
     if status is not None:
         return TRANSIENT if status in _RETRY_STATUS else None
+    if _TIMEOUT.search(text):  # worded "error sending request" too: not unreachable
+        return TIMEOUT
     if _CONNECT.search(text):
         return UNREACHABLE
     return TRANSIENT if _TRANSPORT.search(text) else None

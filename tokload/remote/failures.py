@@ -22,7 +22,7 @@ NOT_PARTIAL_TRIES = 3
 """Answers of the whole object to a ranged GET after which the server is taken to
 ignore ranges (``RangesIgnoredError``) rather than to have hiccupped."""
 
-_RETRIED = frozenset({client.NOT_PARTIAL, client.UNREACHABLE, client.TRANSIENT})
+_RETRIED = frozenset({client.NOT_PARTIAL, client.UNREACHABLE, client.TIMEOUT, client.TRANSIENT})
 
 
 class ShortBody(Exception):
@@ -113,4 +113,10 @@ def named(
         )
     if k == client.UNREACHABLE:
         return at(RemoteError, f"endpoint unreachable{tries} ({what}): {cause}")
+    if k == client.TIMEOUT:
+        return at(
+            RemoteError,
+            f"timed out{tries} ({what}): {cause}; the store answered too slowly for "
+            "storage_options 'timeout' (per request; 'connect_timeout' to connect)",
+        )
     return at(RemoteError, f"{what} failed{tries}: {cause}")
