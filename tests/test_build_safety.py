@@ -237,6 +237,25 @@ def test_include_and_exclude_globs(tmp_path: Path) -> None:
     assert found.passed_over["files that are not data"] == 2  # dataset_info, config
 
 
+def test_a_directory_walk_follows_links_and_reads_no_file_twice(tmp_path: Path) -> None:
+    """A linked directory's files are inputs (they were passed over without a word);
+    a directory reached again, through a second link or a loop, is passed over."""
+    store = tmp_path / "store" / "cc"
+    store.mkdir(parents=True)
+    (store / "part0.jsonl").write_text('{"text": "from the linked directory"}\n')
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "own.jsonl").write_text('{"text": "from the directory itself"}\n')
+    (data / "cc").symlink_to(store, target_is_directory=True)
+    (data / "cc-again").symlink_to(store, target_is_directory=True)
+    (store / "loop").symlink_to(data, target_is_directory=True)  # back up: a loop
+    found = find_inputs([data])
+    assert sorted(p.name for p in found.files) == ["own.jsonl", "part0.jsonl"]
+    assert found.passed_over["directories reached again through a link"] == 2
+    s = build([data], tmp_path / "out")
+    assert s.documents == 2
+
+
 @pytest.mark.parametrize(
     ("name", "data"),
     [

@@ -224,9 +224,20 @@ def _walk(
     found: Found,
     files: set[Path],
 ) -> None:
-    """Add the data files under ``top`` to ``files``; count what is passed over."""
-    for dirpath, dirnames, filenames in os.walk(top):
+    """Add the data files under ``top`` to ``files``; count what is passed over.
+
+    Links to directories are followed (corpora are often put together from
+    them); a directory reached a second time, through a link or a loop of
+    links, is passed over, so no file is read twice."""
+    walked: set[tuple[int, int]] = set()
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
         here = Path(dirpath)
+        st = os.stat(here)
+        if (st.st_dev, st.st_ino) in walked:
+            found.skip("directories reached again through a link", here)
+            dirnames.clear()
+            continue
+        walked.add((st.st_dev, st.st_ino))
         if is_dataset_dir(here):
             found.skip("tokload datasets", here)
             dirnames.clear()
