@@ -258,6 +258,15 @@ def test_part_slices_the_chunks_of_one_file(tmp_path: Path) -> None:
     for k in range(3):
         for name, data in dataset_files(tmp_path / f"p{k}" / "parts").items():
             assert (single / "parts" / name).read_bytes() == data, name
+    # more parts than chunks: the parts without a chunk are empty datasets with the
+    # build's metadata layout (they failed on a 'per_token' layout without its field)
+    n = s.chunks + 2
+    many = [tmp_path / f"q{k}" for k in range(n)]
+    for k, out in enumerate(many):
+        args = ["build", str(big), "-o", str(out), "--part", f"{k}/{n}", "--keep-field", "id"]
+        assert main([*args, "--chunk-size", "4000", "--no-progress"]) == 0
+    assert main(["merge", str(tmp_path / "merged-many"), *map(str, many)]) == 0
+    assert tokload.open_dataset(tmp_path / "merged-many").fingerprint == a.fingerprint
 
 
 def test_chunk_names_and_records(tmp_path: Path) -> None:

@@ -53,7 +53,14 @@ from tokload.build_part import build_chunk
 from tokload.build_plan import DEFAULT_CHUNK_BYTES, BuildOptions, Chunk, parse_part, plan_chunks
 from tokload.build_records import NO_TEXT
 from tokload.errors import BuildError, UsageError
-from tokload.format import FORMAT_VERSION, MANIFEST, Manifest, read_manifest, write_manifest
+from tokload.format import (
+    DEFAULT_METADATA_BLOCK,
+    FORMAT_VERSION,
+    MANIFEST,
+    Manifest,
+    read_manifest,
+    write_manifest,
+)
 from tokload.inputs import BUILD_MARKER, Found, find_inputs
 from tokload.progress import DEFAULT_EVERY as DEFAULT_PROGRESS_EVERY
 from tokload.progress import Progress
@@ -424,6 +431,8 @@ def _assemble(
     tdt = token_dtype(vocab_size)
     dtype: Any = [("token", tdt.str)] if opts.metadata else tdt
     m = Manifest(dtype=np.dtype(dtype), documents=True, metadata=opts.metadata)
+    if opts.metadata:  # the chunks' Writer's layout (a part without chunks has none to copy)
+        m.metadata_layout, m.span_block = "blocks", DEFAULT_METADATA_BLOCK
     for c in mine:
         p = read_manifest(out / PARTS / c.name)
         m.metadata_layout, m.span_block = p.metadata_layout, p.span_block  # the writer's
