@@ -30,17 +30,20 @@ FOUR_WEIGHTS = st.lists(st.floats(0.0, 10.0), min_size=4, max_size=4).filter(lam
 """Weights of the four ``views``, not all (nearly) zero."""
 
 
-@pytest.fixture(scope="module")
-def views(tmp_path_factory: pytest.TempPathFactory) -> list[TokenStream]:
-    """Components whose window k of component c is filled with c*10000 + k."""
-    root = tmp_path_factory.mktemp("blend")
+def _components(root: Path, sizes: list[int]) -> list[TokenStream]:
+    """Components of ``sizes`` windows; window k of component c is filled with c*10000 + k."""
     out = []
-    for c, n in enumerate([50, 130, 7, 300]):
+    for c, n in enumerate(sizes):
         with Writer(root / f"c{c}", "<u4") as w:
             for k in range(n):
                 w.write(np.full(4, c * 10000 + k, np.uint32))
         out.append(TokenStream(root / f"c{c}", window=4))
     return out
+
+
+@pytest.fixture(scope="module")
+def views(tmp_path_factory: pytest.TempPathFactory) -> list[TokenStream]:
+    return _components(tmp_path_factory.mktemp("blend"), [50, 130, 7, 300])
 
 
 def test_largest_remainder() -> None:
@@ -560,13 +563,7 @@ def test_locate_in_one_call_equals_its_parts(
 @pytest.fixture(scope="module")
 def small_views(tmp_path_factory: pytest.TempPathFactory) -> list[TokenStream]:
     """Components of 13, 7, 3 and 29 windows: each runs out within a few blocks."""
-    root = tmp_path_factory.mktemp("small")
-    out = []
-    for c, n in enumerate([13, 7, 3, 29]):
-        with Writer(root / f"c{c}", "<u2") as w:
-            w.write(np.arange(4 * n, dtype=np.uint16))
-        out.append(TokenStream(root / f"c{c}", window=4))
-    return out
+    return _components(tmp_path_factory.mktemp("small"), [13, 7, 3, 29])
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
