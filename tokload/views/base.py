@@ -258,3 +258,17 @@ def _check_out(arr: Any, shape: tuple[int, ...], dtype: np.dtype[Any], what: str
     if not arr.flags.c_contiguous or not arr.flags.writeable:
         raise ValueError(f"{what} must be a writeable C-contiguous array")
     return arr
+
+
+def _check_rows_out(out: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> list[np.ndarray]:
+    """``out`` checked against rows of ``dtype`` (as ``empty`` makes them): the one
+    array of a plain dtype, or a dict with an array per field of a structured one,
+    returned in ``_field_layout`` order."""
+    if dtype.fields is None:
+        return [_check_out(out, shape, dtype, "out")]
+    if not isinstance(out, dict):
+        raise TypeError("out must be a dict of per-field arrays for a structured dtype")
+    return [
+        _check_out(out.get(name), shape, ft, f"out[{name!r}]")
+        for name, ft, _ in _field_layout(dtype)
+    ]

@@ -58,7 +58,7 @@ from tokload._slots import block_slots
 from tokload._slots import locate as locate_slots
 from tokload._slots import positions as slot_positions
 from tokload.arguments import positive_integer, seed_and_rounds
-from tokload.views.base import Fields, ReadPart, View, _check_out
+from tokload.views.base import Fields, ReadPart, View, _check_rows_out
 from tokload.views.blend_reads import DocumentMix, RecordMix, WindowMix
 from tokload.views.contract import Alloc, check_view, is_documents
 from tokload.views.metadata import MetadataBatch, StreamWithMetadata
@@ -485,14 +485,7 @@ class Blend(WindowBoundaries, View):
         b = len(comp)
         if out is None:
             out = self.empty(b)
-        like = self.empty(0)  # what out must match: the components' dtype, or fields
-        if isinstance(like, dict):
-            if not isinstance(out, dict):
-                raise TypeError("out must be a dict of per-field arrays for a structured dtype")
-            for name, arr in like.items():
-                _check_out(out.get(name), (b, self.window), arr.dtype, f"out[{name!r}]")
-        else:
-            _check_out(out, (b, self.window), like.dtype, "out")
+        _check_rows_out(out, (b, self.window), mix.dtype)  # the components' rows
         parts: list[ReadPart] = []
         mix.read_rows(comp, index, np.arange(b, dtype=np.uint64), out, parts)
         read_ranges(parts)

@@ -13,7 +13,7 @@ from tokload._docindex import boundary_arrays, split_cu_seqlens, window_cuts
 from tokload._rows import split_fields
 from tokload.arguments import positive_integer
 from tokload.errors import FormatError
-from tokload.views.base import DataLike, Fields, ReadPart, View, _check_out, _field_layout
+from tokload.views.base import DataLike, Fields, ReadPart, View, _check_rows_out, _field_layout
 from tokload.views.contract import ATTENTION_KEYS, Alloc, attention_keys
 
 
@@ -309,17 +309,11 @@ class TokenStream(WindowBoundaries, _Windows):
         dt = self.source.dtype
         if out is None:
             out = self.empty(b)
+        outs = _check_rows_out(out, (b, self.window), dt)
         if dt.fields is None:
-            dst = _check_out(out, (b, self.window), dt, "out")
-            self._read_windows(idx, dst)
-            return dst
-        if not isinstance(out, dict):
-            raise TypeError("out must be a dict of per-field arrays for a structured dtype")
+            self._read_windows(idx, outs[0])
+            return outs[0]
         layout = _field_layout(dt)
-        outs = [
-            _check_out(out.get(name), (b, self.window), ft, f"out[{name!r}]")
-            for name, ft, _ in layout
-        ]
         scratch = np.empty((b, self.window), dtype=dt)
         self._read_windows(idx, scratch)
         split_fields(
