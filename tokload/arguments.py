@@ -24,10 +24,10 @@ def is_integer(value: object) -> TypeGuard[int]:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
-def positive_integer(name: str, value: object) -> int:
-    """``value`` as an ``int`` if it is an integer >= 1; ValueError naming ``name`` if not."""
+def positive_integer(name: str, value: object, error: type[ValueError] = ValueError) -> int:
+    """``value`` as an ``int`` if it is an integer >= 1; ``error`` naming ``name`` if not."""
     if not is_integer(value) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise error(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 
 

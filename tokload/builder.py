@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from tokload.arguments import is_integer
+from tokload.arguments import is_integer, positive_integer
 from tokload.build_output import (
     MARKER_TEXT,
     PARTS,
@@ -246,10 +246,8 @@ def build(
         raise UsageError(f"on_error must be 'stop' or 'skip', got {on_error!r}")
     if not is_integer(workers) or workers < 1:
         raise UsageError(f"workers must be an integer >= 1, got {workers!r}")
-    if not is_integer(shard_bytes) or shard_bytes < 1:
-        raise UsageError(f"shard_bytes must be a positive integer, got {shard_bytes!r}")
-    if not is_integer(chunk_bytes) or chunk_bytes < 1:
-        raise UsageError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+    positive_integer("shard_bytes", shard_bytes, UsageError)
+    positive_integer("chunk_bytes", chunk_bytes, UsageError)
     if not 0 <= max_skipped <= 1:
         raise UsageError(f"max_skipped must be a fraction from 0 to 1, got {max_skipped}")
     k, n = parse_part(part)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from tokload._io import io_scope
-from tokload.arguments import is_integer
+from tokload.arguments import is_integer, positive_integer
 
 DEFAULT_PREFETCH_BYTES = 256 << 20
 """The memory the automatic prefetch may fill per rank (256 MiB)."""
@@ -83,9 +83,7 @@ class ReadOptions:
         p = self.prefetch
         if p is not None and (not is_integer(p) or p < 1):
             raise ValueError(f"prefetch must be >= 1 or None, got {p!r}")
-        b = self.prefetch_bytes
-        if not is_integer(b) or b < 1:
-            raise ValueError(f"prefetch_bytes must be a positive integer, got {b!r}")
+        positive_integer("prefetch_bytes", self.prefetch_bytes)
         s = self.steps_per_task
         if not is_integer(s) or s < 1:
             raise ValueError(f"steps_per_task must be >= 1, got {s!r}")

@@ -58,17 +58,16 @@ def inspect(path: str | os.PathLike[str], sample: int | None = 0, tokens: int = 
         for name, values in fields.items():  # structured rows: every field (input_ids, ...)
             shown = "ids" if name == "token" else name
             lines.append(f"  {shown:<7s} " + " ".join(map(str, values[:tokens].tolist())))
-        toks = fields.get("token", fields.get("ids"))
-        tok = _dataset_tokenizer(path, tok_desc) if isinstance(tok_desc, dict) else None
-        if toks is None:
-            pass  # no token field to decode
-        elif tok is not None:
-            lines.append("  text    " + repr(tok.decode([int(t) for t in toks[:tokens]])))
-        elif isinstance(tok_desc, dict):
-            lines.append(
-                f"  text    (not decoded: the tokenizer file {tok_desc.get('file')!r} is "
-                "missing from the dataset or not the one it was built with)"
-            )
+        toks = fields.get("token", fields.get("ids"))  # None: no token field to decode
+        if toks is not None and isinstance(tok_desc, dict):
+            tok = _dataset_tokenizer(path, tok_desc)
+            if tok is not None:
+                lines.append("  text    " + repr(tok.decode([int(t) for t in toks[:tokens]])))
+            else:
+                lines.append(
+                    f"  text    (not decoded: the tokenizer file {tok_desc.get('file')!r} is "
+                    "missing from the dataset or not the one it was built with)"
+                )
         if m.metadata and rows:  # an empty document has no first token
             from tokload.views import StreamWithMetadata
 
