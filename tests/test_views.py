@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 
 import tokload
 from tokload import Documents, StreamWithMetadata, TokenStream, Writer
+from tokload.format import read_manifest
+from tokload.tools import verify
 
 DATA = Path(__file__).parent / "data"
 MEGATRON = DATA / "megatron"
@@ -576,6 +578,47 @@ os._exit(0)  # killed mid-shard: no close(), no flush
     assert len(docs) == 24  # 8 complete shards of 3; the 25th document was never published
     for k in range(24):
         np.testing.assert_array_equal(docs[k], np.full(30, k))
+
+
+def test_append_after_a_crash_steps_past_the_killed_writers_files(tmp_path: Path) -> None:
+    """A writer killed with a shard open leaves that shard's files, listed in no
+    manifest (and, in layout "blocks", hidden ``.tmp`` files); appending with the
+    same ``name_prefix`` once failed on them (FileExistsError). The new shard
+    takes the next free name and the leftovers stay as they were."""
+    ds = tmp_path / "ds"
+    code = f"""
+import os, numpy as np, tokload
+w = tokload.Writer({str(ds)!r}, "<u2", metadata=True, metadata_layout="blocks",
+                   shard_bytes=100, name_prefix="p")
+for k in range(9):
+    w.write(np.full(30, k, np.uint16), spans=[(0, 5, b"x")])  # 60 bytes: a shard each
+os._exit(0)  # killed with shard p-00008 open
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+    left = sorted(p.name for p in ds.iterdir() if "p-00008" in p.name)
+    assert left == [
+        ".p-00008.mdb.tmp",
+        ".p-00008.mds.tmp",
+        ".p-00008.mdx.tmp",
+        "p-00008.docs",
+        "p-00008.rows",
+    ]
+    before = {p.name: p.read_bytes() for p in ds.iterdir() if "p-00008" in p.name}
+    with Writer(ds, "<u2", mode="a", metadata=True, metadata_layout="blocks", name_prefix="p") as w:
+        w.write(np.full(4, 99, np.uint16), spans=[(0, 4, b"y")])
+        w.flush()
+        # a file that appears while the writer runs (another writer with the
+        # same prefix) is stepped past too
+        (ds / "p-00010.rows").write_bytes(b"")
+        w.write(np.full(3, 98, np.uint16), spans=[(0, 3, b"z")])
+    names = [s.name for s in read_manifest(ds).shards]
+    assert names == [f"p-{k:05d}" for k in range(8)] + ["p-00009", "p-00011"]
+    assert {p.name: p.read_bytes() for p in ds.iterdir() if "p-00008" in p.name} == before
+    docs = Documents(ds)
+    assert len(docs) == 10
+    np.testing.assert_array_equal(docs[8], np.full(4, 99))
+    np.testing.assert_array_equal(docs[9], np.full(3, 98))
+    assert verify(ds) == []
 
 
 def test_values_are_range_checked_and_structured_input_accepted(tmp_path: Path) -> None:

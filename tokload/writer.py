@@ -32,6 +32,7 @@ from tokload.format import (
     MAX_METADATA_BLOCK,
     METADATA_FIELD,
     NO_METADATA,
+    SHARD_FILES,
     U64,
     Manifest,
     ShardInfo,
@@ -78,7 +79,9 @@ class Writer:
             shards to one (same dtype and options required; existing shards are
             never touched).
         name_prefix: shard names are ``f"{name_prefix}-{k:05d}"``; by default a
-            random prefix, so writers running in parallel never collide.
+            random prefix, so writers running in parallel never collide. ``k``
+            skips the names the manifest lists and those a killed writer's
+            files still use.
         user: free-form JSON stored in the manifest (tokenizer, source, ...).
         durable: fsync each shard and the directory before listing it.
 
@@ -167,10 +170,8 @@ class Writer:
             self.manifest.check(str(self.path))
         self.metadata = metadata
         self.prefix = name_prefix or f"w{secrets.token_hex(4)}"
-        taken = {s.name for s in self.manifest.shards}
-        self._seq = 0
-        while self._name(self._seq) in taken:
-            self._seq += 1
+        self._taken = {s.name for s in self.manifest.shards}
+        self._seq = self._free_seq(0)
         self._shard: OpenShard | None = None
         # Where the document being written in pieces began, and its last record.
         self._doc_mark: tuple[list[int], list[Any], list[Any]] | None = None
@@ -179,6 +180,22 @@ class Writer:
 
     def _name(self, seq: int) -> str:
         return f"{self.prefix}-{seq:05d}"
+
+    def _free_seq(self, seq: int) -> int:
+        """The first sequence number from ``seq`` whose shard name no manifest
+        shard has and no file on disk uses: a writer killed part-way (SIGKILL,
+        a lost node) leaves its open shard's files, listed nowhere, and a later
+        writer with the same ``name_prefix`` steps past them rather than
+        failing on them or overwriting them."""
+        while True:
+            name = self._name(seq)
+            if name not in self._taken and not any(
+                (self.path / f).exists()
+                for ext in SHARD_FILES
+                for f in (f"{name}.{ext}", f".{name}.{ext}.tmp")
+            ):
+                return seq
+            seq += 1
 
     # ---- writing -------------------------------------------------------------
 
@@ -288,6 +305,7 @@ class Writer:
             self._close_shard()
             shard = None
         if shard is None:
+            self._seq = self._free_seq(self._seq)
             shard = self._shard = OpenShard(
                 self.path, self._name(self._seq), self.manifest, self.durable
             )
