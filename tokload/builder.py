@@ -54,7 +54,7 @@ from tokload.build_plan import DEFAULT_CHUNK_BYTES, BuildOptions, Chunk, parse_p
 from tokload.build_records import NO_TEXT
 from tokload.errors import BuildError, UsageError
 from tokload.format import (
-    DEFAULT_METADATA_BLOCK,
+    DEFAULT_METADATA_LAYOUT,
     FORMAT_VERSION,
     MANIFEST,
     Manifest,
@@ -74,6 +74,7 @@ from tokload.tokenizer import (
     load_tokenizer,
     token_dtype,
 )
+from tokload.writer import checked_block
 
 __all__ = [
     "BUILDER_VERSION",
@@ -430,7 +431,8 @@ def _assemble(
     dtype: Any = [("token", tdt.str)] if opts.metadata else tdt
     m = Manifest(dtype=np.dtype(dtype), documents=True, metadata=opts.metadata)
     if opts.metadata:  # the chunks' Writer's layout (a part without chunks has none to copy)
-        m.metadata_layout, m.span_block = "blocks", DEFAULT_METADATA_BLOCK
+        m.metadata_layout = DEFAULT_METADATA_LAYOUT
+        m.span_block = checked_block(None, DEFAULT_METADATA_LAYOUT)
     for c in mine:
         p = read_manifest(out / PARTS / c.name)
         m.metadata_layout, m.span_block = p.metadata_layout, p.span_block  # the writer's

@@ -39,6 +39,9 @@ LAYOUTS = ("blocks", "spans", "per_token")
 """How a dataset attaches metadata to rows (FORMAT.md): self-contained metadata
 blocks per shard (version 3), a span table per shard (version 2), or a
 ``metadata_id`` field in every row (version 1's only layout)."""
+DEFAULT_METADATA_LAYOUT = "blocks"
+"""The layout a metadata ``Writer`` picks when its dtype has no ``metadata_id``
+field (so does ``tokload build --metadata``)."""
 DEFAULT_SPAN_BLOCK = 1024
 """Rows per entry of a span table's block index, unless the writer says otherwise."""
 DEFAULT_METADATA_BLOCK = 4096

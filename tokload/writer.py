@@ -26,6 +26,7 @@ from tokload.errors import FormatError
 from tokload.files import fsync_dir
 from tokload.format import (
     DEFAULT_METADATA_BLOCK,
+    DEFAULT_METADATA_LAYOUT,
     DEFAULT_SPAN_BLOCK,
     LAYOUTS,
     MANIFEST,
@@ -114,7 +115,7 @@ class Writer:
         if metadata_layout is None and not has_field and appending:
             metadata_layout = read_manifest(self.path).metadata_layout  # keep the dataset's
         if metadata_layout is None:
-            metadata_layout = "per_token" if has_field else "blocks"
+            metadata_layout = "per_token" if has_field else DEFAULT_METADATA_LAYOUT
         if metadata_layout not in LAYOUTS:
             raise ValueError(
                 f"metadata_layout must be one of {', '.join(map(repr, LAYOUTS))}, "
