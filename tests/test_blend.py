@@ -266,6 +266,9 @@ def test_through_the_dataloader_resume_and_rescale(views: list[TokenStream]) -> 
         ({"schedule": [(200, [1])]}, ValueError, r"stage 1 gives 1 weights for 2 components"),
         ({"length": None}, ValueError, r"length is required unless every component is capped"),
         ({"max_epochs": {5: 1}}, ValueError, r"max_epochs: need a component in \[0, 2\)"),
+        # a float cap failed inside the layout with "slice indices must be integers"
+        ({"max_epochs": {0: 1.5}}, ValueError, r"integers both, got 0: 1\.5"),
+        ({"max_epochs": {"0": 1}}, ValueError, r"integers both, got '0': 1"),
         ({"block_size": 0}, ValueError, r"block_size must be a positive integer, got 0"),
         ({"block_size": 100.5}, ValueError, r"block_size must be a positive integer, got 100\.5"),
         # a float seed ran as the int it truncated to

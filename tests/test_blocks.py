@@ -1518,6 +1518,11 @@ def test_append_and_merge_keep_the_blocks(tmp_path: Path) -> None:
     np.testing.assert_array_equal(bx.positions, by.positions)
     np.testing.assert_array_equal(bx.metadata.data, by.metadata.data)
     np.testing.assert_array_equal(bx.metadata.offsets, by.metadata.offsets)
+    # a block given that is not the dataset's is refused, not silently replaced
+    with pytest.raises(FormatError, match=r"cannot append with span_block=8 to a dataset of span_"):
+        Writer(a, "<u2", metadata=True, mode="a", span_block=8)
+    Writer(a, "<u2", metadata=True, mode="a", span_block=16).close()  # the same: taken
+    assert read_manifest(a).span_block == 16 and verify(a) == []
     c = write_docs(tmp_path / "c", docs=docs[:2], block=9)
     with pytest.raises(
         FormatError, match=r"\(layout \('blocks', 9\)\) differs from .*\(layout \('blocks', 16\)\)"

@@ -480,6 +480,17 @@ def test_convert_between_metadata_layouts(
     assert code == 1 and "has no metadata" in one_line(err)
     code, _, err = cli(["convert", str(spans), str(tmp_path / "y"), "--span-block", "0"], capsys)
     assert code == 2 and "--span-block: must be at least 1, got 0" in one_line(err)
+    # past a metadata block's most rows: a usage error (exit 2), not "a bug in tokload"
+    code, _, err = cli(
+        ["convert", str(spans), str(tmp_path / "y"), "--span-block", "70000"], capsys
+    )
+    assert code == 2 and "span_block must be at most 65536 for metadata blocks, got 70000" in err
+    assert "bug" not in err and not (tmp_path / "y").exists()
+    code, _, _ = cli(
+        ["convert", str(spans), str(tmp_path / "y"), "--layout", "spans", "--span-block", "70000"],
+        capsys,
+    )
+    assert code == 0  # a span table's index takes any block
 
 
 def test_plan_spreads_the_gets_over_the_prefixes_that_hold_the_rows(

@@ -536,6 +536,9 @@ def test_every_public_exception_is_exported_at_the_top_level() -> None:
     assert "StateError" in found
     missing = sorted(found - set(tokload.__all__))
     assert not missing, f"not exported at the top level: {missing}"
+    # and from tokload.errors, for `from tokload.errors import *`
+    defined = {n for n in found if getattr(tokload, n).__module__ == "tokload.errors"}
+    assert sorted(defined - set(tokload.errors.__all__)) == []
     for name in found:
         assert getattr(tokload, name).__name__ == name
 

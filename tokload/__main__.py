@@ -539,7 +539,9 @@ def _run(args: argparse.Namespace, started: float) -> int:
         return 0
     if args.command == "convert":
         from tokload.derive import convert
+        from tokload.writer import checked_block
 
+        checked_block(args.span_block, args.layout, UsageError)  # exit 2, as argparse's
         m = convert(args.src, args.dst, args.layout, span_block=args.span_block)
         print(
             f"tokload convert: {len(m.shards)} shards, {m.num_documents:,} documents, "

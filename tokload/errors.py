@@ -84,6 +84,7 @@ __all__ = [
     "FormatError",
     "MissingShardError",
     "ObjectChangedError",
+    "RangesIgnoredError",
     "RemoteAccessError",
     "RemoteError",
     "StateError",

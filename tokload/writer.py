@@ -131,6 +131,7 @@ class Writer:
                 f"Writer dtype: metadata_layout='per_token' needs a '<u4' field "
                 f"{METADATA_FIELD!r} in the dtype, got {self.dtype}"
             )
+        given_block = span_block
         span_block = checked_block(span_block, metadata_layout)
         self.layout = metadata_layout if metadata else "per_token"
         self.shard_bytes = shard_bytes
@@ -153,6 +154,15 @@ class Writer:
                     f"{self.path}: cannot append dtype={self.dtype}, metadata={metadata} "
                     f"({self.layout}) to a dataset of dtype={m.dtype}, metadata={m.metadata} "
                     f"({m.metadata_layout})"
+                )
+            if (
+                given_block is not None
+                and self.layout != "per_token"
+                and span_block != m.span_block
+            ):
+                raise FormatError(
+                    f"{self.path}: cannot append with span_block={span_block} to a dataset "
+                    f"of span_block={m.span_block} (leave it out to take the dataset's)"
                 )
             span_block = m.span_block
             if not self.manifest.documents:
@@ -425,13 +435,14 @@ class Writer:
         self.close()
 
 
-def checked_block(span_block: Any, layout: str) -> int:
-    """``span_block`` checked for ``layout``, or its default there."""
+def checked_block(span_block: Any, layout: str, error: type[ValueError] = ValueError) -> int:
+    """``span_block`` checked for ``layout``, or its default there; ``error``
+    is raised for a bad one (the CLI's ``UsageError``)."""
     if span_block is None:
         return DEFAULT_METADATA_BLOCK if layout == "blocks" else DEFAULT_SPAN_BLOCK
-    block = positive_integer("span_block", span_block)
+    block = positive_integer("span_block", span_block, error)
     if layout == "blocks" and block > MAX_METADATA_BLOCK:
-        raise ValueError(
+        raise error(
             f"span_block must be at most {MAX_METADATA_BLOCK} for metadata blocks, got {block}"
         )
     return block

@@ -7,9 +7,10 @@
   its metadata record in the list of distinct records of the window (or of the
   batch), and that list.
 
-Each view has ``len(view)``, ``view[i]`` and a bulk ``view.read(indices,
-out=...)`` that fills preallocated arrays in one call into the C core, without
-the GIL. Any view can be cut to a contiguous range of its observations with
+Each view has ``len(view)``, ``view[i]`` and a bulk ``view.read(indices)``
+that reads a batch in one call into the C core, without the GIL (into
+preallocated arrays: ``out=`` for the windowed views, ``alloc=`` for
+``Documents``). Any view can be cut to a contiguous range of its observations with
 ``subset`` (or ``split``, Megatron's ``"969,30,1"`` style) at no cost.
 - ``Blend``: a weighted, scheduled mixture of views of one kind.
 

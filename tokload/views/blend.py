@@ -57,7 +57,7 @@ from tokload._rows import read_ranges
 from tokload._slots import block_slots
 from tokload._slots import locate as locate_slots
 from tokload._slots import positions as slot_positions
-from tokload.arguments import positive_integer, seed_and_rounds
+from tokload.arguments import is_integer, positive_integer, seed_and_rounds
 from tokload.views.base import Fields, ReadPart, View, _check_rows_out
 from tokload.views.blend_reads import DocumentMix, RecordMix, WindowMix
 from tokload.views.contract import Alloc, check_view, is_documents
@@ -201,12 +201,13 @@ class Blend(WindowBoundaries, View):
                 )
         caps = dict(max_epochs or {})
         for c, e in caps.items():
-            if not 0 <= c < k or e < 1:
+            if not (is_integer(c) and is_integer(e)) or not 0 <= c < k or e < 1:
                 raise ValueError(
-                    f"max_epochs: need a component in [0, {k}) and epochs >= 1, got {c}: {e}"
+                    f"max_epochs: need a component in [0, {k}) and epochs >= 1, "
+                    f"integers both, got {c!r}: {e!r}"
                 )
         self.stages = stages
-        self.max_epochs = caps
+        self.max_epochs = {int(c): int(e) for c, e in caps.items()}
         self._segments = self._compile()
         self._starts = [s.first_block for s in self._segments]
         # the segments as arrays, for component_positions' vectorized lookups
