@@ -72,7 +72,8 @@ class Writer:
             ``"blocks"``.
         span_block: rows per metadata block (``"blocks"``, default 4096, at
             most 65536) or per entry of the span tables' block index
-            (``"spans"``, default 1024).
+            (``"spans"``, default 1024). Appending takes the dataset's; one
+            given that differs is refused.
         shard_bytes: start a new shard before a document that would take the
             current one past this many bytes of rows (a single larger document
             still gets a shard of its own). Default 1 GiB.
