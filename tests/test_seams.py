@@ -539,6 +539,48 @@ def test_garbage_collection_does_not_wait_for_reads() -> None:
     assert wait_no_readers()  # the threads stop by themselves once their read returns
 
 
+def test_a_script_that_leaves_its_loop_without_close_exits_cleanly(tmp_path: Path) -> None:
+    """The README's pattern, ``zip(range(5), loader)`` and the end of the script:
+    the reader threads, daemons, were still building batches (allocating torch
+    tensors) as the interpreter finalized, and 9 runs in 10 aborted (SIGABRT,
+    "terminate called without an active exception"). Exit now stops and joins
+    them first."""
+    ds = tmp_path / "meta"
+    with Writer(ds, "<u4", metadata=True, shard_bytes=4000) as w:
+        for k in range(3000):
+            n = 6 + k % 40
+            w.write(np.arange(n), spans=[(0, n // 2, b"s%d" % (k % 5))])
+    child = (
+        "import sys, tokload\n"
+        "view = tokload.StreamWithMetadata(sys.argv[1], window=33)\n"
+        "loader = tokload.DataLoader(view, batch_size=8, seed=3, num_threads=8)\n"
+        "for step, batch in zip(range(5), loader):\n"
+        "    pass\n"
+    )
+    for _ in range(3):
+        r = subprocess.run(
+            [sys.executable, "-c", child, str(ds)], capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+        assert "reader thread" not in r.stderr
+
+
+def test_exit_steps_run_by_stage_whatever_order_they_came_in() -> None:
+    """The object-store client's exit (which waits for requests in flight) comes
+    after the readers are stopped, though it registers later, when first used."""
+    code = (
+        "from tokload import exiting\n"
+        "exiting.at_exit(exiting.CLIENT, lambda: print('client'))\n"
+        "exiting.at_exit(exiting.READERS, lambda: print('readers'))\n"
+        "exiting.at_exit(exiting.READERS, lambda: 1 / 0)\n"
+        "exiting.at_exit(exiting.CLIENT, lambda: print('client 2'))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    assert r.stdout.split("\n") == ["readers", "client", "client 2", ""]
+    assert "ZeroDivisionError" in r.stderr  # a failing step is shown, the next ones run
+
+
 @pytest.mark.parametrize("kind", ["steps", "collate"])
 def test_a_closed_loader_s_task_gives_up_between_steps(kind: str) -> None:
     """Reads of a view that is not rowwise, and collate, run one step at a time: a

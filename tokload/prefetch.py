@@ -15,6 +15,12 @@ training thread, never waits for a read in progress). The threads are daemons,
 so one still inside a read can never keep the interpreter alive; once its read
 returns it sees the flag and exits without building anything more.
 
+Exit. A daemon thread still building when the interpreter finalizes (a script
+that leaves its loop without ``close()``) is ended in the middle of Python or
+torch code, and the process aborts; so at exit every live Prefetcher is closed
+and its threads joined, for at most ``EXIT_S`` seconds in all, before anything
+else of tokload's (``tokload.exiting``).
+
 Fork. The reader threads do not exist in a child made by ``os.fork()``, and the
 lock of the condition they share may have been held by one of them at the
 moment of the fork. An ``os.register_at_fork`` hook (as CPython's
@@ -28,11 +34,14 @@ and starts a new Prefetcher with the child's own threads.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any
+
+from tokload import exiting
 
 POLL_S = 0.05  # how often waiting threads look at the stop flag
 
@@ -56,6 +65,26 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+EXIT_S = 10.0
+"""How long the exit waits, at most, for every reader thread to leave its read."""
+
+
+def _close_all_at_exit() -> None:
+    live = list(_live)
+    for pf in live:  # every thread told first, then one deadline for them all
+        pf.close(timeout=0)
+    deadline = time.monotonic() + EXIT_S
+    if not all([pf.close(max(0.0, deadline - time.monotonic())) for pf in live]):
+        left = sum(t.is_alive() for pf in live for t in pf._threads)
+        print(
+            f"tokload: at exit, after waiting {EXIT_S:g} s, {left} reader thread(s) still "
+            "inside a read: the process may abort",
+            file=sys.stderr,
+        )
+
+
+exiting.at_exit(exiting.READERS, _close_all_at_exit)
 
 
 class Prefetcher:

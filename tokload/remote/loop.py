@@ -12,7 +12,6 @@ coroutines run on the loop with ``run``.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import os
 import sys
 import threading
@@ -20,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tokload import _remote
+from tokload import _remote, exiting
 from tokload.errors import RemoteError
 from tokload.remote.store import longest_timeout
 
@@ -87,7 +86,7 @@ def get_loop() -> asyncio.AbstractEventLoop:
             loop.add_reader(efd, _on_wake)
             threading.Thread(target=loop.run_forever, name="tokload-remote", daemon=True).start()
             if _loop is None:
-                atexit.register(quiesce)
+                exiting.at_exit(exiting.CLIENT, quiesce)
             _loop, _loop_pid = loop, os.getpid()
         return _loop
 

@@ -1,0 +1,55 @@
+"""What tokload does when the interpreter exits, in order.
+
+The one job of this module: run the exit steps of the modules that own threads,
+in a fixed order, before the interpreter finalizes. A thread that runs Python
+(or takes the GIL from C++ or Rust code: a torch tensor freed, an object-store
+answer handed over) once the interpreter is finalizing is ended with
+``pthread_exit``, which cannot unwind through C++ or Rust frames: the process
+aborts (SIGABRT, "terminate called without an active exception") after a run
+that did all its work, as a script that leaves its loop without
+``loader.close()`` did. So, at exit:
+
+1. ``READERS``: the DataLoader's reader threads are told to stop and joined
+   (``tokload.prefetch``): no read starts after this;
+2. ``CLIENT``: the object-store client's requests in flight complete and its
+   threads leave Python (``tokload.remote.loop.quiesce``).
+
+``atexit`` runs its handlers last registered first, and these modules register
+when first used, in no fixed order: hence one handler here, which runs the steps
+by stage.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+READERS = 0
+"""Stop the reader threads (no new reads)."""
+CLIENT = 1
+"""Let the object-store client's threads leave Python."""
+
+_steps: list[tuple[int, int, Callable[[], Any]]] = []
+_lock = threading.Lock()
+
+
+def at_exit(stage: int, step: Callable[[], Any]) -> None:
+    """Run ``step()`` at exit, after the steps of earlier stages (and, within a
+    stage, in the order given)."""
+    with _lock:
+        if not _steps:
+            atexit.register(_run)
+        _steps.append((stage, len(_steps), step))
+
+
+def _run() -> None:
+    with _lock:
+        steps = sorted(_steps, key=lambda s: s[:2])
+    for _, _, step in steps:
+        try:
+            step()
+        except Exception:  # one step's failure does not skip the next
+            traceback.print_exc()
