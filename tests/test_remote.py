@@ -536,12 +536,15 @@ def test_no_credentials_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> N
         tokload.open_dataset(f"s3://{BUCKET}/ds", {"retries": 0, "connect_timeout": 1})
 
 
+@pytest.mark.parametrize("name", ["endpoint", "endpoint_url", "AWS_ENDPOINT_URL", "Aws_Endpoint"])
 def test_storage_options_override_the_environment(
-    s3: LocalS3, corpus: tuple[Path, str], monkeypatch: pytest.MonkeyPatch
+    s3: LocalS3, corpus: tuple[Path, str], monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
+    """Any spelling obstore takes: an http endpoint under ``AWS_ENDPOINT_URL`` failed
+    with "builder error" (plain http was not allowed for it)."""
     local, url = corpus
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # wrong on purpose
-    view = TokenStream(url, 50, storage_options={"endpoint": s3.endpoint})
+    view = TokenStream(url, 50, storage_options={name: s3.endpoint})
     np.testing.assert_array_equal(view[3], TokenStream(local, 50)[3])
     with pytest.raises(ValueError, match="storage_options"):
         TokenStream(url, 50, storage_options={"endpoint": s3.endpoint, "no_such_key": 1})
@@ -932,6 +935,30 @@ def test_an_aws_profile_gives_the_credentials(
     err = capsys.readouterr().err
     want = f"tokload debug: tokload.remote: s3://{BUCKET}: credentials from the AWS profile"
     assert f"{want} 'lab'" in err
+
+
+@pytest.mark.parametrize(
+    ("options", "source"),
+    [
+        ({"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}, "storage_options"),
+        ({"aws_access_key_id": "k", "aws_secret_access_key": "s"}, "storage_options"),
+        ({"Access_Key_Id": "k", "secret_access_key": "s"}, "storage_options"),
+        ({"AWS_SKIP_SIGNATURE": "true"}, "nowhere (skip_signature"),
+        ({"skip_signature": True}, "nowhere (skip_signature"),
+    ],
+)
+def test_keys_given_in_any_spelling_come_before_a_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], source: str
+) -> None:
+    """Keys given as ``AWS_ACCESS_KEY_ID`` (obstore takes any case) were passed over,
+    and the requests signed with the default profile's keys: another account's."""
+    from tokload.remote.client import _aws_credentials
+
+    _profile_only(monkeypatch, tmp_path, None)
+    provider, where = _aws_credentials(dict(options))
+    assert provider is None and where.startswith(source)
+    provider, where = _aws_credentials({"skip_signature": "false"})
+    assert provider is not None and "the AWS profile 'default'" in where
 
 
 def test_an_unknown_profile_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -86,7 +86,7 @@ def connect(
 ) -> tuple[Any, str]:
     """A client for one bucket (or container): ``(handle, where its credentials come
     from)``.  ``config``: the store's own ``storage_options`` (obstore's names for the
-    scheme; ``endpoint_url`` taken as ``endpoint``).  ``timeout``, ``connect_timeout``:
+    scheme, in any case, with or without ``aws_``).  ``timeout``, ``connect_timeout``:
     seconds, per request.
 
     Raises:
@@ -95,17 +95,18 @@ def connect(
     """
     obs = obstore()
     config = dict(config)
+    given = _option(config, "endpoint", "endpoint_url")
+    env = os.environ
     endpoint = str(
-        config.get("endpoint")
-        or config.get("aws_endpoint")
-        or config.get("endpoint_url")
-        or (os.environ.get("AWS_ENDPOINT_URL_S3") if scheme == "s3" else None)
-        or (os.environ.get("AWS_ENDPOINT_URL") if scheme == "s3" else None)
+        given
+        or (
+            env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or env.get("AWS_ENDPOINT")
+            if scheme == "s3"
+            else None
+        )
         or ""
     )
-    if "endpoint_url" in config:
-        config["endpoint"] = config.pop("endpoint_url")
-    if scheme == "s3" and endpoint and "endpoint" not in config and "aws_endpoint" not in config:
+    if scheme == "s3" and endpoint and given is None:
         config["endpoint"] = endpoint
     client: dict[str, Any] = {"timeout": f"{timeout}s", "connect_timeout": f"{connect_timeout}s"}
     if endpoint.startswith("http://"):
@@ -130,7 +131,16 @@ def connect(
     return handle, credentials
 
 
-_KEY_OPTIONS = ("access_key_id", "aws_access_key_id", "secret_access_key", "aws_secret_access_key")
+def _option(config: dict[str, Any], *names: str) -> Any:
+    """The value of the first option of ``config`` named one of ``names``, spelt as
+    obstore takes it: in any case, with or without the ``aws_`` prefix
+    (``AWS_ACCESS_KEY_ID``, ``aws_access_key_id`` and ``access_key_id`` are one
+    option); None if there is none."""
+    for key, value in config.items():
+        k = str(key).lower()
+        if (k[4:] if k.startswith("aws_") else k) in names:
+            return value
+    return None
 
 
 def _aws_credentials(config: dict[str, Any]) -> tuple[Any, str]:
@@ -144,9 +154,9 @@ def _aws_credentials(config: dict[str, Any]) -> tuple[Any, str]:
     credentials (profiles, SSO, ``credential_process``, assumed roles; refreshed
     as they expire), and the profile's region is used unless one is set.
     """
-    if config.get("skip_signature") in (True, "true", "True"):
+    if str(_option(config, "skip_signature")).lower() == "true":
         return None, "nowhere (skip_signature: unsigned requests)"
-    if any(k in config for k in _KEY_OPTIONS):
+    if _option(config, "access_key_id", "secret_access_key") is not None:
         return None, "storage_options (access_key_id)"
     env = os.environ
     if env.get("AWS_ACCESS_KEY_ID"):
@@ -182,7 +192,7 @@ def _aws_credentials(config: dict[str, Any]) -> tuple[Any, str]:
                 f"files read: {', '.join(files)}"
             ) from None
         if found:
-            no_region = not (config.get("region") or config.get("aws_region")) and not (
+            no_region = not _option(config, "region", "default_region") and not (
                 env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
             )
             if no_region and session.region_name:
