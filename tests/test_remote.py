@@ -552,6 +552,42 @@ def test_storage_options_override_the_environment(
         TokenStream(url, 50, storage_options={"retries": "many"})
 
 
+def test_urls_are_normalized_as_the_store_names_its_objects() -> None:
+    assert remote.normalize("S3://bkt//a/./b/../c/") == "s3://bkt/a/c"
+    assert remote.normalize("s3://bkt/") == remote.normalize("s3://bkt") == "s3://bkt"
+    assert remote.join("s3://bkt/root/whole", "../part-0/x.rows") == "s3://bkt/root/part-0/x.rows"
+    with pytest.raises(
+        ValueError, match=r"s3://bkt/a/\.\./\.\./x: the key climbs above the bucket"
+    ):
+        remote.normalize("s3://bkt/a/../../x")
+
+
+def test_a_merged_dataset_and_odd_spellings_of_a_url_read_from_the_store(
+    s3: LocalS3, corpus: tuple[Path, str], tmp_path: Path
+) -> None:
+    """A merged dataset names its parts' shards with ``..`` (FORMAT.md): in the
+    store they were looked up as ``whole/../part-0/...`` and missing. ``S3://`` and
+    ``s3://bkt//ds`` found the objects, but none under the root as typed."""
+    local, url = corpus
+    want = Documents(local)
+    idx = [0, 7, len(want) - 1]
+    for spelt in (url.replace("s3://", "S3://"), url.replace("/ds", "//ds/"), url + "/./"):
+        np.testing.assert_array_equal(Documents(spelt).read(idx).values, want.read(idx).values)
+    root = tmp_path / "root"
+    parts = []
+    for k in range(2):
+        with Writer(root / f"part-{k}", "<u4", shard_bytes=400) as w:
+            for d in range(5):
+                w.write(np.arange(d + 10 * k, 2 * d + 10 * k + 3, dtype=np.uint32))
+        parts.append(root / f"part-{k}")
+    tokload.merge(root / "whole", parts)
+    merged = _upload(s3, root, "merged") + "/whole"
+    a, b = Documents(root / "whole"), Documents(merged)
+    assert len(b) == len(a) == 10
+    np.testing.assert_array_equal(b.read(np.arange(10)).values, a.read(np.arange(10)).values)
+    assert tokload.tools.verify(merged) == []
+
+
 def test_urls_that_are_not_object_stores() -> None:
     with pytest.raises(ValueError, match="unsupported URL scheme 'ftp'"):
         TokenStream("ftp://host/ds", 10)

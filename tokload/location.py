@@ -52,12 +52,20 @@ class Location:
         self.root: str = (
             # a local root made absolute: its files are opened as reads need them,
             # after the caller may have changed directory
-            os.fspath(root).rstrip("/") if self.remote else os.path.abspath(remote.local_path(root))
+            remote.normalize(os.fspath(root))
+            if self.remote
+            else os.path.abspath(remote.local_path(root))
         )
         self._objects: dict[str, Any] | None = None
 
     def join(self, name: str) -> str:
-        return self.root + "/" + name if self.remote else os.path.join(self.root, name)
+        """The path or URL of ``name`` under the root (``..`` resolved in a URL: a
+        merged dataset names its parts' shards so)."""
+        if self.remote:
+            from tokload import remote
+
+            return remote.join(self.root, name)
+        return os.path.join(self.root, name)
 
     def stores_nothing(self) -> bool:
         """Whether a remote root's listing (when one was made) holds no object at all."""

@@ -68,7 +68,15 @@ from tokload.remote.objects import (
     read_object,
 )
 from tokload.remote.store import RemoteObject, Settings, Store, store_for
-from tokload.remote.urls import SCHEMES, is_url, join, local_path, scheme_of, split_url
+from tokload.remote.urls import (
+    SCHEMES,
+    is_url,
+    join,
+    local_path,
+    normalize,
+    scheme_of,
+    split_url,
+)
 
 __all__ = [
     "SCHEMES",
@@ -84,6 +92,7 @@ __all__ = [
     "listing",
     "local_path",
     "missing_bucket",
+    "normalize",
     "put_file",
     "read_object",
     "scheme_of",

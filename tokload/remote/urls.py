@@ -69,8 +69,29 @@ def absolute_local(path: object) -> object:
 
 
 def join(url: str, name: str) -> str:
-    """``url/name`` (one slash between)."""
-    return url.rstrip("/") + "/" + name
+    """``url/name``, normalized (``normalize``): a merged dataset's shard names
+    climb out of its prefix with ``..``."""
+    return normalize(url.rstrip("/") + "/" + name)
+
+
+def normalize(url: str) -> str:
+    """``url`` as the store names its objects: the scheme in lower case, and the
+    key's empty, ``.`` and ``..`` segments resolved, as in a path (object_store's
+    keys have none of them), with no slash at the end.
+
+    Raises:
+        ValueError: the key climbs above its bucket.
+    """
+    scheme, bucket, key = split_url(url)
+    parts: list[str] = []
+    for seg in key.split("/"):
+        if seg == "..":
+            if not parts:
+                raise ValueError(f"{url}: the key climbs above the bucket {bucket!r}")
+            parts.pop()
+        elif seg not in ("", "."):
+            parts.append(seg)
+    return f"{scheme}://{bucket}" + "".join("/" + p for p in parts)
 
 
 def split_url(url: str) -> tuple[str, str, str]:
