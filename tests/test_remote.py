@@ -47,6 +47,7 @@ from tokload import (
     RemoteError,
     StreamWithMetadata,
     TokenStream,
+    UsageError,
     Writer,
     _remote,
     remote,
@@ -586,6 +587,26 @@ def test_a_merged_dataset_and_odd_spellings_of_a_url_read_from_the_store(
     assert len(b) == len(a) == 10
     np.testing.assert_array_equal(b.read(np.arange(10)).values, a.read(np.arange(10)).values)
     assert tokload.tools.verify(merged) == []
+    # merged in the bucket: the manifest is uploaded (it was written to ./s3:/...)
+    there = f"s3://{BUCKET}/merged/again"
+    inputs = [f"s3://{BUCKET}/merged/part-{k}" for k in range(2)]
+    m = tokload.merge(there, inputs)
+    assert m.shards[0].name.startswith("../part-0/") and not Path("s3:").exists()
+    np.testing.assert_array_equal(
+        Documents(there).read(np.arange(10)).values, a.read(np.arange(10)).values
+    )
+    with pytest.raises(FileExistsError, match="a dataset already exists here"):
+        tokload.merge(there, inputs)
+    with pytest.raises(
+        UsageError, match="of a merge must be all local directories or all URLs in one bucket"
+    ):
+        tokload.merge(tmp_path / "local", inputs)
+    with pytest.raises(
+        UsageError, match="of a merge must be all local directories or all URLs in one bucket"
+    ):
+        tokload.merge("s3://another-bucket/x", inputs)
+    with pytest.raises(UsageError, match="convert reads and writes local directories"):
+        tokload.convert(merged, tmp_path / "converted")
 
 
 def test_urls_that_are_not_object_stores() -> None:

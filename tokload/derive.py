@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+import posixpath
+import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tokload import remote
 from tokload._meta import SPAN_DTYPE, decode_blocks
-from tokload.errors import FormatError
+from tokload.errors import FormatError, UsageError
 from tokload.files import fsync_dir, read_regular
 from tokload.format import (
     LAYOUTS,
@@ -39,20 +42,60 @@ def _new_dataset_dir(output: str | os.PathLike[str]) -> Path:
     return out
 
 
-def merge(output: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str]]) -> Manifest:
+def _relative_to(output: str | os.PathLike[str], inputs: Sequence[Any]) -> list[str]:
+    """Each input's path relative to ``output``: directories, or URLs of one bucket
+    (a manifest names its shards by relative paths, which cannot lead from a
+    bucket to a disk or to another bucket)."""
+    paths = [os.fspath(p) for p in (output, *inputs)]
+    urls = [remote.is_url(p) for p in paths]
+    if not any(urls):
+        top = Path(output).resolve()
+        return [os.path.relpath(Path(p).resolve(), top) for p in inputs]
+    parts = [
+        remote.split_url(remote.normalize(p)) if u else None
+        for p, u in zip(paths, urls, strict=True)
+    ]
+    if not all(parts) or len({p[:2] for p in parts if p}) > 1:
+        raise UsageError(
+            "the output and the inputs of a merge must be all local directories or all URLs "
+            f"in one bucket (the manifest names the shards by relative paths), got "
+            f"{', '.join(paths)}"
+        )
+    base, *keys = ["/" + p[2] for p in parts if p]
+    return [posixpath.relpath(k, base) for k in keys]
+
+
+def merge(
+    output: str | os.PathLike[str],
+    inputs: Sequence[str | os.PathLike[str]],
+    storage_options: Mapping[str, Any] | None = None,
+) -> Manifest:
     """Join datasets into one by writing a manifest only; no data is copied.
 
     The merged manifest lists every input's shards, in the order given, by
     their paths relative to ``output`` (FORMAT.md), so the inputs must stay
     where they are. All inputs need the same dtype and options. ``output`` may
-    not already hold a dataset.
+    not already hold a dataset. ``output`` and the inputs are local directories,
+    or URLs in one bucket (``storage_options`` for the store): the manifest is
+    then uploaded to ``output``.
 
     Returns the merged manifest.
+
+    Raises:
+        FileExistsError: ``output`` holds a dataset.
+        UsageError: local and remote paths mixed, or URLs of several buckets.
+        FormatError: an input differs from the first in dtype or options.
     """
     if not inputs:
         raise ValueError("merge needs at least one input dataset")
-    out = _new_dataset_dir(output)
-    manifests = [(Path(p), read_manifest(p)) for p in inputs]
+    rels = _relative_to(output, inputs)
+    if remote.is_url(output):
+        top = remote.join(os.fspath(output), MANIFEST)
+        if remote.exists(top, storage_options):
+            raise FileExistsError(17, "a dataset already exists here", os.fspath(output))
+    else:
+        _new_dataset_dir(output)
+    manifests = [(os.fspath(p), read_manifest(p, storage_options)) for p in inputs]
     first = manifests[0][1]
     merged = Manifest(
         dtype=first.dtype,
@@ -70,7 +113,7 @@ def merge(output: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str
         )
         return (m.dtype, m.documents, m.metadata, layout)
 
-    for path, m in manifests:
+    for (path, m), rel in zip(manifests, rels, strict=True):
         if shape(m) != shape(first):
             raise FormatError(
                 f"{path}: dtype={m.dtype}, documents={m.documents}, metadata={m.metadata} "
@@ -78,12 +121,17 @@ def merge(output: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str
                 f"documents={first.documents}, metadata={first.metadata} "
                 f"(layout {shape(first)[3]})"
             )
-        rel = os.path.relpath(path.resolve(), out.resolve())
         for s in m.shards:
-            name = os.path.normpath(os.path.join(rel, s.name))
+            name = posixpath.normpath(posixpath.join(rel, s.name))
             merged.shards.append(dataclasses.replace(s, name=name))  # checksums carried over
         merged.user.setdefault("merged_from", []).append(rel)
-    write_manifest(out, merged)
+    if not remote.is_url(output):
+        write_manifest(output, merged)
+        return merged
+    with tempfile.TemporaryDirectory(prefix="tokload-merge-") as staging:
+        write_manifest(staging, merged)
+        top = remote.join(os.fspath(output), MANIFEST)
+        remote.put_file(top, Path(staging) / MANIFEST, storage_options)
     return merged
 
 
@@ -108,12 +156,19 @@ def convert(
     refers to keeps no bytes when the source is in blocks), so a
     ``StreamWithMetadata`` of the copy gives the same batches,
     bit for bit. Memory stays within a shard's metadata (the rows are
-    streamed in chunks). ``dst`` may not hold a dataset.
+    streamed in chunks). ``dst`` may not hold a dataset. Both are local
+    directories (a URL is refused with ``UsageError``).
 
     Returns the new manifest.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    for path in (src, dst):
+        if remote.is_url(path):
+            raise UsageError(
+                f"{os.fspath(path)}: convert reads and writes local directories; "
+                "copy the dataset here first, or convert it here and upload the result"
+            )
     root, out = Path(src), Path(dst)
     m = read_manifest(root)
     if not m.metadata or not m.documents:
