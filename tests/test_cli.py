@@ -515,6 +515,22 @@ def test_plan_spreads_the_gets_over_the_prefixes_that_hold_the_rows(
     per_window = 1 + float(crossed.mean())
     assert per_window == pytest.approx(1 + (window - 1) * (len(paths) - 1) / total)
     assert r["gets_per_sample"] == pytest.approx(per_window)
+    # files shorter than a window: a window runs across several (this was capped at 2)
+    small = tmp_path / "small"
+    with tokload.Writer(small, "<u4", shard_bytes=40) as w:
+        for k in range(60):
+            w.write(np.arange(k % 7 + 4, dtype=np.uint32))
+    s = tokload.open_dataset(small)
+    scum = s.rows.cum.astype(float)
+    s.close()
+    sinner, sstarts = scum[1:-1], np.arange(int(scum[-1]) - window + 1)
+    scrossed = np.searchsorted(sinner, sstarts + window, "left") - np.searchsorted(
+        sinner, sstarts, "right"
+    )
+    assert 1 + scrossed.mean() > 3
+    assert plan(small, 8, 1000.0, window)["gets_per_sample"] == pytest.approx(
+        1 + scrossed.mean(), rel=0.02
+    )
     # one file: no window runs across two (this said 1 + (window - 1) / rows)
     np.save(tmp_path / "one.npy", np.arange(100_000, dtype=np.uint16))
     one = plan(tmp_path / "one.npy", 8, 1000.0, 4097)

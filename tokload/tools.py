@@ -117,10 +117,12 @@ def plan(
     each prefix (the directory of a data file: a build's chunk, ``parts/<chunk>/``,
     or the folder of a Megatron prefix or flat file) serves GETs in proportion to
     the rows it holds.  The run consumes ``tokens_per_s`` tokens a second on each
-    of ``world_size`` ranks, as windows of ``window`` tokens (a window that runs
-    across two files takes two GETs) or, with ``window=None``, as whole documents
-    (one GET each, one more for its index entry when the document index is not
-    held in memory).  Works on a local dataset too (planning an upload).
+    of ``world_size`` ranks, as windows of ``window`` tokens (one GET per file a
+    window runs across) or, with ``window=None``, as whole documents (one GET
+    each, one more for its index entry when the document index is not held in
+    memory).  The reads of the rows only: a ``StreamWithMetadata`` reads each
+    window's metadata too, which is not counted.  Works on a local dataset too
+    (planning an upload).
 
     Returns a dict: ``gets_per_s`` (the whole run), ``gets_per_sample``,
     ``tokens_per_sample``, ``prefixes`` (``{prefix: GETs/s}``, busiest first),
@@ -156,9 +158,11 @@ def plan(
         else:
             per_sample = float(window)
             nonempty = max(int((rows > 0).sum()), 1)
-            # a window takes two GETs when it starts in the window - 1 rows before
-            # one of the nonempty - 1 boundaries between files
-            gets_per_sample = 1.0 + min(1.0, (window - 1) * (nonempty - 1) / total)
+            # a window takes one GET more for each of the nonempty - 1 boundaries
+            # between files it runs across: each is crossed by the windows that
+            # start in the window - 1 rows before it (files shorter than a window:
+            # several a window)
+            gets_per_sample = 1.0 + (window - 1) * (nonempty - 1) / total
             reading = f"windows of {window:,} tokens"
     finally:
         src.close()
