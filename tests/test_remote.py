@@ -639,6 +639,14 @@ def test_build_to_s3_is_published_manifest_last_and_resumes(s3: LocalS3, tmp_pat
     s3.client().delete_object(Bucket=BUCKET, Key=f"built/parts/{chunk}/manifest.json")
     done = tokload.build([inputs], url, **kw)
     assert done.published.skipped == done.chunks - 1
+    assert done.published.deleted == 1  # the top-level manifest, before the upload
+    # the staging directory gone (another machine, a nightly job): the chunks are
+    # built again, and the store holds them: nothing uploaded, nothing deleted (the
+    # top-level manifest was deleted at the start, and everything uploaded again)
+    shutil.rmtree(tmp_path / "staging")
+    done = tokload.build([inputs], url, **kw)
+    assert done.built == done.chunks and done.published.skipped == done.chunks
+    assert done.published.uploaded == 0 and done.published.deleted == 0
     local = TokenStream(tmp_path / "staging", 16)
     remote_view = TokenStream(url, 16)
     assert local.fingerprint == remote_view.fingerprint

@@ -332,9 +332,7 @@ def build(
     if url is not None:  # upload each chunk as it completes, while the others are built
         from tokload.publish import Publisher
 
-        publisher = Publisher(out, url, PARTS, [c.name for c in mine], storage_options).start(
-            changing=bool(todo or stale)
-        )
+        publisher = Publisher(out, url, PARTS, [c.name for c in mine], storage_options).start()
     bar = Progress(progress, sum(c.size for c in todo), log, progress_every)
     touched = sorted({c.input for c in mine})
     summary = BuildSummary(inputs=len(touched), chunks=len(mine), built=len(todo))

@@ -5,8 +5,11 @@ directory (resumable chunk by chunk, as any build); a ``Publisher`` thread
 uploads each chunk as soon as it is complete, while the others are built, and
 ``publish`` finishes:
 
-1. if anything differs from what the store holds, the top-level manifest is
-   deleted first: from then on the URL is not a dataset, rather than a mix;
+1. before the first object that differs from what the store holds is
+   uploaded or deleted, the top-level manifest is deleted: from then on the
+   URL is not a dataset, rather than a mix (a re-run whose chunks the store
+   holds already, the staging directory gone, uploads nothing and never
+   takes the dataset offline);
 2. each chunk (``parts/<chunk>/``) is uploaded shards first and its own
    manifest last, so a chunk whose manifest is in the store with the same
    bytes as the local one is complete and skipped on a re-run (an interrupted
@@ -134,13 +137,14 @@ def _upload_chunk(
 class Publisher:
     """Uploads the chunks of a build as they complete, in a thread.
 
-    ``start`` deletes the store's top-level manifest when the dataset will
-    change (``changing``), then uploads every chunk whose local directory is
-    complete (``parts/<chunk>/manifest.json`` exists: the builder renames a
-    chunk's directory into place when it is done) and that the store lacks,
-    polling until ``finish``; ``finish`` stops the thread and runs ``publish``,
-    which uploads what is left and the top-level manifest last. An upload error
-    stops the thread and is raised by ``finish``.
+    ``start`` lists the store, then uploads every chunk whose local directory
+    is complete (``parts/<chunk>/manifest.json`` exists: the builder renames a
+    chunk's directory into place when it is done) and that the store lacks
+    (its manifest there is not the local one), polling until ``finish``; the
+    store's top-level manifest is deleted before the first such upload.
+    ``finish`` stops the thread and runs ``publish``, which uploads what is
+    left and the top-level manifest last. An upload error stops the thread and
+    is raised by ``finish``.
     """
 
     def __init__(
@@ -161,25 +165,26 @@ class Publisher:
         self._have: dict[str, Any] = {}
         self._stored: set[str] = set()  # chunks the store holds whole (checked or uploaded)
         self._chunks_sent = 0  # chunks this thread uploaded (publish then finds them there)
+        self._offline = False  # the top-level manifest deleted by this thread
 
     def _complete(self, c: str) -> bool:
         return (self.local / self.parts / c / MANIFEST).exists()
 
-    def start(self, changing: bool) -> Publisher:
-        """Delete the top-level manifest if the dataset will change (``changing``:
-        chunks to build or remove) or the store lacks a chunk built already, then
-        start uploading."""
+    def start(self) -> Publisher:
+        """List the store and start uploading."""
         self._have = remote.listing(self.url, self.options)
-        built = [c for c in self.chunks if self._complete(c)]
-        self._stored = {
-            c for c in built if _chunk_stored(self._have, self.local, self.url, self.parts, c)
-        }
-        top = remote.join(self.url, MANIFEST)
-        if (changing or len(self._stored) < len(built)) and top in self._have:
-            remote.delete([top], self.options)  # the URL stops being a dataset until the end
         self._thread = threading.Thread(target=self._run, name="tokload-publish", daemon=True)
         self._thread.start()
         return self
+
+    def _take_offline(self) -> None:
+        """Before the first object that changes the dataset: delete the top-level
+        manifest (the URL stops being a dataset until ``publish`` ends)."""
+        top = remote.join(self.url, MANIFEST)
+        if not self._offline and top in self._have:
+            remote.delete([top], self.options)
+            self.done.deleted += 1
+        self._offline = True
 
     def _run(self) -> None:
         try:
@@ -188,10 +193,12 @@ class Publisher:
                 for c in self.chunks:
                     if c in self._stored or not self._complete(c):
                         continue
-                    _upload_chunk(
-                        self._have, self.local, self.url, self.parts, c, self.options, self.done
-                    )
-                    self._chunks_sent += 1
+                    if not _chunk_stored(self._have, self.local, self.url, self.parts, c):
+                        self._take_offline()
+                        _upload_chunk(
+                            self._have, self.local, self.url, self.parts, c, self.options, self.done
+                        )
+                        self._chunks_sent += 1
                     self._stored.add(c)
                 if last or len(self._stored) == len(self.chunks):
                     return
@@ -214,6 +221,7 @@ class Publisher:
         )
         rest.uploaded += self.done.uploaded
         rest.bytes += self.done.bytes
+        rest.deleted += self.done.deleted
         rest.skipped -= self._chunks_sent
         return rest
 
