@@ -1052,6 +1052,12 @@ def test_a_missing_bucket_and_a_missing_prefix_are_told_apart(
     _, url = corpus
     with pytest.raises(MissingShardError, match=r"no tokload dataset \(manifest\.json\), Megatron"):
         TokenStream(url + "/parts", 8)  # objects there, but no dataset
+    # an object opened by HEAD (whose 404 has no body to say which): told apart too
+    with pytest.raises(MissingShardError, match=r"no such bucket 'no-such-bucket' \(token file"):
+        tokload.open_flat("s3://no-such-bucket/tokens.npy")
+    with pytest.raises(MissingShardError, match="no such bucket"):
+        remote.exists("s3://no-such-bucket/ds/manifest.json")
+    assert not remote.exists(f"s3://{BUCKET}/no/such/object")
 
 
 def test_a_whole_object_for_a_ranged_get_is_retried(corpus: tuple[Path, str], s3: LocalS3) -> None:

@@ -240,6 +240,13 @@ async def list_prefix(handle: Any, prefix: str) -> list[tuple[str, int, str | No
     return [(m["path"], int(m["size"]), m.get("e_tag")) for m in metas]
 
 
+async def list_first(handle: Any, prefix: str) -> None:
+    """The first page of a LIST under ``prefix`` (one request), for what its
+    failure says: a HEAD's 404 has no body to tell a missing bucket by."""
+    async for _ in obstore().list(handle, prefix or None, chunk_size=1):
+        break
+
+
 def put(handle: Any, key: str, path: str | os.PathLike[str]) -> Awaitable[Any]:
     """Upload the local file ``path`` as ``key`` (multipart for large files)."""
     return obstore().put_async(handle, key, Path(path))  # type: ignore[no-any-return]

@@ -71,7 +71,14 @@ def head(url: str, what: str, options: Mapping[str, Any] | None = None) -> Remot
     try:
         (size, etag), _ = run(_retrying(lambda: settled(client.head(st.handle, key)), st.settings))
     except _Failed as f:
-        raise named(f.cause, url, None, None, f.attempts, what) from None
+        failed = f
+        if client.kind(f.cause) == client.MISSING:  # the object, or its bucket?
+            try:
+                run(_retrying(lambda: settled(client.list_first(st.handle, key)), st.settings))
+            except _Failed as g:
+                if client.kind(g.cause) == client.NO_BUCKET:
+                    failed = g
+        raise named(failed.cause, url, None, None, failed.attempts, what) from None
     return RemoteObject(st, key, size, etag)
 
 
