@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -459,6 +460,50 @@ def test_slots_found_without_the_layout_equal_the_layout(
     comp, lane = block_slots(blend.seed ^ _SLOT_TAG, b_all, s_all, blend._seg_counts, g)
     assert comp.tolist() == want_c
     assert lane.tolist() == want_l
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    weights=FOUR_WEIGHTS,
+    block=st.integers(1, 3000),
+    seed=st.integers(0, 2**64 - 1),
+    data=st.data(),
+)
+def test_slots_before_a_slot_are_counted_as_the_layout_counts_them(
+    views: list[TokenStream], weights: list[float], block: int, seed: int, data: Any
+) -> None:
+    """``proportions`` counts each component's slots before a position in a block
+    from that slot alone (it listed them all: 16 GiB for a block of 2**32)."""
+    blend = Blend(
+        list(zip(views, weights, strict=True)), seed=seed, length=20 * block, block_size=block
+    )
+    b = data.draw(st.integers(0, 19))
+    comp, _ = reference_layout(blend, b)
+    for r in data.draw(st.lists(st.integers(0, len(comp)), min_size=1, max_size=8)):
+        q = b * block + r
+        assert (
+            blend.proportions(0, q).tolist()
+            == (blend.proportions(0, b * block) + np.bincount(comp[:r], minlength=4)).tolist()
+        )
+
+
+def test_proportions_of_a_huge_block_take_no_memory_to_speak_of(
+    views: list[TokenStream],
+) -> None:
+    """A block of 2**32 slots: ``proportions`` answers from one slot, and agrees
+    with each position's own position in its component."""
+    block = 2**32 + 12345
+    blend = Blend(list(zip(views, [3, 1, 0.5, 2], strict=True)), length=3 * block, block_size=block)
+    tracemalloc.start()
+    try:
+        for q in (2**31, block + 2**31 + 7, 3 * block - 1):
+            counts = blend.proportions(0, q)
+            assert int(counts.sum()) == q
+            comp, own = blend.component_positions([q])
+            assert counts[comp[0]] == own[0]  # the samples of q's component before it
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
 
 
 def test_locate_equals_the_definition_on_a_long_blend(views: list[TokenStream]) -> None:
