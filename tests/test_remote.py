@@ -553,6 +553,39 @@ def test_storage_options_override_the_environment(
         TokenStream(url, 50, storage_options={"retries": "many"})
 
 
+@pytest.mark.parametrize("held", [True, False])
+def test_plan_with_metadata_counts_the_gets_a_stream_with_metadata_sends(
+    s3: LocalS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: bool
+) -> None:
+    """``plan(metadata=True)`` against the GETs random windows of a
+    ``StreamWithMetadata`` send (plan counted the rows' GETs only: half)."""
+    rng = np.random.default_rng(1)
+    with Writer(tmp_path / "meta", "<u4", metadata=True, shard_bytes=20000, span_block=64) as w:
+        for k in range(400):
+            n = int(rng.integers(5, 120))
+            w.write(np.arange(n), spans=[(0, n // 2, b"r%d" % k), (n // 2, n, b"s")])
+    url = _upload(s3, tmp_path / "meta", f"plan-meta-{held}")
+    monkeypatch.setenv("TOKLOAD_INDEX_MEMORY", str(1 << 30) if held else "0")
+    window = 1025 if held else 129
+    planned = tokload.tools.plan(url, 1, 1000.0, window, metadata=True)["gets_per_sample"]
+    view = StreamWithMetadata(url, window=window)
+    for i in rng.integers(0, len(view), 40):  # every shard's first reads
+        view.read([int(i)])
+    before, n = remote.counters()["gets"], 100
+    for i in rng.integers(0, len(view), n):
+        view.read([int(i)])
+    sent = (remote.counters()["gets"] - before) / n
+    assert planned == pytest.approx(sent, rel=0.08)
+    assert planned > (2.2 if held else 2.9)  # 2.40 and 3.07
+    with pytest.raises(UsageError, match="metadata is read with windows"):
+        tokload.tools.plan(url, 1, 1000.0, None, metadata=True)
+    plain = tmp_path / "plain"
+    with Writer(plain, "<u4") as w:
+        w.write(np.arange(10))
+    with pytest.raises(UsageError, match="this dataset has no metadata"):
+        tokload.tools.plan(plain, 1, 1000.0, 8, metadata=True)
+
+
 def test_urls_are_normalized_as_the_store_names_its_objects() -> None:
     assert remote.normalize("S3://bkt//a/./b/../c/") == "s3://bkt/a/c"
     assert remote.normalize("s3://bkt/") == remote.normalize("s3://bkt") == "s3://bkt"

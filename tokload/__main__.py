@@ -392,6 +392,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="samples are whole documents (Documents), not windows",
     )
+    q.add_argument(
+        "--metadata",
+        action="store_true",
+        help="windows read with their metadata (StreamWithMetadata; metadata layout blocks)",
+    )
     q.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     s = command(
@@ -567,7 +572,7 @@ def _run(args: argparse.Namespace, started: float) -> int:
         from tokload.tools import plan, plan_table
 
         window = None if args.documents else args.window
-        result = plan(args.path, args.world_size, args.tokens_per_s, window)
+        result = plan(args.path, args.world_size, args.tokens_per_s, window, metadata=args.metadata)
         print(json.dumps(result, indent=1) if args.json else plan_table(result))
         return 0
     if args.command == "bench":

@@ -110,6 +110,8 @@ def plan(
     tokens_per_s: float,
     window: int | None = 4097,
     storage_options: dict[str, Any] | None = None,
+    *,
+    metadata: bool = False,
 ) -> dict[str, Any]:
     """The ranged GETs a training run will ask of a store, per prefix.
 
@@ -120,21 +122,26 @@ def plan(
     of ``world_size`` ranks, as windows of ``window`` tokens (one GET per file a
     window runs across) or, with ``window=None``, as whole documents (one GET
     each, one more for its index entry when the document index is not held in
-    memory).  The reads of the rows only: a ``StreamWithMetadata`` reads each
-    window's metadata too, which is not counted.  Works on a local dataset too
-    (planning an upload).
+    memory).  With ``metadata``, windows read with their metadata
+    (``StreamWithMetadata``, metadata layout ``"blocks"``): each window also
+    reads its metadata blocks, one GET per file as for the rows, and one more
+    for their index entries when the block index is not held in memory.
+    Works on a local dataset too (planning an upload).
 
     Returns a dict: ``gets_per_s`` (the whole run), ``gets_per_sample``,
     ``tokens_per_sample``, ``prefixes`` (``{prefix: GETs/s}``, busiest first),
     ``busiest`` (its share of ``S3_GETS_PER_PREFIX``) and ``prefixes_needed``
     (at ``S3_GETS_PER_PREFIX`` each).
     """
+    from tokload._meta import BlockSet
     from tokload.views.base import open_source
 
     if world_size < 1 or not tokens_per_s > 0:
         raise UsageError(
             f"world_size must be >= 1 and tokens_per_s > 0, got {world_size} and {tokens_per_s}"
         )
+    if metadata and window is None:
+        raise UsageError("plan: metadata is read with windows (StreamWithMetadata), not documents")
     src = open_source(os.fspath(path), storage_options)
     try:
         paths = list(src.rows.files.paths)
@@ -164,6 +171,26 @@ def plan(
             # several a window)
             gets_per_sample = 1.0 + (window - 1) * (nonempty - 1) / total
             reading = f"windows of {window:,} tokens"
+            if metadata:
+                blocks = getattr(src, "spans", None)
+                if not isinstance(blocks, BlockSet):
+                    raise UsageError(
+                        f"{path}: plan counts the metadata reads of layout 'blocks' (what "
+                        "tokload build and Writer write by default), and this dataset has "
+                        + (
+                            f"layout {src.manifest.metadata_layout!r}: convert it "
+                            "(tokload convert SRC DST --layout blocks)"
+                            if src.manifest is not None and src.manifest.metadata
+                            else "no metadata"
+                        )
+                    )
+                # the blocks sit in a file per shard as the rows do (one GET per
+                # file a window runs across), their index entries in another
+                held = _index_in_memory(blocks)
+                gets_per_sample *= 2.0 if held else 3.0
+                reading += " with their metadata" + (
+                    "" if held else " (and index entries: the block index is not held in memory)"
+                )
     finally:
         src.close()
     gets = world_size * tokens_per_s / per_sample * gets_per_sample
