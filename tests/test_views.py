@@ -621,6 +621,39 @@ os._exit(0)  # killed with shard p-00008 open
     assert verify(ds) == []
 
 
+@pytest.mark.parametrize("prefix", [None, "same"])
+def test_writers_appending_at_once_keep_each_others_documents(
+    tmp_path: Path, prefix: str | None
+) -> None:
+    """Each writer rewrote the manifest from the copy it read at open: the last to
+    close a shard dropped the other's (20 of 41 documents were left). The manifest
+    is now updated under a lock, from what is on disk."""
+    ds = tmp_path / "ds"
+    with Writer(ds, "<u2") as w:
+        w.write(np.full(5, 999, np.uint16))
+    go = tmp_path / "go"
+    code = f"""
+import os, sys, time, numpy as np, tokload
+k = int(sys.argv[1])
+while not os.path.exists({str(go)!r}):
+    time.sleep(0.001)
+with tokload.Writer({str(ds)!r}, "<u2", mode="a", name_prefix={prefix!r}, shard_bytes=200) as w:
+    for i in range(30):
+        w.write(np.full(50, k * 100 + i, np.uint16))
+"""
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(k)]) for k in (1, 2)]
+    time.sleep(1.0)  # both started, waiting
+    go.touch()
+    assert [p.wait(60) for p in procs] == [0, 0]
+    docs = Documents(ds)
+    every = docs.read(np.arange(len(docs)))
+    firsts = sorted(np.asarray(every.values)[every.offsets[:-1]].tolist())
+    assert firsts == sorted([999, *range(100, 130), *range(200, 230)])
+    assert verify(ds) == []
+    listed = {s.name for s in read_manifest(ds).shards}
+    assert {p.name.rsplit(".", 1)[0] for p in ds.glob("*.rows")} == listed  # none unlisted
+
+
 def test_values_are_range_checked_and_structured_input_accepted(tmp_path: Path) -> None:
     with Writer(tmp_path / "u2", "<u2") as w:
         with pytest.raises(ValueError, match=r"value 65536 does not fit in uint16"):

@@ -9,6 +9,8 @@ crash never leaves a manifest that refers to data that is not on disk.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import secrets
 from collections.abc import Mapping, Sequence
@@ -143,7 +145,10 @@ class Writer:
             raise FileExistsError(
                 17, "a dataset already exists here; use mode='a' to append", str(self.path)
             )
+        self._user = dict(user or {})
+        self._seen: tuple[int, int, int] | None = None  # the manifest as last read or written
         if exists:
+            self._seen = _identity(self.path / MANIFEST)
             self.manifest = read_manifest(self.path)
             m = self.manifest
             if (
@@ -316,11 +321,13 @@ class Writer:
         ):
             self._close_shard()
             shard = None
-        if shard is None:
+        while shard is None:
             self._seq = self._free_seq(self._seq)
-            shard = self._shard = OpenShard(
-                self.path, self._name(self._seq), self.manifest, self.durable
-            )
+            # another writer of this prefix may take the name just now: the next one
+            with contextlib.suppress(FileExistsError):
+                shard = self._shard = OpenShard(
+                    self.path, self._name(self._seq), self.manifest, self.durable
+                )
             self._seq += 1
         # A piece goes into every file of the shard or into none: an exception
         # (Ctrl+C) part-way through takes the files back to where they were.
@@ -396,10 +403,34 @@ class Writer:
         if info.rows == 0 and info.documents == 0:
             shard.remove()
             return
-        self.manifest.shards.append(info)
         if self.durable:
             fsync_dir(self.path)
-        write_manifest(self.path, self.manifest)
+        self._publish(info)
+
+    def _publish(self, info: ShardInfo | None) -> None:
+        """Write the manifest with shard ``info`` added, under a lock on the
+        directory: writers appending to one dataset at once (each its own
+        shards) add to the manifest as it is on disk, which another writer may
+        have rewritten since this one last did, instead of writing over it."""
+        with _DirectoryLock(self.path):
+            now = _identity(self.path / MANIFEST)
+            if now is not None and now != self._seen:
+                if self._seen is None:  # mode "w": a dataset appeared here meanwhile
+                    raise FileExistsError(
+                        17, "a dataset was created here meanwhile", str(self.path)
+                    )
+                current = read_manifest(self.path)
+                if current.files() != self.manifest.files() or current.dtype != self.dtype:
+                    raise FormatError(
+                        f"{self.path}: the dataset was replaced while this writer was "
+                        f"appending (dtype {current.dtype}, files {current.files()})"
+                    )
+                current.user.update(self._user)
+                self.manifest = current
+            if info is not None:
+                self.manifest.shards.append(info)
+            write_manifest(self.path, self.manifest)
+            self._seen = _identity(self.path / MANIFEST)
 
     def flush(self) -> None:
         """Close the current shard and publish it in the manifest."""
@@ -420,7 +451,7 @@ class Writer:
             self._close_shard()
         finally:
             if not (self.path / MANIFEST).exists():
-                write_manifest(self.path, self.manifest)  # an empty dataset is still a dataset
+                self._publish(None)  # an empty dataset is still a dataset
 
     def __enter__(self) -> Self:
         return self
@@ -434,6 +465,34 @@ class Writer:
         # Every document ended so far is whole (write validates first), so
         # they are published even when the block raised.
         self.close()
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """``(inode, size, mtime in ns)`` of a file, None if there is none: a manifest
+    rewritten (renamed into place) has another inode."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class _DirectoryLock:
+    """An exclusive ``flock`` on a directory, for the read-modify-write of its
+    manifest. Where the filesystem has no such locks (some network ones), none
+    is taken: writers that append at once then need their own coordination."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = -1
+
+    def __enter__(self) -> None:
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        with contextlib.suppress(OSError):  # ENOLCK, EBADF: no locks here
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)  # and with it the lock
 
 
 def checked_block(span_block: Any, layout: str, error: type[ValueError] = ValueError) -> int:
