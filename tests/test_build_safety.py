@@ -422,3 +422,26 @@ def test_a_stopped_build_removes_its_temporaries_even_unmarked_ones(tmp_path: Pa
     remove_temporaries(parts, ["00000-00000", "00001-00000", "00002-00000"])
     assert sorted(p.name for p in parts.iterdir()) == [foreign.name, other.name]
     assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_a_second_build_into_the_same_output_is_refused_while_one_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two builds into one output at once each removed the other's chunks in
+    progress as stale, and both failed ("No such file or directory"), leaving no
+    dataset. The output is held by one build at a time: a second is refused at
+    once (exit 2), and builds again once the first has ended."""
+    from tokload.build_output import OutputLock
+
+    src, out = jsonl(tmp_path / "in.jsonl"), tmp_path / "out"
+    held = OutputLock(out)  # a build running (another process, as far as flock goes)
+    try:
+        with pytest.raises(UsageError, match="another tokload build is writing this directory"):
+            build([src], out, progress=False)
+        assert main(["build", str(src), "-o", str(out)]) == 2
+        assert "another tokload build is writing" in capsys.readouterr().err
+        assert list(out.iterdir()) == []  # nothing touched
+    finally:
+        held.release()
+    assert build([src], out, progress=False).built >= 1
+    assert build([src], out, progress=False).built == 0  # the lock was let go at the end

@@ -9,12 +9,15 @@ the others, and removes chunks that are no longer in the plan
 (``stale_parts``). Nothing that ``tokload build`` did not write is ever
 removed: every chunk directory gets the build's marker first, and removal
 renames a directory out of the way before it deletes it, the marker last, so
-no crash leaves a half-removed chunk that looks complete.
+no crash leaves a half-removed chunk that looks complete. One build at a time
+writes an output (``OutputLock``): a second one into the same directory is
+refused at once, instead of each removing the other's chunks in progress.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import secrets
 import shutil
@@ -35,6 +38,35 @@ MARKER_TEXT = (
     '{"written_by": "tokload build", "note": "this directory holds a tokload build; '
     'a re-run of the build updates it"}\n'
 )
+
+
+class OutputLock:
+    """A build's hold on its output directory (made if missing): an exclusive
+    ``flock`` on it, taken without waiting, until ``release``.
+
+    Raises:
+        UsageError: another build holds it. (On a filesystem without such locks,
+            none is taken.)
+    """
+
+    def __init__(self, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise UsageError(
+                f"{out}: another tokload build is writing this directory now; wait for it "
+                "to end, or build into another directory"
+            ) from None
+        except OSError:  # ENOLCK and the like: no locks on this filesystem
+            pass
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def ours(d: Path) -> bool:

@@ -41,6 +41,7 @@ from tokload.arguments import is_integer, positive_integer
 from tokload.build_output import (
     MARKER_TEXT,
     PARTS,
+    OutputLock,
     check_output,
     ours,
     remove_dir,
@@ -281,103 +282,110 @@ def build(
     if not files:
         raise UsageError(f"no input files ({_nothing_found(found)})")
     check_output(out, files, force)
-    plan = plan_chunks(files, chunk_bytes)
-    lo, hi = k * len(plan) // n, (k + 1) * len(plan) // n
-    mine = plan[lo:hi]
-    (out / PARTS).mkdir(parents=True, exist_ok=True)
-    (out / BUILD_MARKER).write_text(MARKER_TEXT)
-    tok_record = dataset_record(tok)
-    opts = BuildOptions(
-        text_field,
-        tuple(keep_fields),
-        annotations_field,
-        str(out / TOKENIZER_FILE) if tok_record["kind"] != "bytes" else "bytes",
-        bos,
-        eos,
-        on_error,
-        shard_bytes,
-        chunk_bytes,
-    )
-    base = {
-        "builder": BUILDER_VERSION,
-        "format_version": FORMAT_VERSION,
-        "tokenizer": {key: tok_record.get(key) for key in ("kind", "sha256", "bos", "eos")},
-        "dtype": token_dtype(tok.vocab_size).str,
-        "options": opts.record(),
-    }
-    todo = [c for c in mine if not up_to_date(out / PARTS / c.name, base, c)]
-    for c in todo:
-        d = out / PARTS / c.name
-        if d.exists() and not ours(d):
-            raise UsageError(
-                f"{d}: a chunk of this build goes here, but the directory was not written by "
-                "tokload build; move it away, or build into another directory"
-            )
-    stale = stale_parts(out / PARTS, plan, mine)
-    if todo or stale or not dataset_copy_is_current(tok, out):
-        # From here on the dataset changes: no manifest may list it until the end.
-        (out / MANIFEST).unlink(missing_ok=True)
-    copy_tokenizer(tok, out)
-    for d in stale:
-        remove_dir(d)
-    for c in todo:
-        for d in temporaries(out / PARTS, c.name):
+    # one build at a time writes an output: a second refused (each removed the
+    # other's chunks in progress); the check again, as the other left the output
+    lock = OutputLock(out)
+    try:
+        check_output(out, files, force)
+        plan = plan_chunks(files, chunk_bytes)
+        lo, hi = k * len(plan) // n, (k + 1) * len(plan) // n
+        mine = plan[lo:hi]
+        (out / PARTS).mkdir(parents=True, exist_ok=True)
+        (out / BUILD_MARKER).write_text(MARKER_TEXT)
+        tok_record = dataset_record(tok)
+        opts = BuildOptions(
+            text_field,
+            tuple(keep_fields),
+            annotations_field,
+            str(out / TOKENIZER_FILE) if tok_record["kind"] != "bytes" else "bytes",
+            bos,
+            eos,
+            on_error,
+            shard_bytes,
+            chunk_bytes,
+        )
+        base = {
+            "builder": BUILDER_VERSION,
+            "format_version": FORMAT_VERSION,
+            "tokenizer": {key: tok_record.get(key) for key in ("kind", "sha256", "bos", "eos")},
+            "dtype": token_dtype(tok.vocab_size).str,
+            "options": opts.record(),
+        }
+        todo = [c for c in mine if not up_to_date(out / PARTS / c.name, base, c)]
+        for c in todo:
+            d = out / PARTS / c.name
+            if d.exists() and not ours(d):
+                raise UsageError(
+                    f"{d}: a chunk of this build goes here, but the directory was not written by "
+                    "tokload build; move it away, or build into another directory"
+                )
+        stale = stale_parts(out / PARTS, plan, mine)
+        if todo or stale or not dataset_copy_is_current(tok, out):
+            # From here on the dataset changes: no manifest may list it until the end.
+            (out / MANIFEST).unlink(missing_ok=True)
+        copy_tokenizer(tok, out)
+        for d in stale:
             remove_dir(d)
-        remove_dir(out / PARTS / c.name)
-    say(
-        f"{len(mine)} chunks: {len(todo)} to build, {len(mine) - len(todo)} reused"
-        + (f", {len(stale)} stale removed" if stale else "")
-    )
-    publisher = None
-    if url is not None:  # upload each chunk as it completes, while the others are built
-        from tokload.publish import Publisher
+        for c in todo:
+            for d in temporaries(out / PARTS, c.name):
+                remove_dir(d)
+            remove_dir(out / PARTS / c.name)
+        say(
+            f"{len(mine)} chunks: {len(todo)} to build, {len(mine) - len(todo)} reused"
+            + (f", {len(stale)} stale removed" if stale else "")
+        )
+        publisher = None
+        if url is not None:  # upload each chunk as it completes, while the others are built
+            from tokload.publish import Publisher
 
-        publisher = Publisher(out, url, PARTS, [c.name for c in mine], storage_options).start()
-    bar = Progress(progress, sum(c.size for c in todo), log, progress_every)
-    touched = sorted({c.input for c in mine})
-    summary = BuildSummary(inputs=len(touched), chunks=len(mine), built=len(todo))
-    summary.removed = len(stale)
-    # Biggest first, so that no big chunk starts last and leaves the other workers idle.
-    tasks = [(c, opts, str(out), base) for c in sorted(todo, key=lambda c: -c.size)]
-    try:
-        if ray is not None and ray is not False and todo:
-            _run_ray(tasks, None if ray is True else str(ray), bar.update)
-        elif workers == 1 or len(todo) <= 1:
-            for c, o, out_s, b in tasks:
-                bar.update(*build_chunk(c, o, out_s, b, report=bar.update))
-        else:
-            _run_pool(tasks, min(workers, len(todo)), bar.update)
-    except BaseException:
-        remove_temporaries(out / PARTS, [c.name for c in todo])
+            publisher = Publisher(out, url, PARTS, [c.name for c in mine], storage_options).start()
+        bar = Progress(progress, sum(c.size for c in todo), log, progress_every)
+        touched = sorted({c.input for c in mine})
+        summary = BuildSummary(inputs=len(touched), chunks=len(mine), built=len(todo))
+        summary.removed = len(stale)
+        # Biggest first, so that no big chunk starts last and leaves the other workers idle.
+        tasks = [(c, opts, str(out), base) for c in sorted(todo, key=lambda c: -c.size)]
+        try:
+            if ray is not None and ray is not False and todo:
+                _run_ray(tasks, None if ray is True else str(ray), bar.update)
+            elif workers == 1 or len(todo) <= 1:
+                for c, o, out_s, b in tasks:
+                    bar.update(*build_chunk(c, o, out_s, b, report=bar.update))
+            else:
+                _run_pool(tasks, min(workers, len(todo)), bar.update)
+        except BaseException:
+            remove_temporaries(out / PARTS, [c.name for c in todo])
+            if publisher is not None:
+                publisher.finish(ok=False)
+            raise
+        finally:
+            bar.close()
+        skipped: Counter[str] = Counter()
+        documents = 0
+        for c in mine:
+            stats = read_manifest(out / PARTS / c.name).user.get("stats", {})
+            skipped.update(stats.get("skipped", {}))
+            documents += int(stats.get("documents", 0))
+        try:
+            if mine:
+                _check_yield(documents, skipped, max_skipped, text_field)
+            manifest = _assemble(out, opts, tok_record, tok.vocab_size, files, mine)
+            open_dataset(out).close()  # the manifest agrees with the files (sizes only: cheap)
+        except BaseException:
+            if publisher is not None:
+                publisher.finish(ok=False)
+            raise
+        summary.documents = manifest.num_documents
+        summary.tokens = manifest.rows
+        summary.shards = len(manifest.shards)
+        summary.bytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        summary.skipped = dict(skipped)
         if publisher is not None:
-            publisher.finish(ok=False)
-        raise
+            summary.published = publisher.finish()
+        summary.seconds = time.perf_counter() - t0
+        return summary
     finally:
-        bar.close()
-    skipped: Counter[str] = Counter()
-    documents = 0
-    for c in mine:
-        stats = read_manifest(out / PARTS / c.name).user.get("stats", {})
-        skipped.update(stats.get("skipped", {}))
-        documents += int(stats.get("documents", 0))
-    try:
-        if mine:
-            _check_yield(documents, skipped, max_skipped, text_field)
-        manifest = _assemble(out, opts, tok_record, tok.vocab_size, files, mine)
-        open_dataset(out).close()  # the manifest agrees with the files (sizes only: cheap)
-    except BaseException:
-        if publisher is not None:
-            publisher.finish(ok=False)
-        raise
-    summary.documents = manifest.num_documents
-    summary.tokens = manifest.rows
-    summary.shards = len(manifest.shards)
-    summary.bytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    summary.skipped = dict(skipped)
-    if publisher is not None:
-        summary.published = publisher.finish()
-    summary.seconds = time.perf_counter() - t0
-    return summary
+        lock.release()
 
 
 def _quiet(line: str) -> None:
