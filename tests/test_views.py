@@ -405,12 +405,53 @@ def test_a_file_that_changes_while_its_eos_tokens_are_found_is_not_cached(
     from tokload import interop
 
     np.array([1, 2, 0, 3], np.uint16).tofile(tmp_path / "t.bin")
-    seen = iter([1, 2])  # the file's change time before the scan, then after it
-    monkeypatch.setattr(interop, "_changed_ns", lambda st: next(seen))
+    seen = iter([2, 1])  # the file after the scan, then as it was before it
+    monkeypatch.setattr(interop, "_check_unchanged", lambda *args: None)
+    monkeypatch.setattr(interop, "_identity", lambda st: next(seen))
     src = tokload.open_flat(tmp_path / "t.bin", np.uint16, eos=0)
     assert len(Documents(src)) == 2
     assert not (tmp_path / "t.bin.eos0.docs").exists()  # a private index instead
     src.close()
+
+
+def test_a_file_replaced_as_its_eos_cache_is_written_leaves_no_stale_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process replaced the file (the same size, other tokens) after the
+    scan's check and before the cache was renamed into place: the cache, newer
+    than the new file, passed for its index, and every later open split the new
+    file's documents at the old eos tokens."""
+    from tokload import interop
+
+    path = tmp_path / "train.bin"
+    np.array([1, 2, 7, 3, 4, 5, 7, 6, 6, 6], np.uint16).tofile(path)
+    new = np.array([1, 7, 2, 3, 4, 5, 6, 7, 6, 6], np.uint16)
+    real = tokload.files.create_unique
+
+    def racing(directory: Path, prefix: str) -> Any:
+        new.tofile(tmp_path / "swap")
+        os.replace(tmp_path / "swap", path)
+        return real(directory, prefix)
+
+    monkeypatch.setattr(interop, "create_unique", racing)
+    first = Documents(tokload.open_flat(path, np.uint16, eos=7))  # the old file's boundaries
+    assert len(first) == 3 and not (tmp_path / "train.bin.eos7.docs").exists()
+    monkeypatch.setattr(interop, "create_unique", real)
+    again = Documents(tokload.open_flat(path, np.uint16, eos=7))
+    assert [np.asarray(again[i]).tolist() for i in range(3)] == [[1, 7], [2, 3, 4, 5, 6, 7], [6, 6]]
+
+
+def test_a_flat_file_shorter_than_it_was_sized_is_named(tmp_path: Path) -> None:
+    """Replaced by a shorter file while being opened: a bare "mmap length is
+    greater than file size" (naming no file) came out of the scan."""
+    from tokload import interop
+
+    path = tmp_path / "t.bin"
+    np.arange(10, dtype=np.uint16).tofile(path)
+    np.arange(4, dtype=np.uint16).tofile(tmp_path / "short")
+    os.replace(tmp_path / "short", path)
+    with pytest.raises(tokload.FormatError, match=r"t\.bin: the file changed while it was being"):
+        interop._eos_index(path, 10, 0, np.dtype(np.uint16), 7, [])
 
 
 def test_flat_files_refuse_an_eos_or_index_that_does_not_fit(tmp_path: Path) -> None:

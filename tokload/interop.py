@@ -344,6 +344,10 @@ def _check_index_ends(
         got = ends.at(at, at + 8)
         if got is None:
             got = loc.read(index, "document index", at, at + 8)
+        if len(got) != 8:  # the file shrank since it was sized
+            raise FormatError(
+                f"{index}: the document index changed while it was being opened; open it again"
+            )
         return int(np.frombuffer(got, "<u8")[0])
 
     first, last = entry(0), entry(entries - 1)
@@ -381,10 +385,18 @@ def _eos_index(
     unlink when the source is closed or collected.
     """
     cache = path.with_name(f"{path.name}.eos{eos}.docs")
-    before = _changed_ns(os.stat(path))
+    st = os.stat(path)
+    _check_unchanged(path, st, base + rows * dtype.itemsize)
+    before = _changed_ns(st)
     if _cache_ok(cache, rows, before):
         return cache
-    data = np.memmap(path, dtype=dtype, mode="r", offset=base, shape=(rows,)) if rows else None
+    fd = open_regular(path, "token file")  # scanned through this one, checked to be that file
+    try:
+        _check_unchanged(path, os.fstat(fd), base + rows * dtype.itemsize, st)
+        with open(fd, "rb", closefd=False) as f:
+            data = np.memmap(f, dtype=dtype, mode="r", offset=base, shape=(rows,)) if rows else None
+    finally:
+        os.close(fd)
     ends: list[np.ndarray] = [np.zeros(1, dtype="<u8")]
     chunk = 1 << 24
     for start in range(0, rows, chunk):
@@ -395,7 +407,7 @@ def _eos_index(
     if offsets[-1] != rows:
         offsets = np.append(offsets, np.uint64(rows))
     payload = offsets.astype("<u8").tobytes()
-    if _changed_ns(os.stat(path)) != before:  # changed while scanned: cache nothing
+    if _identity(os.stat(path)) != _identity(st):  # changed while scanned: cache nothing
         return _private_index(payload, private)
     try:
         fd, tmp = create_unique(cache.parent, f".{cache.name}-")
@@ -408,7 +420,30 @@ def _eos_index(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if _identity(os.stat(path)) != _identity(st):
+        # replaced between the check above and the rename: the cache, newer than
+        # the new file, would pass for its index; this one is the old file's
+        cache.unlink(missing_ok=True)
+        return _private_index(payload, private)
     return cache
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """A file's identity and version: device, inode, size and ``_changed_ns``."""
+    return st.st_dev, st.st_ino, st.st_size, _changed_ns(st)
+
+
+def _check_unchanged(
+    path: Path, st: os.stat_result, size: int, opened: os.stat_result | None = None
+) -> None:
+    """FormatError unless the file still holds the ``size`` bytes its rows need
+    (and, given ``opened``, is the same file as that): it was replaced while
+    being opened."""
+    if st.st_size < size or (opened is not None and _identity(st) != _identity(opened)):
+        raise FormatError(
+            f"{path}: the file changed while it was being opened ({st.st_size} bytes now; "
+            f"its rows needed {size}); open it again"
+        )
 
 
 def _private_index(payload: bytes, private: list[Path]) -> Path:
