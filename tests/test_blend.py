@@ -402,6 +402,15 @@ def test_remember_located_refuses_arrays_of_other_lengths(views: list[TokenStrea
         blend.remember_located(np.arange(3), np.zeros(2, np.int64), np.zeros(2, np.int64))
 
 
+SLOT_CASES: dict[str, Any] = {
+    "weights": FOUR_WEIGHTS,
+    "block": st.integers(1, 3000),
+    "seed": st.integers(0, 2**64 - 1),
+    "data": st.data(),
+}
+"""A blend of four weights in blocks of up to 3,000 slots, for the slot tests."""
+
+
 def reference_layout(blend: Blend, b: int) -> tuple[np.ndarray, np.ndarray]:
     """(component, lane) of each slot of block ``b``, as the module docstring
     defines them: component c's j-th slot at time (j + u_c) / k_c, the slots in
@@ -427,12 +436,7 @@ def layout_of(slot_seed: int, b: int, counts: Any) -> tuple[np.ndarray, np.ndarr
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    weights=FOUR_WEIGHTS,
-    block=st.integers(1, 3000),
-    seed=st.integers(0, 2**64 - 1),
-    data=st.data(),
-)
+@given(**SLOT_CASES)
 def test_slots_found_without_the_layout_equal_the_layout(
     views: list[TokenStream], weights: list[float], block: int, seed: int, data: Any
 ) -> None:
@@ -463,12 +467,7 @@ def test_slots_found_without_the_layout_equal_the_layout(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    weights=FOUR_WEIGHTS,
-    block=st.integers(1, 3000),
-    seed=st.integers(0, 2**64 - 1),
-    data=st.data(),
-)
+@given(**SLOT_CASES)
 def test_slots_before_a_slot_are_counted_as_the_layout_counts_them(
     views: list[TokenStream], weights: list[float], block: int, seed: int, data: Any
 ) -> None:
