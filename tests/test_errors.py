@@ -29,6 +29,7 @@ from tokload import (
     TruncatedFileError,
     Writer,
 )
+from tokload._io import set_max_open_files
 
 MEGATRON = Path(__file__).parent / "data" / "megatron"
 META_DT = [("token", "<u4"), ("metadata_id", "<u4")]
@@ -74,6 +75,36 @@ def test_size_disagrees_with_manifest(tmp_path: Path) -> None:
         tokload.open_dataset(ds)
 
 
+def test_a_file_replaced_after_open_is_not_read_as_the_datasets(tmp_path: Path) -> None:
+    """A file is opened by path when a read first needs it (and again after the
+    bound on descriptors closed it): a rebuild that renamed other data of the same
+    size into its place was read as the dataset's, without a word."""
+    ds = small(tmp_path / "ds")
+    view = TokenStream(ds, window=10)
+    np.testing.assert_array_equal(view[0], np.arange(10))  # shard 0 opened
+    other = tmp_path / "other.rows"
+    np.full(os.path.getsize(ds / "s-00001.rows") // 4, 77, np.uint32).tofile(other)
+    os.replace(other, ds / "s-00001.rows")  # the same size, other tokens
+    with pytest.raises(
+        MissingShardError, match=r"not the one the dataset was opened with .*open the dataset again"
+    ) as e:
+        view.read([2])
+    assert e.value.filename == str(ds / "s-00001.rows")
+    np.testing.assert_array_equal(view[0], np.arange(10))  # the others still read
+    assert int(np.asarray(TokenStream(ds, window=10)[2])[0]) == 77  # a new open: the new file
+    # closed for room and opened again: checked again
+    view = TokenStream(ds, window=10)
+    view.read([0, 2])
+    set_max_open_files(1)
+    try:
+        view.read([4])  # another shard: the others' descriptors closed
+        os.utime(ds / "s-00000.rows", ns=(1, 1))  # the same bytes, written again
+        with pytest.raises(MissingShardError, match="not the one the dataset was opened with"):
+            view.read([0])
+    finally:
+        set_max_open_files(None)
+
+
 def test_file_truncated_after_open(tmp_path: Path) -> None:
     ds = small(tmp_path / "ds")
     view = TokenStream(ds, window=10)
@@ -105,7 +136,6 @@ def test_file_truncated_after_open(tmp_path: Path) -> None:
 
 def test_document_offsets_decreasing_or_past_the_end(tmp_path: Path) -> None:
     ds = small(tmp_path / "ds")
-    docs = Documents(ds)
     idx = np.fromfile(ds / "s-00000.docs", "<u8")
     np.array([0, 11, 5], "<u8").tofile(ds / "s-00000.docs")  # 11 > 5: decreasing
     with pytest.raises(
@@ -113,9 +143,9 @@ def test_document_offsets_decreasing_or_past_the_end(tmp_path: Path) -> None:
         match=r"s-00000\.docs: the document index entry of "
         r"document 1: bad value 11 at byte 8",
     ):
-        docs.read([1])
-    # an opened dataset keeps a small index in memory once read (TOKLOAD_INDEX_MEMORY),
-    # so each rewrite is opened afresh
+        Documents(ds).read([1])
+    # each rewrite opened afresh: an opened dataset keeps a small index in memory
+    # once read (TOKLOAD_INDEX_MEMORY), and refuses a file written after it opened
     np.array([0, 10, 21], "<u8").tofile(ds / "s-00000.docs")  # past the shard's 20 rows
     with pytest.raises(CorruptDataError, match=r"bad value 21"):
         Documents(ds).read([1])
@@ -125,7 +155,10 @@ def test_document_offsets_decreasing_or_past_the_end(tmp_path: Path) -> None:
 
 def test_metadata_offsets_and_ids(tmp_path: Path) -> None:
     ds = small(tmp_path / "ds", metadata=True)
-    view = StreamWithMetadata(ds, window=10)
+
+    def view() -> StreamWithMetadata:  # opened after each rewrite (it refuses a file
+        return StreamWithMetadata(ds, window=10)  # written after it opened)
+
     good = np.fromfile(ds / "s-00000.mdx", "<u8")
     assert good.tolist() == [0, 4, 10, 14, 20]
     np.array([0, 4, 3, 14, 20], "<u8").tofile(ds / "s-00000.mdx")
@@ -134,12 +167,12 @@ def test_metadata_offsets_and_ids(tmp_path: Path) -> None:
         match=r"s-00000\.mdx: the metadata index: bad value 3 "
         r"at byte 16",
     ):
-        view.read([0])
+        view().read([0])
     np.array([0, 4, 10, 14, 99], "<u8").tofile(ds / "s-00000.mdx")
     with pytest.raises(CorruptDataError, match=r"bad value 99 at byte 32"):
-        view.read([1])
+        view().read([1])
     good.tofile(ds / "s-00000.mdx")
-    assert view[1].metadata == [b"abcd", b"efghij"]
+    assert view()[1].metadata == [b"abcd", b"efghij"]
     rows = np.fromfile(ds / "s-00001.rows", np.dtype(META_DT))
     rows["metadata_id"][3] = 7  # the shard has 4 records
     rows.tofile(ds / "s-00001.rows")
@@ -148,7 +181,7 @@ def test_metadata_offsets_and_ids(tmp_path: Path) -> None:
         match=r"s-00001\.rows: row 3 has metadata id 7, but the "
         r"shard has 4 metadata records",
     ):
-        view.read([2])
+        view().read([2])
 
 
 def test_unknown_version_and_malformed_manifests(tmp_path: Path) -> None:

@@ -68,6 +68,7 @@ class FileSet:
         io: str | None = None,
         queue_depth: int | None = None,
         remote: Sequence[Any] | None = None,
+        known: Sequence[tuple[int, int, int] | None] | None = None,
     ) -> None: ...
     def configure(self, io: str | None = None, queue_depth: int | None = None) -> None: ...
     @property

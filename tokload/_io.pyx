@@ -410,6 +410,14 @@ cdef object _raise_io(lib.tl_io_error *err, list paths, str what):
     msg = f"{strerror(code).decode()} while reading {what} ({err.length} bytes at offset {err.offset})"
     if code == _errno.ENOENT:
         raise MissingShardError(code, msg, path)
+    if code == _errno.ESTALE:  # fdcache.h: not the file the dataset was opened with
+        raise MissingShardError(
+            code,
+            f"the file at this path is not the one the dataset was opened with (another size "
+            f"or modification time: rebuilt or copied over since); open the dataset again "
+            f"(while reading {what})",
+            path,
+        )
     raise OSError(code, msg, path)
 
 
@@ -516,9 +524,14 @@ cdef class FileSet:
         remote: for objects in an object store, one ``tokload.remote.RemoteObject``
             per path: every read is then a ranged GET (the ``"remote"``
             backend, ``tokload/_remote.pyx``), and ``io`` is ignored.
+        known: for local files, ``(inode, size, mtime_ns)`` of each as the dataset was
+            checked (or None for a file not checked): a file found at its path
+            with another size or mtime when it is opened, later, is not read
+            (``MissingShardError``: the dataset was rebuilt or copied over).
     """
 
-    def __cinit__(self, paths, bases=None, *, io=None, queue_depth=None, remote=None):
+    def __cinit__(self, paths, bases=None, *, io=None, queue_depth=None, remote=None,
+                  known=None):
         global _max_explicit
         self.files = NULL
         self.nfiles = 0
@@ -532,6 +545,9 @@ cdef class FileSet:
         self.remote = None if remote is None else list(remote)
         if self.remote is not None and len(self.remote) != n:
             raise ValueError(f"{n} files but {len(self.remote)} remote objects")
+        known = [None] * n if known is None else list(known)
+        if len(known) != n:
+            raise ValueError(f"{n} files but {len(known)} known sizes and times")
         self.backend = (lib.TL_IO_REMOTE if self.remote is not None
                         else _BACKEND_CODES[resolve_io(io)])
         if queue_depth is not None:
@@ -553,6 +569,9 @@ cdef class FileSet:
             lib.tl_fent_init(&self.files[i], PyBytes_AS_STRING(self._cpaths[i]), bases[i], i)
             if self.remote is not None:
                 self.files[i].remote = <void *>self.remote[i]
+            elif known[i] is not None:
+                self.files[i].known = 1
+                self.files[i].ino, self.files[i].size, self.files[i].mtime_ns = known[i]
         self.nfiles = n
         _live_sets.add(self)  # a forked child takes its files back (_after_fork_in_child)
 

@@ -75,6 +75,8 @@ cdef extern from "tokload/fdcache.h" nogil:
         int32_t index
         int fd
         void *remote
+        int known
+        int64_t ino, size, mtime_ns
 
     ctypedef struct tl_fdcache:
         size_t open

@@ -35,6 +35,12 @@ def file_kind(mode: int) -> str:
 
 def regular_size(path: str | os.PathLike[str], what: str) -> int:
     """The size of ``path``, which must be a regular file (symlinks followed).
+    ``regular_stat``'s ``st_size``."""
+    return regular_stat(path, what).st_size
+
+
+def regular_stat(path: str | os.PathLike[str], what: str) -> os.stat_result:
+    """The ``stat`` of ``path``, which must be a regular file (symlinks followed).
 
     Only ``stat``s, so a FIFO or device in a file's place is refused without
     the open that would block on it.
@@ -51,7 +57,7 @@ def regular_size(path: str | os.PathLike[str], what: str) -> int:
         raise FormatError(
             f"{os.fspath(path)}: {what} is {file_kind(st.st_mode)}, not a regular file"
         )
-    return st.st_size
+    return st
 
 
 def open_regular(path: str | os.PathLike[str], what: str) -> int:

@@ -18,7 +18,7 @@ from tokload.files import (
     Sample,
     open_regular,
     read_regular,
-    regular_size,
+    regular_stat,
     sample,
     sample_digest,
 )
@@ -49,6 +49,7 @@ class Location:
         self.options = storage_options
         self.listed = listed  # remote: one LIST of the prefix (else a HEAD per object)
         self._heads: dict[str, Any] = {}
+        self._known: dict[str, tuple[int, int, int]] = {}  # local: (ino, size, mtime_ns)
         self.root: str = (
             # a local root made absolute: its files are opened as reads need them,
             # after the caller may have changed directory
@@ -89,7 +90,9 @@ class Location:
         """The size of a regular file or object (MissingShardError when absent)."""
         if self.remote:
             return int(self._object(path, what).size)
-        return regular_size(path, what)
+        st = regular_stat(path, what)
+        self._known[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
+        return st.st_size
 
     def exists(self, path: str) -> bool:
         if not self.remote:
@@ -140,4 +143,5 @@ class Location:
         if self.remote:
             objs = [self._object(p, "file") for p in paths]
             return FileSet(paths, bases, remote=objs)
-        return FileSet(paths, bases)
+        # a file opened later, by path, is checked to be the one sized here
+        return FileSet(paths, bases, known=[self._known.get(p) for p in paths])

@@ -19,6 +19,14 @@
  * every entry's fd/pins; the open(2) itself runs outside it (a network
  * filesystem may take milliseconds), so two threads may open the same file at
  * once and the loser closes its copy.
+ *
+ * A file is opened by path, long after its dataset was opened and checked, and
+ * again after the bound closed it: an entry that knows the inode, size and
+ * mtime the file had then (`known`) refuses, with -ESTALE, a file at that path
+ * that is not the same any more (a rebuild renamed other data into its place),
+ * whose bytes would be read as the dataset's without a word.  The same file
+ * made shorter is let through: its reads end early, and say the file was
+ * truncated.
  */
 #ifndef TOKLOAD_FDCACHE_H
 #define TOKLOAD_FDCACHE_H
@@ -43,6 +51,8 @@ typedef struct tl_fent {
     struct tl_fent *prev, *next; /* LRU links while open and unpinned */
     void *remote;      /* an object in an object store (read by engine.h's TL_IO_REMOTE,
                         * never opened here), owned by the caller; NULL: a local file */
+    int known;         /* ino, size and mtime_ns are the file's when its set was made */
+    int64_t ino, size, mtime_ns;
 } tl_fent;
 
 typedef struct tl_fdcache {
@@ -74,6 +84,18 @@ TL_INLINE void tl_fent_init(tl_fent *e, const char *path, uint64_t base, int32_t
     e->retired = 0;
     e->prev = e->next = NULL;
     e->remote = NULL;
+    e->known = 0;
+    e->ino = e->size = e->mtime_ns = 0;
+}
+
+/* Whether st is the file e was made for (any file when e knows nothing). */
+TL_INLINE int tl_fent_same(const tl_fent *e, const struct stat *st)
+{
+    if (!e->known) return 1;
+    int64_t mtime_ns = (int64_t)st->st_mtim.tv_sec * 1000000000 + (int64_t)st->st_mtim.tv_nsec;
+    if ((int64_t)st->st_ino == e->ino && (int64_t)st->st_size < e->size)
+        return 1; /* truncated: the reads say so */
+    return (int64_t)st->st_size == e->size && mtime_ns == e->mtime_ns;
 }
 
 TL_INLINE void tl_fdcache_unlink_(tl_fent *e)
@@ -154,6 +176,10 @@ TL_INLINE int tl_fdcache_acquire(tl_fdcache *c, tl_fent *e, int may_wait)
                 close(fd);
                 fd = -1;
                 err = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
+            } else if (!tl_fent_same(e, &st)) {
+                close(fd);
+                fd = -1;
+                err = ESTALE; /* another file at this path than the dataset's */
             }
             break;
         }
