@@ -662,16 +662,18 @@ os._exit(0)  # killed with shard p-00008 open
     assert verify(ds) == []
 
 
-@pytest.mark.parametrize("prefix", [None, "same"])
+@pytest.mark.parametrize(("prefix", "existing"), [(None, True), ("same", True), (None, False)])
 def test_writers_appending_at_once_keep_each_others_documents(
-    tmp_path: Path, prefix: str | None
+    tmp_path: Path, prefix: str | None, existing: bool
 ) -> None:
     """Each writer rewrote the manifest from the copy it read at open: the last to
     close a shard dropped the other's (20 of 41 documents were left). The manifest
-    is now updated under a lock, from what is on disk."""
+    is now updated under a lock, from what is on disk (also when the directory held
+    no dataset yet: the second to publish adds to the first's)."""
     ds = tmp_path / "ds"
-    with Writer(ds, "<u2") as w:
-        w.write(np.full(5, 999, np.uint16))
+    if existing:
+        with Writer(ds, "<u2") as w:
+            w.write(np.full(5, 999, np.uint16))
     go = tmp_path / "go"
     code = f"""
 import os, sys, time, numpy as np, tokload
@@ -689,7 +691,7 @@ with tokload.Writer({str(ds)!r}, "<u2", mode="a", name_prefix={prefix!r}, shard_
     docs = Documents(ds)
     every = docs.read(np.arange(len(docs)))
     firsts = sorted(np.asarray(every.values)[every.offsets[:-1]].tolist())
-    assert firsts == sorted([999, *range(100, 130), *range(200, 230)])
+    assert firsts == sorted([999] * existing + [*range(100, 130), *range(200, 230)])
     assert verify(ds) == []
     listed = {s.name for s in read_manifest(ds).shards}
     assert {p.name.rsplit(".", 1)[0] for p in ds.glob("*.rows")} == listed  # none unlisted

@@ -105,21 +105,13 @@ def merge(
         span_block=first.span_block,
     )
 
-    def shape(m: Manifest) -> tuple[Any, ...]:
-        layout = (
-            (m.metadata_layout, m.span_block if m.spans or m.blocks else None)
-            if m.metadata
-            else None
-        )
-        return (m.dtype, m.documents, m.metadata, layout)
-
     for (path, m), rel in zip(manifests, rels, strict=True):
-        if shape(m) != shape(first):
+        if m.shape() != first.shape():
             raise FormatError(
                 f"{path}: dtype={m.dtype}, documents={m.documents}, metadata={m.metadata} "
-                f"(layout {shape(m)[3]}) differs from {manifests[0][0]}: dtype={first.dtype}, "
+                f"(layout {m.shape()[3]}) differs from {manifests[0][0]}: dtype={first.dtype}, "
                 f"documents={first.documents}, metadata={first.metadata} "
-                f"(layout {shape(first)[3]})"
+                f"(layout {first.shape()[3]})"
             )
         for s in m.shards:
             name = posixpath.normpath(posixpath.join(rel, s.name))

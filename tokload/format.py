@@ -127,6 +127,18 @@ class Manifest:
         reading what they can)."""
         return 3 if self.blocks else 2 if self.spans else 1
 
+    def shape(self) -> tuple[Any, ...]:
+        """What datasets must share for one manifest to list their shards (a merge,
+        writers appending at once): ``(dtype, documents, metadata, layout)``,
+        the layout ``(metadata_layout, span_block)`` (the block only for span
+        tables and blocks) or None without metadata."""
+        layout = (
+            (self.metadata_layout, self.span_block if self.spans or self.blocks else None)
+            if self.metadata
+            else None
+        )
+        return (self.dtype, self.documents, self.metadata, layout)
+
     def files(self) -> tuple[str, ...]:
         """The extensions of each shard's files, in ``SHARD_FILES`` order."""
         has = {

@@ -146,6 +146,7 @@ class Writer:
                 17, "a dataset already exists here; use mode='a' to append", str(self.path)
             )
         self._user = dict(user or {})
+        self._mode = mode
         self._seen: tuple[int, int, int] | None = None  # the manifest as last read or written
         if exists:
             self._seen = _identity(self.path / MANIFEST)
@@ -415,15 +416,16 @@ class Writer:
         with _DirectoryLock(self.path):
             now = _identity(self.path / MANIFEST)
             if now is not None and now != self._seen:
-                if self._seen is None:  # mode "w": a dataset appeared here meanwhile
+                if self._seen is None and self._mode == "w":  # a dataset appeared meanwhile
                     raise FileExistsError(
                         17, "a dataset was created here meanwhile", str(self.path)
                     )
                 current = read_manifest(self.path)
-                if current.files() != self.manifest.files() or current.dtype != self.dtype:
+                if current.shape() != self.manifest.shape():  # another writer's, or replaced
                     raise FormatError(
-                        f"{self.path}: the dataset was replaced while this writer was "
-                        f"appending (dtype {current.dtype}, files {current.files()})"
+                        f"{self.path}: the dataset here is now {current.shape()}, not "
+                        f"{self.manifest.shape()} as this writer's (another writer created or "
+                        "replaced it meanwhile)"
                     )
                 current.user.update(self._user)
                 self.manifest = current
