@@ -52,6 +52,8 @@ from tokload import (
     _remote,
     remote,
 )
+from tokload.errors import FormatError
+from tokload.location import Location
 from tokload.remote import fetch
 from tokload.remote import loop as remote_loop
 
@@ -591,9 +593,11 @@ def test_urls_are_normalized_as_the_store_names_its_objects() -> None:
     assert remote.normalize("s3://bkt/") == remote.normalize("s3://bkt") == "s3://bkt"
     assert remote.join("s3://bkt/root/whole", "../part-0/x.rows") == "s3://bkt/root/part-0/x.rows"
     with pytest.raises(
-        ValueError, match=r"s3://bkt/a/\.\./\.\./x: the key climbs above the bucket"
+        UsageError, match=r"s3://bkt/a/\.\./\.\./x: the key climbs above the bucket"
     ):
         remote.normalize("s3://bkt/a/../../x")
+    with pytest.raises(FormatError, match=r"s3://bkt: '\.\./p0/x\.rows' climbs above the bucket"):
+        Location("s3://bkt").join("../p0/x.rows")  # a shard name, from a manifest
 
 
 def test_a_merged_dataset_and_odd_spellings_of_a_url_read_from_the_store(
@@ -677,7 +681,7 @@ def test_build_to_s3_is_published_manifest_last_and_resumes(s3: LocalS3, tmp_pat
     # built again, and the store holds them: nothing uploaded, nothing deleted (the
     # top-level manifest was deleted at the start, and everything uploaded again)
     shutil.rmtree(tmp_path / "staging")
-    done = tokload.build([inputs], url, **kw)
+    done = tokload.build([inputs], url.replace("s3://", "S3://") + "/", **kw)  # any spelling
     assert done.built == done.chunks and done.published.skipped == done.chunks
     assert done.published.uploaded == 0 and done.published.deleted == 0
     local = TokenStream(tmp_path / "staging", 16)

@@ -256,7 +256,7 @@ def build(
     say = log if log is not None else _quiet
     from tokload import remote
 
-    url = os.fspath(output) if remote.is_url(output) else None
+    url = remote.normalize(os.fspath(output)) if remote.is_url(output) else None
     if url is not None:
         if ray is not None and ray is not False:
             raise UsageError(f"{url}: --ray builds need an output every node sees, not a URL")

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokload._io import FileSet
-from tokload.errors import FormatError, MissingShardError
+from tokload.errors import FormatError, MissingShardError, UsageError
 from tokload.files import (
     Sample,
     open_regular,
@@ -65,7 +65,13 @@ class Location:
         if self.remote:
             from tokload import remote
 
-            return remote.join(self.root, name)
+            try:
+                return remote.join(self.root, name)
+            except UsageError:  # a name from a manifest: the dataset's, not the caller's
+                raise FormatError(
+                    f"{self.root}: {name!r} climbs above the bucket (a dataset merged "
+                    "elsewhere and stored here without its parts?)"
+                ) from None
         return os.path.join(self.root, name)
 
     def stores_nothing(self) -> bool:

@@ -61,7 +61,7 @@ def publish(
             (the URL has no top-level manifest then; run it again).
     """
     root = Path(local)
-    url = url.rstrip("/")
+    url = remote.normalize(url)  # as the listing names the objects
     done = Published()
     have = remote.listing(url, options)
     top = remote.join(url, MANIFEST)
@@ -156,7 +156,7 @@ class Publisher:
         options: Mapping[str, Any] | None = None,
         poll: float = 0.5,
     ) -> None:
-        self.local, self.url, self.parts = Path(local), url.rstrip("/"), parts
+        self.local, self.url, self.parts = Path(local), remote.normalize(url), parts
         self.chunks, self.options, self.poll = list(chunks), options, poll
         self.done = Published()
         self._stop = threading.Event()

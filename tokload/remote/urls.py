@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import re
 
+from tokload.errors import UsageError
+
 SCHEMES = ("s3", "gs", "az", "abfs", "abfss")
 """The URL schemes read from an object store (``file://`` is a local path)."""
 
@@ -80,14 +82,14 @@ def normalize(url: str) -> str:
     keys have none of them), with no slash at the end.
 
     Raises:
-        ValueError: the key climbs above its bucket.
+        UsageError: the key climbs above its bucket.
     """
     scheme, bucket, key = split_url(url)
     parts: list[str] = []
     for seg in key.split("/"):
         if seg == "..":
             if not parts:
-                raise ValueError(f"{url}: the key climbs above the bucket {bucket!r}")
+                raise UsageError(f"{url}: the key climbs above the bucket {bucket!r}")
             parts.pop()
         elif seg not in ("", "."):
             parts.append(seg)
