@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -445,3 +447,57 @@ def test_a_second_build_into_the_same_output_is_refused_while_one_runs(
         held.release()
     assert build([src], out, progress=False).built >= 1
     assert build([src], out, progress=False).built == 0  # the lock was let go at the end
+
+
+def test_a_directory_lock_is_not_kept_by_a_forked_child(tmp_path: Path) -> None:
+    """A flock belongs to the open file, which a forked child shares: a child
+    forked while the lock was held kept it after the parent let it go, and the
+    parent's next manifest update waited for the child to end."""
+    from tokload.files import DirectoryLock
+
+    lock = DirectoryLock(tmp_path / "d")
+    ready, tell = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child (its at-fork hooks have run): lives on, as a worker would
+        os.write(tell, b"x")
+        time.sleep(3)
+        os._exit(0)
+    try:
+        assert os.read(ready, 1) == b"x"
+        lock.release()
+        DirectoryLock(tmp_path / "d", wait=False).release()  # free: not the child's
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(ready)
+        os.close(tell)
+
+
+def test_a_directory_lock_takes_a_lock_file_where_directories_cannot_be_locked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NFS emulates flock with POSIX locks, which need a file open for writing: a
+    directory's lock failed (EBADF) and neither builds nor writers were kept apart."""
+    import errno
+    import fcntl
+    import stat
+
+    from tokload import files
+
+    real = fcntl.flock
+
+    def nfs_like(fd: int, how: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        real(fd, how)
+
+    monkeypatch.setattr(fcntl, "flock", nfs_like)
+    src, out = jsonl(tmp_path / "in.jsonl"), tmp_path / "out"
+    held = files.DirectoryLock(out)
+    try:
+        assert (out / files.LOCK_FILE).is_file()
+        with pytest.raises(UsageError, match="another tokload build is writing"):
+            build([src], out, progress=False)
+    finally:
+        held.release()
+    assert build([src], out, progress=False).built >= 1

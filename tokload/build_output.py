@@ -17,7 +17,6 @@ refused at once, instead of each removing the other's chunks in progress.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import secrets
 import shutil
@@ -27,6 +26,7 @@ from typing import Any
 
 from tokload.build_plan import Chunk
 from tokload.errors import TokloadError, UsageError
+from tokload.files import LOCK_FILE, DirectoryLock
 from tokload.format import MANIFEST, read_manifest
 from tokload.inputs import BUILD_MARKER
 from tokload.tokenizer import TOKENIZER_FILE
@@ -41,32 +41,24 @@ MARKER_TEXT = (
 
 
 class OutputLock:
-    """A build's hold on its output directory (made if missing): an exclusive
-    ``flock`` on it, taken without waiting, until ``release``.
+    """A build's hold on its output directory (made if missing), until ``release``:
+    ``files.DirectoryLock`` taken without waiting.
 
     Raises:
-        UsageError: another build holds it. (On a filesystem without such locks,
-            none is taken.)
+        UsageError: another build holds it.
     """
 
     def __init__(self, out: Path) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.lock = DirectoryLock(out, wait=False)
         except BlockingIOError:
-            os.close(self.fd)
             raise UsageError(
                 f"{out}: another tokload build is writing this directory now; wait for it "
                 "to end, or build into another directory"
             ) from None
-        except OSError:  # ENOLCK and the like: no locks on this filesystem
-            pass
 
     def release(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self.lock.release()
 
 
 def ours(d: Path) -> bool:
@@ -94,7 +86,7 @@ def check_output(out: Path, files: Sequence[Path], force: bool) -> None:
     """
     if not out.is_dir():
         return
-    entries = sorted(p.name for p in out.iterdir())
+    entries = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE)
     if not entries:
         return
     built = (out / BUILD_MARKER).is_file()

@@ -9,12 +9,15 @@ checksums (``sample_digest``, ``Sample``) are computed here too.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import secrets
 import stat
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Self
 
 from tokload.errors import FormatError, MissingShardError
 
@@ -155,3 +158,76 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+LOCK_FILE = ".tokload-lock"
+"""The empty file a ``DirectoryLock`` locks where the directory itself cannot be
+(NFS), left in place: removing a lock file races with the next process to open it."""
+
+_held: set[int] = set()  # descriptors of the locks this process holds
+
+
+def _drop_held_in_child() -> None:
+    """A forked child's copies of the lock descriptors would keep the parent's locks
+    (a flock belongs to the open file, which the child shares) after the parent let
+    them go: closed in the child, the parent's stay."""
+    for fd in _held:
+        os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_drop_held_in_child)
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on a directory, for one process at a time to update
+    what it holds (a manifest, a build).
+
+    Where the directory cannot be locked (NFS emulates ``flock`` with POSIX
+    locks, which need a file open for writing), ``directory/.tokload-lock`` is
+    locked instead. Where no lock can be had at all (ENOLCK), it warns and
+    goes on without.
+
+    Args:
+        directory: the directory (made if missing).
+        wait: wait for another holder; otherwise ``BlockingIOError`` at once.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], wait: bool = True) -> None:
+        os.makedirs(directory, exist_ok=True)
+        how = fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB)
+        self.fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(self.fd, how)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise
+        except OSError:  # EBADF on NFS: a file open for writing instead
+            os.close(self.fd)
+            path = os.path.join(directory, LOCK_FILE)
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            try:
+                fcntl.flock(self.fd, how)
+            except BlockingIOError:
+                os.close(self.fd)
+                raise
+            except OSError as e:
+                warnings.warn(
+                    f"{path}: no lock can be taken here ({e.strerror}): writers and builds "
+                    "running at once into this directory are not kept apart",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        _held.add(self.fd)
+
+    def release(self) -> None:
+        """Let the lock go (idempotent)."""
+        if self.fd in _held:
+            _held.discard(self.fd)
+            os.close(self.fd)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

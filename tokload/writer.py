@@ -10,7 +10,6 @@ crash never leaves a manifest that refers to data that is not on disk.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import secrets
 from collections.abc import Mapping, Sequence
@@ -25,7 +24,7 @@ import xxhash
 from tokload._meta import SPAN_DTYPE, encode_blocks
 from tokload.arguments import positive_integer
 from tokload.errors import FormatError
-from tokload.files import fsync_dir
+from tokload.files import DirectoryLock, fsync_dir
 from tokload.format import (
     DEFAULT_METADATA_BLOCK,
     DEFAULT_METADATA_LAYOUT,
@@ -413,7 +412,7 @@ class Writer:
         directory: writers appending to one dataset at once (each its own
         shards) add to the manifest as it is on disk, which another writer may
         have rewritten since this one last did, instead of writing over it."""
-        with _DirectoryLock(self.path):
+        with DirectoryLock(self.path):
             now = _identity(self.path / MANIFEST)
             if now is not None and now != self._seen:
                 if self._seen is None and self._mode == "w":  # a dataset appeared meanwhile
@@ -477,24 +476,6 @@ def _identity(path: Path) -> tuple[int, int, int] | None:
     except FileNotFoundError:
         return None
     return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-class _DirectoryLock:
-    """An exclusive ``flock`` on a directory, for the read-modify-write of its
-    manifest. Where the filesystem has no such locks (some network ones), none
-    is taken: writers that append at once then need their own coordination."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd = -1
-
-    def __enter__(self) -> None:
-        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
-        with contextlib.suppress(OSError):  # ENOLCK, EBADF: no locks here
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc: object) -> None:
-        os.close(self.fd)  # and with it the lock
 
 
 def checked_block(span_block: Any, layout: str, error: type[ValueError] = ValueError) -> int:
