@@ -377,9 +377,12 @@ def _eos_index(
     does): each writes the cache under a unique temporary name and renames it
     into place atomically, so a reader sees no cache or a whole one. A cache
     is used only when it is a regular file of the right shape (0 first, the
-    file's rows last) written after the data last changed (its mtime or its
-    ctime: a copy that keeps an older mtime still sets the ctime); otherwise the
-    index is recomputed, and cached only if the data did not change meanwhile.
+    file's rows last) whose mtime is the version of the data it was computed
+    from (the data's last change, by its mtime or its ctime: a copy that keeps
+    an older mtime still sets the ctime) or later; otherwise the index is
+    recomputed. A cache is written with the scanned version as its mtime, so a
+    file replaced at any moment after the scan is newer than the cache; and
+    it is cached only if the data did not change while scanned.
     Where the cache cannot be written (a read-only directory), the index goes
     to a private temporary file, appended to ``private`` for the caller to
     unlink when the source is closed or collected.
@@ -416,14 +419,14 @@ def _eos_index(
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
+        # the cache's mtime is the scanned file's version (_cache_ok): a file
+        # replaced since, whenever this cache is renamed into place, is newer
+        os.utime(tmp, ns=(before, before))
         os.replace(tmp, cache)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    if _identity(os.stat(path)) != _identity(st):
-        # replaced between the check above and the rename: the cache, newer than
-        # the new file, would pass for its index; this one is the old file's
-        cache.unlink(missing_ok=True)
+    if _identity(os.stat(path)) != _identity(st):  # replaced meanwhile: the old file's
         return _private_index(payload, private)
     return cache
 
@@ -464,7 +467,8 @@ def _changed_ns(st: os.stat_result) -> int:
 
 def _cache_ok(cache: Path, rows: int, data_changed_ns: int) -> bool:
     """Whether ``cache`` is a usable document index of a file of ``rows`` rows that
-    last changed at ``data_changed_ns`` (``_changed_ns``): written after that."""
+    last changed at ``data_changed_ns`` (``_changed_ns``): computed from that
+    version or a later one (its mtime)."""
     try:
         fd = open_regular(cache, "document index cache")
     except (OSError, TokloadError):
