@@ -407,7 +407,7 @@ def test_a_file_that_changes_while_its_eos_tokens_are_found_is_not_cached(
     np.array([1, 2, 0, 3], np.uint16).tofile(tmp_path / "t.bin")
     seen = iter([2, 1])  # the file after the scan, then as it was before it
     monkeypatch.setattr(interop, "_check_unchanged", lambda *args: None)
-    monkeypatch.setattr(interop, "_identity", lambda st: next(seen))
+    monkeypatch.setattr(interop, "file_version", lambda st: next(seen))
     src = tokload.open_flat(tmp_path / "t.bin", np.uint16, eos=0)
     assert len(Documents(src)) == 2
     assert not (tmp_path / "t.bin.eos0.docs").exists()  # a private index instead

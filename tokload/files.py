@@ -63,6 +63,13 @@ def regular_stat(path: str | os.PathLike[str], what: str) -> os.stat_result:
     return st
 
 
+def file_version(st: os.stat_result) -> tuple[int, ...]:
+    """Which file, in which version: device, inode, size, mtime and ctime (in ns).
+    Equal for two ``stat``s when nothing replaced or wrote the file between them
+    (a copy that keeps an older mtime still sets the ctime)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 def open_regular(path: str | os.PathLike[str], what: str) -> int:
     """A read-only descriptor of a regular file, never blocking on a FIFO or device.
 

@@ -33,7 +33,7 @@ from tokload._megatron import MegatronIndex
 from tokload._rows import RowSet
 from tokload.arguments import is_integer
 from tokload.errors import FormatError, TokloadError
-from tokload.files import Sample, create_unique, open_regular
+from tokload.files import Sample, create_unique, file_version, open_regular
 from tokload.format import check_dtype, fingerprint
 from tokload.location import Location
 from tokload.source import Source, index_memory, reopenable
@@ -410,7 +410,7 @@ def _eos_index(
     if offsets[-1] != rows:
         offsets = np.append(offsets, np.uint64(rows))
     payload = offsets.astype("<u8").tobytes()
-    if _identity(os.stat(path)) != _identity(st):  # changed while scanned: cache nothing
+    if file_version(os.stat(path)) != file_version(st):  # changed while scanned: cache nothing
         return _private_index(payload, private)
     try:
         fd, tmp = create_unique(cache.parent, f".{cache.name}-")
@@ -426,14 +426,9 @@ def _eos_index(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    if _identity(os.stat(path)) != _identity(st):  # replaced meanwhile: the old file's
+    if file_version(os.stat(path)) != file_version(st):  # replaced meanwhile: the old file's
         return _private_index(payload, private)
     return cache
-
-
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    """A file's identity and version: device, inode, size and ``_changed_ns``."""
-    return st.st_dev, st.st_ino, st.st_size, _changed_ns(st)
 
 
 def _check_unchanged(
@@ -442,7 +437,7 @@ def _check_unchanged(
     """FormatError unless the file still holds the ``size`` bytes its rows need
     (and, given ``opened``, is the same file as that): it was replaced while
     being opened."""
-    if st.st_size < size or (opened is not None and _identity(st) != _identity(opened)):
+    if st.st_size < size or (opened is not None and file_version(st) != file_version(opened)):
         raise FormatError(
             f"{path}: the file changed while it was being opened ({st.st_size} bytes now; "
             f"its rows needed {size}); open it again"

@@ -24,7 +24,7 @@ import xxhash
 from tokload._meta import SPAN_DTYPE, encode_blocks
 from tokload.arguments import positive_integer
 from tokload.errors import FormatError
-from tokload.files import DirectoryLock, fsync_dir
+from tokload.files import DirectoryLock, file_version, fsync_dir
 from tokload.format import (
     DEFAULT_METADATA_BLOCK,
     DEFAULT_METADATA_LAYOUT,
@@ -146,9 +146,9 @@ class Writer:
             )
         self._user = dict(user or {})
         self._mode = mode
-        self._seen: tuple[int, int, int] | None = None  # the manifest as last read or written
+        self._seen: tuple[int, ...] | None = None  # the manifest as last read or written
         if exists:
-            self._seen = _identity(self.path / MANIFEST)
+            self._seen = _version(self.path / MANIFEST)
             self.manifest = read_manifest(self.path)
             m = self.manifest
             if (
@@ -413,7 +413,7 @@ class Writer:
         shards) add to the manifest as it is on disk, which another writer may
         have rewritten since this one last did, instead of writing over it."""
         with DirectoryLock(self.path):
-            now = _identity(self.path / MANIFEST)
+            now = _version(self.path / MANIFEST)
             if now is not None and now != self._seen:
                 if self._seen is None and self._mode == "w":  # a dataset appeared meanwhile
                     raise FileExistsError(
@@ -431,7 +431,7 @@ class Writer:
             if info is not None:
                 self.manifest.shards.append(info)
             write_manifest(self.path, self.manifest)
-            self._seen = _identity(self.path / MANIFEST)
+            self._seen = _version(self.path / MANIFEST)
 
     def flush(self) -> None:
         """Close the current shard and publish it in the manifest."""
@@ -468,14 +468,13 @@ class Writer:
         self.close()
 
 
-def _identity(path: Path) -> tuple[int, int, int] | None:
-    """``(inode, size, mtime in ns)`` of a file, None if there is none: a manifest
+def _version(path: Path) -> tuple[int, ...] | None:
+    """``files.file_version`` of a file, None if there is none: a manifest
     rewritten (renamed into place) has another inode."""
     try:
-        st = os.stat(path)
+        return file_version(os.stat(path))
     except FileNotFoundError:
         return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def checked_block(span_block: Any, layout: str, error: type[ValueError] = ValueError) -> int:
