@@ -89,8 +89,8 @@ def merge(
     if not inputs:
         raise ValueError("merge needs at least one input dataset")
     rels = _relative_to(output, inputs)
-    if remote.is_url(output):
-        top = remote.join(os.fspath(output), MANIFEST)
+    top = remote.join(os.fspath(output), MANIFEST) if remote.is_url(output) else None
+    if top is not None:
         if remote.exists(top, storage_options):
             raise FileExistsError(17, "a dataset already exists here", os.fspath(output))
     else:
@@ -117,12 +117,11 @@ def merge(
             name = posixpath.normpath(posixpath.join(rel, s.name))
             merged.shards.append(dataclasses.replace(s, name=name))  # checksums carried over
         merged.user.setdefault("merged_from", []).append(rel)
-    if not remote.is_url(output):
+    if top is None:
         write_manifest(output, merged)
         return merged
     with tempfile.TemporaryDirectory(prefix="tokload-merge-") as staging:
         write_manifest(staging, merged)
-        top = remote.join(os.fspath(output), MANIFEST)
         remote.put_file(top, Path(staging) / MANIFEST, storage_options)
     return merged
 

@@ -172,7 +172,7 @@ def plan(
             gets_per_sample = 1.0 + (window - 1) * (nonempty - 1) / total
             reading = f"windows of {window:,} tokens"
             if metadata:
-                blocks = getattr(src, "spans", None)
+                blocks = src.spans
                 if not isinstance(blocks, BlockSet):
                     raise UsageError(
                         f"{path}: plan counts the metadata reads of layout 'blocks' (what "

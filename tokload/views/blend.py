@@ -443,9 +443,8 @@ class Blend(WindowBoundaries, View):
         if r >= int(counts.sum()):  # a block of fewer slots (a capped blend's last)
             total += counts
         elif r:  # the slots of block b before slot r: found from slot r, in O(components)
-            one = np.array([b], dtype=np.int64)
             comp, lane = block_slots(
-                self.seed ^ _SLOT_TAG, one, np.array([r], np.int64), self._seg_counts, one * 0 + g
+                self.seed ^ _SLOT_TAG, [b], [r], self._seg_counts, np.array([g], np.int64)
             )
             total += _slots_before(self.seed ^ _SLOT_TAG, b, counts, int(comp[0]), int(lane[0]))
         return total
