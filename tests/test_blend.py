@@ -73,14 +73,22 @@ def test_exact_proportions_and_once_per_component_epoch(
     for b in range(length // block):  # every full block holds each share exactly
         counts = np.bincount(comp[b * block : (b + 1) * block], minlength=4)
         assert counts.tolist() == per_block
-    # Every prefix is within one sample per block of the target: at a block boundary
-    # only the rounding of each full block (< 1 each) remains; inside a block, the
-    # deal adds at most one more.
+    # Every prefix is near its target L * w. A full block of B slots holds k_c of
+    # component c, with |k_c - B * w_c| < 1 (largest remainder). Inside a block, the
+    # first r slots are those up to the time T of the r-th, and component c has
+    # n_c = T * k_c + d_c of them with d_c in (-1, 1] (its slots are at the times
+    # (j + u_c) / k_c). With A components holding slots, the sum of the d's is
+    # r - T * B, so n_c - r * k_c / B = d_c - (k_c / B) * sum(d) lies within
+    # 1 + (k_c / B) * (A - 2) of 0 (A >= 2), and rounding the share adds r / B.
     w = np.asarray(weights) / sum(weights)
+    k = np.asarray(per_block, dtype=np.float64)
+    active = int((k > 0).sum())
+    inside = np.where(k > 0, 1 + k / block * max(active - 2, 0), 0.0)
     for L in [*range(0, length, max(1, length // 50)), *range(0, length, block)]:
         cum = np.bincount(comp[:L], minlength=4)
-        bound = L / block if L % block == 0 else -(-L // block) + 1
-        assert (np.abs(cum - L * w) <= bound + 1e-9).all(), (L, cum, L * w)
+        m, r = divmod(L, block)
+        bound = m * np.abs(k - block * w) + (r * np.abs(k / block - w) + inside if r else 0)
+        assert (np.abs(cum - L * w) <= bound + 1e-9).all(), (L, cum, L * w, bound)
         assert blend.proportions(0, L).tolist() == cum.tolist()
     a, b = sorted(data.draw(st.tuples(st.integers(0, length), st.integers(0, length))))
     assert blend.proportions(a, b).tolist() == np.bincount(comp[a:b], minlength=4).tolist()

@@ -13,8 +13,11 @@ Position ``q`` of a ``Blend`` is computed on demand, from ``q`` alone:
    slots get the ideal times ``(j + u_c) / k_c``, ``j < k_c``, with a phase
    ``u_c`` in ``[0, 1)`` keyed by ``(seed, b, c)``, and the slots go to those
    times in increasing order (ties to the lower component). Sources interleave
-   evenly, and every prefix of a block holds each component within about one
-   sample of its share (a uniformly random deal would stray by ~sqrt(M)).
+   evenly, and every prefix of a block holds each component within a few
+   samples of its share: at most ``1 + s * (A - 2)`` for a share ``s`` of the
+   block among ``A`` components with slots, since each component's count is
+   off its time's share by less than one and their sum is the prefix (a
+   uniformly random deal would stray by ~sqrt(M)).
 3. **Per-component epochs.** The ``j``-th slot of ``c`` in block ``b`` is the
    component's own position ``p = (its samples before block b) + j``:
    component epoch ``p // n_c``, index ``perm_{c,e}(p % n_c)``, a permutation
