@@ -744,6 +744,71 @@ def test_a_failure_in_a_step_of_its_own_lands_on_that_step() -> None:
     assert ld.cursor == 14 and sum(14 in r for r in view.reads) == 1
 
 
+class _LengthsFailOnce:
+    """Documents whose ``extents`` (a packed schedule's lengths) fail at call ``bad``."""
+
+    def __init__(self, docs: Documents, bad: int) -> None:
+        self.docs, self.calls, self.bad = docs, 0, bad
+        self.fields, self.fingerprint = docs.fields, "fails-once:" + docs.fingerprint
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def read_batch(self, indices: np.ndarray, alloc: Any) -> Any:
+        return self.docs.read_batch(indices, alloc)
+
+    def read_extents(self, *args: Any) -> Any:
+        return self.docs.read_extents(*args)
+
+    def extents(self, indices: np.ndarray) -> Any:
+        self.calls += 1
+        if self.calls == self.bad:
+            raise OSError(5, "lengths unreadable", "shard-3.bin")
+        return self.docs.extents(indices)
+
+
+@pytest.mark.parametrize("threads", [0, 1, 2])
+def test_a_failure_while_packing_a_task_skips_no_row(corpus: Path, threads: int) -> None:
+    """A task whose packing fails (before its steps are known) ends the iterator with
+    the cursor before it, as a failed read does: a new loop builds it again. Reader
+    threads once went on with the next task, and its rows were lost."""
+
+    def run(bad: int) -> tuple[list[int], int]:
+        ld = DataLoader(
+            _LengthsFailOnce(Documents(corpus), bad),
+            1,
+            batching=tokload.Fill(64, lookahead=4),
+            seed=1,
+            epochs=1,
+            num_threads=threads,
+            read=tokload.ReadOptions(steps_per_task=2, prefetch=2),
+        )
+        rows: list[int] = []
+        failures = 0
+        while True:
+            it = iter(ld)
+            try:
+                for b in it:
+                    rows += b["position"].tolist()
+                break
+            except OSError as e:
+                assert e.filename == "shard-3.bin"
+                failures += 1
+                at = ld.cursor
+                if threads:  # the prefetcher is past the task: the iterator ended
+                    with pytest.raises(StopIteration):
+                        next(it)
+                assert ld.cursor == at
+        ld.close()
+        return rows, failures
+
+    clean, none = run(0)
+    got, failures = run(4)
+    assert none == 0 and failures == 1
+    assert len(clean) > 10 and len(set(clean)) == len(clean)
+    assert got == clean
+
+
 # ---- the object store ---------------------------------------------------------------------
 
 

@@ -70,9 +70,14 @@ def _resolve_rank(
         return 0, 1
     if rank is None or world_size is None:
         raise ValueError("give both rank and world_size, or neither")
+    if not is_integer(rank) or not is_integer(world_size):
+        # a float would be truncated, a string from os.environ compared as text
+        raise ValueError(
+            f"rank and world_size must be integers, got rank={rank!r}, world_size={world_size!r}"
+        )
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-    return rank, world_size
+    return int(rank), int(world_size)
 
 
 def _mesh_index(mesh: Any, dim: str | int) -> int:
@@ -701,7 +706,17 @@ class _LoaderIter:
         else:
             if not self._ready:
                 t0 = time.perf_counter()
-                self._ready = self._pf.get()
+                try:
+                    self._ready = self._pf.get()
+                except StopIteration:
+                    raise
+                except Exception:
+                    # A task that failed before its steps were known (a packed
+                    # schedule reads its documents' lengths): the prefetcher is past
+                    # it. As for a Failed batch, the cursor stays before it and a
+                    # new iterator (or a resume) builds it again.
+                    self.close()
+                    raise
                 wait = time.perf_counter() - t0
                 self._ready.reverse()
                 if self._auto and self._ready:
