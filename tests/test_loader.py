@@ -190,6 +190,15 @@ def test_rank_defaults_to_torch_distributed(corpus: Path) -> None:
         DataLoader(TokenStream(corpus, window=9), 4, rank=1)
     with pytest.raises(ValueError, match=r"need 0 <= rank < world_size, got rank=3"):
         DataLoader(TokenStream(corpus, window=9), 4, rank=3, world_size=2)
+    # not truncated (1.5 ran as rank 1), nor taken from a bool or compared as text
+    bad: list[tuple[Any, Any]] = [(1.5, 2), (0, 2.5), (True, 2), ("1", "2"), (np.int64(1), 2.0)]
+    for rank, world in bad:
+        with pytest.raises(ValueError, match="rank and world_size must be integers"):
+            DataLoader(TokenStream(corpus, window=9), 4, rank=rank, world_size=world)
+    one: Any = np.int64(1)  # an index read from an array is an integer
+    two: Any = np.int32(2)
+    ld = DataLoader(TokenStream(corpus, window=9), 4, rank=one, world_size=two)
+    assert (ld.rank, ld.world_size) == (1, 2) and type(ld.rank) is int
 
 
 # ---- exactly once and resume --------------------------------------------------------------------

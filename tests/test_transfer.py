@@ -330,3 +330,20 @@ def test_the_retired_transfer_keyword_says_to_write_device(corpus: Path) -> None
     with pytest.raises(TypeError, match="unexpected keyword arguments: transfers"):
         DataLoader(view, 2, transfers=fd)
     fd.close()
+
+
+def test_a_batch_saved_with_torch_loads_with_weights_only(corpus: Path, tmp_path: Path) -> None:
+    """torch.load refuses classes it does not know (weights_only=True, its default):
+    a batch saved to reproduce a failure loads back as a dict of its tensors."""
+    ld = DataLoader(Documents(corpus), 2, batching=tokload.Fill(16), seed=3, device=None)
+    batch = next(iter(ld))
+    ld.close()
+    assert isinstance(batch, Batch)
+    torch.save(batch, tmp_path / "b.pt")
+    back = torch.load(tmp_path / "b.pt")
+    assert list(back) == list(batch)
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(back[k], v), k
+        else:
+            assert back[k] == v, k

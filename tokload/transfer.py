@@ -29,10 +29,11 @@ fake one that completes copies asynchronously on CPU threads.
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, SupportsIndex
 
 import numpy as np
 
@@ -49,9 +50,20 @@ class Batch(dict[str, Any]):
     host batches). By the time ``next()`` returns the batch, the trainer's
     current stream already waits for it; use ``ready`` only to hand the batch
     to yet another stream.
+
+    A batch pickles, and ``torch.save`` writes it, as a
+    ``collections.OrderedDict`` of its items, without ``ready``: ``torch.load``
+    reads it back with its default ``weights_only=True``, as it reads a state
+    dict. (The ``"metadata"`` records of a stream with metadata are not
+    tensors: that load needs ``weights_only=False``.)
     """
 
     ready: Any = None
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        # torch.load(weights_only=True) refuses any class it does not know,
+        # this one included; an OrderedDict is what it reads state dicts as
+        return (collections.OrderedDict, (), None, None, iter(self.items()))
 
 
 class TransferBackend(Protocol):
