@@ -201,6 +201,41 @@ def test_rank_defaults_to_torch_distributed(corpus: Path) -> None:
     assert (ld.rank, ld.world_size) == (1, 2) and type(ld.rank) is int
 
 
+def test_a_loader_made_before_init_process_group_under_torchrun_is_refused(
+    corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each of torchrun's processes would read every batch as rank 0 of 1."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=4 \(RANK=2\) but torch.distributed is not"):
+        DataLoader(TokenStream(corpus, window=9), 4)
+    ld = DataLoader(TokenStream(corpus, window=9), 4, rank=0, world_size=1)  # said so
+    assert (ld.rank, ld.world_size) == (0, 1)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: nothing to share
+    assert DataLoader(TokenStream(corpus, window=9), 4).world_size == 1
+
+
+@pytest.mark.parametrize("threads", [0, 1])
+def test_an_iterator_replaced_by_a_newer_one_says_so(corpus: Path, threads: int) -> None:
+    """A peek with next(iter(loader)) inside a loop once ended that loop as if the data
+    had run out."""
+    ld = DataLoader(TokenStream(corpus, window=9), 4, seed=2, num_threads=threads)
+    first = iter(ld)
+    a = next(first)["position"].tolist()
+    peek = next(iter(ld))["position"].tolist()
+    with pytest.raises(RuntimeError, match="replaced by a newer iter"):
+        next(first)
+    assert peek == [4, 5, 6, 7] and a == [0, 1, 2, 3] and ld.cursor == 8
+    for _ in ld:  # a for loop left with break, then another: no error, goes on
+        break
+    assert next(iter(ld))["position"].tolist() == [12, 13, 14, 15]
+    ld.close()
+    done = iter(ld)
+    ld.close()  # closing the loader ends its iterator; it was not replaced
+    with pytest.raises(StopIteration):
+        next(done)
+
+
 # ---- exactly once and resume --------------------------------------------------------------------
 
 

@@ -67,6 +67,17 @@ def _resolve_rank(
             return 0, 1
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
+        launched = os.environ.get("WORLD_SIZE", "")
+        if launched.isdigit() and int(launched) > 1:
+            # torchrun started several processes: as rank 0 of 1 each would read
+            # every batch of every other, silently
+            raise ValueError(
+                f"WORLD_SIZE={launched} (RANK={os.environ.get('RANK', '?')}) but "
+                "torch.distributed is not initialized: call "
+                "torch.distributed.init_process_group() before making the DataLoader, "
+                "or pass rank and world_size (rank=0, world_size=1 for a loader of "
+                "this process alone)"
+            )
         return 0, 1
     if rank is None or world_size is None:
         raise ValueError("give both rank and world_size, or neither")
@@ -117,7 +128,9 @@ class DataLoader:
         rank: this rank. Default: from ``torch.distributed`` when it is
             initialized, else 0.
         world_size: the number of ranks. Default: from ``torch.distributed``
-            when it is initialized, else 1.
+            when it is initialized, else 1; ValueError when it is not but the
+            environment says several processes were launched (``WORLD_SIZE`` >
+            1, as ``torchrun`` sets it): each would read every batch.
         mesh: a ``DeviceMesh``: rank and world size come from its
             data-parallel dimension; ranks differing only in other dimensions
             get identical batches.
@@ -567,6 +580,9 @@ class DataLoader:
     # ---- iteration -----------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
+        old = self._iter() if self._iter is not None else None
+        if old is not None:
+            old.replaced = True  # its next() says so, rather than end as if the data had
         self._close_iter()
         it = _LoaderIter(self)
         self._iter = weakref.ref(it)
@@ -640,6 +656,7 @@ class _LoaderIter:
     def __init__(self, loader: DataLoader) -> None:
         self._loader = loader
         self._closed = False
+        self.replaced = False  # a newer iter(loader) took over the cursor
         self._ready: list[tuple[tuple[int, int], Any, Counted]] = []
         self._pf: Prefetcher | None = None
         self._auto = False  # the automatic prefetch: sized by the batches it sees
@@ -688,6 +705,11 @@ class _LoaderIter:
 
     def __next__(self) -> Any:
         if self._closed:
+            if self.replaced:
+                raise RuntimeError(
+                    "this DataLoader iterator was replaced by a newer iter() of its loader, "
+                    "which goes on from the cursor: a loader has one pass at a time"
+                )
             raise StopIteration
         loader = self._loader
         wait = 0.0
