@@ -235,6 +235,49 @@ def test_tokenizer_json_offsets_and_dtype(tmp_path: Path) -> None:
     assert next(iter(loader))["tokens"].shape == (4, 8)
 
 
+def _word_level(path: Path, vocab: dict[str, int]) -> Path:
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+def _tokens(path: Path) -> list[int]:
+    view = tokload.TokenStream(path, window=1)
+    tokens = view.read(np.arange(len(view)))
+    assert isinstance(tokens, np.ndarray)
+    return tokens.ravel().tolist()
+
+
+def test_the_dtype_holds_the_largest_id_not_the_number_of_ids(tmp_path: Path) -> None:
+    """A vocabulary with gaps (reserved ranges, added tokens placed high): 4 entries,
+    one of them 70,000, was stored as uint16, and 70,000 wrapped to 4,464."""
+    tj = _word_level(tmp_path / "t.json", {"[UNK]": 0, "a": 1, "<|endoftext|>": 5, "b": 70_000})
+    (tmp_path / "in.jsonl").write_text('{"text": "a b a"}\n')
+    build([tmp_path / "in.jsonl"], tmp_path / "ds", tokenizer=tj, progress=False)
+    assert tokload.open_dataset(tmp_path / "ds").dtype == np.dtype("<u4")
+    assert _tokens(tmp_path / "ds") == [1, 70_000, 1, 5]
+    # an end of text placed high decides too
+    tj = _word_level(tmp_path / "e.json", {"[UNK]": 0, "a": 1, "</s>": 65_536})
+    build([tmp_path / "in.jsonl"], tmp_path / "eos", tokenizer=tj, progress=False)
+    assert _tokens(tmp_path / "eos") == [1, 0, 1, 65_536]
+
+
+def test_a_rebuild_in_one_process_with_another_tokenizer_uses_it(tmp_path: Path) -> None:
+    """The output's copy of tokenizer.json has one path whatever the tokenizer: a
+    process's cache keyed by it tokenized a second build with the first tokenizer."""
+    (tmp_path / "in.jsonl").write_text('{"text": "a b"}\n')
+    one = _word_level(tmp_path / "one.json", {"[UNK]": 0, "a": 1, "b": 2, "</s>": 3})
+    two = _word_level(tmp_path / "two.json", {"[UNK]": 0, "a": 7, "b": 8, "</s>": 9})
+    build([tmp_path / "in.jsonl"], tmp_path / "ds", tokenizer=one, progress=False, workers=1)
+    assert _tokens(tmp_path / "ds") == [1, 2, 3]
+    build([tmp_path / "in.jsonl"], tmp_path / "ds", tokenizer=two, progress=False, workers=1)
+    assert _tokens(tmp_path / "ds") == [7, 8, 9]
+
+
 def test_compressed_parquet_and_text_inputs(tmp_path: Path) -> None:
     recs = [{"text": f"doc {i} " * (i + 1), "id": i} for i in range(20)]
     lines = "".join(json.dumps(r) + "\n" for r in recs)

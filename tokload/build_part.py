@@ -50,6 +50,7 @@ from tokload.build_records import (
     records,
 )
 from tokload.errors import BuildError
+from tokload.files import file_version
 from tokload.inputs import BUILD_MARKER
 from tokload.tokenizer import EncodedBatch, Tokenizer, load_tokenizer, token_dtype
 from tokload.writer import Writer
@@ -62,7 +63,24 @@ _BATCH_PIECES_CHARS = 1 << 20
 piece or two, so the batch (which Ctrl+C waits for) takes a fraction of a second."""
 
 
-_TOKENIZERS: dict[str, Tokenizer] = {}
+_TOKENIZERS: dict[tuple[str, tuple[int, ...] | None], Tokenizer] = {}
+"""Tokenizers loaded in this process (a worker builds many chunks), by name and, for
+a file, its version: a build into the same output with another ``tokenizer.json``
+(the output's copy has the same path) loads the new one."""
+
+
+def _tokenizer(name: str) -> Tokenizer:
+    key: tuple[str, tuple[int, ...] | None]
+    try:
+        key = (name, file_version(os.stat(name)))
+    except OSError:  # "bytes", a model name
+        key = (name, None)
+    tok = _TOKENIZERS.get(key)
+    if tok is None:
+        if len(_TOKENIZERS) >= 8:  # a long-lived worker: not every version kept
+            _TOKENIZERS.clear()
+        tok = _TOKENIZERS[key] = load_tokenizer(name)
+    return tok
 
 
 def build_chunk(
@@ -80,9 +98,7 @@ def build_chunk(
     reported yet, so the reports and the return value add up to the chunk's.
     """
     path, out = Path(chunk.path), Path(out_s)
-    tok = _TOKENIZERS.get(opts.tokenizer)
-    if tok is None:
-        tok = _TOKENIZERS[opts.tokenizer] = load_tokenizer(opts.tokenizer)
+    tok = _tokenizer(opts.tokenizer)
     tdt = token_dtype(tok.vocab_size)
     # With metadata, the Writer attaches it as a span table (FORMAT.md, version 2).
     dtype: Any = [("token", tdt.str)] if opts.metadata else tdt

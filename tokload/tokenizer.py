@@ -52,7 +52,7 @@ class EncodedBatch:
 
 class Tokenizer(Protocol):
     name: str
-    vocab_size: int
+    vocab_size: int  # the largest id + 1 (not the count: ids may leave gaps)
     bos_id: int | None
     eos_id: int | None
 
@@ -146,9 +146,13 @@ class HFTokenizer:
             ) from None
         self.name = str(self.path)
         self.hub_name: str | None = None  # the Hugging Face name it was found by
-        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.eos_id = eos_id if eos_id is not None else self._find(self._EOS_NAMES)
         self.bos_id = bos_id if bos_id is not None else self._find(self._BOS_NAMES)
+        # the ids' range, not their count: a vocabulary may leave ids out (reserved
+        # ranges, added tokens placed high), and the dtype must hold the largest
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        special = [i for i in (self.eos_id, self.bos_id) if i is not None]
+        self.vocab_size = max([*ids, *special], default=-1) + 1
         self.sha256 = hashlib.sha256(self.data).hexdigest()
 
     def _find(self, names: tuple[str, ...]) -> int | None:
