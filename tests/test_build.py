@@ -399,6 +399,7 @@ def test_a_truncated_compressed_input_keeps_the_records_before_the_damage(
     import bz2
     import gzip
     import lzma
+    import zlib
 
     n = 8000 if suffix == ".bz2" else 2000  # bz2 decodes blocks of 900 kB: several
     lines = [json.dumps({"text": f"web page {i} " * 30}) + "\n" for i in range(n)]
@@ -410,10 +411,38 @@ def test_a_truncated_compressed_input_keeps_the_records_before_the_damage(
     s = build([p], tmp_path / "o", tokenizer="bytes", on_error="skip", max_skipped=0.5)
     assert s.skipped == {"unreadable input": 1}
     docs = tokload.Documents(tmp_path / "o")
-    assert n // 4 < len(docs) < n  # the records before the cut
+    # every whole line the cut stream still decompresses to (records waiting for the
+    # tokenizer, up to 256, were once lost with the cut one)
+    decompressor: Any = {
+        ".gz": lambda: zlib.decompressobj(wbits=31),
+        ".bz2": bz2.BZ2Decompressor,
+        ".xz": lzma.LZMADecompressor,
+    }[suffix]()
+    readable = decompressor.decompress(packed[: len(packed) * 2 // 3])
+    assert n // 4 < readable.count(b"\n") < n
+    assert len(docs) == readable.count(b"\n")
     for i in (0, len(docs) - 1):  # each one whole: the text of line i, then eos
         doc = np.asarray(docs[i]).tolist()
         assert bytes(doc[:-1]).decode() == json.loads(lines[i])["text"]
+
+
+def test_a_failure_to_write_is_raised_not_skipped_as_unreadable_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only reading an input is guarded: a full disk while writing its records was
+    counted as one unreadable input and skipped, with on_error='skip'."""
+    import errno
+
+    p = tmp_path / "in.jsonl"
+    p.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(10)))
+
+    def full(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tokload.writer.Writer, "write", full)
+    with pytest.raises(OSError, match="No space left") as e:
+        build([p], tmp_path / "o", tokenizer="bytes", on_error="skip", progress=False, workers=1)
+    assert not isinstance(e.value, BuildError)
 
 
 def test_cli_exit_codes_and_tools(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -25,7 +25,7 @@ import json
 import os
 import secrets
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from tokload.build_records import (
     UNREADABLE,
     WHOLE,
     ChunkInput,
+    Record,
     lines_before,
     read_errors,
     records,
@@ -185,44 +186,53 @@ def build_chunk(
                 reported += n
                 reported_docs, reported_tokens = docs, tokens
 
-        try:
-            for line, rec, err, place in records(inp, opts.text_field):
-                if err is not None:
-                    fail(line, *err)
-                    continue
-                assert rec is not None
-                text = rec.get(opts.text_field)
-                if not isinstance(text, str):
-                    if opts.text_field not in rec:
-                        fields = ", ".join(map(str, list(rec)[:8])) or "none"
-                        fail(
-                            line,
-                            NO_TEXT,
-                            f"no text field {opts.text_field!r} (the record's fields: {fields}; "
-                            "--text-field names another)",
-                        )
-                    else:
-                        fail(
-                            line,
-                            TEXT_NOT_STRING,
-                            f"field {opts.text_field!r} is "
-                            + ("null" if text is None else f"a {type(text).__name__}")
-                            + ", not a string",
-                        )
-                    continue
-                pending.append((line, text, rec))
-                places.append(place)
-                pending_chars += len(text)
-                limit = _BATCH_CHARS if place == WHOLE else _BATCH_PIECES_CHARS
-                if len(pending) >= _BATCH_DOCS or pending_chars >= limit:
-                    flush()
-            flush()
-        except read_errors() as e:
-            if isinstance(e, BuildError):
-                raise
+        damage: list[BaseException] = []
+
+        def up_to_damage() -> Iterator[Record]:
+            """The records, ending at a damaged part of the input (kept in ``damage``):
+            only reading is guarded, a failure to tokenize or write is raised."""
+            try:
+                yield from records(inp, opts.text_field)
+            except read_errors() as e:
+                if isinstance(e, BuildError):
+                    raise
+                damage.append(e)
+
+        for line, rec, err, place in up_to_damage():
+            if err is not None:
+                fail(line, *err)
+                continue
+            assert rec is not None
+            text = rec.get(opts.text_field)
+            if not isinstance(text, str):
+                if opts.text_field not in rec:
+                    fields = ", ".join(map(str, list(rec)[:8])) or "none"
+                    fail(
+                        line,
+                        NO_TEXT,
+                        f"no text field {opts.text_field!r} (the record's fields: {fields}; "
+                        "--text-field names another)",
+                    )
+                else:
+                    fail(
+                        line,
+                        TEXT_NOT_STRING,
+                        f"field {opts.text_field!r} is "
+                        + ("null" if text is None else f"a {type(text).__name__}")
+                        + ", not a string",
+                    )
+                continue
+            pending.append((line, text, rec))
+            places.append(place)
+            pending_chars += len(text)
+            limit = _BATCH_CHARS if place == WHOLE else _BATCH_PIECES_CHARS
+            if len(pending) >= _BATCH_DOCS or pending_chars >= limit:
+                flush()
+        flush()  # the records read before any damage are built
+        if damage:
             w.discard()  # the pieces of a plain-text document cut short
             tokens -= open_tokens
-            fail(None, UNREADABLE, f"unreadable: {e}")
+            fail(None, UNREADABLE, f"unreadable: {damage[0]}")
         w.manifest.user["stats"] = {
             "documents": docs,
             "tokens": tokens,
