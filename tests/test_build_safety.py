@@ -214,6 +214,26 @@ def test_a_directory_walk_takes_data_files_only(tmp_path: Path) -> None:
     assert first.decode().startswith("document 0 of extra.jsonl")  # not "*.parquet filter=lfs ..."
 
 
+def test_a_file_named_by_several_paths_is_read_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative and an absolute path, a directory and a file in it, a hard link: the
+    documents of one file were built once per spelling."""
+    monkeypatch.chdir(tmp_path)
+    jsonl(tmp_path / "data" / "a.jsonl", n=3)
+    jsonl(tmp_path / "data" / "b.jsonl", n=2)
+    os.link(tmp_path / "data" / "b.jsonl", tmp_path / "b-again.jsonl")
+    names = ["data", str(tmp_path / "data" / "a.jsonl"), "data/../data/a.jsonl", "b-again.jsonl"]
+    found = find_inputs(names)
+    # the path that sorts first stands for each file
+    assert [str(p) for p in found.files] == [str(tmp_path / "data" / "a.jsonl"), "b-again.jsonl"]
+    assert found.passed_over["files named again by another path"] == 3
+    assert "3 files named again by another path" in found.describe()
+    # whatever the order they are named in
+    assert find_inputs(names[::-1]).files == found.files
+    assert build(names, tmp_path / "out").documents == 5
+
+
 def test_include_and_exclude_globs(tmp_path: Path) -> None:
     src = tmp_path / "src"
     (src / "pkg").mkdir(parents=True)

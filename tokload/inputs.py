@@ -19,6 +19,9 @@ and what was passed over.
   takes Python files); ``exclude`` globs drop files. A pattern matches a
   file's path relative to the walked directory, or its name.
 - Whatever is given, nothing inside ``output`` is an input.
+- A file is read once however many ways name it (a relative and an absolute
+  path, a directory and a file in it, a hard link): the first of its paths in
+  sorted order stands for it.
 """
 
 from __future__ import annotations
@@ -184,7 +187,7 @@ def find_inputs(
     """
     out = Path(output).resolve() if output is not None else None
     found = Found()
-    files: set[Path] = set()
+    files: dict[tuple[int, int], Path] = {}  # by (device, inode): each file once
     for spec in inputs:
         s = os.fspath(spec)
         is_glob = glob.has_magic(s)
@@ -207,13 +210,27 @@ def find_inputs(
                 if is_glob and (p.name.startswith(".") or _matches(str(p), p.name, exclude)):
                     found.skip("hidden or excluded", p)
                     continue
-                files.add(p)
+                _add(files, p, found)
             elif p.exists():
                 raise InputError(f"{p}: an input must be a regular file or a directory")
             else:
                 raise FileNotFoundError(2, "no such input", str(p))
-    found.files = sorted(files)
+    found.files = sorted(files.values())
     return found
+
+
+def _add(files: dict[tuple[int, int], Path], p: Path, found: Found) -> None:
+    """Add file ``p``, unless ``files`` has it by another path (then the path that
+    sorts first stands for it, whatever the order the inputs named them in)."""
+    st = os.stat(p)
+    key = (st.st_dev, st.st_ino)
+    seen = files.get(key)
+    if seen is None:
+        files[key] = p
+    elif seen != p:
+        first, other = (p, seen) if str(p) < str(seen) else (seen, p)
+        files[key] = first
+        found.skip("files named again by another path", other)
 
 
 def _walk(
@@ -222,7 +239,7 @@ def _walk(
     include: Sequence[str],
     exclude: Sequence[str],
     found: Found,
-    files: set[Path],
+    files: dict[tuple[int, int], Path],
 ) -> None:
     """Add the data files under ``top`` to ``files``; count what is passed over.
 
@@ -268,4 +285,4 @@ def _walk(
             elif not p.is_file():
                 found.skip("special files", p)
             else:
-                files.add(p)
+                _add(files, p, found)
