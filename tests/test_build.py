@@ -308,6 +308,13 @@ def test_compressed_parquet_and_text_inputs(tmp_path: Path) -> None:
         ("[1]", "not a JSON object", r"bad\.jsonl:2: a JSON list, not an object"),
         ('{"body": "x"}', "missing text field", r"bad\.jsonl:2: no text field 'text'"),
         ('{"text": 5}', "text field not a string", r"bad\.jsonl:2: field 'text' is a int"),
+        # valid JSON, not Unicode: half of a surrogate pair escaped alone (web crawls)
+        (
+            '{"text": "a\\ud800b"}',
+            "lone surrogate in a string",
+            r"bad\.jsonl:2: a string holds a lone surrogate \(\\ud800\): not Unicode text",
+        ),
+        ('{"text": "ok", "id": "\\udfff"}', "lone surrogate in a string", r"lone surrogate"),
         # present but null: not 'no text field' (with the field listed beside it)
         ('{"text": null}', "text field not a string", r"bad\.jsonl:2: field 'text' is null, not"),
         (
@@ -337,6 +344,16 @@ def test_bad_records_stop_or_are_skipped_and_counted(
     s = build([p], tmp_path / "skip", annotations_field="spans", on_error="skip", max_skipped=0.5)
     assert s.documents == 2 and s.skipped == {reason: 1}
     assert f"skipped 1 ({reason}: 1)" in str(s)
+
+
+def test_json_that_only_json_reads_is_built(tmp_path: Path) -> None:
+    """orjson refuses NaN and lone surrogates; json reads both: NaN is kept, and an
+    escaped surrogate pair is one character."""
+    p = tmp_path / "ok.jsonl"
+    p.write_text('{"text": "smile \\ud83d\\ude00", "score": NaN}\n')
+    build([p], tmp_path / "o", tokenizer="bytes", progress=False)
+    doc = np.asarray(Documents(tmp_path / "o")[0]).tolist()
+    assert bytes(doc[:-1]).decode() == "smile \U0001f600"
 
 
 def test_unreadable_input(tmp_path: Path) -> None:

@@ -179,11 +179,17 @@ ANNOTATION_NO_SPAN = "annotation without integer start/end"
 ANNOTATION_OUTSIDE = "annotation outside the text"
 UNREADABLE = "unreadable input"
 NOT_JSON = "field without a JSON form"
+NOT_UNICODE = "lone surrogate in a string"
 
 Record = tuple[int, dict[str, Any] | None, tuple[str, str] | None, int]
 """(line, record, (reason key, message), FIRST/LAST flags) of one input record; lines count
 from the chunk's first (1) and rows from the file's first; a plain-text document comes
 in pieces (see ``text_pieces``)."""
+
+
+class _NotUnicode(ValueError):
+    """A JSON string escapes half of a surrogate pair alone (``"\\ud800"``): valid
+    JSON, but not Unicode text that a tokenizer (or UTF-8) can take."""
 
 
 def _parse_line(line: bytes) -> Any:
@@ -192,7 +198,18 @@ def _parse_line(line: bytes) -> Any:
     except ValueError:
         # orjson is stricter (NaN, lone surrogates) and words errors its own way:
         # json decides, and words the error.
-        return json.loads(line)
+        rec = json.loads(line)
+        try:  # the one strictness to keep: strings must be Unicode text
+            json.dumps(rec, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = e.object[e.start : e.end]
+            raise _NotUnicode(
+                f"a string holds a lone surrogate ({bad.encode('unicode_escape').decode()}): "
+                "not Unicode text"
+            ) from None
+        except (TypeError, ValueError, RecursionError):  # json's business, not ours
+            pass
+        return rec
 
 
 def records(inp: ChunkInput, text_field: str) -> Iterator[Record]:
@@ -205,6 +222,9 @@ def records(inp: ChunkInput, text_field: str) -> Iterator[Record]:
                     continue
                 try:
                     rec = _parse_line(line)
+                except _NotUnicode as e:
+                    yield line_no, None, (NOT_UNICODE, str(e)), WHOLE
+                    continue
                 except (ValueError, RecursionError) as e:
                     detail = (
                         f"{e.msg} at column {e.colno}"
