@@ -77,14 +77,47 @@ def test_a_multibyte_character_across_reads_is_whole() -> None:
     assert "".join(p for _, p in got) == text
 
 
-@pytest.mark.parametrize(("kind", "bos"), [("bpe", False), ("bytes", True)])
+def _sentencepiece_like(path: Path, kind: str, text: str) -> Path:
+    """A BPE tokenizer.json that treats the start of its input apart, as Hugging Face's
+    conversions of SentencePiece models do: a Metaspace pre-tokenizer that prepends its
+    "▁" to the first word (Mistral, Llama 2 lately), or a Prepend("▁") normalizer
+    (Llama 2's first conversions). Its merges stay within words and lines, as theirs."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, normalizers, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    lines = pre_tokenizers.Split("\n", "isolated")
+    if kind == "metaspace":
+        first = pre_tokenizers.Metaspace("\u2581", prepend_scheme="first")
+        tok.pre_tokenizer = pre_tokenizers.Sequence([lines, first])
+    else:
+        tok.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+        )
+        words = pre_tokenizers.Split("\u2581", "merged_with_next")
+        tok.pre_tokenizer = pre_tokenizers.Sequence([lines, words])
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator([text], trainer)
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("kind", "bos"), [("bpe", False), ("bytes", True), ("metaspace", False), ("prepend", True)]
+)
 def test_a_text_file_in_pieces_is_one_document_with_the_whole_texts_tokens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, bos: bool
 ) -> None:
-    tj: Path | str = _hf_tokenizer(tmp_path / "tokenizer.json") if kind == "bpe" else "bytes"
-    tok = load_tokenizer(tj)
+    """Tokenizers that treat the start of their input apart put a "▁" of their own at
+    the start of every piece, until each was tokenized after the end of the one before."""
     lines = [f"line {i}: the {'quick' if i % 3 else 'lazy'} brown fox" for i in range(3000)]
     text = "\n".join(lines) + "\n"
+    tj: Path | str = "bytes"
+    if kind == "bpe":
+        tj = _hf_tokenizer(tmp_path / "tokenizer.json")
+    elif kind != "bytes":
+        tj = _sentencepiece_like(tmp_path / "tokenizer.json", kind, text)
+    tok = load_tokenizer(tj)
     (tmp_path / "big.txt").write_text(text)
     (tmp_path / "small.txt").write_text("a small one")
     monkeypatch.setattr(tokload.build_records, "_TEXT_PIECE", 1024)  # about 100 pieces

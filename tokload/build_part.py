@@ -37,6 +37,7 @@ from tokload.build_records import (
     ANNOTATION_NO_SPAN,
     ANNOTATION_OUTSIDE,
     ANNOTATIONS_NOT_LIST,
+    CONTEXT,
     FIRST,
     LAST,
     NO_TEXT,
@@ -158,7 +159,11 @@ def build_chunk(
             if not pending:
                 return
             texts = [t for _, t, _ in pending]
-            batch = _encode(tok, texts, pending, opts.annotations_field)
+            contexts = [rec.get(CONTEXT, "") for _, _, rec in pending]
+            if any(contexts):  # pieces of a plain text (which has no annotations)
+                batch = _encode_pieces(tok, texts, contexts)
+            else:
+                batch = _encode(tok, texts, pending, opts.annotations_field)
             ids, bounds = _with_bos_eos(batch, opts, tok, tdt, np.array(places, np.int8))
             offsets = batch.offsets
             for d, (line, text, rec) in enumerate(pending):
@@ -278,6 +283,39 @@ def _encode(
             if part.offsets is not None:
                 offsets[bounds[d] : bounds[d + 1]] = part.offsets[a:b]
     return EncodedBatch(ids, bounds, offsets)
+
+
+def _encode_pieces(tok: Tokenizer, texts: list[str], contexts: list[str]) -> EncodedBatch:
+    """Pieces of plain texts, each tokenized after ``contexts[i]``, the end of the
+    piece before it ("" for a document's first), as it stands in the whole text.
+
+    A tokenizer that treats the start of its input apart (SentencePiece's
+    Metaspace with ``prepend_scheme="first"``, a ``Prepend("▁")`` normalizer:
+    Llama 2, Mistral) would start each piece as a new text, with a "▁" of its
+    own. The piece's tokens are those of ``context + piece`` after the
+    context's own; where the context's tokens are not where they begin (the
+    cut is inside a token for this tokenizer), the piece's own tokens.
+    """
+    n = len(texts)
+    after = [k for k in range(n) if contexts[k]]
+    joined = [contexts[k] + t for k, t in enumerate(texts)]
+    got = tok.encode_many(joined + [contexts[k] for k in after], offsets=False)
+    ids, b = got.ids, got.bounds
+    parts = [ids[b[k] : b[k + 1]] for k in range(n)]
+    alone = []
+    for j, k in enumerate(after):
+        context = ids[b[n + j] : b[n + j + 1]]
+        if np.array_equal(parts[k][: len(context)], context):
+            parts[k] = parts[k][len(context) :]
+        else:
+            alone.append(k)
+    if alone:
+        own = tok.encode_many([texts[k] for k in alone], offsets=False)
+        for j, k in enumerate(alone):
+            parts[k] = own.ids[own.bounds[j] : own.bounds[j + 1]]
+    bounds = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum([len(p) for p in parts], out=bounds[1:])
+    return EncodedBatch(np.concatenate(parts) if parts else ids[:0], bounds, None)
 
 
 def _with_bos_eos(

@@ -272,12 +272,24 @@ def records(inp: ChunkInput, text_field: str) -> Iterator[Record]:
                     yield row, rec, None, WHOLE
     else:
         with _decompressed(inp) as f:
+            before = ""  # the end of the piece before, for the tokenizer (CONTEXT)
             for flags, piece in text_pieces(f):
-                yield 1, {text_field: piece, "path": str(path)}, None, flags
+                fields: dict[str, Any] = {text_field: piece, "path": str(path)}
+                if before:
+                    fields[CONTEXT] = before
+                yield 1, fields, None, flags
+                before = piece[-_CONTEXT_CHARS:]
 
 
 _TEXT_PIECE = 256 << 10
 """Bytes of a plain-text input read (and tokenized) at a time."""
+
+CONTEXT = "\x00tokload:context"
+"""The key of a plain-text piece's record that holds the end of the piece before it
+(no JSON or Parquet record has it; ``keep_fields`` never takes it): the piece is
+tokenized after it, as it stands in the whole text (``build_part._encode_pieces``)."""
+
+_CONTEXT_CHARS = 256
 
 FIRST, LAST = 1, 2
 WHOLE = FIRST | LAST
@@ -292,6 +304,8 @@ def text_pieces(f: IO[bytes], piece: int | None = None) -> Iterator[tuple[int, s
     space, else before a space between two words: a byte-level BPE
     pre-tokenizer (GPT-2's and Llama 3's patterns, most tokenizer.json files)
     splits the text there anyway, so the pieces' tokens are the whole text's.
+    (A tokenizer that treats the start of its input apart, as SentencePiece's
+    do, tokenizes each piece after the end of the one before: ``CONTEXT``.)
     Only a text with neither in 4 pieces' length is cut where it stands (the
     tokens next to that cut may then differ from the whole text's).
     Raises ``UnicodeDecodeError`` at the first byte that is not UTF-8.
