@@ -234,6 +234,33 @@ def test_a_file_named_by_several_paths_is_read_once(
     assert build(names, tmp_path / "out").documents == 5
 
 
+def test_extensions_in_capitals_are_read_by_their_kind(tmp_path: Path) -> None:
+    """C.JSONL named on the command line was built as one plain-text document: its raw
+    JSON became training text."""
+    import gzip
+
+    jsonl(tmp_path / "in" / "A.JSONL", n=3)
+    (tmp_path / "in" / "B.Jsonl.GZ").write_bytes(gzip.compress(b'{"text": "zipped"}\n'))
+    assert [p.name for p in find_inputs([tmp_path / "in"]).files] == ["A.JSONL", "B.Jsonl.GZ"]
+    s = build([tmp_path / "in" / "A.JSONL", tmp_path / "in" / "B.Jsonl.GZ"], tmp_path / "o")
+    assert s.documents == 4
+    docs = tokload.Documents(tmp_path / "o")
+    texts = [bytes(np.asarray(docs[d]).tolist()[:-1]).decode() for d in range(len(docs))]
+    assert "zipped" in texts and not any(t.startswith("{") for t in texts)
+
+
+def test_one_input_or_field_given_alone_is_not_read_as_its_characters(tmp_path: Path) -> None:
+    """build("a.jsonl", ...) looked for inputs named "a", ".", "j", ...; keep_fields="id"
+    kept the fields "i" and "d"."""
+    p = tmp_path / "a.jsonl"
+    p.write_text('{"text": "x", "id": "one", "i": 1, "d": 2}\n')
+    s = build(str(p), tmp_path / "o", keep_fields="id", progress=False)
+    assert s.documents == 1
+    doc = tokload.StreamWithMetadata(tmp_path / "o", window=1, deserialize=json.loads)[0]
+    assert list(doc.metadata) == [{"document": {"id": "one"}}]
+    assert build(p, tmp_path / "o2", progress=False).documents == 1  # a Path alone
+
+
 def test_include_and_exclude_globs(tmp_path: Path) -> None:
     src = tmp_path / "src"
     (src / "pkg").mkdir(parents=True)

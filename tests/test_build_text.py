@@ -71,6 +71,21 @@ def test_a_text_without_places_to_cut_is_cut_where_it_stands() -> None:
     assert "".join(p for _, p in got) == text and len(got) > 1
 
 
+@pytest.mark.parametrize("piece", [3, 5, 64])
+def test_a_byte_that_is_not_utf8_is_named_by_its_offset_in_the_file(piece: int) -> None:
+    """The decoder's own position counts from the block it was given (byte 720,000 of
+    a file was reported as position 195,712); a character cut by a read counts too."""
+    head = ("é" * 7 + " word\n") * 5
+    data = head.encode() + b"\xc3" + b" tail"  # a lead byte, then no continuation
+    with pytest.raises(UnicodeDecodeError, match=f"not UTF-8 at byte {len(head.encode())} "):
+        list(text_pieces(io.BytesIO(data), piece))
+
+
+def test_a_byte_order_mark_is_not_text() -> None:
+    got = list(text_pieces(io.BytesIO(b"\xef\xbb\xbfhello \xef\xbb\xbf"), 4))
+    assert "".join(p for _, p in got) == "hello \ufeff"  # only the first is a mark
+
+
 def test_a_multibyte_character_across_reads_is_whole() -> None:
     text = "é" * 100 + " word " * 10
     got = list(text_pieces(io.BytesIO(text.encode()), 7))
@@ -170,7 +185,9 @@ def test_an_unreadable_text_file_leaves_no_part_of_its_document(tmp_path: Path) 
     good = b"first line\nsecond line\n" * 200
     (tmp_path / "bad.txt").write_bytes(good + b"\xff\xfe not utf-8" + good)
     (tmp_path / "ok.txt").write_text("fine")
-    with pytest.raises(BuildError, match=r"bad\.txt: unreadable: 'utf-8' codec can't decode"):
+    with pytest.raises(
+        BuildError, match=rf"bad\.txt: unreadable: not UTF-8 at byte {len(good):,} \(0xff: invalid"
+    ):
         build([tmp_path / "bad.txt"], tmp_path / "o1")
     s = build(
         [tmp_path / "bad.txt", tmp_path / "ok.txt"],

@@ -120,9 +120,10 @@ def _decompressed(inp: ChunkInput) -> IO[bytes]:
     the hash still covers the bytes on disk."""
     path = inp.path
     raw = inp.binary()
-    if path.suffix in _COMPRESSED:
-        return io.BufferedReader(_UpToDamage(_COMPRESSED[path.suffix](raw, "rb")), _READ_CHUNK)
-    if path.suffix == ".zst":
+    last = path.suffix.lower()
+    if last in _COMPRESSED:
+        return io.BufferedReader(_UpToDamage(_COMPRESSED[last](raw, "rb")), _READ_CHUNK)
+    if last == ".zst":
         try:
             import zstandard
         except ImportError:
@@ -296,6 +297,18 @@ WHOLE = FIRST | LAST
 """Where a record's text stands in its document: its first piece, its last, or all of it."""
 
 
+class NotUTF8(UnicodeDecodeError):
+    """A text file's byte that is not UTF-8, named by its offset in the file (the
+    decoder's own position counts from the block it was given)."""
+
+    def __init__(self, e: UnicodeDecodeError, offset: int) -> None:
+        super().__init__(e.encoding, e.object, e.start, e.end, e.reason)
+        self.offset = offset
+
+    def __str__(self) -> str:
+        return f"not UTF-8 at byte {self.offset:,} (0x{self.object[self.start]:02x}: {self.reason})"
+
+
 def text_pieces(f: IO[bytes], piece: int | None = None) -> Iterator[tuple[int, str]]:
     """A plain-text file as pieces of about ``piece`` bytes, each with its place
     (``FIRST``/``LAST`` flags): memory stays bounded whatever the file's size.
@@ -308,15 +321,23 @@ def text_pieces(f: IO[bytes], piece: int | None = None) -> Iterator[tuple[int, s
     do, tokenizes each piece after the end of the one before: ``CONTEXT``.)
     Only a text with neither in 4 pieces' length is cut where it stands (the
     tokens next to that cut may then differ from the whole text's).
-    Raises ``UnicodeDecodeError`` at the first byte that is not UTF-8.
+    A UTF-8 byte order mark at the start is dropped. Raises ``NotUTF8`` (a
+    ``UnicodeDecodeError``) at the first byte that is not UTF-8.
     """
     size = piece or _TEXT_PIECE
-    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    # utf-8-sig: a byte order mark at the start is not text (JSONL drops it too)
+    decoder = codecs.getincrementaldecoder("utf-8-sig")("strict")
     carry = ""
     first = True
+    read = 0  # bytes read before this block
     while True:
         block = f.read(size)
-        text = carry + decoder.decode(block, final=not block)
+        held = len(decoder.getstate()[0])  # bytes of a character the last block cut
+        try:
+            text = carry + decoder.decode(block, final=not block)
+        except UnicodeDecodeError as e:
+            raise NotUTF8(e, read - held + e.start) from None
+        read += len(block)
         if not block:
             yield (FIRST if first else 0) | LAST, text
             return

@@ -130,8 +130,15 @@ class BuildSummary:
         )
 
 
+def _listed(value: Any) -> list[Any]:
+    """A list of the paths or names given: one given alone is a list of one."""
+    if isinstance(value, (str, bytes, os.PathLike)):
+        return [value]
+    return list(value)
+
+
 def build(
-    inputs: Sequence[str | os.PathLike[str]],
+    inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     output: str | os.PathLike[str],
     *,
     text_field: str = "text",
@@ -168,7 +175,8 @@ def build(
     current and uploads only the chunks the store lacks.
 
     Args:
-        inputs: files, globs or directories (see ``tokload.inputs``): a file
+        inputs: files, globs or directories, or one of them (see
+            ``tokload.inputs``): a file
             named is always read; a directory gives its data files only
             (``*.jsonl``, also ``.gz``, ``.bz2``, ``.xz``, ``.zst``;
             ``*.parquet``; ``*.txt``), never hidden files, the usual metadata
@@ -244,6 +252,9 @@ def build(
         FileNotFoundError: an input or the tokenizer is missing.
     """
     t0 = time.perf_counter()
+    # one path or name given alone, not its characters ('a.jsonl' is not 'a', '.', ...)
+    inputs = _listed(inputs)
+    keep_fields, include, exclude = _listed(keep_fields), _listed(include), _listed(exclude)
     if on_error not in ("stop", "skip"):
         raise UsageError(f"on_error must be 'stop' or 'skip', got {on_error!r}")
     if not is_integer(workers) or workers < 1:

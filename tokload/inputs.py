@@ -72,34 +72,38 @@ class InputError(TokloadError, ValueError):
     """An input cannot be used as given (e.g. it lies inside the output); names the path."""
 
 
+def suffixes(path: str | os.PathLike[str]) -> list[str]:
+    """``path``'s suffixes in lower case: ``DATA.JSONL.GZ`` is read as ``data.jsonl.gz``
+    (its JSON is not taken for training text)."""
+    return [s.lower() for s in Path(path).suffixes]
+
+
 def kind(path: str | os.PathLike[str]) -> str:
     """``"jsonl"``, ``"parquet"`` or ``"text"``: how ``path`` is read (by its name)."""
-    p = Path(path)
-    suffixes = p.suffixes
-    base = suffixes[-2] if len(suffixes) >= 2 and suffixes[-1] in COMPRESSED_SUFFIXES else p.suffix
+    sx = suffixes(path) or [""]
+    base = sx[-2] if len(sx) >= 2 and sx[-1] in COMPRESSED_SUFFIXES else sx[-1]
     if base in JSONL_SUFFIXES:
         return "jsonl"
-    if p.suffix == ".parquet":
+    if sx[-1] == ".parquet":
         return "parquet"
     return "text"
 
 
 def compressed(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is read through a decompressor (by its last suffix)."""
-    return Path(path).suffix in COMPRESSED_SUFFIXES
+    return (suffixes(path) or [""])[-1] in COMPRESSED_SUFFIXES
 
 
 def is_data_file(name: str) -> bool:
     """Whether a directory walk takes a file called ``name`` (without include globs)."""
     if name.startswith(".") or name in NON_DATA_NAMES:
         return False
-    p = Path(name)
-    if p.suffix == ".parquet" or p.suffix in TEXT_SUFFIXES:
+    sx = suffixes(name)
+    if sx and (sx[-1] == ".parquet" or sx[-1] in TEXT_SUFFIXES):
         return True
-    suffixes = p.suffixes
-    if suffixes and suffixes[-1] in COMPRESSED_SUFFIXES:
-        suffixes = suffixes[:-1]
-    return bool(suffixes) and suffixes[-1] in JSONL_SUFFIXES
+    if sx and sx[-1] in COMPRESSED_SUFFIXES:
+        sx = sx[:-1]
+    return bool(sx) and sx[-1] in JSONL_SUFFIXES
 
 
 def is_dataset_dir(path: str | os.PathLike[str]) -> bool:
