@@ -191,3 +191,127 @@ def test_tokload_views_implement_the_protocol(two: tuple[Path, Path]) -> None:
     np.testing.assert_array_equal(raw["tokens"], blend.read(np.arange(6)))
     t = torch.from_numpy(raw["tokens"])
     assert t.shape == (6, 5)
+
+
+class Reinterpreted(BadRows):
+    """Fields made by reinterpreting an alloc buffer's dtype (a mask, a float)."""
+
+    rowwise = False
+
+    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
+        n = len(indices)
+        score = alloc((n,), np.int32).view(np.float32)
+        score[...] = indices + 0.5
+        mask = alloc((n, 3), np.uint8).view(bool)
+        mask[...] = True
+        return {"score": score, "mask": mask}
+
+
+def test_an_array_keeps_its_dtype_when_it_reinterprets_an_allocation() -> None:
+    """The tensor was its allocation's: 0.5 came as the int32 1056964608, a bool
+    mask as uint8."""
+    ld = DataLoader(Reinterpreted(), 4, shuffle=False, num_threads=0, device="cpu")
+    batch = next(iter(ld))
+    assert batch["score"].dtype == torch.float32 and batch["mask"].dtype == torch.bool
+    np.testing.assert_array_equal(batch["score"].numpy(), batch["index"].numpy() + 0.5)
+    assert batch["mask"].all()
+
+
+class OwnDocuments:
+    """Documents of one's own (the document contract), with a hook on ``extents``."""
+
+    def __init__(self, n: int = 30, extents: Any = None, fields: Any = None) -> None:
+        self.docs = [np.arange(1, 2 + (i * 7) % 30, dtype=np.uint32) for i in range(n)]
+        self.offsets = np.concatenate(([0], np.cumsum([len(d) for d in self.docs])))
+        self.flat = np.concatenate(self.docs)
+        self.hook = extents
+        self.fields = fields or {"tokens": np.dtype(np.uint32)}
+        self.fingerprint = f"own:{n}"
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
+        raise NotImplementedError  # batched by a policy of documents only
+
+    def extents(self, indices: np.ndarray) -> tuple[Any, Any]:
+        i = np.asarray(indices)
+        starts, lengths = self.offsets[i], self.offsets[i + 1] - self.offsets[i]
+        return (starts, lengths) if self.hook is None else self.hook(starts, lengths)
+
+    def read_extents(
+        self, indices: Any, starts: Any, lengths: Any, dst: Any, out: dict[str, Any]
+    ) -> None:
+        for name in self.fields:
+            for s, n, d in zip(starts.tolist(), lengths.tolist(), dst.tolist(), strict=True):
+                out[name][d : d + n] = self.flat[s : s + n]
+
+
+POLICIES = [tokload.Pad(), tokload.Pad(to=8), tokload.Pack(), tokload.Fill(64, lookahead=16)]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=repr)
+@pytest.mark.parametrize(
+    ("hook", "error", "message"),
+    [
+        (lambda s, n: (s[:-1], n[:-1]), ValueError, r"shape \((\d+),\) for (?!\1 )\d+ documents"),
+        (lambda s, n: (s, n.astype(np.int64) - 20), ValueError, r"a length of -\d+: lengths must"),
+        (lambda s, n: (s, n.astype(np.float64)), TypeError, "lengths of dtype float64, not integ"),
+    ],
+    ids=["one short", "negative", "float"],
+)
+def test_extents_that_break_the_contract_are_refused_by_every_policy(
+    policy: Any, hook: Any, error: type[Exception], message: str, two: tuple[Path, Path]
+) -> None:
+    """Fill packed what it was given (a list one entry short lost 2 of 30 documents);
+    a negative length read 2**64 - 3 rows, or 64 through a Blend."""
+    view = OwnDocuments(16, hook)
+    with pytest.raises(error, match=f"OwnDocuments.extents gave .*{message}"):
+        list(DataLoader(view, 4, batching=policy, seed=3, epochs=1, num_threads=0))
+    blend = tokload.Blend([(view, 1), (Documents(two[0]), 1)], length=32, seed=1)
+    with pytest.raises(error, match=f"OwnDocuments.extents gave .*{message}"):
+        list(DataLoader(blend, 4, batching=policy, seed=3, epochs=1, num_threads=0))
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=repr)
+def test_extents_as_lists_of_int64_serve_every_policy(policy: Any) -> None:
+    def as_lists(s: np.ndarray, n: np.ndarray) -> tuple[list[int], list[int]]:
+        return s.astype(np.int64).tolist(), n.astype(np.int64).tolist()
+
+    view = OwnDocuments(30, as_lists)
+    ld = DataLoader(view, 4, batching=policy, seed=3, epochs=1, num_threads=0)
+    seen = sorted(i for b in ld for i in b["index"].tolist())
+    assert seen == list(range(30))
+
+
+@pytest.mark.parametrize(
+    ("policy", "field"),
+    [
+        (tokload.Fill(64), "loss_mask"),
+        (tokload.Fill(64), "doc_counts"),
+        (tokload.Pack(), "cu_seqlens"),
+        (tokload.Pad(), "lengths"),
+        (tokload.Pad(), "index"),
+    ],
+    ids=repr,
+)
+def test_a_field_named_as_a_key_the_policy_adds_is_refused(policy: Any, field: str) -> None:
+    """An SFT dataset's own loss_mask was replaced by Fill's attention mask, silently."""
+    view = OwnDocuments(8, fields={"tokens": np.dtype(np.uint32), field: np.dtype(np.uint32)})
+    with pytest.raises(ValueError, match=f"OwnDocuments has a field '{field}', a key"):
+        DataLoader(view, 2, batching=policy, num_threads=0)
+    if field == "loss_mask":  # without that key, the field is the batch's
+        fill = tokload.Fill(64, attention=["position_ids", "cu_seqlens"])
+        batch = next(iter(DataLoader(view, 2, batching=fill, num_threads=0, seed=1)))
+        assert batch["loss_mask"].dtype == torch.uint32  # the field's, not a bool mask
+
+
+class Provenance(OwnDocuments):
+    def origin(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        return {"lengths": np.zeros(len(indices), dtype=np.int64)}
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=repr)
+def test_a_provenance_key_the_batch_holds_is_refused(policy: Any) -> None:
+    with pytest.raises(ValueError, match="origin gave the key 'lengths', which the batch holds"):
+        next(iter(DataLoader(Provenance(8), 2, batching=policy, num_threads=0, seed=1)))

@@ -47,8 +47,9 @@ cancel)`` gives a ``Task``: the batches of consecutive steps.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -62,12 +63,20 @@ from tokload.packing import DEFAULT_LOOKAHEAD, PackedSchedule, Packing
 from tokload.schedule import Schedule
 from tokload.stats import TokenCounter
 from tokload.views.contract import (
+    ATTENTION_KEYS,
     RESERVED_KEYS,
     Alloc,
     attention_keys,
     check_documents,
     check_view,
+    document_extents,
 )
+
+PAD_KEYS = ("lengths",)
+PACK_KEYS = ("lengths", "cu_seqlens")
+FILL_KEYS = ("lengths", "doc_counts")
+"""The keys ``Pad``, ``Pack`` and ``Fill`` add to a batch besides the view's fields
+(``Fill`` its attention keys too) and ``RESERVED_KEYS``: no field may have them."""
 
 
 @dataclass(frozen=True)
@@ -182,17 +191,22 @@ def _cuts(ends: list[int]) -> list[tuple[int, int]]:
     return list(zip([0, *ends], ends, strict=False))
 
 
-def _origin(view: Any, indices: np.ndarray, alloc: Alloc) -> dict[str, np.ndarray]:
+def _origin(
+    view: Any, indices: np.ndarray, alloc: Alloc, taken: Collection[str] = ()
+) -> dict[str, np.ndarray]:
     """The view's provenance arrays of ``indices`` (none without ``origin``), in
-    buffers of ``alloc``."""
+    buffers of ``alloc``; ValueError for a key the batch has already (``taken``:
+    the view's arrays and the policy's) or that the loader sets."""
     origin = getattr(view, "origin", None)
     if origin is None:
         return {}
     out: dict[str, np.ndarray] = {}
     for k, v in origin(indices).items():
-        if k in RESERVED_KEYS:
+        if k in RESERVED_KEYS or k in taken:
             raise ValueError(
-                f"{type(view).__name__}.origin gave the key {k!r}, which the loader sets"
+                f"{type(view).__name__}.origin gave the key {k!r}, which the "
+                + ("loader sets" if k in RESERVED_KEYS else "batch holds already")
+                + ": a provenance array needs a name of its own"
             )
         a = alloc(np.shape(v), np.asarray(v).dtype)
         a[...] = v
@@ -278,7 +292,7 @@ class _StackReader:
 
     def _with_origin(self, raw: dict[str, Any]) -> dict[str, Any]:
         if self.has_origin:
-            raw.update(_origin(self.view, raw["index"], self.alloc))
+            raw.update(_origin(self.view, raw["index"], self.alloc, raw))
         return raw
 
     def read(self, spans: list[tuple[int, int]], cancel: threading.Event | None) -> Task:
@@ -356,6 +370,24 @@ def _check_value_type(policy: str, value: object) -> None:
         raise ValueError(f"{policy}(value=...) must be an integer token, got {value!r}")
 
 
+def _check_keys(view: Any, policy: str, added: Collection[str]) -> None:
+    """ValueError when a field of the view has the name of a key the policy adds to
+    each batch (``added``) or the loader sets: the field would be replaced."""
+    clash = [f for f in view.fields if f in added or f in RESERVED_KEYS]
+    if clash:
+        f = clash[0]
+        who = "the loader sets" if f in RESERVED_KEYS else f"{policy} adds to each batch"
+        hint = (
+            f", or leave it out of {policy}(attention=[...])"
+            if f in ATTENTION_KEYS and policy == "Fill"
+            else ""
+        )
+        raise ValueError(
+            f"{type(view).__name__} has a field {f!r}, a key {who}: its values would be "
+            f"replaced by the batch's own (rename the field{hint})"
+        )
+
+
 def _check_value(view: Any, value: int) -> None:
     """OverflowError when the padding ``value`` does not fit a field of the view."""
     for name, dt in view.fields.items():
@@ -412,8 +444,8 @@ def _task_documents(
     and ``Pack`` read before they place the documents."""
     pos, ends = sched.task_positions(spans)
     idx = sched.indices(pos)
-    starts, lengths = view.extents(idx)
-    return pos, ends, idx, starts, np.asarray(lengths, dtype=np.uint64)
+    starts, lengths = document_extents(view, idx)
+    return pos, ends, idx, starts, lengths
 
 
 def _real_tokens(lengths: np.ndarray, cuts: list[tuple[int, int]]) -> list[int]:
@@ -445,6 +477,7 @@ class Pad(_BySample):
 
     def check(self, view: Any) -> None:
         check_documents(view, "Pad")
+        _check_keys(view, "Pad", PAD_KEYS)
         _check_value(view, self.value)
 
     def reader(self, view: Any, schedule: Any, alloc: Alloc) -> _PadReader:
@@ -479,7 +512,7 @@ class _PadReader:
         lens = alloc((len(idx),), np.int64)
         lens[:] = capped
         whole["lengths"] = lens
-        origin = _origin(view, idx, alloc)
+        origin = _origin(view, idx, alloc, whole)
         whole.update(origin)
         whole["index"], whole["position"] = _index_position(alloc, idx, pos)
         rowkeys = [k for k in whole if k not in fields]
@@ -506,6 +539,7 @@ class Pack(_BySample):
 
     def check(self, view: Any) -> None:
         check_documents(view, "Pack")
+        _check_keys(view, "Pack", PACK_KEYS)
 
     def reader(self, view: Any, schedule: Any, alloc: Alloc) -> _PackReader:
         return _PackReader(view, schedule, alloc)
@@ -535,7 +569,7 @@ class _PackReader:
         for k, (a, e) in enumerate(cuts):
             cu[a + k : e + k + 1] = csum[a : e + 1] - csum[a]
         whole["cu_seqlens"] = cu
-        origin = _origin(view, idx, alloc)
+        origin = _origin(view, idx, alloc, whole)
         whole.update(origin)
         whole["index"], whole["position"] = _index_position(alloc, idx, pos)
         rowkeys = [k for k in whole if k not in fields and k != "cu_seqlens"]
@@ -609,6 +643,7 @@ class Fill:
 
     def check(self, view: Any) -> None:
         check_documents(view, "Fill")
+        _check_keys(view, "Fill", (*FILL_KEYS, *self.keys))
         _check_value(view, self.value)
 
     def schedule(self, view: Any, batch_size: int, **order: Any) -> PackedSchedule:
@@ -617,7 +652,7 @@ class Fill:
         return PackedSchedule(
             len(view),
             batch_size,
-            extents=view.extents,
+            extents=functools.partial(document_extents, view),
             packing=Packing(self.window, self.lookahead),
             locate=locate,
             **order,
@@ -668,7 +703,7 @@ class _FillReader:
                 if "max_seqlen" in keys:
                     for st, m in zip(per_step, top, strict=True):
                         st["max_seqlen"] = m
-        origin = _origin(view, rows.ids, alloc)
+        origin = _origin(view, rows.ids, alloc, (*whole, *FILL_KEYS, *keys))
         whole.update(origin)
         index = alloc((d,), np.int64)
         index[:] = rows.ids

@@ -301,13 +301,20 @@ class Transfer:
         import torch
 
         base: Any = a.base
-        if isinstance(base, torch.Tensor) and base.shape == a.shape:
+        td = self._dtypes.get(a.dtype) or self._torch_dtype(a.dtype)
+        # (the dtype too: a view may reinterpret its buffer, alloc(..., np.uint8).view(bool))
+        if isinstance(base, torch.Tensor) and base.shape == a.shape and base.dtype == td:
             return base  # ``a`` is exactly an allocation's ``.numpy()``: its own tensor
-        if type(base) is np.ndarray and a.flags.c_contiguous:
+        if type(base) is np.ndarray and a.flags.c_contiguous and a.dtype == base.dtype:
             # Rows of an allocation (a task's rows, the index/position pair): the
             # same rows of its tensor, by indexing (no call that drops the GIL).
             whole = base.base
-            if isinstance(whole, torch.Tensor) and whole.shape == base.shape and base.ndim:
+            if (
+                isinstance(whole, torch.Tensor)
+                and whole.shape == base.shape
+                and whole.dtype == td
+                and base.ndim
+            ):
                 row = base.strides[0]
                 at = a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
                 k = at // row if row > 0 else -1
@@ -318,7 +325,6 @@ class Transfer:
                         return whole[k : k + len(a)]
         while type(base) is np.ndarray:
             base = base.base
-        td = self._dtypes.get(a.dtype) or self._torch_dtype(a.dtype)
         if isinstance(base, torch.Tensor) and a.flags.c_contiguous:
             storage = base.untyped_storage()
             at = a.__array_interface__["data"][0] - storage.data_ptr()
@@ -334,7 +340,14 @@ class Transfer:
         """The raw arrays of a batch as tensors (other values are kept as they are)."""
         out = Batch()
         for k, v in raw.items():
-            out[k] = self.tensor(v) if isinstance(v, np.ndarray) else v
+            if not isinstance(v, np.ndarray):
+                out[k] = v
+                continue
+            try:
+                out[k] = self.tensor(v)
+            except (TypeError, ValueError, RuntimeError) as e:  # a dtype torch lacks
+                e.add_note(f"(the batch's {k!r}: a {v.dtype} array of shape {v.shape})")
+                raise
         return out
 
     def copy(self, batch: Batch) -> Batch:

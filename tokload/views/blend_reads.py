@@ -30,7 +30,7 @@ import numpy as np
 from tokload._docindex import ExtentIndex, extents_many
 from tokload._rows import RowSets, read_ranges
 from tokload.views.base import Fields, ReadPart
-from tokload.views.contract import Alloc
+from tokload.views.contract import Alloc, document_extents
 from tokload.views.documents import Documents, plain_target
 from tokload.views.metadata import MetadataBatch, gather_batches
 from tokload.views.windows import TokenStream, window_part
@@ -236,7 +236,7 @@ class DocumentMix:
         starts = np.empty(len(comp), dtype=np.uint64)
         lengths = np.empty(len(comp), dtype=np.uint64)
         for c, sel in groups(comp):
-            starts[sel], lengths[sel] = self.views[c].extents(index[sel])
+            starts[sel], lengths[sel] = document_extents(self.views[c], index[sel])
         return starts, lengths
 
     def extent_parts(

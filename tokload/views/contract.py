@@ -61,12 +61,16 @@ A view of documents (``Documents``, a ``Blend`` of them, a user's view) is
 batched by any policy of documents (``tokload.batching``: ``Pad``, ``Pack``,
 ``Fill``) when it also offers
 
-- ``view.extents(indices) -> (starts, lengths)``: two uint64 arrays, the
-  documents' lengths in rows and a value per document that the view's own
+- ``view.extents(indices) -> (starts, lengths)``: two integer arrays (uint64
+  or int64), one entry per document: a value per document that the view's own
   ``read_extents`` understands (its first row in the source, for tokload's
-  views);
+  views) and the documents' lengths in rows, none below 0
+  (``document_extents`` holds a view to this);
 - ``view.fields``: ``{name: dtype}`` of the arrays a read of documents fills
-  (``{"tokens": dtype}``, or one entry per field of a structured dtype);
+  (``{"tokens": dtype}``, or one entry per field of a structured dtype); no
+  field has the name of a key the policy adds (``batching.PAD_KEYS``,
+  ``PACK_KEYS``, ``FILL_KEYS`` and ``Fill``'s attention keys) or
+  ``RESERVED_KEYS``;
 - ``view.read_extents(indices, starts, lengths, dst, out)``: write document
   ``k`` (``indices[k]``, with ``starts[k]`` from ``extents``) into rows
   ``[dst[k], dst[k] + lengths[k])`` of each flat array of ``out`` (one per
@@ -173,6 +177,35 @@ def check_documents(view: object, policy: str) -> None:
             f"documents: it lacks {', '.join(missing)} (Documents, a Blend of them, or a "
             "view with extents, fields and read_extents: see tokload.views.contract)"
         )
+
+
+def document_extents(view: Any, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``view.extents(indices)``, held to the document contract: two integer arrays of
+    one entry per document, no length below 0; the lengths as uint64.
+
+    A view of your own that breaks it is refused here (ValueError or TypeError
+    naming it), before any policy packs or reads: a list one entry short once
+    lost documents from ``Fill``'s rows, and a negative length read as 2**64 - 3
+    rows."""
+    starts, lengths = view.extents(indices)
+    starts, lengths = np.asarray(starts), np.asarray(lengths)
+    name = type(view).__name__
+    n = len(indices)
+    if starts.shape != (n,) or lengths.shape != (n,):
+        raise ValueError(
+            f"{name}.extents gave starts of shape {starts.shape} and lengths of shape "
+            f"{lengths.shape} for {n} documents: one of each per document is needed"
+        )
+    for what, a in (("starts", starts), ("lengths", lengths)):
+        if n and a.dtype.kind not in "iu":
+            raise TypeError(f"{name}.extents gave {what} of dtype {a.dtype}, not integers")
+    if n and lengths.dtype.kind == "i" and int(lengths.min()) < 0:
+        k = int(np.argmin(lengths))
+        raise ValueError(
+            f"{name}.extents gave document {int(indices[k])} a length of "
+            f"{int(lengths[k])}: lengths must be >= 0"
+        )
+    return starts, lengths.astype(np.uint64, copy=False)
 
 
 def attention_keys(value: object, name: str = "attention") -> tuple[str, ...]:
