@@ -315,3 +315,12 @@ class Provenance(OwnDocuments):
 def test_a_provenance_key_the_batch_holds_is_refused(policy: Any) -> None:
     with pytest.raises(ValueError, match="origin gave the key 'lengths', which the batch holds"):
         next(iter(DataLoader(Provenance(8), 2, batching=policy, num_threads=0, seed=1)))
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(("f4", (2,))), np.dtype([("a", "u2"), ("b", "u2")])])
+def test_a_field_of_documents_holds_one_number_per_row(dtype: np.dtype[Any]) -> None:
+    """A subarray field got a flat buffer of one element per row, and the view's own
+    read_extents then failed with a bare broadcast error."""
+    view = OwnDocuments(8, fields={"tokens": np.dtype(np.uint32), "pair": dtype})
+    with pytest.raises(TypeError, match=r"OwnDocuments's field 'pair' has the dtype .* one number"):
+        DataLoader(view, 2, batching=tokload.Fill(64), num_threads=0)
