@@ -356,6 +356,36 @@ def test_json_that_only_json_reads_is_built(tmp_path: Path) -> None:
     assert bytes(doc[:-1]).decode() == "smile \U0001f600"
 
 
+@pytest.mark.parametrize("orjson", [True, False])
+def test_a_lone_surrogate_is_a_bad_record_with_or_without_orjson(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, orjson: bool
+) -> None:
+    """Without orjson (an extra), json.loads took a lone surrogate, and the byte
+    tokenizer stored it as invalid UTF-8."""
+    import tokload.build_records as records
+
+    if not orjson:
+        monkeypatch.setattr(records, "_fast_loads", json.loads)
+    elif records._fast_loads is json.loads:
+        pytest.skip("orjson is not installed")
+    p = tmp_path / "in.jsonl"
+    p.write_text('{"text": "fine \\ud83d\\ude00"}\n{"text": "a\\ud800b"}\n')
+    with pytest.raises(BuildError, match=r"in\.jsonl:2: a string holds a lone surrogate"):
+        build([p], tmp_path / "stop", tokenizer="bytes", progress=False)
+    s = build([p], tmp_path / "o", tokenizer="bytes", on_error="skip", max_skipped=0.5)
+    assert s.documents == 1 and s.skipped == {"lone surrogate in a string": 1}
+
+
+def test_a_record_with_any_key_is_not_taken_for_a_piece_of_text(tmp_path: Path) -> None:
+    """A plain-text piece's context travels beside its record, not in it: a JSONL key
+    of the same name as an inner one made the build tokenize after it, or crash."""
+    p = tmp_path / "in.jsonl"
+    p.write_text(json.dumps({"text": "hello", "\x00tokload:context": 5}) + "\n")
+    build([p], tmp_path / "o", tokenizer="bytes", progress=False)
+    doc = np.asarray(Documents(tmp_path / "o")[0]).tolist()
+    assert bytes(doc[:-1]).decode() == "hello"
+
+
 def test_unreadable_input(tmp_path: Path) -> None:
     p = tmp_path / "x.jsonl.gz"
     p.write_bytes(b"this is not gzip")

@@ -214,24 +214,46 @@ def test_a_directory_walk_takes_data_files_only(tmp_path: Path) -> None:
     assert first.decode().startswith("document 0 of extra.jsonl")  # not "*.parquet filter=lfs ..."
 
 
-def test_a_file_named_by_several_paths_is_read_once(
+def test_a_path_spelled_several_ways_is_read_once_and_a_link_is_another_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A relative and an absolute path, a directory and a file in it, a hard link: the
-    documents of one file were built once per spelling."""
+    """Relative and absolute, with "..", a directory and a file in it: the documents of
+    one file were built once per spelling. A link is a path of its own (it upsamples a
+    file), hard or symbolic, the same on every machine whatever its copy kept."""
     monkeypatch.chdir(tmp_path)
     jsonl(tmp_path / "data" / "a.jsonl", n=3)
     jsonl(tmp_path / "data" / "b.jsonl", n=2)
-    os.link(tmp_path / "data" / "b.jsonl", tmp_path / "b-again.jsonl")
-    names = ["data", str(tmp_path / "data" / "a.jsonl"), "data/../data/a.jsonl", "b-again.jsonl"]
+    os.link(tmp_path / "data" / "b.jsonl", tmp_path / "b-hard.jsonl")
+    os.symlink(tmp_path / "data" / "b.jsonl", tmp_path / "b-soft.jsonl")
+    names = [
+        "data",
+        str(tmp_path / "data" / "a.jsonl"),
+        "data/../data/a.jsonl",
+        "b-hard.jsonl",
+        "b-soft.jsonl",
+    ]
     found = find_inputs(names)
-    # the path that sorts first stands for each file
-    assert [str(p) for p in found.files] == [str(tmp_path / "data" / "a.jsonl"), "b-again.jsonl"]
-    assert found.passed_over["files named again by another path"] == 3
-    assert "3 files named again by another path" in found.describe()
+    # the spelling that sorts first stands for each path
+    assert [str(p) for p in found.files] == [
+        str(tmp_path / "data" / "a.jsonl"),
+        "b-hard.jsonl",
+        "b-soft.jsonl",
+        "data/b.jsonl",
+    ]
+    assert found.passed_over["paths named again, spelled otherwise"] == 2
+    assert "2 paths named again, spelled otherwise" in found.describe()
     # whatever the order they are named in
     assert find_inputs(names[::-1]).files == found.files
-    assert build(names, tmp_path / "out").documents == 5
+    assert build(names, tmp_path / "out").documents == 3 + 2 * 3
+
+
+def test_metadata_files_in_capitals_are_passed_over(tmp_path: Path) -> None:
+    jsonl(tmp_path / "in" / "a.jsonl", n=2)
+    (tmp_path / "in" / "Config.JSON").write_text('{\n  "vocab_size": 3\n}\n')
+    (tmp_path / "in" / "MANIFEST.JSON").write_text("{}\n")
+    found = find_inputs([tmp_path / "in"])
+    assert [p.name for p in found.files] == ["a.jsonl"]
+    assert found.passed_over["files that are not data"] == 2
 
 
 def test_extensions_in_capitals_are_read_by_their_kind(tmp_path: Path) -> None:

@@ -84,6 +84,9 @@ def test_a_byte_that_is_not_utf8_is_named_by_its_offset_in_the_file(piece: int) 
 def test_a_byte_order_mark_is_not_text() -> None:
     got = list(text_pieces(io.BytesIO(b"\xef\xbb\xbfhello \xef\xbb\xbf"), 4))
     assert "".join(p for _, p in got) == "hello \ufeff"  # only the first is a mark
+    # a bad byte after a mark is named by its offset in the file, the mark counted
+    with pytest.raises(UnicodeDecodeError, match="not UTF-8 at byte 8 "):
+        list(text_pieces(io.BytesIO(b"\xef\xbb\xbfhello\xff world"), 64))
 
 
 def test_a_multibyte_character_across_reads_is_whole() -> None:

@@ -234,6 +234,16 @@ def test_an_iterator_replaced_by_a_newer_one_says_so(corpus: Path, threads: int)
     ld.close()  # closing the loader ends its iterator; it was not replaced
     with pytest.raises(StopIteration):
         next(done)
+    # an iterator that has run out stays so after a new pass starts
+    short = DataLoader(TokenStream(corpus, window=9), 4, epochs=1, num_threads=threads)
+    first = iter(short)
+    assert len(list(first)) == len(short.schedule.spans(0, 10**6))
+    second = iter(short)
+    with pytest.raises(StopIteration):
+        next(first)
+    with pytest.raises(StopIteration):  # at the end already: the cursor is there
+        next(second)
+    short.close()
 
 
 # ---- exactly once and resume --------------------------------------------------------------------

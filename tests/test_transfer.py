@@ -339,6 +339,10 @@ def test_a_batch_saved_with_torch_loads_with_weights_only(corpus: Path, tmp_path
     batch = next(iter(ld))
     ld.close()
     assert isinstance(batch, Batch)
+    import copy
+
+    for twin in (copy.copy(batch), copy.deepcopy(batch)):  # a Batch, its event kept
+        assert isinstance(twin, Batch) and twin.ready is batch.ready and list(twin) == list(batch)
     torch.save(batch, tmp_path / "b.pt")
     back = torch.load(tmp_path / "b.pt")
     assert list(back) == list(batch)

@@ -37,7 +37,6 @@ from tokload.build_records import (
     ANNOTATION_NO_SPAN,
     ANNOTATION_OUTSIDE,
     ANNOTATIONS_NOT_LIST,
-    CONTEXT,
     FIRST,
     LAST,
     NO_TEXT,
@@ -151,6 +150,7 @@ def build_chunk(
     ):
         pending: list[tuple[int, str, dict[str, Any]]] = []
         places: list[int] = []  # each pending text's FIRST/LAST flags
+        contexts: list[str] = []  # and what it is tokenized after (a plain text's pieces)
         pending_chars = 0
 
         def flush() -> None:
@@ -159,7 +159,6 @@ def build_chunk(
             if not pending:
                 return
             texts = [t for _, t, _ in pending]
-            contexts = [rec.get(CONTEXT, "") for _, _, rec in pending]
             if any(contexts):  # pieces of a plain text (which has no annotations)
                 batch = _encode_pieces(tok, texts, contexts)
             else:
@@ -184,6 +183,7 @@ def build_chunk(
                 docs += end
             pending.clear()
             places.clear()
+            contexts.clear()
             pending_chars = 0
             if report is not None and inp.consumed() - reported >= _REPORT_BYTES:
                 n = min(inp.consumed(), chunk.size) - reported
@@ -203,7 +203,7 @@ def build_chunk(
                     raise
                 damage.append(e)
 
-        for line, rec, err, place in up_to_damage():
+        for line, rec, err, place, context in up_to_damage():
             if err is not None:
                 fail(line, *err)
                 continue
@@ -229,6 +229,7 @@ def build_chunk(
                 continue
             pending.append((line, text, rec))
             places.append(place)
+            contexts.append(context)
             pending_chars += len(text)
             limit = _BATCH_CHARS if place == WHOLE else _BATCH_PIECES_CHARS
             if len(pending) >= _BATCH_DOCS or pending_chars >= limit:

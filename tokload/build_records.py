@@ -21,6 +21,7 @@ import io
 import json
 import lzma
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -182,10 +183,11 @@ UNREADABLE = "unreadable input"
 NOT_JSON = "field without a JSON form"
 NOT_UNICODE = "lone surrogate in a string"
 
-Record = tuple[int, dict[str, Any] | None, tuple[str, str] | None, int]
-"""(line, record, (reason key, message), FIRST/LAST flags) of one input record; lines count
-from the chunk's first (1) and rows from the file's first; a plain-text document comes
-in pieces (see ``text_pieces``)."""
+Record = tuple[int, dict[str, Any] | None, tuple[str, str] | None, int, str]
+"""(line, record, (reason key, message), FIRST/LAST flags, context) of one input record;
+lines count from the chunk's first (1) and rows from the file's first; a plain-text
+document comes in pieces (see ``text_pieces``), each after the end of the one before
+(its context: "" for the others), which its tokens are taken after."""
 
 
 class _NotUnicode(ValueError):
@@ -193,24 +195,37 @@ class _NotUnicode(ValueError):
     JSON, but not Unicode text that a tokenizer (or UTF-8) can take."""
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""A JSON escape of half a surrogate pair (alone or not: the check tells them apart)."""
+
+
 def _parse_line(line: bytes) -> Any:
     try:
-        return _fast_loads(line)
+        rec = _fast_loads(line)
     except ValueError:
         # orjson is stricter (NaN, lone surrogates) and words errors its own way:
         # json decides, and words the error.
         rec = json.loads(line)
-        try:  # the one strictness to keep: strings must be Unicode text
-            json.dumps(rec, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError as e:
-            bad = e.object[e.start : e.end]
-            raise _NotUnicode(
-                f"a string holds a lone surrogate ({bad.encode('unicode_escape').decode()}): "
-                "not Unicode text"
-            ) from None
-        except (TypeError, ValueError, RecursionError):  # json's business, not ours
-            pass
+        _check_unicode(rec)
         return rec
+    if _fast_loads is json.loads and _SURROGATE_ESCAPE.search(line):  # no orjson
+        _check_unicode(rec)
+    return rec
+
+
+def _check_unicode(rec: Any) -> None:
+    """The one strictness of orjson kept whatever parsed ``rec``: its strings are
+    Unicode text (``_NotUnicode`` for a lone surrogate)."""
+    try:
+        json.dumps(rec, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = e.object[e.start : e.end]
+        raise _NotUnicode(
+            f"a string holds a lone surrogate ({bad.encode('unicode_escape').decode()}): "
+            "not Unicode text"
+        ) from None
+    except (TypeError, ValueError, RecursionError):  # json's business, not ours
+        pass
 
 
 def records(inp: ChunkInput, text_field: str) -> Iterator[Record]:
@@ -224,7 +239,7 @@ def records(inp: ChunkInput, text_field: str) -> Iterator[Record]:
                 try:
                     rec = _parse_line(line)
                 except _NotUnicode as e:
-                    yield line_no, None, (NOT_UNICODE, str(e)), WHOLE
+                    yield line_no, None, (NOT_UNICODE, str(e)), WHOLE, ""
                     continue
                 except (ValueError, RecursionError) as e:
                     detail = (
@@ -232,7 +247,7 @@ def records(inp: ChunkInput, text_field: str) -> Iterator[Record]:
                         if isinstance(e, json.JSONDecodeError)
                         else str(e).split(";")[0] or type(e).__name__
                     )
-                    yield line_no, None, (MALFORMED_JSON, f"malformed JSON ({detail})"), WHOLE
+                    yield line_no, None, (MALFORMED_JSON, f"malformed JSON ({detail})"), WHOLE, ""
                     continue
                 if not isinstance(rec, dict):
                     yield (
@@ -240,9 +255,10 @@ def records(inp: ChunkInput, text_field: str) -> Iterator[Record]:
                         None,
                         (NOT_AN_OBJECT, f"a JSON {type(rec).__name__}, not an object"),
                         WHOLE,
+                        "",
                     )
                     continue
-                yield line_no, rec, None, WHOLE
+                yield line_no, rec, None, WHOLE, ""
     elif kind == "parquet":
         try:
             import pyarrow as pa
@@ -270,27 +286,21 @@ def records(inp: ChunkInput, text_field: str) -> Iterator[Record]:
             for batch in pf.iter_batches(batch_size=1024, row_groups=list(groups)):
                 for rec in batch.to_pylist():
                     row += 1
-                    yield row, rec, None, WHOLE
+                    yield row, rec, None, WHOLE, ""
     else:
         with _decompressed(inp) as f:
-            before = ""  # the end of the piece before, for the tokenizer (CONTEXT)
+            before = ""  # the end of the piece before (Record's context)
             for flags, piece in text_pieces(f):
-                fields: dict[str, Any] = {text_field: piece, "path": str(path)}
-                if before:
-                    fields[CONTEXT] = before
-                yield 1, fields, None, flags
+                yield 1, {text_field: piece, "path": str(path)}, None, flags, before
                 before = piece[-_CONTEXT_CHARS:]
 
 
 _TEXT_PIECE = 256 << 10
 """Bytes of a plain-text input read (and tokenized) at a time."""
 
-CONTEXT = "\x00tokload:context"
-"""The key of a plain-text piece's record that holds the end of the piece before it
-(no JSON or Parquet record has it; ``keep_fields`` never takes it): the piece is
-tokenized after it, as it stands in the whole text (``build_part._encode_pieces``)."""
-
 _CONTEXT_CHARS = 256
+"""Characters of a plain-text piece's end that the next piece is tokenized after
+(``build_part._encode_pieces``)."""
 
 FIRST, LAST = 1, 2
 WHOLE = FIRST | LAST
@@ -318,7 +328,7 @@ def text_pieces(f: IO[bytes], piece: int | None = None) -> Iterator[tuple[int, s
     pre-tokenizer (GPT-2's and Llama 3's patterns, most tokenizer.json files)
     splits the text there anyway, so the pieces' tokens are the whole text's.
     (A tokenizer that treats the start of its input apart, as SentencePiece's
-    do, tokenizes each piece after the end of the one before: ``CONTEXT``.)
+    do, tokenizes each piece after the end of the one before: ``Record``.)
     Only a text with neither in 4 pieces' length is cut where it stands (the
     tokens next to that cut may then differ from the whole text's).
     A UTF-8 byte order mark at the start is dropped. Raises ``NotUTF8`` (a
@@ -336,7 +346,9 @@ def text_pieces(f: IO[bytes], piece: int | None = None) -> Iterator[tuple[int, s
         try:
             text = carry + decoder.decode(block, final=not block)
         except UnicodeDecodeError as e:
-            raise NotUTF8(e, read - held + e.start) from None
+            # (utf-8-sig counts from after a byte order mark it takes off the first block)
+            mark = len(codecs.BOM_UTF8) if not read and block.startswith(codecs.BOM_UTF8) else 0
+            raise NotUTF8(e, read - held + mark + e.start) from None
         read += len(block)
         if not block:
             yield (FIRST if first else 0) | LAST, text

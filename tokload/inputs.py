@@ -19,9 +19,10 @@ and what was passed over.
   takes Python files); ``exclude`` globs drop files. A pattern matches a
   file's path relative to the walked directory, or its name.
 - Whatever is given, nothing inside ``output`` is an input.
-- A file is read once however many ways name it (a relative and an absolute
-  path, a directory and a file in it, a hard link): the first of its paths in
-  sorted order stands for it.
+- A path is read once however it is spelled (relative or absolute, with
+  ``..``, a directory and a file in it): the first spelling in sorted order
+  stands for it. Links are other paths: a file and a link to it are both read
+  (a link upsamples a file).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def compressed(path: str | os.PathLike[str]) -> bool:
 
 def is_data_file(name: str) -> bool:
     """Whether a directory walk takes a file called ``name`` (without include globs)."""
-    if name.startswith(".") or name in NON_DATA_NAMES:
+    if name.startswith(".") or name.lower() in NON_DATA_NAMES:
         return False
     sx = suffixes(name)
     if sx and (sx[-1] == ".parquet" or sx[-1] in TEXT_SUFFIXES):
@@ -191,7 +192,7 @@ def find_inputs(
     """
     out = Path(output).resolve() if output is not None else None
     found = Found()
-    files: dict[tuple[int, int], Path] = {}  # by (device, inode): each file once
+    files: dict[str, Path] = {}  # by absolute path: each path once
     for spec in inputs:
         s = os.fspath(spec)
         is_glob = glob.has_magic(s)
@@ -223,18 +224,20 @@ def find_inputs(
     return found
 
 
-def _add(files: dict[tuple[int, int], Path], p: Path, found: Found) -> None:
-    """Add file ``p``, unless ``files`` has it by another path (then the path that
-    sorts first stands for it, whatever the order the inputs named them in)."""
-    st = os.stat(p)
-    key = (st.st_dev, st.st_ino)
+def _add(files: dict[str, Path], p: Path, found: Found) -> None:
+    """Add file ``p``, unless ``files`` has its path spelled otherwise (then the
+    spelling that sorts first stands for it, whatever the order the inputs named
+    them in). The path is made absolute without following links, which are
+    other paths (the same on every machine of a ``--part`` build, whatever its
+    copy kept of hard links)."""
+    key = os.path.abspath(p)
     seen = files.get(key)
     if seen is None:
         files[key] = p
     elif seen != p:
         first, other = (p, seen) if str(p) < str(seen) else (seen, p)
         files[key] = first
-        found.skip("files named again by another path", other)
+        found.skip("paths named again, spelled otherwise", other)
 
 
 def _walk(
@@ -243,7 +246,7 @@ def _walk(
     include: Sequence[str],
     exclude: Sequence[str],
     found: Found,
-    files: dict[tuple[int, int], Path],
+    files: dict[str, Path],
 ) -> None:
     """Add the data files under ``top`` to ``files``; count what is passed over.
 
@@ -278,7 +281,7 @@ def _walk(
             rel = str(p.relative_to(top))
             if name.startswith("."):
                 found.skip("hidden files", p)
-            elif name in NON_DATA_NAMES:  # --include replaces the extensions, not this
+            elif name.lower() in NON_DATA_NAMES:  # --include replaces extensions, not this
                 found.skip("files that are not data", p)
             elif include and not _matches(rel, name, include):
                 found.skip("files not matching --include", p)

@@ -581,7 +581,7 @@ class DataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         old = self._iter() if self._iter is not None else None
-        if old is not None:
+        if old is not None and not old._closed:  # (one that has ended stays ended)
             old.replaced = True  # its next() says so, rather than end as if the data had
         self._close_iter()
         it = _LoaderIter(self)
@@ -731,6 +731,7 @@ class _LoaderIter:
                 try:
                     self._ready = self._pf.get()
                 except StopIteration:
+                    self.close()
                     raise
                 except Exception:
                     # A task that failed before its steps were known (a packed

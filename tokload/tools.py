@@ -484,7 +484,8 @@ def bench(
         raise UsageError(
             f"{path}: holds {rows:,} tokens, no window of {window:,}: give a smaller --window"
         )
-    loader = DataLoader(view, batch_size, seed=0, num_threads=num_threads)
+    # this process alone, whatever a launcher (torchrun) says of the others
+    loader = DataLoader(view, batch_size, seed=0, num_threads=num_threads, rank=0, world_size=1)
     try:
         it = iter(loader)
         next(it)

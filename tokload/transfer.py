@@ -65,6 +65,18 @@ class Batch(dict[str, Any]):
         # this one included; an OrderedDict is what it reads state dicts as
         return (collections.OrderedDict, (), None, None, iter(self.items()))
 
+    def __copy__(self) -> Batch:  # a Batch, with its event (not through pickling)
+        out = Batch(self)
+        out.ready = self.ready
+        return out
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Batch:
+        import copy
+
+        out = Batch({k: copy.deepcopy(v, memo) for k, v in self.items()})
+        out.ready = self.ready  # an event is not copied: the copies are of ready tensors
+        return out
+
 
 class TransferBackend(Protocol):
     """What the transfer stage needs from a device (CUDA, or a test's fake one)."""
