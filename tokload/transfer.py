@@ -313,7 +313,10 @@ class Transfer:
         import torch
 
         base: Any = a.base
-        td = self._dtypes.get(a.dtype) or self._torch_dtype(a.dtype)
+        try:  # (a subscript, not a call: this runs for every array of every batch)
+            td = self._dtypes[a.dtype]
+        except KeyError:
+            td = self._torch_dtype(a.dtype)
         # (the dtype too: a view may reinterpret its buffer, alloc(..., np.uint8).view(bool))
         if isinstance(base, torch.Tensor) and base.shape == a.shape and base.dtype == td:
             return base  # ``a`` is exactly an allocation's ``.numpy()``: its own tensor
