@@ -297,6 +297,9 @@ def test_writer_rejects_bad_spans_and_modes(tmp_path: Path) -> None:
         r"row of 8 bytes",
     ):
         Writer(tmp_path / "pad", padded)
+    swapped = np.dtype({"names": ["a", "b"], "formats": ["<u2", "<u2"], "offsets": [2, 0]})
+    with pytest.raises(FormatError, match=r"in the order of their offsets.*'a' is at byte 2"):
+        Writer(tmp_path / "swapped", swapped)  # (NumPy's own error was "dtype.descr ...")
     with pytest.raises(FormatError, match=r"differs from"):
         tokload.merge(tmp_path / "mm", [tmp_path / "m", tmp_path / "p"])
     with pytest.raises(FileExistsError, match=r"a dataset already exists here: '.*/m'$"):

@@ -549,9 +549,14 @@ def test_bad_options_are_refused(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"batching must be a policy \(tokload.Stack\(\)"):
         tokload.DataLoader(windows, 2, batching="fill", device=None)  # type: ignore[arg-type]
     # a padding value that does not fit the dtype is refused with the loader
-    for policy in (tokload.Fill(8, value=1 << 40), tokload.Pad(value=-1)):
-        with pytest.raises(OverflowError, match=r"the padding value -?\d+ does not fit the field"):
-            tokload.DataLoader(tokload.Documents(tmp_path / "ds"), 2, batching=policy)
+    # (NumPy integers too: NumPy casts them with wraparound, np.int64(-1) as 65535)
+    fits_not: list[Any] = [1 << 40, -1, np.int64(-1), np.int32(70_000), np.uint64(2**64 - 1)]
+    for value in fits_not:
+        for policy in (tokload.Fill(8, value=value), tokload.Pad(value=value)):
+            with pytest.raises(OverflowError, match=r"padding value -?\d+ does not fit the field"):
+                tokload.DataLoader(tokload.Documents(tmp_path / "ds"), 2, batching=policy)
+        with pytest.raises(OverflowError, match=r"the padding value -?\d+ does not fit"):
+            tokload.Documents(tmp_path / "ds").read_padded([0, 1], pad=value)
     # nor is one that is not an integer (1.5 padded with 1, "7" was parsed)
     bads: list[Any] = [1.5, "7", True, None]
     for bad in bads:
@@ -654,3 +659,36 @@ def test_schedules_deliver_each_document_once_per_epoch_across_a_resume(
     # each (epoch, document) exactly once
     assert sorted(got + more) == list(range(epochs * n))
     assert end == epochs * n
+
+
+def test_a_task_past_int32_tokens_says_which_steps_per_task_fits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attention keys are computed for a reader task at once: 16 steps of 2 rows
+    of 2**26 tokens (each step fine) failed as "cannot hold 2147483648 tokens". The
+    check comes before anything is read or allocated."""
+    from tokload.views.contract import check_task_tokens
+
+    with pytest.raises(ValueError, match=r"ReadOptions\(steps_per_task=15\) or fewer"):
+        check_task_tokens(32, 1 << 26, 16, 2)
+    check_task_tokens(2, 1 << 26, 1, 2)  # one step: its own check, where it is computed
+    check_task_tokens(31, 1 << 26, 16, 2)
+    with tokload.Writer(tmp_path / "ds", "<u2") as w:
+        for d in range(64):
+            w.write(np.full(3, d, dtype=np.uint16))
+
+    def refuse(shape: Any, dtype: Any) -> np.ndarray:
+        raise AssertionError(f"allocated {shape}")
+
+    stream = tokload.TokenStream(tmp_path / "ds", window=1 << 26, stride=1, boundaries=True)
+    cuts = [(2 * k, 2 * k + 2) for k in range(16)]
+    with pytest.raises(ValueError, match=r"a reader task of 16 steps holds 32 rows of 67,108,864"):
+        stream.read_steps(np.zeros(32, dtype=np.int64), cuts, refuse)
+    # Fill checks its task's rows the same way (2**26-token rows pack slowly: a spy)
+    seen: list[tuple[int, ...]] = []
+    monkeypatch.setattr(tokload.batching, "check_task_tokens", lambda *a: seen.append(a))
+    fill = tokload.Fill(16, lookahead=4)
+    view = tokload.Documents(tmp_path / "ds")
+    sched = fill.schedule(view, 2)
+    fill.reader(view, sched, np.empty).read(sched.spans(0, 3), None)
+    assert seen == [(6, 16, 3, 2)]

@@ -710,6 +710,20 @@ def test_values_are_range_checked_and_structured_input_accepted(tmp_path: Path) 
             w.write([1.5])
         w.write(np.array([1, 2], dtype=np.int64))
     np.testing.assert_array_equal(Documents(tmp_path / "u2")[0], [1, 2])
+    # without loss at uint64's edge: NumPy makes [2**64 - 1, 1] float64, [2**64] object,
+    # and a bool array once failed its range check
+    with Writer(tmp_path / "u8", "<u8") as w:
+        w.write([2**64 - 1, 1, 2])
+        w.write(np.array([True, False]))
+        with pytest.raises(ValueError, match=r"value 18446744073709551616 does not fit in uint64"):
+            w.write([2**64, 1])
+        with pytest.raises(ValueError, match=r"value -1 does not fit in uint64"):
+            w.write([2**63, -1])
+        with pytest.raises(TypeError, match=r"must be integers, got dtype float64"):
+            w.write([2**64 - 1, 1.5])
+    docs = Documents(tmp_path / "u8")
+    assert np.asarray(docs[0]).tolist() == [2**64 - 1, 1, 2]
+    assert np.asarray(docs[1]).tolist() == [1, 0]
 
 
 def test_document_batches_refuse_bad_arguments(tmp_path: Path) -> None:

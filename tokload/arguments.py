@@ -9,7 +9,7 @@ from an array), never a ``bool`` (``window=True`` is a mistake, not a window of
 from __future__ import annotations
 
 import numbers
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -42,3 +42,20 @@ def seed_and_rounds(seed: object, rounds: object) -> tuple[int, int]:
     if not is_integer(rounds) or not 0 <= rounds <= MAX_ROUNDS:
         raise ValueError(f"rounds must be an integer in [0, {MAX_ROUNDS}], got {rounds!r}")
     return int(seed), int(rounds)
+
+
+def check_fits(value: int, dtype: Any, what: str, name: str | None = None) -> int:
+    """``value`` as an ``int`` if every field of ``dtype`` (named ``name`` when it is
+    one field of a view's) holds it; OverflowError naming ``what``, the value and
+    the field if not. (NumPy refuses a Python int out of range, but casts a NumPy
+    integer with wraparound: ``np.int64(-1)`` as ``uint16`` is 65535.)"""
+    dt = np.dtype(dtype)
+    v = int(value)
+    fields = [(n, dt.fields[n][0]) for n in dt.names] if dt.fields else [(name, dt)]
+    for field_name, field in fields:
+        if field.kind in "iu":
+            info = np.iinfo(field)
+            if not info.min <= v <= info.max:
+                where = f"the field {field_name!r} " if field_name is not None else ""
+                raise OverflowError(f"{what} {v} does not fit {where}({field})")
+    return v

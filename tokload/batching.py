@@ -57,7 +57,7 @@ import numpy as np
 
 from tokload._docindex import split_cu_seqlens
 from tokload._pack import pad_rows, row_boundaries, row_offsets
-from tokload.arguments import is_integer
+from tokload.arguments import check_fits, is_integer
 from tokload.assembly import Assembly
 from tokload.packing import DEFAULT_LOOKAHEAD, PackedSchedule, Packing
 from tokload.schedule import Schedule
@@ -68,6 +68,7 @@ from tokload.views.contract import (
     Alloc,
     attention_keys,
     check_documents,
+    check_task_tokens,
     check_view,
     document_extents,
 )
@@ -391,12 +392,7 @@ def _check_keys(view: Any, policy: str, added: Collection[str]) -> None:
 def _check_value(view: Any, value: int) -> None:
     """OverflowError when the padding ``value`` does not fit a field of the view."""
     for name, dt in view.fields.items():
-        try:
-            np.array(value, dtype=dt)
-        except OverflowError:
-            raise OverflowError(
-                f"the padding value {value} does not fit the field {name!r} ({np.dtype(dt)})"
-            ) from None
+        check_fits(value, dt, "the padding value", name)
 
 
 def _flat(view: Any, total: int, alloc: Alloc, value: int | None) -> dict[str, np.ndarray]:
@@ -676,6 +672,8 @@ class _FillReader:
         doc_ends[row_ends == 0] = 0  # steps before this rank's first row (none usually)
         row_cuts, doc_cuts = _cuts(row_ends.tolist()), _cuts(doc_ends.tolist())
         r, d = len(rows.counts), len(rows.ids)
+        if self.policy.keys:
+            check_task_tokens(r, w, len(spans), max(nrows))
         # [r, w] arrays (each its allocation's own tensor), read and padded flat
         whole: dict[str, Any] = {f: _c_array(alloc, (r, w), dt, f) for f, dt in view.fields.items()}
         flat = {f: a.reshape(-1) for f, a in whole.items()}

@@ -446,6 +446,15 @@ def check_dtype(dtype: np.dtype[Any], where: str = "dtype") -> None:
             f"{where}: fields must be packed without padding: {packed} bytes of fields in "
             f"a row of {dtype.itemsize} bytes"
         )
+    at = 0
+    for name in dtype.names or ():
+        ft, offset, *_rest = dtype.fields[name]
+        if offset != at:  # packed, but out of order (or overlapping)
+            raise FormatError(
+                f"{where}: fields must be in the order of their offsets, back to back: "
+                f"field {name!r} is at byte {offset}, not {at}"
+            )
+        at += ft.itemsize
 
 
 def fingerprint(dtype: np.dtype[Any], shards: Sequence[Sequence[Any]]) -> str:

@@ -363,14 +363,14 @@ class Writer:
             unknown = set(rows) - set(dt.fields)
             if unknown:
                 raise ValueError(f"unknown fields {sorted(unknown)}; the dtype has {dt.names}")
-            lengths = {len(np.asarray(v)) for v in rows.values()}
+            lengths = {len(_as_array(v)) for v in rows.values()}
             if len(lengths) > 1:
                 raise ValueError(f"fields have different lengths: {sorted(lengths)}")
             out = np.zeros(lengths.pop() if lengths else 0, dtype=dt)
             for name, values in rows.items():
-                out[name] = _checked_cast(np.asarray(values), dt.fields[name][0], name)
+                out[name] = _checked_cast(_as_array(values), dt.fields[name][0], name)
             return out
-        src = np.asarray(rows)
+        src = _as_array(rows)
         if src.ndim != 1:
             raise ValueError(f"a document must be 1-D, got shape {src.shape}")
         if dt.fields is None:
@@ -490,15 +490,30 @@ def checked_block(span_block: Any, layout: str, error: type[ValueError] = ValueE
     return block
 
 
+def _as_array(values: Any) -> np.ndarray:
+    """``values`` as an array, without loss: a list of Python ints that NumPy would
+    make float64 or object (one above ``2**63 - 1`` beside small ones, or one
+    above ``2**64 - 1``) is kept as ints (object), for ``_checked_cast``."""
+    if isinstance(values, np.ndarray):
+        return values
+    a = np.asarray(values)
+    if a.dtype.kind in "fO" and a.size and isinstance(values, (list, tuple)):
+        o = np.asarray(values, dtype=object)
+        if all(isinstance(v, (int, np.integer)) for v in o.flat):
+            return o
+    return a
+
+
 def _checked_cast(values: np.ndarray, dtype: np.dtype[Any], what: str) -> np.ndarray:
     if values.dtype == dtype:
         return values
     if values.size == 0:
         return values.astype(dtype)
-    if values.dtype.kind not in "iub":
+    ints = values.dtype.kind == "O" and all(isinstance(v, (int, np.integer)) for v in values.flat)
+    if values.dtype.kind not in "iub" and not ints:
         raise TypeError(f"{what} must be integers, got dtype {values.dtype}")
     info = np.iinfo(dtype)
-    lo, hi = values.min(), values.max()
+    lo, hi = int(values.min()), int(values.max())  # (as ints: a bool or uint64 compares)
     if lo < info.min or hi > info.max:
         bad = lo if lo < info.min else hi
         raise ValueError(f"{what}: value {bad} does not fit in {dtype} [{info.min}, {info.max}]")

@@ -215,6 +215,21 @@ def document_extents(view: Any, indices: np.ndarray) -> tuple[np.ndarray, np.nda
     return starts, lengths.astype(np.uint64, copy=False)
 
 
+def check_task_tokens(rows: int, window: int, steps: int, step_rows: int) -> None:
+    """ValueError, saying what to do, when a reader task's ``rows`` rows of ``window``
+    tokens (``steps`` steps of at most ``step_rows`` rows) are more tokens than
+    int32 numbers: the attention keys are computed for a task at once, and each
+    step's ``cu_seqlens`` taken from them (a step alone past it is refused where
+    its keys are computed)."""
+    if steps > 1 and rows * window >= 1 << 31:
+        most = max(1, ((1 << 31) - 1) // max(1, step_rows * window))
+        raise ValueError(
+            f"a reader task of {steps} steps holds {rows:,} rows of {window:,} tokens, more "
+            "than the 2**31 - 1 tokens that cu_seqlens (int32) numbers: give "
+            f"tokload.ReadOptions(steps_per_task={most}) or fewer"
+        )
+
+
 def attention_keys(value: object, name: str = "attention") -> tuple[str, ...]:
     """The attention keys ``value`` asks for (True: all, False: none, or a list
     of them), in ``ATTENTION_KEYS`` order; ``name`` is the argument's, for errors."""

@@ -11,6 +11,7 @@ import numpy.typing as npt
 
 from tokload._docindex import read_documents
 from tokload._rows import read_ranges, split_fields
+from tokload.arguments import check_fits
 from tokload.errors import FormatError
 from tokload.views.base import DataLike, Fields, ReadPart, View, _check_out, _field_layout
 from tokload.views.contract import Alloc
@@ -258,7 +259,8 @@ class Documents(View):
 
     def _pad_row(self, pad: int) -> bytes:
         """One row of ``pad`` in the dataset's dtype (OverflowError if it does not fit)."""
-        return np.array(pad, dtype=self.source.dtype).tobytes()
+        dt = self.source.dtype
+        return np.array(check_fits(pad, dt, "the padding value"), dtype=dt).tobytes()
 
     def _read_fields(
         self,

@@ -14,7 +14,7 @@ from tokload._rows import split_fields
 from tokload.arguments import positive_integer
 from tokload.errors import FormatError
 from tokload.views.base import DataLike, Fields, ReadPart, View, _check_rows_out, _field_layout
-from tokload.views.contract import ATTENTION_KEYS, Alloc, attention_keys
+from tokload.views.contract import ATTENTION_KEYS, Alloc, attention_keys, check_task_tokens
 
 
 def window_part(
@@ -145,10 +145,12 @@ class WindowBoundaries:
         back to back in one array, and each step gets a ``slice`` of it and its
         ``"max_seqlen"``: the same values as ``read_batch`` of each step.
         """
+        keys = self.boundary_keys
+        if keys and cuts:  # before anything is read or allocated
+            check_task_tokens(len(indices), self.window, len(cuts), max(e - a for a, e in cuts))
         got = self.read(indices, out=self.empty(len(indices), alloc=alloc))
         raw: dict[str, Any] = got if isinstance(got, dict) else {"tokens": got}
         steps: list[dict[str, Any]] = [{} for _ in cuts]
-        keys = self.boundary_keys
         if not keys:
             return raw, steps
         arrays, cu, _ = self._window_boundaries(indices, alloc, keys)
