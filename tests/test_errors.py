@@ -579,7 +579,7 @@ def test_every_public_exception_is_exported_at_the_top_level() -> None:
         assert getattr(tokload, name).__name__ == name
 
 
-@pytest.mark.parametrize("raw", ["lots", "-1", "1.5", "0x10"])
+@pytest.mark.parametrize("raw", ["lots", "-1", "1.5", "0x10", str(1 << 63)])
 def test_an_integer_setting_that_is_not_one_names_the_variable(
     raw: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -179,6 +179,11 @@ def test_the_limit_comes_from_the_environment() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode != 0
     assert "TOKLOAD_HOST_CACHE_MB='lots': expected a whole number of MiB (>= 0)" in out.stderr
+    # too large for bytes in a size_t: named, not a bare OverflowError at import
+    for name, value in (("TOKLOAD_HOST_CACHE_MB", 1 << 44), ("TOKLOAD_MAX_OPEN_FILES", 1 << 64)):
+        bad = {**os.environ, name: str(value)}
+        out = subprocess.run([sys.executable, "-c", code], env=bad, capture_output=True, text=True)
+        assert out.returncode != 0 and f"{name}='{value}': expected" in out.stderr, out.stderr
 
 
 def test_the_loaders_host_batches_reuse_the_blocks(tmp_path: object) -> None:

@@ -634,8 +634,9 @@ def test_what_an_integer_argument_is(value: object, integer: bool) -> None:
         ({"seed": True}, r"seed must be an integer in \[0, 2\*\*64 - 1\], got True"),
         ({"rounds": 6.0}, r"rounds must be an integer in \[0, 65536\], got 6\.0"),
         ({"rounds": 70000}, r"rounds must be an integer in \[0, 65536\], got 70000"),
-        ({"num_threads": 1.5}, r"num_threads must be an integer >= 0 or None, got 1\.5"),
-        ({"num_threads": -1}, r"num_threads must be an integer >= 0 or None, got -1"),
+        ({"num_threads": 1.5}, r"num_threads must be an integer from 0 to 256 or None, got 1\.5"),
+        ({"num_threads": -1}, r"num_threads must be an integer from 0 to 256 or None, got -1"),
+        ({"num_threads": 100_000}, r"from 0 to 256 or None, got 100000"),
         ({"batch_size": 2.0}, r"batch_size must be a positive integer, got 2\.0"),
         ({"batch_size": True}, r"batch_size must be a positive integer, got True"),
     ],
@@ -941,6 +942,59 @@ def test_io_is_the_loaders_own(corpus: Path) -> None:
         DataLoader(TokenStream(corpus, window=9), 2, read=tokload.ReadOptions(io="fast"))
 
 
+@pytest.mark.parametrize("threads", [0, 1])
+def test_a_loaders_own_reads_of_lengths_and_advice_are_in_its_io_scope(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """Fill's packer reads lengths (from disk, for an index not held in memory), and
+    read-ahead advice reads index entries: without reader threads the first, and
+    with them the second, used the dataset's io and depth, not the loader's."""
+    from tokload import _io
+
+    with Writer(tmp_path / "ds", "<u2", shard_bytes=2000, metadata=True) as w:
+        for k in range(120):
+            w.write(np.arange(5 + k % 40, dtype=np.uint16), spans=[(0, 2, b"r%d" % k)])
+    scopes: dict[str, list[Any]] = {"extents": [], "hint": []}
+
+    def spy(cls: Any, name: str) -> None:
+        real = getattr(cls, name)
+
+        def wrapped(self: Any, *args: Any) -> Any:
+            scopes[name].append(_io._scope.__dict__.get("value"))  # type: ignore[attr-defined]
+            return real(self, *args)
+
+        monkeypatch.setattr(cls, name, wrapped)
+
+    spy(Documents, "extents")
+    spy(tokload.StreamWithMetadata, "hint")
+    read = tokload.ReadOptions(io="sync", io_depth=3, readahead=True)
+    loaders = [
+        DataLoader(
+            Documents(tmp_path / "ds"),
+            4,
+            batching=tokload.Fill(64, lookahead=32),
+            num_threads=threads,
+            read=read,
+            seed=1,
+        ),
+        DataLoader(
+            tokload.StreamWithMetadata(tmp_path / "ds", window=16),
+            4,
+            num_threads=threads,
+            read=read,
+            seed=1,
+        ),
+    ]
+    for ld in loaders:
+        for _ in zip(range(20), ld, strict=False):
+            pass
+        ld.close()
+    mine = {(_io._BACKEND_CODES["sync"], 3)}  # type: ignore[attr-defined]
+    assert scopes["extents"] and set(scopes["extents"]) == mine, scopes
+    if threads:  # advice goes with reader threads only
+        assert scopes["hint"] and set(scopes["hint"]) == mine, scopes
+
+
 def test_the_retired_read_keywords_warn_and_still_work(corpus: Path) -> None:
     """0.1's DataLoader(prefetch=, steps_per_task=, ...) are thin aliases of
     ReadOptions: they warn with the new spelling and do what it does."""
@@ -958,6 +1012,7 @@ def test_the_retired_read_keywords_warn_and_still_work(corpus: Path) -> None:
         (dict(prefetch=0), r"prefetch must be >= 1 or None, got 0"),
         (dict(steps_per_task=0), r"steps_per_task must be >= 1, got 0"),
         (dict(readahead="yes"), r"readahead must be None, True or False, got 'yes'"),
+        (dict(readahead=1), r"readahead must be None, True or False, got 1"),
         (dict(io="fast"), r"io='fast': expected one of"),
         (dict(io_depth=0), r"io_depth"),
     ):

@@ -651,6 +651,40 @@ def test_cursor_moves_leave_no_threads_behind(view_kind: str) -> None:
     assert not reader_threads()
 
 
+def test_a_reader_thread_the_system_refuses_leaves_no_thread_behind(
+    corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A limit on threads (a container's pids) refusing the second reader: the first
+    kept reading with no owner, close() could not stop it, and the exit's closing of
+    every loader stopped at "cannot join thread before it is started"."""
+    from tokload import prefetch
+
+    view = TokenStream(corpus, 9)
+    other = DataLoader(view, 2, num_threads=1)  # another loader, reading meanwhile
+    it_other = iter(other)
+    next(it_other)
+    real = threading.Thread.start
+    started = [0]
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("tokload-reader"):
+            started[0] += 1
+            if started[0] == 2:
+                raise RuntimeError("can't start new thread")
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    failing = DataLoader(view, 2, num_threads=2)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        iter(failing)
+    monkeypatch.setattr(threading.Thread, "start", real)
+    failing.close()
+    assert len(reader_threads()) == 1  # the other loader's only
+    prefetch._close_all_at_exit()  # what the exit runs: every loader's threads stopped
+    assert reader_threads() == []
+    other.close()
+
+
 # ---- 4. a failed task --------------------------------------------------------------------
 
 

@@ -47,7 +47,8 @@ cdef size_t _mapped = 0  # bytes mapped by this module: in use or free
 
 
 def _env_limit():
-    mb = env_int("TOKLOAD_HOST_CACHE_MB", DEFAULT_LIMIT_MB, 0, "a whole number of MiB (>= 0)")
+    mb = env_int("TOKLOAD_HOST_CACHE_MB", DEFAULT_LIMIT_MB, 0, "a whole number of MiB (>= 0)",
+                 (1 << 63) >> 20)  # in bytes, a size_t
     return mb << 20
 
 

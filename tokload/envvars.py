@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 
 
-def env_int(name: str, default: int, low: int, expected: str) -> int:
+def env_int(name: str, default: int, low: int, expected: str, high: int = (1 << 63) - 1) -> int:
     """The integer in environment variable ``name``, or ``default`` where it is
     unset or empty. ValueError naming the variable, its value and ``expected``
     (what it should be, e.g. "a number of bytes (>= 0)") where it is not an
-    integer or is below ``low``."""
+    integer or is outside ``[low, high]`` (by default, what C's int64 holds: a
+    larger one would overflow where the value reaches C)."""
     raw = os.environ.get(name, "")
     if raw == "":
         return default
@@ -18,6 +19,6 @@ def env_int(name: str, default: int, low: int, expected: str) -> int:
         value = int(raw)
     except ValueError:
         value = low - 1
-    if value < low:
-        raise ValueError(f"{name}={raw!r}: expected {expected}")
+    if not low <= value <= high:
+        raise ValueError(f"{name}={raw!r}: expected {expected}, at most {high:,}")
     return value

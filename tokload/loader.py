@@ -106,6 +106,11 @@ def _mesh_index(mesh: Any, dim: str | int) -> int:
     return int(dim) % ndim
 
 
+MAX_THREADS = 256
+"""The most reader threads a loader takes (``num_threads``): more is a mistake
+that would end in the system refusing threads."""
+
+
 class DataLoader:
     """Batches of a view, shuffled globally, split across ranks, resumable exactly.
 
@@ -135,8 +140,8 @@ class DataLoader:
             data-parallel dimension; ranks differing only in other dimensions
             get identical batches.
         mesh_dim: the mesh's data-parallel dimension (name or index, default 0).
-        num_threads: reader threads; 0 builds each batch in ``next()`` (handy
-            for debugging). Default: half the CPU cores, between 1 and 4, so
+        num_threads: reader threads (at most 256); 0 builds each batch in
+            ``next()`` (handy for debugging). Default: half the CPU cores, between 1 and 4, so
             the training thread keeps a core of its own; more, up to 16
             (``tokload.tasks.MAX_WAITING_THREADS``), while tasks take more
             than twice their own CPU time (they wait for reads: an object
@@ -229,8 +234,11 @@ class DataLoader:
         self.auto_threads = num_threads is None
         if num_threads is None:
             num_threads = min(4, max(1, (os.cpu_count() or 2) // 2))
-        if not is_integer(num_threads) or num_threads < 0:
-            raise ValueError(f"num_threads must be an integer >= 0 or None, got {num_threads!r}")
+        if not is_integer(num_threads) or not 0 <= num_threads <= MAX_THREADS:
+            raise ValueError(
+                f"num_threads must be an integer from 0 to {MAX_THREADS} or None, "
+                f"got {num_threads!r}"
+            )
         if epochs is not None and (not is_integer(epochs) or epochs < 1):
             raise ValueError(f"epochs must be an integer >= 1 or None, got {epochs!r}")
         seed, rounds = seed_and_rounds(seed, rounds)
@@ -716,7 +724,9 @@ class _LoaderIter:
         if self._pf is not None and self._pf.forked:  # in a forked child: threads of its own
             self.restart()
         if self._pf is None:
-            span = loader.schedule.span(loader.cursor)
+            # (in the loader's own io scope: a packed schedule reads lengths)
+            with loader._io if loader._io is not None else contextlib.nullcontext():
+                span = loader.schedule.span(loader.cursor)
             if span is None:
                 self.close()
                 raise StopIteration
@@ -802,7 +812,10 @@ class _LoaderIter:
             return
         want = waiting_threads(self._loader.num_threads, *pf.load(), pf.depth)
         if want > pf.threads:
-            pf.add_threads(want - pf.threads)
+            # more threads only help: where the system refuses one, go on with those
+            # there are (the next sizing tries again)
+            with contextlib.suppress(RuntimeError):
+                pf.add_threads(want - pf.threads)
 
     def close(self, timeout: float = CLOSE_S) -> None:
         """Stop the reader threads, waiting ``timeout`` seconds at most for all of

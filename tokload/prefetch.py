@@ -129,22 +129,26 @@ class Prefetcher:
         self._wall = self._cpu = 0.0  # seconds the builds took, and their threads' CPU
         self._threads: list[threading.Thread] = []
         _live.add(self)
-        self.add_threads(threads)
+        try:
+            self.add_threads(threads)
+        except BaseException:  # no owner will see this one: stop what started
+            self.close()
+            raise
 
     def add_threads(self, n: int) -> None:
-        """Start ``n`` more reader threads (none once closed or in a forked child)."""
-        with self._cond:
-            if self._closed or self._forked:
-                return
-            new = [
-                threading.Thread(
-                    target=self._work, name=f"{self._name}-{len(self._threads) + k}", daemon=True
+        """Start ``n`` more reader threads (none once closed or in a forked child).
+
+        A thread the system refuses (a limit on threads or processes) raises its
+        RuntimeError; the threads started before it stay, and ``close`` stops them."""
+        for _ in range(n):
+            with self._cond:
+                if self._closed or self._forked:
+                    return
+                t = threading.Thread(
+                    target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
                 )
-                for k in range(n)
-            ]
-            self._threads.extend(new)
-        for t in new:
-            t.start()
+                t.start()  # under the lock: _threads holds only threads that started
+                self._threads.append(t)
 
     @property
     def threads(self) -> int:

@@ -87,7 +87,7 @@ class ReadOptions:
         s = self.steps_per_task
         if not is_integer(s) or s < 1:
             raise ValueError(f"steps_per_task must be >= 1, got {s!r}")
-        if self.readahead not in (None, True, False):
+        if self.readahead is not None and not isinstance(self.readahead, bool):  # (0 == False)
             raise ValueError(f"readahead must be None, True or False, got {self.readahead!r}")
         self.scope()  # checks io and io_depth
 

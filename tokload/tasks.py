@@ -177,17 +177,16 @@ def task_builder(
         return _build(task)
 
     def _build(task: int) -> list[tuple[tuple[int, int], Any, Counted]]:
-        if io is None:
+        # the loader's own io and io_depth for every read of its own: a packer reads
+        # lengths, and read-ahead advice reads index entries
+        with io if io is not None else contextlib.nullcontext():
             spans = spans_of(task)
-        else:
-            with io:  # the loader's own io and io_depth (a packer reads lengths)
-                spans = spans_of(task)
-        if not spans:  # past the end: the consumer's pass is over
-            return []
-        if ahead is not None and lead:
-            # advice only: a read that then fails reports it at its own step
-            with contextlib.suppress(Exception):
-                ahead.ahead(task, lead[0])
+            if not spans:  # past the end: the consumer's pass is over
+                return []
+            if ahead is not None and lead:
+                # advice only: a read that then fails reports it at its own step
+                with contextlib.suppress(Exception):
+                    ahead.ahead(task, lead[0])
         items, tokens, failure = build_task(spans, cancel)
         out: list[tuple[tuple[int, int], Any, Counted]] = list(
             zip(spans, items, tokens, strict=False)
