@@ -520,6 +520,19 @@ def test_missing_objects_buckets_and_endpoints_are_named(
     with pytest.raises(MissingShardError, match="missing shard rows") as ei:
         TokenStream(f"s3://{BUCKET}/partial", 10)
     assert ei.value.filename.startswith(f"s3://{BUCKET}/partial/")
+    # a shard deleted after the dataset was opened: the error names the bytes too
+    c = s3.client()
+    keys = [o["Key"] for o in c.list_objects_v2(Bucket=BUCKET, Prefix="ds/")["Contents"]]
+    for key in keys:
+        c.copy_object(Bucket=BUCKET, Key="gone/" + key[3:], CopySource=f"{BUCKET}/{key}")
+    view = TokenStream(f"s3://{BUCKET}/gone", 10)
+    for key in keys:
+        if key.endswith(".rows"):
+            c.delete_object(Bucket=BUCKET, Key="gone/" + key[3:])
+    with pytest.raises(MissingShardError, match=r"missing .* \(bytes \[\d+, \d+\)\)") as ei:
+        view.read(np.arange(len(view)))
+    assert ei.value.filename.startswith(f"s3://{BUCKET}/gone/")
+    view.close()
     # nothing listens on the endpoint
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

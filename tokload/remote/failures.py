@@ -89,8 +89,9 @@ def named(
         err = MissingShardError(2, f"no such bucket {bucket!r} ({what})", url)
         err.missing = "bucket"  # type: ignore[attr-defined]
         return err
-    if k == client.MISSING:
-        return MissingShardError(2, f"missing {what}", url)
+    if k == client.MISSING:  # (OSError's form: the URL is its filename)
+        where = "" if start is None else f" (bytes [{start}, {end}))"
+        return MissingShardError(2, f"missing {what}{where}", url)
     if k == client.NO_CREDENTIALS:
         return at(
             RemoteAccessError,
