@@ -141,10 +141,10 @@ class DataLoader:
             get identical batches.
         mesh_dim: the mesh's data-parallel dimension (name or index, default 0).
         num_threads: reader threads (at most 256); 0 builds each batch in
-            ``next()`` (handy for debugging). Default: half the CPU cores, between 1 and 4, so
-            the training thread keeps a core of its own; more, up to 16
-            (``tokload.tasks.MAX_WAITING_THREADS``), while tasks take more
-            than twice their own CPU time (they wait for reads: an object
+            ``next()`` (handy for debugging). Default: half the CPU cores,
+            between 1 and 4, so the training thread keeps a core of its own;
+            more, up to 16 (``tokload.tasks.MAX_WAITING_THREADS``), while
+            tasks take more than twice their own CPU time (they wait for reads: an object
             store's latency, a network file system), so that enough reads are
             in flight to cover the wait (``num_threads`` threads' worth of work
             going at once).

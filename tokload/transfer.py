@@ -74,7 +74,7 @@ class Batch(dict[str, Any]):
         import copy
 
         out = Batch({k: copy.deepcopy(v, memo) for k, v in self.items()})
-        out.ready = self.ready  # an event is not copied: the copies are of ready tensors
+        out.ready = self.ready  # (an event is not copied: it says when the originals are ready)
         return out
 
 
