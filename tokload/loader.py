@@ -34,6 +34,7 @@ from tokload.arguments import is_integer, positive_integer, seed_and_rounds
 from tokload.batching import Batching, cut, read_step, resolve
 from tokload.errors import StateError
 from tokload.prefetch import CLOSE_S, Prefetcher
+from tokload.ranks import resolve_rank
 from tokload.readahead import wanted
 from tokload.reading import ReadOptions, from_retired
 from tokload.schedule import Schedule
@@ -50,60 +51,6 @@ from tokload.transfer import Batch, Transfer, loader_backend, retired_transfer
 from tokload.views.contract import check_view, fingerprint_upto
 
 STATE_VERSION = 1
-
-
-def _resolve_rank(
-    rank: int | None, world_size: int | None, mesh: Any, mesh_dim: str | int | None
-) -> tuple[int, int]:
-    if mesh is not None:
-        if rank is not None or world_size is not None:
-            raise ValueError("give either a DeviceMesh or rank/world_size, not both")
-        dim = _mesh_index(mesh, 0 if mesh_dim is None else mesh_dim)
-        return int(mesh.get_local_rank(dim)), int(mesh.size(dim))
-    if rank is None and world_size is None:
-        try:
-            import torch.distributed as dist
-        except ImportError:  # pragma: no cover - torch is a dependency
-            return 0, 1
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        launched = os.environ.get("WORLD_SIZE", "")
-        if launched.isdigit() and int(launched) > 1:
-            # torchrun started several processes: as rank 0 of 1 each would read
-            # every batch of every other, silently
-            raise ValueError(
-                f"WORLD_SIZE={launched} (RANK={os.environ.get('RANK', '?')}) but "
-                "torch.distributed is not initialized: call "
-                "torch.distributed.init_process_group() before making the DataLoader, "
-                "or pass rank and world_size (rank=0, world_size=1 for a loader of "
-                "this process alone)"
-            )
-        return 0, 1
-    if rank is None or world_size is None:
-        raise ValueError("give both rank and world_size, or neither")
-    if not is_integer(rank) or not is_integer(world_size):
-        # a float would be truncated, a string from os.environ compared as text
-        raise ValueError(
-            f"rank and world_size must be integers, got rank={rank!r}, world_size={world_size!r}"
-        )
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-    return int(rank), int(world_size)
-
-
-def _mesh_index(mesh: Any, dim: str | int) -> int:
-    """The index of ``mesh``'s dimension ``dim`` (a name of ``mesh.mesh_dim_names``, or
-    an index): ``DeviceMesh.size`` takes an index only."""
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    ndim = int(getattr(mesh, "ndim", len(names) or 1))
-    if isinstance(dim, str):
-        if dim not in names:
-            have = f"its dimensions are named {list(names)}" if names else "it has no names"
-            raise ValueError(f"mesh_dim={dim!r} is not a dimension of the DeviceMesh: {have}")
-        return names.index(dim)
-    if not is_integer(dim) or not -ndim <= dim < ndim:
-        raise ValueError(f"mesh_dim={dim!r} is not a dimension of a {ndim}-D DeviceMesh")
-    return int(dim) % ndim
 
 
 MAX_THREADS = 256
@@ -247,7 +194,7 @@ class DataLoader:
         self._io = read.scope()
         self.view = view
         self.n = n
-        self.rank, self.world_size = _resolve_rank(rank, world_size, mesh, mesh_dim)
+        self.rank, self.world_size = resolve_rank(rank, world_size, mesh, mesh_dim)
         self.batch_size = batch_size
         self.global_batch = batch_size * self.world_size
         if drop_last and self.global_batch > n:
