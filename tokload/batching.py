@@ -701,7 +701,8 @@ class _FillReader:
                 if "max_seqlen" in keys:
                     for st, m in zip(per_step, top, strict=True):
                         st["max_seqlen"] = m
-        origin = _origin(view, rows.ids, alloc, (*whole, *FILL_KEYS, *keys))
+        # (whole holds every key of the batch but max_seqlen, a value of each step's)
+        origin = _origin(view, rows.ids, alloc, (*whole, *keys))
         whole.update(origin)
         index = alloc((d,), np.int64)
         index[:] = rows.ids

@@ -177,10 +177,11 @@ def check_documents(view: object, policy: str) -> None:
             f"documents: it lacks {', '.join(missing)} (Documents, a Blend of them, or a "
             "view with extents, fields and read_extents: see tokload.views.contract)"
         )
-    for name, dt in view.fields.items():  # type: ignore[attr-defined]
-        if np.dtype(dt).shape or np.dtype(dt).fields:
+    for name, given in view.fields.items():  # type: ignore[attr-defined]
+        dt = np.dtype(given)
+        if dt.shape or dt.fields:
             raise TypeError(
-                f"{type(view).__name__}'s field {name!r} has the dtype {np.dtype(dt)}: a "
+                f"{type(view).__name__}'s field {name!r} has the dtype {dt}: a "
                 "field of documents holds one number per row (give each element a field "
                 "of its own)"
             )
