@@ -543,7 +543,7 @@ def test_boundary_arrays_checks_the_cuts_it_is_given() -> None:
     got, cu, top = boundary_arrays(
         np.array([0, 10], u), 8, np.array([1, 0], u), np.array([3], u), np.empty
     )
-    assert cu.tolist() == [0, 3, 8, 16] and top == 8
+    assert cu.tolist() == [0, 3, 8, 16] and cu.dtype == np.int64 and top == 8
     assert got["position_ids"][0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match=r"2 windows, 1 counts of cuts"):
         boundary_arrays(np.array([0, 10], u), 8, np.array([1], u), np.array([3], u), np.empty)

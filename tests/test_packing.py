@@ -247,8 +247,6 @@ def test_row_boundaries_refuse_bad_rows() -> None:
         best_fit(np.array([1]), 0)
     with pytest.raises(ValueError, match=r"lengths must be >= 0, got -2"):
         best_fit(np.array([1, -2]), 8)
-    with pytest.raises(ValueError, match=r"cu_seqlens \(int32\) cannot hold"):
-        row_boundaries(np.zeros(0), np.zeros(3, dtype=np.int64), 1 << 30, np.empty)
 
 
 # ---- through the view and the loader -------------------------------------------------------
@@ -661,34 +659,55 @@ def test_schedules_deliver_each_document_once_per_epoch_across_a_resume(
     assert end == epochs * n
 
 
-def test_a_task_past_int32_tokens_says_which_steps_per_task_fits(
+def test_a_task_past_int32_tokens_is_read_and_a_step_past_it_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The attention keys are computed for a reader task at once: 16 steps of 2 rows
-    of 2**26 tokens (each step fine) failed as "cannot hold 2147483648 tokens". The
-    check comes before anything is read or allocated."""
-    from tokload.views.contract import check_task_tokens
+    of 2**26 tokens (each step fine) failed as "cannot hold 2147483648 tokens".
+    The task's offsets are int64 now and only each step's ``cu_seqlens`` must fit
+    int32; a step past it is refused before anything is read or allocated."""
+    from tokload._docindex import split_cu_seqlens
+    from tokload.views.contract import check_step_tokens
 
-    with pytest.raises(ValueError, match=r"ReadOptions\(steps_per_task=15\) or fewer"):
-        check_task_tokens(32, 1 << 26, 16, 2)
-    check_task_tokens(2, 1 << 26, 1, 2)  # one step: its own check, where it is computed
-    check_task_tokens(31, 1 << 26, 16, 2)
+    # three rows of 2**30 tokens, one segment each: offsets past 2**31, in int64
+    _, cu, top = row_boundaries(np.zeros(0), np.zeros(3, dtype=np.int64), 1 << 30, np.empty, ())
+    assert cu.dtype == np.int64 and cu.tolist() == [0, 1 << 30, 2 << 30, 3 << 30]
+    assert top == 1 << 30
+    joined, offsets, longest = split_cu_seqlens(cu, [(0, 1), (1, 2), (2, 3)], 1 << 30)
+    assert joined.dtype == np.int32 and joined.tolist() == [0, 1 << 30] * 3
+    assert offsets.tolist() == [0, 2, 4, 6] and longest.tolist() == [1 << 30] * 3
+    step = r"a step of 2 rows of 1,073,741,824 tokens holds 2,147,483,648 tokens, more than"
+    with pytest.raises(ValueError, match=step):
+        split_cu_seqlens(cu, [(0, 1), (1, 3)], 1 << 30)
+    with pytest.raises(ValueError, match=step):
+        check_step_tokens(2, 1 << 30)
+    check_step_tokens(31, 1 << 26)
+    check_step_tokens(1, (1 << 31) - 1)
+
     with tokload.Writer(tmp_path / "ds", "<u2") as w:
         for d in range(64):
             w.write(np.full(3, d, dtype=np.uint16))
 
+    class Allocated(Exception):
+        pass
+
     def refuse(shape: Any, dtype: Any) -> np.ndarray:
-        raise AssertionError(f"allocated {shape}")
+        raise Allocated(f"{shape}")
 
     stream = tokload.TokenStream(tmp_path / "ds", window=1 << 26, stride=1, boundaries=True)
     cuts = [(2 * k, 2 * k + 2) for k in range(16)]
-    with pytest.raises(ValueError, match=r"a reader task of 16 steps holds 32 rows of 67,108,864"):
+    with pytest.raises(Allocated):  # the task of 2**31 tokens goes on to its reads
         stream.read_steps(np.zeros(32, dtype=np.int64), cuts, refuse)
-    # Fill checks its task's rows the same way (2**26-token rows pack slowly: a spy)
+    many = r"a step of 32 rows of 67,108,864 tokens holds 2,147,483,648 tokens"
+    with pytest.raises(ValueError, match=many):  # before anything is allocated
+        stream.read_steps(np.zeros(32, dtype=np.int64), [(0, 32)], refuse)
+    with pytest.raises(ValueError, match=many):
+        stream.boundaries(np.zeros(32, dtype=np.int64), refuse)
+    # Fill checks its steps the same way (2**26-token rows pack slowly: a spy)
     seen: list[tuple[int, ...]] = []
-    monkeypatch.setattr(tokload.batching, "check_task_tokens", lambda *a: seen.append(a))
+    monkeypatch.setattr(tokload.batching, "check_step_tokens", lambda *a: seen.append(a))
     fill = tokload.Fill(16, lookahead=4)
     view = tokload.Documents(tmp_path / "ds")
     sched = fill.schedule(view, 2)
     fill.reader(view, sched, np.empty).read(sched.spans(0, 3), None)
-    assert seen == [(6, 16, 3, 2)]
+    assert seen == [(2, 16)]

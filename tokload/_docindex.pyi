@@ -56,7 +56,7 @@ def boundary_arrays(
     cuts: npt.ArrayLike,
     alloc: Callable[[tuple[int, ...], Any], np.ndarray[Any, Any]],
     per_token: Sequence[str] = ("position_ids", "segment_ids", "loss_mask"),
-) -> tuple[dict[str, np.ndarray[Any, Any]], npt.NDArray[np.int32], int]: ...
+) -> tuple[dict[str, np.ndarray[Any, Any]], npt.NDArray[np.int64], int]: ...
 
 # Documents first + ids[b] as one batch, in one call: (values, lengths, offsets)
 # back to back when pack, else ([B, L] values, lengths) padded with the row `pad`.
@@ -78,3 +78,6 @@ def read_documents(
 def split_cu_seqlens(
     cu: npt.ArrayLike, cuts: Sequence[tuple[int, int]], window: int
 ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
+
+# What is wrong with a step of `rows` rows of `window` tokens past int32 cu_seqlens.
+def step_tokens_error(rows: int, window: int) -> str: ...

@@ -363,8 +363,8 @@ def boundary_arrays(starts, uint64_t window, ncuts, cuts, alloc,
     Returns ``(arrays, cu_seqlens, max_seqlen)``: ``arrays`` holds those of
     ``"position_ids"`` (int64), ``"segment_ids"`` (int32) and ``"loss_mask"``
     (bool) that ``per_token`` names, each ``[B, window]`` and allocated with
-    ``alloc`` (the others are not computed); ``cu_seqlens`` is int32 over the
-    flattened batch. ``CorruptDataError`` where a window's cuts are not
+    ``alloc`` (the others are not computed); ``cu_seqlens`` is int64 over the
+    flattened batch (``split_cu_seqlens`` makes each step's int32 one). ``CorruptDataError`` where a window's cuts are not
     increasing rows inside it (an index not sorted by row)."""
     cdef const uint64_t[::1] r = np.ascontiguousarray(starts, dtype=np.uint64)
     cdef const uint64_t[::1] nv = np.ascontiguousarray(ncuts, dtype=np.uint64)
@@ -380,17 +380,14 @@ def boundary_arrays(starts, uint64_t window, ncuts, cuts, alloc,
         want += nv[i]
     if want != <uint64_t>cv.shape[0]:
         raise ValueError(f"the counts of cuts add up to {want}, and there are {cv.shape[0]} cuts")
-    if r.shape[0] * window >= (<uint64_t>1 << 31):
-        raise ValueError(f"{r.shape[0]} windows of {window} rows: cu_seqlens (int32) cannot "
-                         f"hold {r.shape[0] * window} tokens")
     cdef size_t nwin = r.shape[0]
     cdef size_t total = cv.shape[0]
     cdef int64_t *pp
     cdef int32_t *sp
     cdef uint8_t *mp
     arrays = token_arrays(nwin, window, alloc, per_token, &pp, &sp, &mp)
-    cu = np.empty(total + nwin + 1, dtype=np.int32)
-    cdef int32_t[::1] cuv = cu
+    cu = np.empty(total + nwin + 1, dtype=np.int64)
+    cdef int64_t[::1] cuv = cu
     cdef uint64_t longest = 0
     cdef size_t k = 0, bad = 0
     cdef uint64_t zero = 0
@@ -412,20 +409,22 @@ def boundary_arrays(starts, uint64_t window, ncuts, cuts, alloc,
 def split_cu_seqlens(cu, cuts, uint64_t window):
     """Each step's ``cu_seqlens`` from those of all the steps' rows at once.
 
-    ``cu`` (int32) holds the segments' starts over the flattened rows of
-    ``window`` tokens, then their total; every row starts a segment, so step
-    ``k``'s rows ``[a, e)`` (``cuts``, consecutive from 0) are the entries from
-    ``a * window`` to ``e * window``, less ``a * window``. Returns the steps'
-    arrays back to back (int32), where each begins (``len(cuts) + 1`` offsets,
-    int64) and each step's longest segment (int64; 0 for a step without rows),
-    computed in C.
+    ``cu`` (int64: a task may hold more tokens than int32 numbers) holds the
+    segments' starts over the flattened rows of ``window`` tokens, then their
+    total; every row starts a segment, so step ``k``'s rows ``[a, e)``
+    (``cuts``, consecutive from 0) are the entries from ``a * window`` to
+    ``e * window``, less ``a * window``. Returns the steps' arrays back to back
+    (int32), where each begins (``len(cuts) + 1`` offsets, int64) and each
+    step's longest segment (int64; 0 for a step without rows), computed in C.
+    ValueError when a step holds more than 2**31 - 1 tokens (its
+    ``cu_seqlens``, int32 as attention kernels take them, cannot number them).
     """
-    cdef const int32_t[::1] cv = np.ascontiguousarray(cu, dtype=np.int32)
+    cdef const int64_t[::1] cv = np.ascontiguousarray(cu, dtype=np.int64)
     # (no negative indices here: this module is compiled with wraparound off)
     first = np.array([a for a, _ in cuts] + [cuts[len(cuts) - 1][1] if cuts else 0],
                      dtype=np.int64)
     cdef const int64_t[::1] fv = first
-    cdef size_t nsteps = len(cuts), ncu = cv.shape[0]
+    cdef size_t nsteps = len(cuts), ncu = cv.shape[0], bad = 0
     out = np.empty(ncu + nsteps, dtype=np.int32)
     offsets = np.empty(nsteps + 1, dtype=np.int64)
     longest = np.empty(nsteps, dtype=np.int64)
@@ -434,11 +433,23 @@ def split_cu_seqlens(cu, cuts, uint64_t window):
     cdef int64_t[::1] lv = longest
     cdef int ok = 0
     if ncu and nsteps:
-        ok = lib.tl_bounds_split(&cv[0], ncu, &fv[0], nsteps, window, &ov[0], &offv[0], &lv[0])
+        ok = lib.tl_bounds_split(&cv[0], ncu, &fv[0], nsteps, window, &ov[0], &offv[0], &lv[0],
+                                 &bad)
+    if ok < 0:
+        a, e = cuts[bad]
+        raise ValueError(step_tokens_error(e - a, window))
     if not ok:
         raise ValueError(f"cu_seqlens {np.asarray(cv)[:8].tolist()}... do not fit rows "
                          f"{first.tolist()[:8]}... of {window} tokens")
     return out[: offsets[nsteps]], offsets, longest
+
+
+def step_tokens_error(rows, window):
+    """What is wrong with a step of ``rows`` rows of ``window`` tokens whose
+    ``cu_seqlens`` (int32) cannot number its tokens."""
+    return (f"a step of {rows:,} rows of {window:,} tokens holds {rows * window:,} tokens, "
+            "more than the 2**31 - 1 that cu_seqlens (int32) numbers: take fewer rows per "
+            "step or a shorter window")
 
 
 def read_documents(ExtentIndex index not None, RowSet rows not None, ids, uint64_t first, uint64_t count, dtype,

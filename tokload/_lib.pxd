@@ -203,9 +203,10 @@ cdef extern from "tokload/bounds.h" nogil:
     int tl_bsearch_step(tl_bsearch *s, uint64_t probe, uint64_t first) noexcept
     size_t tl_bounds_fill(const uint64_t *rows, const uint64_t *cuts, const uint64_t *ncuts,
                           size_t nwin, uint64_t W, int64_t *pos, int32_t *seg, uint8_t *mask,
-                          int32_t *cu, uint64_t *max_len, size_t *bad) noexcept
-    int tl_bounds_split(const int32_t *cu, size_t ncu, const int64_t *first, size_t nsteps,
-                        uint64_t W, int32_t *out, int64_t *offsets, int64_t *longest) noexcept
+                          int64_t *cu, uint64_t *max_len, size_t *bad) noexcept
+    int tl_bounds_split(const int64_t *cu, size_t ncu, const int64_t *first, size_t nsteps,
+                        uint64_t W, int32_t *out, int64_t *offsets, int64_t *longest,
+                        size_t *bad) noexcept
     unsigned tl_dir_shift(uint64_t rows, uint64_t ndocs) noexcept
     uint64_t tl_dir_entries(uint64_t rows, uint64_t ndocs) noexcept
     void tl_dir_build(const uint64_t *t, uint64_t ndocs, uint64_t rows, uint64_t *dir) noexcept
@@ -227,7 +228,7 @@ cdef extern from "tokload/pack.h" nogil:
     void tl_pack_pad(const uint64_t *len, const int64_t *counts, size_t nrows, uint64_t W,
                      size_t itemsize, const void *value, char *out) noexcept
     size_t tl_pack_bounds(const uint64_t *len, const int64_t *counts, size_t nrows, uint64_t W,
-                          int64_t *pos, int32_t *seg, uint8_t *mask, int32_t *cu,
+                          int64_t *pos, int32_t *seg, uint8_t *mask, int64_t *cu,
                           uint64_t *max_len, size_t *bad) noexcept
 
 

@@ -276,21 +276,19 @@ def row_boundaries(lengths, counts, uint64_t window, alloc,
     (int64), ``"segment_ids"`` (int32) and ``"loss_mask"`` (bool) that
     ``per_token`` names, each ``[rows, window]`` and made with ``alloc``; the
     padding is each row's last segment, with ``loss_mask`` False throughout.
-    ``cu_seqlens`` (int32) covers the flattened rows.
+    ``cu_seqlens`` (int64: the rows of a task may hold more tokens than int32
+    numbers) covers the flattened rows; ``split_cu_seqlens`` makes each step's.
     """
     _check_window(window)
     cdef const uint64_t[::1] lv = _lengths(lengths)
     cdef const int64_t[::1] cv = _counts(counts, lv.shape[0])
     cdef size_t nrows = cv.shape[0], k = 0, bad = 0
-    if nrows * window >= (<uint64_t>1 << 31):
-        raise ValueError(f"{nrows} rows of {window} tokens: cu_seqlens (int32) cannot hold "
-                         f"{nrows * window} tokens")
     cdef int64_t *pp
     cdef int32_t *sp
     cdef uint8_t *mp
     arrays = token_arrays(nrows, window, alloc, per_token, &pp, &sp, &mp)
-    cu = np.empty(lv.shape[0] + nrows + 1, dtype=np.int32)
-    cdef int32_t[::1] cuv = cu
+    cu = np.empty(lv.shape[0] + nrows + 1, dtype=np.int64)
+    cdef int64_t[::1] cuv = cu
     cdef uint64_t longest = 0, zero = 0
     cdef int64_t none = 0
     cdef const uint64_t *lp = &zero

@@ -68,7 +68,7 @@ from tokload.views.contract import (
     Alloc,
     attention_keys,
     check_documents,
-    check_task_tokens,
+    check_step_tokens,
     check_view,
     document_extents,
 )
@@ -672,8 +672,8 @@ class _FillReader:
         doc_ends[row_ends == 0] = 0  # steps before this rank's first row (none usually)
         row_cuts, doc_cuts = _cuts(row_ends.tolist()), _cuts(doc_ends.tolist())
         r, d = len(rows.counts), len(rows.ids)
-        if self.policy.keys:
-            check_task_tokens(r, w, len(spans), max(nrows))
+        if "cu_seqlens" in self.policy.keys or "max_seqlen" in self.policy.keys:
+            check_step_tokens(max(nrows), w)
         # [r, w] arrays (each its allocation's own tensor), read and padded flat
         whole: dict[str, Any] = {f: _c_array(alloc, (r, w), dt, f) for f, dt in view.fields.items()}
         flat = {f: a.reshape(-1) for f, a in whole.items()}

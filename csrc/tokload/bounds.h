@@ -107,7 +107,7 @@ TL_INLINE void tl_segment_fill(int64_t *pos, int32_t *seg, uint8_t *mask, uint64
  */
 TL_WIDE size_t tl_bounds_fill(const uint64_t *rows, const uint64_t *cuts, const uint64_t *ncuts,
                                 size_t nwin, uint64_t W, int64_t *pos, int32_t *seg,
-                                uint8_t *mask, int32_t *cu, uint64_t *max_len, size_t *bad)
+                                uint8_t *mask, int64_t *cu, uint64_t *max_len, size_t *bad)
 {
     size_t k = 0, off = 0;
     uint64_t longest = 0;
@@ -118,7 +118,7 @@ TL_WIDE size_t tl_bounds_fill(const uint64_t *rows, const uint64_t *cuts, const 
         uint8_t *m = mask ? mask + b * W : NULL;
         uint64_t start = 0; /* of the current segment, relative to r */
         int32_t number = 0;
-        cu[k++] = (int32_t)(b * W);
+        cu[k++] = (int64_t)(b * W);
         for (uint64_t j = 0; j <= ncuts[b]; j++) {
             uint64_t next = W;
             if (j < ncuts[b]) {
@@ -133,14 +133,14 @@ TL_WIDE size_t tl_bounds_fill(const uint64_t *rows, const uint64_t *cuts, const 
             tl_segment_fill(p, sg, m, start, next, number, 1);
             if (next - start > longest) longest = next - start;
             if (next < W) {
-                cu[k++] = (int32_t)(b * W + next);
+                cu[k++] = (int64_t)(b * W + next);
                 number++;
                 start = next;
             }
         }
         off += ncuts[b];
     }
-    cu[k++] = (int32_t)(nwin * W);
+    cu[k++] = (int64_t)(nwin * W);
     *max_len = longest;
     return k;
 }
@@ -245,26 +245,34 @@ TL_INLINE uint64_t tl_bounds_cuts_tables(const uint64_t *row_cum, const uint64_t
 }
 
 /*
- * Each step's cu_seqlens from those of all the steps' rows (tl_bounds_fill's cu
- * over the flattened rows, ncu entries: every row starts a segment, the last is
- * the total).  Step k has rows [first[k], first[k + 1]) of W tokens (first has
- * nsteps + 1 entries, first[0] = 0, non-decreasing; a step may have no rows).
- * Writes the steps' arrays back to back to out (each step's segments' starts,
- * less the step's first token, then its tokens; ncu - 1 + nsteps entries),
- * offsets[0..nsteps] where each begins, and each step's longest segment (0 for
- * none).  Returns 0 when cu does not fit the rows (not a task's cu_seqlens).
+ * Each step's cu_seqlens from those of all the steps' rows (tl_bounds_fill's or
+ * tl_pack_bounds's cu, int64, over the flattened rows, ncu entries: every row
+ * starts a segment, the last is the total).  Step k has rows [first[k],
+ * first[k + 1]) of W tokens (first has nsteps + 1 entries, first[0] = 0,
+ * non-decreasing; a step may have no rows).  Writes the steps' arrays back to
+ * back to out (int32: each step's segments' starts, less the step's first
+ * token, then its tokens; ncu - 1 + nsteps entries), offsets[0..nsteps] where
+ * each begins, and each step's longest segment (0 for none).  Returns 1; 0
+ * when cu does not fit the rows (not a task's cu_seqlens); -1 when a step holds
+ * more tokens than int32 numbers (INT32_MAX), with *bad = that step (nothing
+ * is written past the steps before it).
  */
-TL_INLINE int tl_bounds_split(const int32_t *cu, size_t ncu, const int64_t *first, size_t nsteps,
-                              uint64_t W, int32_t *out, int64_t *offsets, int64_t *longest)
+TL_INLINE int tl_bounds_split(const int64_t *cu, size_t ncu, const int64_t *first, size_t nsteps,
+                              uint64_t W, int32_t *out, int64_t *offsets, int64_t *longest,
+                              size_t *bad)
 {
     if (ncu == 0 || cu[0] != 0 || (uint64_t)cu[ncu - 1] != (uint64_t)first[nsteps] * W) return 0;
     size_t j = 0, o = 0;
     for (size_t k = 0; k < nsteps; k++) {
         int64_t lo = first[k] * (int64_t)W, hi = first[k + 1] * (int64_t)W;
         int64_t top = 0;
+        if (hi - lo > INT32_MAX) {
+            *bad = k;
+            return -1;
+        }
         offsets[k] = (int64_t)o;
-        if ((int64_t)cu[j] != lo) return 0;
-        while ((int64_t)cu[j] < hi) {
+        if (cu[j] != lo) return 0;
+        while (cu[j] < hi) {
             if (j + 1 >= ncu || cu[j + 1] <= cu[j]) return 0;
             out[o++] = (int32_t)(cu[j] - lo);
             if (cu[j + 1] - cu[j] > top) top = cu[j + 1] - cu[j];

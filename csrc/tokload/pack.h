@@ -222,7 +222,7 @@ TL_INLINE void tl_pack_pad(const uint64_t *len, const int64_t *counts, size_t nr
  */
 TL_WIDE size_t tl_pack_bounds(const uint64_t *len, const int64_t *counts, size_t nrows,
                                 uint64_t W, int64_t *pos, int32_t *seg, uint8_t *mask,
-                                int32_t *cu, uint64_t *max_len, size_t *bad)
+                                int64_t *cu, uint64_t *max_len, size_t *bad)
 {
     size_t k = 0, d = 0;
     uint64_t longest = 0;
@@ -239,19 +239,19 @@ TL_WIDE size_t tl_pack_bounds(const uint64_t *len, const int64_t *counts, size_t
                 *bad = b;
                 return 0;
             }
-            cu[k++] = (int32_t)(b * W + t);
+            cu[k++] = (int64_t)(b * W + t);
             tl_segment_fill(p, sg, m, t, t + l, number, 1);
             if (l > longest) longest = l;
             number++;
             t += l;
         }
         if (t < W) { /* the padding: one segment, no targets */
-            cu[k++] = (int32_t)(b * W + t);
+            cu[k++] = (int64_t)(b * W + t);
             tl_segment_fill(p, sg, m, t, W, number, 0);
             if (W - t > longest) longest = W - t;
         }
     }
-    cu[k++] = (int32_t)(nrows * W);
+    cu[k++] = (int64_t)(nrows * W);
     *max_len = longest;
     return k;
 }

@@ -97,6 +97,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from tokload._docindex import step_tokens_error
+
 Alloc = Callable[[tuple[int, ...], Any], np.ndarray]
 """Allocates an uninitialized C-contiguous array: ``alloc(shape, dtype)``. The
 loader passes one that returns NumPy views of (pinned) torch tensors."""
@@ -216,19 +218,13 @@ def document_extents(view: Any, indices: np.ndarray) -> tuple[np.ndarray, np.nda
     return starts, lengths.astype(np.uint64, copy=False)
 
 
-def check_task_tokens(rows: int, window: int, steps: int, step_rows: int) -> None:
-    """ValueError, saying what to do, when a reader task's ``rows`` rows of ``window``
-    tokens (``steps`` steps of at most ``step_rows`` rows) are more tokens than
-    int32 numbers: the attention keys are computed for a task at once, and each
-    step's ``cu_seqlens`` taken from them (a step alone past it is refused where
-    its keys are computed)."""
-    if steps > 1 and rows * window >= 1 << 31:
-        most = max(1, ((1 << 31) - 1) // max(1, step_rows * window))
-        raise ValueError(
-            f"a reader task of {steps} steps holds {rows:,} rows of {window:,} tokens, more "
-            "than the 2**31 - 1 tokens that cu_seqlens (int32) numbers: give "
-            f"tokload.ReadOptions(steps_per_task={most}) or fewer"
-        )
+def check_step_tokens(step_rows: int, window: int) -> None:
+    """ValueError when a step of ``step_rows`` rows of ``window`` tokens holds more
+    tokens than its ``cu_seqlens`` (int32, as attention kernels take them)
+    numbers: checked before anything is read or allocated. A reader task of
+    many steps may hold more (its keys are computed with int64 offsets)."""
+    if step_rows * window > (1 << 31) - 1:
+        raise ValueError(step_tokens_error(step_rows, window))
 
 
 def attention_keys(value: object, name: str = "attention") -> tuple[str, ...]:

@@ -14,7 +14,7 @@ from tokload._rows import split_fields
 from tokload.arguments import positive_integer
 from tokload.errors import FormatError
 from tokload.views.base import DataLike, Fields, ReadPart, View, _check_rows_out, _field_layout
-from tokload.views.contract import ATTENTION_KEYS, Alloc, attention_keys, check_task_tokens
+from tokload.views.contract import ATTENTION_KEYS, Alloc, attention_keys, check_step_tokens
 
 
 def window_part(
@@ -146,8 +146,8 @@ class WindowBoundaries:
         ``"max_seqlen"``: the same values as ``read_batch`` of each step.
         """
         keys = self.boundary_keys
-        if keys and cuts:  # before anything is read or allocated
-            check_task_tokens(len(indices), self.window, len(cuts), max(e - a for a, e in cuts))
+        if cuts and ("cu_seqlens" in keys or "max_seqlen" in keys):  # before any read
+            check_step_tokens(max(e - a for a, e in cuts), self.window)
         got = self.read(indices, out=self.empty(len(indices), alloc=alloc))
         raw: dict[str, Any] = got if isinstance(got, dict) else {"tokens": got}
         steps: list[dict[str, Any]] = [{} for _ in cuts]
@@ -195,9 +195,11 @@ class WindowBoundaries:
         rounds of index reads per batch, at most ``2 log2(documents)``.
         """
         keys = self.boundary_keys or BOUNDARY_KEYS
+        if "cu_seqlens" in keys:  # int32, as attention kernels take it
+            check_step_tokens(len(np.asarray(indices).reshape(-1)), self.window)
         arrays, cu, longest = self._window_boundaries(indices, alloc, keys)
         if "cu_seqlens" in keys:
-            arrays["cu_seqlens"] = cu
+            arrays["cu_seqlens"] = cu.astype(np.int32)
         out: dict[str, Any] = dict(arrays)
         if "max_seqlen" in keys:
             out["max_seqlen"] = longest
