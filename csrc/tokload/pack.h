@@ -9,9 +9,10 @@
  * packed best-fit decreasing: documents by decreasing length (ties: in
  * order; a stable radix sort, sort.h), each into the open row with the least
  * room that holds it, else a new row.  The open rows are kept in buckets by
- * their room (0..W), and a two-level bitset of the non-empty buckets finds the
- * least room >= a length in a few word operations (W / 4096 summary words at
- * most).  The rows are then numbered by their first document, and each row
+ * their room (0..W), and a bitset of the non-empty buckets, in levels of 64-bit
+ * words, finds the least room >= a length in a few word operations per level
+ * (tl_pack_bits: nothing of size W is cleared, so a group's cost does not grow
+ * with the window).  The rows are then numbered by their first document, and each row
  * lists its documents in order: the group's order survives everywhere but in
  * which documents share a row.
  */
@@ -25,49 +26,137 @@
 #include <string.h>
 
 #define TL_PACK_NONE UINT32_MAX
-/* The largest W: cu_seqlens are int32, and a length and an index share a key. */
+/* The largest W: a step's cu_seqlens are int32, and a length and an index share a key. */
 #define TL_PACK_MAX_WINDOW ((uint64_t)1 << 30)
 #define TL_PACK_MAX_DOCS ((size_t)1 << 31)
 
-/* Bytes of scratch tl_pack_best_fit needs for n documents and rows of W. */
+/*
+ * The open rows' rooms (0..W) as a bitset of levels: bit c of level 0 says some
+ * open row has room c, bit j of level k + 1 that word j of level k is not 0.  A
+ * word of a level below the top is valid only while its bit one level up is
+ * set: it is zeroed when that bit is set, so neither those levels nor the
+ * buckets' heads are ever cleared as a whole, and a call touches memory for
+ * the rooms it uses, not for W (a window of 2**30 tokens would otherwise clear
+ * 4 GiB per group).  The top level (at most 64 words) is zeroed.
+ */
+#define TL_PACK_LEVELS 6
+
+typedef struct {
+    uint64_t *lv[TL_PACK_LEVELS];
+    size_t nw[TL_PACK_LEVELS];
+    int top;
+} tl_pack_bits;
+
+/* Words of each level for rooms 0..W; returns the top level. */
+TL_INLINE int tl_pack_bits_shape(uint64_t W, size_t *nw)
+{
+    int k = 0;
+    nw[0] = (size_t)(W >> 6) + 1;
+    while (nw[k] > 64) {
+        nw[k + 1] = (nw[k] >> 6) + 1;
+        k++;
+    }
+    return k;
+}
+
+TL_INLINE size_t tl_pack_bits_words(uint64_t W)
+{
+    size_t nw[TL_PACK_LEVELS], total = 0;
+    int top = tl_pack_bits_shape(W, nw);
+    for (int k = 0; k <= top; k++) total += nw[k];
+    return total;
+}
+
+TL_INLINE void tl_pack_bits_init(tl_pack_bits *b, uint64_t W, uint64_t *words)
+{
+    b->top = tl_pack_bits_shape(W, b->nw);
+    for (int k = 0; k <= b->top; k++) {
+        b->lv[k] = words;
+        words += b->nw[k];
+    }
+    memset(b->lv[b->top], 0, b->nw[b->top] * sizeof(uint64_t));
+}
+
+/* Whether word w of level k holds meaningful bits (its bit one level up is set). */
+TL_INLINE int tl_pack_bits_valid(const tl_pack_bits *b, int k, uint64_t w)
+{
+    for (int j = b->top; j > k; j--) {
+        int up = 6 * (j - k); /* level j's word on w's path, and the bit below it */
+        uint64_t word = w >> up, bit = (w >> (up - 6)) & 63;
+        if (!((b->lv[j][word] >> bit) & 1)) return 0;
+    }
+    return 1;
+}
+
+TL_INLINE void tl_pack_bits_set(tl_pack_bits *b, uint64_t c)
+{
+    for (int k = b->top; k > 0; k--) { /* from the top: each word valid once reached */
+        uint64_t below = c >> (6 * k), bit = (uint64_t)1 << (below & 63);
+        uint64_t *word = &b->lv[k][below >> 6];
+        if (!(*word & bit)) {
+            *word |= bit;
+            b->lv[k - 1][below] = 0;
+        }
+    }
+    b->lv[0][c >> 6] |= (uint64_t)1 << (c & 63);
+}
+
+/* Clears bit c (set), and each level's bit whose word below became 0. */
+TL_INLINE void tl_pack_bits_clear(tl_pack_bits *b, uint64_t c)
+{
+    for (int k = 0; k <= b->top; k++) {
+        uint64_t *word = &b->lv[k][c >> 6];
+        *word &= ~((uint64_t)1 << (c & 63));
+        if (*word) return;
+        c >>= 6;
+    }
+}
+
+/* The least set bit >= from (a room), or UINT64_MAX: up the levels until a word
+ * has a set bit at or after the place, then down through the words it names. */
+TL_INLINE uint64_t tl_pack_bits_find(const tl_pack_bits *b, uint64_t from)
+{
+    uint64_t f = from, at = UINT64_MAX;
+    int k = 0;
+    for (;;) {
+        uint64_t w = f >> 6;
+        if (w >= b->nw[k]) return UINT64_MAX;
+        if (tl_pack_bits_valid(b, k, w)) {
+            uint64_t m = b->lv[k][w] & (~(uint64_t)0 << (f & 63));
+            if (m) {
+                at = (w << 6) + (uint64_t)__builtin_ctzll(m);
+                break;
+            }
+        }
+        if (k == b->top) {
+            for (w++; w < b->nw[k] && !b->lv[k][w]; w++) {
+            }
+            if (w == b->nw[k]) return UINT64_MAX;
+            at = (w << 6) + (uint64_t)__builtin_ctzll(b->lv[k][w]);
+            break;
+        }
+        f = w + 1; /* the next word of this level that is not 0, one level up */
+        k++;
+    }
+    for (; k > 0; k--) /* each set bit above names a valid word that is not 0 */
+        at = (at << 6) + (uint64_t)__builtin_ctzll(b->lv[k - 1][at]);
+    return at;
+}
+
+TL_INLINE int tl_pack_bits_has(const tl_pack_bits *b, uint64_t c)
+{
+    return tl_pack_bits_valid(b, 0, c >> 6) && ((b->lv[0][c >> 6] >> (c & 63)) & 1);
+}
+
+/* Bytes of scratch tl_pack_best_fit needs for n documents and rows of W: of them,
+ * the buckets' heads (4 (W + 1) bytes) and the bitset's lower levels (about
+ * W / 8 bytes) are reserved, not touched but where rooms are used. */
 TL_INLINE size_t tl_pack_scratch_bytes(size_t n, uint64_t W)
 {
-    size_t nw = (size_t)(W / 64 + 1), ns = nw / 64 + 1;
     return 4 * n * sizeof(uint64_t)        /* sort keys and documents, and their scratch */
+           + tl_pack_bits_words(W) * sizeof(uint64_t) /* the bitset's levels */
            + 3 * n * sizeof(uint32_t)      /* row of each document, room, bucket links */
-           + (size_t)(W + 1) * sizeof(uint32_t) /* bucket heads */
-           + (nw + ns) * sizeof(uint64_t);  /* the bitset and its summary */
-}
-
-/* The least set bit >= from, or UINT64_MAX. */
-TL_INLINE uint64_t tl_pack_find(const uint64_t *words, const uint64_t *summ, size_t nw, size_t ns,
-                                uint64_t from)
-{
-    size_t w = (size_t)(from >> 6);
-    if (w >= nw) return UINT64_MAX;
-    uint64_t m = words[w] & (~(uint64_t)0 << (from & 63));
-    if (m) return ((uint64_t)w << 6) + (uint64_t)__builtin_ctzll(m);
-    size_t next = w + 1, s = next >> 6;
-    if (s >= ns) return UINT64_MAX;
-    uint64_t sm = summ[s] & (~(uint64_t)0 << (next & 63));
-    while (!sm) {
-        if (++s >= ns) return UINT64_MAX;
-        sm = summ[s];
-    }
-    size_t w2 = (s << 6) + (size_t)__builtin_ctzll(sm);
-    return ((uint64_t)w2 << 6) + (uint64_t)__builtin_ctzll(words[w2]);
-}
-
-TL_INLINE void tl_pack_set(uint64_t *words, uint64_t *summ, uint64_t c)
-{
-    words[c >> 6] |= (uint64_t)1 << (c & 63);
-    summ[c >> 12] |= (uint64_t)1 << ((c >> 6) & 63);
-}
-
-TL_INLINE void tl_pack_clear(uint64_t *words, uint64_t *summ, uint64_t c)
-{
-    words[c >> 6] &= ~((uint64_t)1 << (c & 63));
-    if (!words[c >> 6]) summ[c >> 12] &= ~((uint64_t)1 << ((c >> 6) & 63));
+           + (size_t)(W + 1) * sizeof(uint32_t); /* bucket heads */
 }
 
 /*
@@ -81,16 +170,14 @@ TL_INLINE void tl_pack_clear(uint64_t *words, uint64_t *summ, uint64_t c)
 TL_INLINE size_t tl_pack_best_fit(const uint64_t *len, size_t n, uint64_t W, void *scratch,
                                   uint32_t *order, uint32_t *starts)
 {
-    size_t nw = (size_t)(W / 64 + 1), ns = nw / 64 + 1;
     uint64_t *keys = (uint64_t *)scratch, *docs = keys + n;
     uint64_t *words = docs + 3 * n; /* after the sort's scratch (2n) */
-    uint64_t *summ = words + nw;
-    uint32_t *row_of = (uint32_t *)(summ + ns);
+    tl_pack_bits open;
+    tl_pack_bits_init(&open, W, words);
+    uint32_t *row_of = (uint32_t *)(words + tl_pack_bits_words(W));
     uint32_t *room = row_of + n;
     uint32_t *link = room + n;
-    uint32_t *head = link + n;
-    memset(words, 0, (nw + ns) * sizeof(uint64_t));
-    memset(head, 0xff, (size_t)(W + 1) * sizeof(uint32_t));
+    uint32_t *head = link + n; /* head[c]: valid while room c's bit is set */
     for (size_t i = 0; i < n; i++) {
         keys[i] = W - (len[i] < W ? len[i] : W); /* by decreasing length, */
         docs[i] = i;                             /* then in order: the sort is stable */
@@ -100,21 +187,25 @@ TL_INLINE size_t tl_pack_best_fit(const uint64_t *len, size_t n, uint64_t W, voi
     for (size_t j = 0; j < n; j++) {
         uint32_t i = (uint32_t)docs[j];
         uint64_t l = W - keys[j];
-        uint64_t c = tl_pack_find(words, summ, nw, ns, l);
+        uint64_t c = tl_pack_bits_find(&open, l);
         uint32_t r;
         uint64_t left;
         if (c == UINT64_MAX) { /* no open row holds it: a new one */
             r = rows++;
             left = W - l;
-        } else {
+        } else { /* the row that last got room c */
             r = head[c];
             head[c] = link[r];
-            if (head[c] == TL_PACK_NONE) tl_pack_clear(words, summ, c);
+            if (head[c] == TL_PACK_NONE) tl_pack_bits_clear(&open, c);
             left = c - l;
         }
         room[r] = (uint32_t)left;
-        link[r] = head[left];
-        if (head[left] == TL_PACK_NONE) tl_pack_set(words, summ, left);
+        if (tl_pack_bits_has(&open, left)) {
+            link[r] = head[left];
+        } else {
+            link[r] = TL_PACK_NONE;
+            tl_pack_bits_set(&open, left);
+        }
         head[left] = r;
         row_of[i] = r;
     }
