@@ -462,8 +462,8 @@ def test_an_error_in_a_reader_thread_reaches_the_right_next(corpus: Path) -> Non
     assert "raise_in_collate" in names  # the original traceback
     assert any("reader thread" in note and "cursor 40" in note for note in e.value.__notes__)
     assert ld.cursor == 40  # nothing after the failure counts as delivered
-    with pytest.raises(StopIteration):
-        next(it)  # the pass ended at the failure ...
+    with pytest.raises(RuntimeError, match=r"stopped at a failure \(ValueError: bad sample"):
+        next(it)  # the pass ended at the failure, and says so ...
     with pytest.raises(ValueError, match="position 40"):
         next(iter(ld))  # ... and a new one starts at the batch that failed
 

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import gc
+import itertools
 import json
 import os
 import random
@@ -478,10 +480,10 @@ def test_a_forked_child_never_waits_for_a_lock_a_parent_s_reader_held(
 
 def test_a_prefetcher_used_in_a_forked_child_raises_at_once() -> None:
     pf = Prefetcher(lambda s: s, 0, None, 2, 2)
-    assert pf.get() == 0
+    assert pf.get(0) == 0
 
     def child() -> Any:
-        return [pf.get() for _ in range(10)]
+        return [pf.get(k) for k in range(1, 10)]
 
     out = within(FORK_WATCHDOG_S, lambda: in_child(child))
     pf.close()
@@ -724,8 +726,8 @@ def test_a_failed_task_is_not_read_again_and_fails_at_its_first_step() -> None:
     assert "delivered at the first of them, cursor 10" in notes, notes
     assert ld.cursor == 10  # the task's batches were not delivered
     assert sum(14 in r for r in view.reads) == 1  # read once, not again step by step
-    with pytest.raises(StopIteration):
-        next(it)
+    with pytest.raises(RuntimeError, match=r"stopped at a failure \(OSError: .*cursor \(10\)"):
+        next(it)  # the pass ended at the failure: not as if the data had run out
     # a resume builds the batches again, in tasks that start at its cursor: the first
     # (one step) is read alone and delivered, the next holds sample 14 again
     it = iter(ld)
@@ -776,6 +778,38 @@ def test_a_failure_in_a_step_of_its_own_lands_on_that_step() -> None:
     assert seen == list(range(14))
     assert any("building the batch at cursor 14" in n for n in e.value.__notes__)
     assert ld.cursor == 14 and sum(14 in r for r in view.reads) == 1
+
+
+def test_a_reader_failure_that_is_no_exception_skips_no_task() -> None:
+    """A ``BaseException`` from a read (``asyncio.CancelledError``, from a view whose
+    client runs on asyncio) was raised by ``next()`` with the iterator left open and
+    its prefetcher past the task: the next ``next()`` went on 4 batches later."""
+    import asyncio
+
+    failed: list[int] = []
+
+    def hook(indices: np.ndarray) -> None:
+        if 14 in indices and not failed:
+            failed.append(1)
+            raise asyncio.CancelledError()
+
+    ld = DataLoader(
+        Rows(40, hook),
+        2,
+        shuffle=False,
+        epochs=1,
+        num_threads=1,
+        read=tokload.ReadOptions(steps_per_task=4, prefetch=4),
+    )
+    it = iter(ld)
+    got = [next(it)["position"].tolist() for _ in range(5)]
+    with pytest.raises(asyncio.CancelledError):
+        next(it)
+    with pytest.raises(RuntimeError, match=r"stopped at a failure \(CancelledError"):
+        next(it)
+    assert ld.cursor == 10
+    got += [b["position"].tolist() for b in ld]  # a new loop builds the task again
+    assert got == [[k, k + 1] for k in range(0, 40, 2)]
 
 
 class _LengthsFailOnce:
@@ -829,8 +863,8 @@ def test_a_failure_while_packing_a_task_skips_no_row(corpus: Path, threads: int)
                 assert e.filename == "shard-3.bin"
                 failures += 1
                 at = ld.cursor
-                if threads:  # the prefetcher is past the task: the iterator ended
-                    with pytest.raises(StopIteration):
+                if threads:  # the iterator ended at the failure, and says so
+                    with pytest.raises(RuntimeError, match=r"stopped at a failure \(OSError"):
                         next(it)
                 assert ld.cursor == at
         ld.close()
@@ -841,6 +875,203 @@ def test_a_failure_while_packing_a_task_skips_no_row(corpus: Path, threads: int)
     assert none == 0 and failures == 1
     assert len(clean) > 10 and len(set(clean)) == len(clean)
     assert got == clean
+
+
+# ---- 5. interrupts -----------------------------------------------------------------------
+
+
+class _InterruptAt:
+    """A tracer (``sys.settrace``, the calling thread only) that raises ``exc`` at the
+    ``k``-th line event of the functions ``codes``: where Ctrl+C, or a signal handler
+    that raises (a watchdog's alarm), lands in the training thread. A line event
+    comes before every statement, which covers every point where a handler can run
+    (they run between bytecodes, at calls and loop jumps) and more. ``seen``: the
+    line events counted."""
+
+    def __init__(self, codes: set[Any], k: int, exc: type[BaseException]) -> None:
+        self.codes, self.k, self.exc, self.seen = codes, k, exc, 0
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        return self._line if frame.f_code in self.codes else None
+
+    def _line(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and not _no_handler_runs(frame):
+            self.seen += 1
+            if self.seen == self.k + 1:
+                raise self.exc("interrupted")
+        return self._line
+
+
+def _no_handler_runs(frame: Any) -> bool:
+    """Line events that are not points where a signal handler can run: a ``with``
+    statement's line again as its block is left (the context manager's exit comes
+    next, with nothing between), and ``_AFTER_DELIVERY``."""
+    if (frame.f_code, frame.f_lineno) in _AFTER_DELIVERY:
+        return True
+    entered = _with_entries(frame.f_code).get(frame.f_lineno)
+    return entered is not None and frame.f_lasti > entered
+
+
+@functools.cache
+def _with_entries(code: Any) -> dict[int, int]:
+    """Each ``with`` line of ``code``: the offset of the instruction that enters it."""
+    import dis
+
+    return {
+        i.positions.lineno: i.offset
+        for i in dis.get_instructions(code)
+        if i.opname == "BEFORE_WITH" and i.positions is not None and i.positions.lineno
+    }
+
+
+def _code_lines(fn: Any, text: str) -> set[tuple[Any, int]]:
+    import inspect
+
+    lines, first = inspect.getsourcelines(fn)
+    return {(fn.__code__, first + i) for i, line in enumerate(lines) if line.strip() == text}
+
+
+# ``return item`` of next(): after the statement that delivers the batch (the cursor
+# counts it) nothing but the return is left, and no handler runs between the two; it
+# runs once the caller has the batch (a for loop stores it first).
+_AFTER_DELIVERY = _code_lines(tokload.loader._LoaderIter.__next__, "return item")
+
+_NEXT_CODES = {
+    f.__code__
+    for f in (
+        tokload.loader._LoaderIter.__next__,
+        tokload.loader._LoaderIter.restart,
+        tokload.loader._LoaderIter._start,
+        Prefetcher.get,
+        Prefetcher.drop,
+        Prefetcher.add_threads,
+        Prefetcher.close,
+    )
+}
+
+
+def _interrupted(fn: Callable[[], Any], codes: set[Any], k: int, exc: type[BaseException]) -> bool:
+    """``fn()`` with ``exc`` raised at its ``k``-th line event in ``codes``: whether it was
+    (False once ``k`` is past the events of the call)."""
+    tracer = _InterruptAt(codes, k, exc)
+    sys.settrace(tracer)
+    try:
+        fn()
+    except exc:
+        return True
+    finally:
+        sys.settrace(None)
+    assert tracer.seen <= k, "the interrupt was swallowed"
+    return False
+
+
+def _sample_loader(threads: int) -> DataLoader:
+    return DataLoader(
+        Rows(300),
+        3,
+        seed=5,
+        num_threads=threads,
+        read=tokload.ReadOptions(steps_per_task=4, prefetch=8),
+    )
+
+
+def _samples(b: Any) -> list[int]:
+    return [int(v) for v in b["x"][:, 0]]
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, TimeoutError])
+@pytest.mark.parametrize("threads", [0, 1, 2])
+def test_an_interrupt_anywhere_in_next_loses_and_repeats_no_batch(
+    threads: int, exc: type[BaseException]
+) -> None:
+    """Ctrl+C (or a handler's TimeoutError) at each statement of a ``next()`` that takes
+    a new task (step 1: task 0 is one step), one inside a task (step 3) and one
+    after a task (step 5), one at a time: the same iterator goes on, every batch
+    comes once and in order, and the cursor counts only the batches returned. A
+    batch was lost, tasks came reversed, the iterator ended (an exception taken for
+    a reader's failure) or hung (the condition's lock left held, the step counter
+    not moved)."""
+    with _sample_loader(threads) as ref:
+        want = [_samples(b) for b, _ in zip(ref, range(10), strict=False)]
+    for step in (1, 3, 5):
+        for k in itertools.count():
+            ld = _sample_loader(threads)
+            it = iter(ld)
+            got = [_samples(next(it)) for _ in range(step)]
+
+            def take(it: Any = it, got: list[list[int]] = got) -> None:
+                got.append(_samples(next(it)))
+
+            hit = _interrupted(take, _NEXT_CODES, k, exc)
+            assert ld.cursor == 3 * len(got), (step, k, ld.cursor, len(got))
+            while len(got) < 10:
+                got.append(_samples(next(it)))
+                assert ld.cursor == 3 * len(got)
+            ld.close()
+            assert got == want, (step, k)
+            assert wait_no_readers(), (step, k)
+            if not hit:
+                assert k > 10  # the call's statements were all interrupted once
+                break
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_interrupt_anywhere_in_a_cursor_move_delivers_no_old_batch(threads: int) -> None:
+    """Ctrl+C at each statement of ``loader.cursor = c`` inside a loop (the old
+    threads are joined there, up to a second on slow storage): once the cursor
+    says ``c`` (set again where the move itself was cut short), the loop goes on
+    from ``c``. The old cursor's prefetched batches came next."""
+    with _sample_loader(threads) as ref:
+        ref.cursor = 30
+        want = [_samples(b) for b, _ in zip(ref, range(4), strict=False)]
+    codes = _NEXT_CODES | {DataLoader.cursor.fset.__code__}  # type: ignore[attr-defined]
+    for k in itertools.count():
+        ld = _sample_loader(threads)
+        it = iter(ld)
+        for _ in range(3):
+            next(it)
+
+        def move(ld: DataLoader = ld) -> None:
+            ld.cursor = 30
+
+        hit = _interrupted(move, codes, k, KeyboardInterrupt)
+        if ld.cursor != 30:  # the move itself was cut short: the loop sets it again
+            ld.cursor = 30
+        got = [_samples(next(it)) for _ in range(4)]
+        ld.close()
+        assert got == want, k
+        assert wait_no_readers(), k
+        if not hit:
+            assert k > 10
+            break
+
+
+def test_an_exception_from_the_training_thread_while_next_waits_is_not_a_failure() -> None:
+    """A watchdog's alarm raising ``TimeoutError`` while ``next()`` waited for a slow read
+    closed the iterator as if a reader had failed: its next ``next()`` raised
+    StopIteration, and an endless loop ended as if the data had run out."""
+    ld = DataLoader(Rows(100, _sleeping(0.3)), 2, shuffle=False, num_threads=1, device=None)
+    it = iter(ld)
+    with pytest.raises(TimeoutError):
+        _raise_in(0.05, TimeoutError, lambda: next(it))
+    assert next(it)["position"].tolist() == [0, 1]
+    assert ld.cursor == 2
+    ld.close()
+
+
+def _raise_in(seconds: float, exc: type[BaseException], fn: Callable[[], Any]) -> Any:
+    """``fn()`` with ``exc`` raised in this thread after ``seconds`` (a SIGALRM handler)."""
+
+    def alarm(signum: int, frame: Any) -> None:
+        raise exc("watchdog")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 # ---- the object store ---------------------------------------------------------------------

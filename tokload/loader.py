@@ -33,7 +33,7 @@ import numpy as np
 from tokload.arguments import is_integer, positive_integer, seed_and_rounds
 from tokload.batching import Batching, cut, read_step, resolve
 from tokload.errors import StateError
-from tokload.prefetch import CLOSE_S, Prefetcher
+from tokload.prefetch import CLOSE_S, Failure, Prefetcher
 from tokload.ranks import resolve_rank
 from tokload.readahead import wanted
 from tokload.reading import ReadOptions, from_retired
@@ -281,8 +281,11 @@ class DataLoader:
         skipped or repeated. A value outside ``[0, 2**64)`` or past the end of
         the run raises ValueError here.
         """
-        self._cursor = self.schedule.check_cursor(value)
+        value = self.schedule.check_cursor(value)
         it = self._iter() if self._iter is not None else None
+        if it is not None:
+            it._stale = True  # before the cursor moves: its prefetch is of the old one
+        self._cursor = value
         if it is not None:
             it.restart()
 
@@ -612,8 +615,13 @@ class _LoaderIter:
         self._loader = loader
         self._closed = False
         self.replaced = False  # a newer iter(loader) took over the cursor
-        self._ready: list[tuple[tuple[int, int], Any, Counted]] = []
+        self.failed: BaseException | None = None  # what ended the pass, if a failure did
+        # the batches of the task being handed out, in order; _at: the next one
+        self._ready: list[tuple[tuple[int, int], Any, Counted] | None] = []
+        self._at = 0
         self._pf: Prefetcher | None = None
+        self._task = 0  # the prefetcher's step (reader task) to take next
+        self._stale = False  # a restart began and has not finished: next() does it again
         self._auto = False  # the automatic prefetch: sized by the batches it sees
         self._largest = 0  # bytes of the largest batch measured
         # Host batches need nothing at delivery: skip the call per batch.
@@ -623,7 +631,7 @@ class _LoaderIter:
     def _start(self) -> None:
         loader = self._loader
         loader._own_process()
-        self._ready = []
+        self._ready, self._at, self._task = [], 0, 0
         if loader.num_threads > 0:
             # The threads see only the build function, never this object, so
             # dropping the iterator (e.g. leaving a for loop) lets it be collected.
@@ -635,25 +643,35 @@ class _LoaderIter:
             # read ahead as far as the prefetch reaches: [tasks, the ReadAhead]
             self._lead: list[Any] = [depth]
             cancel = threading.Event()  # set by the prefetcher's close: tasks give up
+            # made without threads, which start once it is ours: a prefetcher that an
+            # exception (Ctrl+C) cut off before the assignment has none running
             self._pf = Prefetcher(
                 loader._task_builder(loader.cursor, self._lead, cancel),
                 0,
                 None,
                 depth,
-                loader.num_threads,
+                0,
                 cancel=cancel,
             )
+            self._pf.add_threads(loader.num_threads)
 
     def restart(self) -> None:
         """Drop what was prefetched and go on from the loader's cursor (the old
-        threads stopped and joined, ``CLOSE_S`` at most for all of them)."""
+        threads stopped and joined, ``CLOSE_S`` at most for all of them).
+
+        A restart that an exception (Ctrl+C) cuts short is done again by the
+        next ``next()``: never are the old cursor's batches delivered."""
         if self._closed:
             return
-        if self._pf is not None:
-            if not self._pf.close(CLOSE_S):
-                self._loader._still_stopping(self._pf)
-            self._pf = None
+        self._stale = True
+        pf = self._pf
+        if pf is not None:
+            pf.close(0)  # told at once; then waited for
+            self._loader._still_stopping(pf)
+            pf.close(CLOSE_S)
+        self._pf, self._ready, self._at = None, [], 0
         self._start()
+        self._stale = False
 
     def __iter__(self) -> _LoaderIter:
         return self
@@ -665,12 +683,21 @@ class _LoaderIter:
                     "this DataLoader iterator was replaced by a newer iter() of its loader, "
                     "which goes on from the cursor: a loader has one pass at a time"
                 )
+            if self.failed is not None:
+                raise RuntimeError(
+                    f"this DataLoader iterator stopped at a failure "
+                    f"({type(self.failed).__name__}: {self.failed}); iter(loader) goes on "
+                    f"from the cursor ({self._loader.cursor}), building the failed batch "
+                    "again"
+                )
             raise StopIteration
         loader = self._loader
         wait = 0.0
-        if self._pf is not None and self._pf.forked:  # in a forked child: threads of its own
-            self.restart()
-        if self._pf is None:
+        if self._stale or (self._pf is not None and self._pf.forked):
+            self.restart()  # cut short before, or in a forked child: threads of its own
+        pf = self._pf
+        queued = pf is not None  # the batch comes from _ready
+        if pf is None:
             # (in the loader's own io scope: a packed schedule reads lengths)
             with loader._io if loader._io is not None else contextlib.nullcontext():
                 span = loader.schedule.span(loader.cursor)
@@ -683,43 +710,66 @@ class _LoaderIter:
             item, ntok = items[0], tokens[0]
             end = span[1]
         else:
-            if not self._ready:
+            if self._at >= len(self._ready):
+                # Nothing is taken until it is stored: an exception from this thread
+                # (Ctrl+C, a signal handler's) anywhere here leaves the task to ask for
+                # again, and get() raises nothing else but the end and a close.
+                task = self._task
                 t0 = time.perf_counter()
                 try:
-                    self._ready = self._pf.get()
+                    got = pf.get(task)
                 except StopIteration:
                     self.close()
                     raise
-                except Exception:
+                if isinstance(got, Failure):
                     # A task that failed before its steps were known (a packed
-                    # schedule reads its documents' lengths): the prefetcher is past
-                    # it. As for a Failed batch, the cursor stays before it and a
-                    # new iterator (or a resume) builds it again.
-                    self.close()
-                    raise
+                    # schedule reads its documents' lengths): as for a Failed batch,
+                    # the cursor stays before it and a new iterator (or a resume)
+                    # builds it again.
+                    exc = got.exc
+                    exc.add_note(f"(raised in a tokload reader thread while building task {task})")
+                    self._fail(exc)
+                    raise exc
                 wait = time.perf_counter() - t0
-                self._ready.reverse()
-                if self._auto and self._ready:
-                    self._size_prefetch(self._ready[-1][1])
+                self._ready, self._at, self._task = list(got), 0, task + 1  # one statement
+                pf.drop(task)
+                if self._auto and got:
+                    self._size_prefetch(got[0][1])
                 if loader.auto_threads:
                     self._size_threads()
             if not self._ready:  # an empty task: the pass is over
                 self.close()
                 raise StopIteration
-            (start, end), item, ntok = self._ready.pop()
+            at = self._at
+            if at:
+                self._ready[at - 1] = None  # delivered: the queue lets go of it
+            entry = self._ready[at]
+            assert entry is not None
+            (start, end), item, ntok = entry
             if isinstance(item, Failed):
                 # The batch was not delivered: the cursor stays before it, and a new
                 # iterator (or a resume) builds it again.
-                self.close()
+                self._fail(item.exc)
                 raise item.exc
             span = (start, end)
-        loader._cursor = end  # delivered: counts now, not when it was built
         loader._stats.delivered(wait, loader.schedule.samples(*span), *ntok)
         if loader.log_every is not None:
             loader._log_stats()
         if self._deliver is not None:
             self._deliver(item)
+        # Delivered: the batch leaves the queue and the cursor counts it in one
+        # statement (an exception before it leaves the batch to be delivered again).
+        if queued:
+            self._at, loader._cursor = at + 1, end
+        else:
+            loader._cursor = end
         return item
+
+    def _fail(self, exc: BaseException) -> None:
+        """End the pass at a failure: ``next()`` then says so (the cursor stays before
+        the batch that failed)."""
+        self.failed = exc
+        self.close()
 
     def queue(self) -> dict[str, int]:
         """Built batches waiting for ``next()``, and the most that can wait: the
@@ -729,7 +779,7 @@ class _LoaderIter:
             return {"batches_ready": 0, "prefetch_batches": 0}
         per = self._loader.steps_per_task
         return {
-            "batches_ready": len(self._ready) + pf.ready * per,
+            "batches_ready": len(self._ready) - self._at + pf.ready * per,
             "prefetch_batches": (pf.depth + 1) * per,
         }
 
@@ -769,7 +819,7 @@ class _LoaderIter:
         them (0: tell them to stop and return)."""
         if not self._closed:
             self._closed = True
-            self._ready = []
+            self._ready, self._at = [], 0
             if self._pf is not None and not self._pf.close(timeout):
                 self._loader._still_stopping(self._pf)
 

@@ -3,8 +3,18 @@
 The one job of this module: run ``build(step)`` for consecutive step numbers on
 a few threads, at most ``depth`` steps ahead of the consumer, and hand the
 results out strictly in step order. Threads never raise: a failure travels to
-the consumer as the result of its step and is re-raised, with its original
-traceback, by the ``get`` that would have returned that step.
+the consumer as the result of its step, a ``Failure`` holding the exception
+with its original traceback, for the owner to raise.
+
+Interrupts. The consumer's thread may get an exception between any two calls
+(Ctrl+C, or a signal handler that raises: a watchdog's alarm). ``get(step)``
+keeps the step it returns until ``drop(step)`` (or the ``get`` of the next
+step), so an owner interrupted before it has stored the item asks for the same
+step again and loses nothing; and the shared state is guarded by a plain
+``threading.Lock`` entered with ``with``, whose taking and giving back no Python
+code can come between (``threading.Condition``'s own ``__enter__`` and
+``__exit__`` are Python functions: an exception raised inside one of them leaves
+the lock held, and every reader thread waits on it forever).
 
 Stopping. ``close()`` sets the stop flag, which the threads read between steps
 and which ``build`` can read inside a step (the ``cancel`` event: the loader's
@@ -49,7 +59,9 @@ CLOSE_S = 1.0
 """How long ``close()`` waits, by default, for all the threads together."""
 
 
-class _Failure:
+class Failure:
+    """A step whose build raised ``exc`` (any ``BaseException``), as ``get`` returns it."""
+
     __slots__ = ("exc",)
 
     def __init__(self, exc: BaseException) -> None:
@@ -96,7 +108,7 @@ class Prefetcher:
         first: the first step to build.
         stop: one past the last step, or None for endless.
         depth: how many steps may be built ahead of the consumer (>= 1).
-        threads: reader threads (>= 1).
+        threads: reader threads to start now (0: none until ``add_threads``).
         name: thread name prefix.
         cancel: an event that ``close()`` sets (a new one by default): ``build``
             may look at it to give up a long step early. What it returns then is
@@ -113,12 +125,13 @@ class Prefetcher:
         name: str = "tokload-reader",
         cancel: threading.Event | None = None,
     ) -> None:
-        if depth < 1 or threads < 1:
-            raise ValueError(f"depth and threads must be >= 1, got {depth} and {threads}")
+        if depth < 1 or threads < 0:
+            raise ValueError(f"depth must be >= 1 and threads >= 0, got {depth} and {threads}")
         self._build = build
         self._stop = stop
         self._depth = depth
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # entered with `with`; the condition waits on it
+        self._cond = threading.Condition(self._lock)
         self._claim = first  # next step a thread may take
         self._next = first  # next step the consumer gets
         self._results: dict[int, Any] = {}
@@ -141,7 +154,7 @@ class Prefetcher:
         A thread the system refuses (a limit on threads or processes) raises its
         RuntimeError; the threads started before it stay, and ``close`` stops them."""
         for _ in range(n):
-            with self._cond:
+            with self._lock:
                 if self._closed or self._forked:
                     return
                 t = threading.Thread(
@@ -159,13 +172,13 @@ class Prefetcher:
         """``(wall, cpu)``: seconds the builds so far took, summed, and the CPU
         seconds their threads used meanwhile: ``wall / cpu`` is how much longer a
         build takes than its own work (it waits for reads the rest of the time)."""
-        with self._cond:
+        with self._lock:
             return self._wall, self._cpu
 
     def _work(self) -> None:
-        cond = self._cond
+        lock, cond = self._lock, self._cond
         while True:
-            with cond:
+            with lock:
                 while not self._closed and (
                     self._claim - self._next >= self._depth
                     or (self._stop is not None and self._claim >= self._stop)
@@ -179,9 +192,9 @@ class Prefetcher:
             try:
                 item: Any = self._build(step)
             except BaseException as e:  # travels to the consumer, never raised here
-                item = _Failure(e)
+                item = Failure(e)
             wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-            with cond:
+            with lock:
                 self._wall += wall
                 self._cpu += cpu
                 if self._closed:
@@ -192,7 +205,8 @@ class Prefetcher:
     def _forget_threads(self) -> None:
         """In a forked child (the at-fork hook): the threads are gone and the
         condition's lock may be held by one of them; keep nothing of either."""
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._threads = []
         self._forked = True
         self._results.clear()
@@ -212,7 +226,7 @@ class Prefetcher:
         """Change how far ahead the threads build (>= 1); steps already built stay."""
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
-        with self._cond:
+        with self._lock:
             self._depth = depth
             self._cond.notify_all()
 
@@ -226,34 +240,42 @@ class Prefetcher:
         """The step the next ``get`` returns."""
         return self._next
 
-    def get(self) -> Any:
-        """The next step's item, in order; raises StopIteration past ``stop``.
+    def get(self, step: int) -> Any:
+        """Step ``step``'s item once it is built (a ``Failure`` where its build raised).
 
-        A failure in ``build`` is re-raised here, for the step it happened on.
-        RuntimeError when the Prefetcher was closed, or in a forked child.
+        The consumer asks for the steps in order, by number (``first``,
+        ``first + 1``, ...), and may ask for the same step again: it is kept
+        until ``drop(step)`` or the ``get`` of the next one, so an exception that
+        interrupts the consumer between this call and its use of the item (Ctrl+C)
+        loses nothing. Raises StopIteration past ``stop``, RuntimeError when the
+        Prefetcher was closed or in a forked child, and whatever interrupts the
+        wait (nothing is taken then).
         """
         if self._forked:
             raise RuntimeError(
                 "this prefetcher's reader threads did not survive fork(): make a new one "
                 "in the child (a DataLoader's iterator does so by itself)"
             )
+        if step < self._next - 1:
+            raise ValueError(f"step {step} was handed out and dropped (the next is {self._next})")
         cond = self._cond
-        with cond:
-            step = self._next
+        with self._lock:
             if self._stop is not None and step >= self._stop:
                 raise StopIteration
+            self._results.pop(step - 1, None)  # the consumer has it (its drop was cut short)
             while step not in self._results:
                 if self._closed:
                     raise RuntimeError("the prefetcher was closed")
                 cond.wait(POLL_S)  # short waits: Ctrl+C is seen at once
-            item = self._results.pop(step)
-            self._next = step + 1
-            cond.notify_all()
-        if isinstance(item, _Failure):
-            exc = item.exc
-            exc.add_note(f"(raised in a tokload reader thread while building step {step})")
-            raise exc
-        return item
+            if self._next <= step:  # the threads may build one step further
+                self._next = step + 1
+                cond.notify_all()
+            return self._results[step]
+
+    def drop(self, step: int) -> None:
+        """Forget step ``step``'s item: the consumer has stored it."""
+        with self._lock:
+            self._results.pop(step, None)
 
     def close(self, timeout: float = CLOSE_S) -> bool:
         """Stop the threads and drop built items (idempotent).
@@ -262,7 +284,7 @@ class Prefetcher:
         of them together (0: do not wait). Returns whether they all did; a thread
         still inside a step exits when the step returns, building nothing more.
         """
-        with self._cond:
+        with self._lock:
             self._closed = True
             self._results.clear()
             # after _closed, under the lock: a build that gave up early because of
