@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from timeouts import no_hang
 
 import tokload
 from tokload import StreamWithMetadata, Writer
@@ -1705,3 +1706,48 @@ def test_convert_re_blocks(tmp_path: Path) -> None:
     x, y = a.read(np.arange(len(a))), b.read(np.arange(len(b)))
     np.testing.assert_array_equal(x.positions, y.positions)
     assert list(x.metadata) == list(y.metadata)
+
+
+def test_a_convert_that_fails_leaves_nothing_in_the_way_of_a_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shards a failed convert had finished stayed in ``dst`` (no manifest), and the
+    retry failed on them with FileExistsError."""
+    from tokload import derive
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    with Writer(src, "<u2", metadata=True, shard_bytes=100) as w:
+        for k in range(3):  # three shards
+            w.write(np.arange(50, dtype=np.uint16), spans=[(0, 5, b"r%d" % k)])
+    assert len(read_manifest(src).shards) == 3
+    real, calls = derive._convert_shard, []
+
+    def third_fails(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real(*args)
+
+    monkeypatch.setattr(derive, "_convert_shard", third_fails)
+    with pytest.raises(OSError, match="No space left"):
+        convert(src, dst, "spans")
+    assert list(dst.iterdir()) == []
+    monkeypatch.setattr(derive, "_convert_shard", real)
+    convert(src, dst, "spans")  # the retry
+    a, b = (StreamWithMetadata(p, window=7) for p in (src, dst))
+    assert list(a.read(np.arange(len(a))).metadata) == list(b.read(np.arange(len(b))).metadata)
+
+
+def test_convert_refuses_a_special_file_in_the_source_before_reading(tmp_path: Path) -> None:
+    """A FIFO in a source file's place blocked convert forever (it read the files
+    with plain ``np.fromfile``, without the checks every reader makes)."""
+    src = tmp_path / "src"
+    with Writer(src, "<u2", metadata=True, shard_bytes=100) as w:
+        for k in range(2):
+            w.write(np.arange(50, dtype=np.uint16), spans=[(0, 5, b"r%d" % k)])
+    mbx = sorted(src.glob("*.mbx"))[1]
+    mbx.unlink()
+    os.mkfifo(mbx)
+    with no_hang(20), pytest.raises(FormatError, match=r"\.mbx: .*is a FIFO, not a regular file"):
+        convert(src, tmp_path / "dst", "spans")
+    assert not (tmp_path / "dst").exists()

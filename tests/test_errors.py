@@ -396,6 +396,50 @@ def _manifest_cases() -> list[tuple[str, Any, str]]:
     ]
 
 
+def test_a_shard_listed_under_two_spellings_of_its_name_is_refused(tmp_path: Path) -> None:
+    """``x`` and ``./x`` passed the "listed twice" check (exact strings), and the
+    shard's documents were read twice."""
+    with Writer(tmp_path / "ds", "<u2") as w:
+        w.write(np.arange(10, dtype=np.uint16))
+    path = tmp_path / "ds" / "manifest.json"
+    m = json.loads(path.read_text())
+    shard = m["shards"][0]
+    for other in ("./" + shard["name"], "sub/../" + shard["name"], shard["name"]):
+        m["shards"] = [shard, dict(shard, name=other)]
+        path.write_text(json.dumps(m))
+        same = "is listed twice" if other == shard["name"] else "name the same files"
+        with pytest.raises(FormatError, match=same):
+            tokload.Documents(tmp_path / "ds")
+
+
+def test_a_merge_refuses_a_part_whose_path_is_not_unicode(tmp_path: Path) -> None:
+    """A part directory whose name is not UTF-8 (its bytes kept by Python as
+    surrogate escapes) was merged into a manifest that no open could read."""
+    part = os.fsdecode(os.fsencode(str(tmp_path)) + b"/part-\xe9")
+    with Writer(part, "<u2") as w:
+        w.write(np.arange(10, dtype=np.uint16))
+    with pytest.raises(FormatError, match=r"unpaired surrogate"):
+        tokload.merge(tmp_path / "merged", [part])
+    assert not (tmp_path / "merged" / "manifest.json").exists()
+
+
+def test_a_writer_opened_by_a_relative_path_survives_a_chdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shards, the directory's fsync and the manifest went to the name relative
+    to the working directory of the moment: after a ``chdir`` the dataset was left
+    without a manifest (or the manifest went to another dataset's place)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    with Writer("corpus", "<u2", shard_bytes=64) as w:
+        w.write(np.arange(20, dtype=np.uint16))
+        monkeypatch.chdir(tmp_path / "b")
+        w.write(np.arange(40, dtype=np.uint16))
+    assert len(tokload.Documents(tmp_path / "a" / "corpus")) == 2
+    assert not (tmp_path / "b" / "corpus").exists()
+
+
 @pytest.mark.parametrize(("what", "change", "message"), _manifest_cases())
 def test_malformed_manifest_names_the_manifest_and_key(
     tmp_path: Path, what: str, change: Any, message: str

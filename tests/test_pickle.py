@@ -132,6 +132,22 @@ def test_a_view_opened_by_a_relative_path_unpickles_in_another_directory(
         _same(np.asarray(want[key]), np.asarray(got[key]))
 
 
+def test_a_relative_doc_index_unpickles_in_another_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``open_flat(..., doc_index=<relative>)``: only the token file's path was recorded
+    made absolute, and a worker in another directory failed to find the index."""
+    monkeypatch.chdir(tmp_path)
+    np.arange(12, dtype=np.uint16).tofile("tokens.bin")
+    np.array([0, 4, 12], dtype="<u8").tofile("tokens.idx")
+    view = tokload.Documents(tokload.open_flat("tokens.bin", np.uint16, doc_index="tokens.idx"))
+    blob = pickle.dumps(view)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    copied = pickle.loads(blob)
+    assert [np.asarray(copied[i]).tolist() for i in range(2)] == [[0, 1, 2, 3], list(range(4, 12))]
+
+
 def test_absolute_local_makes_local_paths_absolute_and_leaves_urls() -> None:
     here = os.getcwd()
     assert absolute_local("build") == os.path.join(here, "build")

@@ -399,6 +399,32 @@ def test_an_eos_cache_is_not_used_for_a_copy_that_kept_an_older_mtime(tmp_path: 
     np.testing.assert_array_equal(np.fromfile(cache, "<u8"), [0, 2, 5, 7])  # rewritten
 
 
+@pytest.mark.parametrize("through", ["file", "directory"])
+def test_an_eos_cache_is_not_used_once_a_link_on_the_way_is_re_pointed(
+    tmp_path: Path, through: str
+) -> None:
+    """The cache sits beside the name given: re-pointing a link (the file's own or a
+    directory's) to an older file of the same size found the cache of the file it
+    named before, and served its documents, silently."""
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v2").mkdir()
+    np.array([1, 2, 0] * 4, np.uint16).tofile(tmp_path / "v1" / "t.bin")
+    np.array([5, 6, 7, 0] * 3, np.uint16).tofile(tmp_path / "v2" / "t.bin")
+    os.utime(tmp_path / "v1" / "t.bin", ns=(1, 10**18))  # the older of the two
+    link = tmp_path / ("cur.bin" if through == "file" else "cur")
+    name = link if through == "file" else link / "t.bin"
+
+    def point(at: str) -> list[list[int]]:
+        link.unlink(missing_ok=True)
+        link.symlink_to(f"{at}/t.bin" if through == "file" else at)
+        docs = Documents(tokload.open_flat(name, np.uint16, eos=0))
+        return [np.asarray(docs[i]).tolist() for i in range(len(docs))]
+
+    assert point("v2") == [[5, 6, 7, 0]] * 3
+    assert point("v1") == [[1, 2, 0]] * 4
+    assert point("v2") == [[5, 6, 7, 0]] * 3
+
+
 def test_a_file_that_changes_while_its_eos_tokens_are_found_is_not_cached(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

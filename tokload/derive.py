@@ -23,12 +23,14 @@ from tokload.format import (
     LAYOUTS,
     MANIFEST,
     METADATA_FIELD,
+    SHARD_FILES,
     U64,
     Manifest,
     ShardInfo,
     read_manifest,
     write_manifest,
 )
+from tokload.source import open_dataset
 from tokload.writer import OpenShard, checked_block
 
 
@@ -162,6 +164,9 @@ def convert(
             )
     root, out = Path(src), Path(dst)
     m = read_manifest(root)
+    # every file checked as a reader checks it (regular files, sizes that agree with
+    # the manifest) before any is read: a FIFO would block the reads below forever
+    open_dataset(root).close()
     if not m.metadata or not m.documents:
         raise FormatError(f"{root}: the dataset has no metadata (or no documents) to convert")
     block = checked_block(span_block, layout)
@@ -196,15 +201,23 @@ def convert(
         span_block=block,
     )
     names: set[str] = set()
-    for k, s in enumerate(m.shards):
-        name = os.path.basename(s.name)
-        if name in names:
-            name = f"c{k:05d}-{name}"
-        names.add(name)
-        target.shards.append(_convert_shard(root, s, m, out, name, target, durable))
-    if durable:
-        fsync_dir(out)
-    write_manifest(out, target)
+    try:
+        for k, s in enumerate(m.shards):
+            name = os.path.basename(s.name)
+            if name in names:
+                name = f"c{k:05d}-{name}"
+            names.add(name)
+            target.shards.append(_convert_shard(root, s, m, out, name, target, durable))
+        if durable:
+            fsync_dir(out)
+        write_manifest(out, target)
+    except BaseException:
+        # a convert that fails leaves no shard of its own behind (a retry would
+        # find them in its way): those it finished, as the failing one removed its own
+        for done in target.shards:
+            for ext in SHARD_FILES:
+                (out / f"{done.name}.{ext}").unlink(missing_ok=True)
+        raise
     return target
 
 
@@ -216,16 +229,16 @@ def _source_metadata(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """A shard's runs (starts, records) and records (mdx, mdb), whatever its layout."""
     if m.blocks:
-        index = np.fromfile(f"{base}.mbx", dtype=U64)
-        msb = np.fromfile(f"{base}.msb", dtype=np.uint8)
+        index = _read_array(f"{base}.mbx", U64)
+        msb = _read_array(f"{base}.msb", np.uint8)
         got: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] = decode_blocks(
             m.span_block, s.rows, s.metadata_records, index, msb, f"{base}.mbx", f"{base}.msb"
         )
         return got
-    mdx = np.fromfile(f"{base}.mdx", dtype=U64)
-    mdb = np.fromfile(f"{base}.mdb", dtype=np.uint8)
+    mdx = _read_array(f"{base}.mdx", U64)
+    mdb = _read_array(f"{base}.mdb", np.uint8)
     if m.spans:
-        runs = np.fromfile(f"{base}.mds", dtype=SPAN_DTYPE) if s.metadata_runs else None
+        runs = _read_array(f"{base}.mds", SPAN_DTYPE) if s.metadata_runs else None
         if runs is None:
             return np.zeros(0, np.uint64), np.zeros(0, np.uint32), mdx, mdb
         return runs["start"].copy(), runs["record"].copy(), mdx, mdb
@@ -244,6 +257,11 @@ def _source_metadata(
     if not starts:
         return np.zeros(0, np.uint64), np.zeros(0, np.uint32), mdx, mdb
     return np.concatenate(starts), np.concatenate(records), mdx, mdb
+
+
+def _read_array(path: str, dtype: Any) -> np.ndarray:
+    """A whole file as an array (a regular file: never blocking on a FIFO)."""
+    return np.frombuffer(read_regular(path, "shard file"), dtype=dtype)
 
 
 def _convert_shard(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -277,11 +278,17 @@ class Manifest:
                 f"{where}: a dataset with metadata needs a '<u4' field {METADATA_FIELD!r} "
                 f"in its dtype, got {self.dtype}"
             )
-        names = set()
+        names: dict[str, str] = {}  # each name as the files it names: normalized
         for s in self.shards:
-            if s.name in names:
-                raise FormatError(f"{where}: shard {s.name!r} is listed twice")
-            names.add(s.name)
+            check_shard_name(s.name, f"{where}: shard")
+            key = posixpath.normpath(s.name)
+            if key in names:
+                other = names[key]
+                same = (
+                    "is listed twice" if other == s.name else f"and {other!r} name the same files"
+                )
+                raise FormatError(f"{where}: shard {s.name!r} {same}")
+            names[key] = s.name
             if not self.documents and s.documents:
                 raise FormatError(
                     f"{where}: shard {s.name!r} has documents but the dataset has none"

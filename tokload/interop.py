@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat as statmod
 import struct
 import tempfile
 import weakref
@@ -390,7 +391,8 @@ def _eos_index(
     cache = path.with_name(f"{path.name}.eos{eos}.docs")
     st = os.stat(path)
     _check_unchanged(path, st, base + rows * dtype.itemsize)
-    before = _changed_ns(st)
+    # a link on the way re-pointed to another (older) file is a change of the data
+    before = max(_changed_ns(st), _links_changed_ns(path))
     if _cache_ok(cache, rows, before):
         return cache
     fd = open_regular(path, "token file")  # scanned through this one, checked to be that file
@@ -458,6 +460,38 @@ def _changed_ns(st: os.stat_result) -> int:
     that keeps an older mtime (``cp -p``, ``rsync -a``, ``tar x``) still sets the
     ctime, which cannot be set back."""
     return max(st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _links_changed_ns(path: Path) -> int:
+    """When a symbolic link that ``path`` goes through (the file's own, a
+    directory's, one a link leads to) last changed, in ns (its ctime: when it
+    was made or re-pointed); 0 without links. The cache sits beside the name
+    given: a link re-pointed to an older file of the same size must not find
+    the cache of the file it named before."""
+    latest, hops = 0, 0
+    todo = list(Path(os.path.abspath(path)).parts)
+    at = Path(todo.pop(0))
+    while todo:
+        part = todo.pop(0)
+        if part in (".", ""):
+            continue
+        if part == "..":
+            at = at.parent
+            continue
+        step = at / part
+        st = os.lstat(step)
+        if not statmod.S_ISLNK(st.st_mode):
+            at = step
+            continue
+        hops += 1
+        if hops > 40:  # a loop: os.stat raised for it already; stop counting
+            break
+        latest = max(latest, st.st_ctime_ns)
+        target = os.readlink(step)
+        if os.path.isabs(target):
+            at = Path(Path(target).anchor)
+        todo[:0] = list(Path(target).parts[1:] if os.path.isabs(target) else Path(target).parts)
+    return latest
 
 
 def _cache_ok(cache: Path, rows: int, data_changed_ns: int) -> bool:

@@ -95,24 +95,30 @@ class Source:
 OpenFn = TypeVar("OpenFn", bound=Callable[..., Source])
 
 
+PATH_PARAMETERS = ("doc_index",)
+"""Parameters of an opening function besides its first that name files."""
+
+
 def reopenable(open_fn: OpenFn) -> OpenFn:
     """Decorate a function that opens a Source so that the Source records the
     call (``Source.opener``; the innermost decorated call wins) and can be
-    pickled as it. The function's first parameter is the data's path: a
-    relative local one is recorded made absolute (``absolute_local``)."""
+    pickled as it. The function's first parameter is the data's path, and
+    those of ``PATH_PARAMETERS`` it has name files too: a relative local one
+    is recorded made absolute (``absolute_local``)."""
 
-    first = next(iter(inspect.signature(open_fn).parameters))  # the path's parameter
+    signature = inspect.signature(open_fn)
+    first = next(iter(signature.parameters))  # the data's path
+    paths = {first, *(p for p in PATH_PARAMETERS if p in signature.parameters)}
 
     @functools.wraps(open_fn)
     def opener(*args: Any, **kwargs: Any) -> Source:
         src = open_fn(*args, **kwargs)
         if src.opener is None:
-            # the path as opened here, whatever directory unpickles it
-            if args:
-                args = (absolute_local(args[0]), *args[1:])
-            elif first in kwargs:
-                kwargs = {**kwargs, first: absolute_local(kwargs[first])}
-            src.opener = (opener, args, kwargs)
+            # the paths as opened here, whatever directory unpickles it
+            bound = signature.bind_partial(*args, **kwargs)
+            for name in paths & bound.arguments.keys():
+                bound.arguments[name] = absolute_local(bound.arguments[name])
+            src.opener = (opener, bound.args, bound.kwargs)
         return src
 
     return opener  # type: ignore[return-value]

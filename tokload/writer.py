@@ -106,7 +106,9 @@ class Writer:
         user: Mapping[str, Any] | None = None,
         durable: bool = True,
     ) -> None:
-        self.path = Path(path)
+        # absolute: the shards, the directory's fsync and the manifest go to the
+        # directory it named when opened, whatever the working directory is later
+        self.path = Path(os.path.abspath(path))
         if mode not in ("w", "a"):
             raise ValueError(f"mode must be 'w' or 'a', got {mode!r}")
         shard_bytes = positive_integer("shard_bytes", shard_bytes)
