@@ -519,6 +519,54 @@ def test_close_waits_one_deadline_for_all_threads() -> None:
     assert wait_no_readers()
 
 
+def test_a_second_close_from_another_thread_waits_as_the_first_does() -> None:
+    """Two ``close()`` calls at once: the second returned at once, the threads still
+    inside their reads."""
+    gate = threading.Event()
+    ld = DataLoader(Rows(400, _blocking(gate, 4)), 4, shuffle=False, num_threads=2)
+    it: Any = iter(ld)
+    next(it)
+    assert reader_threads()
+    first = threading.Thread(target=ld.close)
+    first.start()
+    while not it._closed:
+        time.sleep(0.001)
+    threading.Timer(0.2, gate.set).start()  # the reads return while both wait
+    ld.close()
+    assert not reader_threads()
+    first.join()
+
+
+def test_a_close_does_not_forget_an_iterator_made_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``close()`` in one thread while another makes ``iter(loader)``: the close
+    forgot the new iterator, and a cursor move or a later close no longer reached it."""
+    ld = DataLoader(Rows(400), 4, shuffle=False, num_threads=1)
+    old = iter(ld)
+    next(old)
+    made: list[Any] = []
+    real = tokload.loader._LoaderIter.close
+
+    def close(self: Any, timeout: float = 1.0) -> None:
+        real(self, timeout)
+        if self is old and not made:  # the other thread's iter() lands here
+            made.append(None)
+            made[0] = iter(ld)
+
+    monkeypatch.setattr(tokload.loader._LoaderIter, "close", close)
+    ld.close()
+    new: Any = made[0]
+    assert ld._iter is not None and ld._iter() is made[0]
+    ld.cursor = 40  # reaches the new iterator
+    assert next(new)["position"].tolist() == [40, 41, 42, 43]
+    ld.close()
+    assert new._closed and wait_no_readers()
+    # put close back while this frame holds the iterators: freeing the patched function
+    # (whose closure holds them) inside the undo would run their __del__ mid-setattr
+    monkeypatch.undo()
+
+
 def test_garbage_collection_does_not_wait_for_reads() -> None:
     gate = threading.Event()
     ld = DataLoader(
@@ -651,6 +699,84 @@ def test_cursor_moves_leave_no_threads_behind(view_kind: str) -> None:
         assert len(reader_threads()) == 2
     ld.close()
     assert not reader_threads()
+
+
+def test_a_cursor_move_from_another_thread_lands_in_the_loop_at_once() -> None:
+    """A checkpoint or controller thread moving the cursor while the training thread
+    waits in ``next()`` for slow reads: the training thread got the prefetcher's
+    internal "the prefetcher was closed" and its loop died. Now its ``next()`` returns
+    the new cursor's first batch; and a ``close()`` from another thread ends the loop
+    as the end of the data does."""
+    ld = DataLoader(
+        Rows(100_000, _sleeping(0.3)),
+        2,
+        shuffle=False,
+        num_threads=1,
+        read=tokload.ReadOptions(steps_per_task=1, prefetch=2),
+    )
+    got: list[Any] = []
+
+    def train(it: Any) -> None:
+        try:
+            got.extend(b["position"].tolist()[0] for b in itertools.islice(it, 3))
+        except Exception as e:
+            got.append(e)
+
+    t = threading.Thread(target=train, args=(iter(ld),))
+    t.start()
+    time.sleep(0.1)  # inside next(), waiting for the first read
+    state = ld.state_dict()
+    ld.load_state_dict({**state, "cursor": 5000})
+    t.join(30)
+    assert got == [5000, 5002, 5004] and ld.cursor == 5006
+    got.clear()
+    t = threading.Thread(target=train, args=(iter(ld),))
+    t.start()
+    time.sleep(0.1)
+    ld.close()
+    t.join(30)
+    assert got == [] and not t.is_alive() and ld.cursor == 5006
+
+
+def test_a_task_taken_just_before_a_move_from_another_thread_is_dropped(
+    corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The move lands while the training thread holds a task it just took from the
+    old reader threads (a thread switch there): the loop delivered the old cursor's
+    batches and then skipped the new cursor's first task."""
+    took, go = threading.Event(), threading.Event()
+    real = Prefetcher.get
+
+    def get(self: Prefetcher, step: int) -> Any:
+        item = real(self, step)
+        if threading.current_thread().name == "train" and step == 1 and not took.is_set():
+            took.set()
+            go.wait(10)  # the switch to the thread that moves the cursor
+        return item
+
+    monkeypatch.setattr(Prefetcher, "get", get)
+    ld = DataLoader(
+        TokenStream(corpus, window=9),
+        2,
+        shuffle=False,
+        num_threads=1,
+        read=tokload.ReadOptions(steps_per_task=2),
+    )
+    seen: list[int] = []
+
+    def train() -> None:
+        seen.extend(int(b["position"][0]) for b in itertools.islice(ld, 6))
+
+    t = threading.Thread(target=train, name="train")
+    t.start()
+    assert took.wait(10)
+    ld.cursor = 1000
+    go.set()
+    t.join(30)
+    ld.close()
+    assert seen == [0, 1000, 1002, 1004, 1006, 1008]
+    assert ld.cursor == 1010
+    monkeypatch.undo()
 
 
 def test_a_reader_thread_the_system_refuses_leaves_no_thread_behind(
@@ -940,7 +1066,10 @@ _NEXT_CODES = {
     f.__code__
     for f in (
         tokload.loader._LoaderIter.__next__,
+        tokload.loader._LoaderIter._deliver_next,
+        tokload.loader._LoaderIter._delivered,
         tokload.loader._LoaderIter.restart,
+        DataLoader._guard,
         tokload.loader._LoaderIter._start,
         Prefetcher.get,
         Prefetcher.drop,

@@ -235,6 +235,7 @@ class DataLoader:
         self._cursor = 0
         self._iter: weakref.ref[_LoaderIter] | None = None
         self._stopping: list[Prefetcher] = []  # told to stop, not joined yet
+        self._lock, self._lock_pid = threading.RLock(), os.getpid()  # see _guard
         self._stats = LoaderStats(self.rank, self.world_size)
         self._stats_mark = self._stats.mark()
         self.log_every = None if log_every is None else float(log_every)
@@ -244,6 +245,15 @@ class DataLoader:
         """The schedule of this configuration (pure: a new one gives the same order)."""
         made: Schedule = self.batching.schedule(self.view, self.batch_size, **self._order)
         return made
+
+    def _guard(self) -> threading.RLock:
+        """The lock that a cursor move and an iterator's ``next()`` take (not while
+        it waits for its reader threads), so that a move from another thread
+        lands between two batches; a new one in a child made by ``os.fork()``
+        (a thread of the parent may have held it at the fork)."""
+        if self._lock_pid != os.getpid():
+            self._lock, self._lock_pid = threading.RLock(), os.getpid()
+        return self._lock
 
     def _own_process(self) -> None:
         """In a child made by ``os.fork()``: a new schedule (and a reader of it). A
@@ -282,12 +292,13 @@ class DataLoader:
         the run raises ValueError here.
         """
         value = self.schedule.check_cursor(value)
-        it = self._iter() if self._iter is not None else None
-        if it is not None:
-            it._stale = True  # before the cursor moves: its prefetch is of the old one
-        self._cursor = value
-        if it is not None:
-            it.restart()
+        with self._guard():  # (a loop in another thread takes the next batch after it)
+            it = self._iter() if self._iter is not None else None
+            if it is not None:
+                it._stale = True  # before the cursor moves: its prefetch is of the old one
+            self._cursor = value
+            if it is not None:
+                it.restart()
 
     @property
     def epoch(self) -> int:
@@ -557,10 +568,12 @@ class DataLoader:
         iterators still stopping (garbage collection only tells threads to stop):
         ``timeout`` seconds at most for all of them."""
         deadline = time.monotonic() + timeout
-        it = self._iter() if self._iter is not None else None
+        ref = self._iter
+        it = ref() if ref is not None else None
         if it is not None:
             it.close(timeout)
-        self._iter = None
+        if self._iter is ref:  # (not one another thread's iter() made meanwhile)
+            self._iter = None
         for pf in self._stopping:
             pf.close(max(0.0, deadline - time.monotonic()))
         self._stopping = [pf for pf in self._stopping if pf.alive]
@@ -598,6 +611,10 @@ class DataLoader:
             self._close_iter(0.0)  # never wait on the collecting thread
 
 
+_WAIT = object()
+"""``_LoaderIter._deliver_next``: no batch without waiting for the reader threads."""
+
+
 class _LoaderIter:
     """One pass of iteration: owns the reader threads; advances the loader's cursor.
 
@@ -622,6 +639,8 @@ class _LoaderIter:
         self._pf: Prefetcher | None = None
         self._task = 0  # the prefetcher's step (reader task) to take next
         self._stale = False  # a restart began and has not finished: next() does it again
+        self._gen = 0  # restarts so far: a task taken from an older prefetcher is dropped
+        self._waited = 0.0  # the wait for the task being handed out, for its first batch
         self._auto = False  # the automatic prefetch: sized by the batches it sees
         self._largest = 0  # bytes of the largest batch measured
         # Host batches need nothing at delivery: skip the call per batch.
@@ -669,7 +688,7 @@ class _LoaderIter:
             pf.close(0)  # told at once; then waited for
             self._loader._still_stopping(pf)
             pf.close(CLOSE_S)
-        self._pf, self._ready, self._at = None, [], 0
+        self._pf, self._ready, self._at, self._gen = None, [], 0, self._gen + 1
         self._start()
         self._stale = False
 
@@ -677,6 +696,72 @@ class _LoaderIter:
         return self
 
     def __next__(self) -> Any:
+        # The loader's lock guards this iterator's state against a cursor move (or
+        # load_state_dict) from another thread, and is not held while waiting for a
+        # task: a move lands at once, and a task taken from the prefetcher it
+        # replaced is dropped (the move's new prefetcher builds the batches).
+        lock = self._loader._guard()
+        loader = self._loader
+        t0 = time.perf_counter()
+        while True:
+            with lock:
+                got = self._deliver_next(t0)
+                pf, task, gen = self._pf, self._task, self._gen
+            if got is not _WAIT:
+                item, at, end, of = got
+                # Delivered: the batch leaves the queue and the cursor counts it in one
+                # statement, unless a move from another thread came after the lock was
+                # left (no call between this test and the return: no thread, and no
+                # signal handler, runs in between).
+                if of == self._gen:
+                    if at < 0:
+                        loader._cursor = end
+                    else:
+                        self._at, loader._cursor = at + 1, end
+                    return item
+                continue
+            assert pf is not None
+            try:
+                item = pf.get(task)
+            except StopIteration:
+                self.close()
+                raise
+            except RuntimeError:
+                with lock:
+                    if self._gen != gen:  # moved meanwhile: its prefetcher was closed
+                        continue
+                    if self._closed:  # closed from another thread: the pass is over
+                        raise StopIteration from None
+                raise
+            with lock:
+                if self._gen != gen or self._closed:
+                    continue  # of the prefetcher a move replaced, or closed: dropped
+                if isinstance(item, Failure):
+                    # A task that failed before its steps were known (a packed
+                    # schedule reads its documents' lengths): as for a Failed batch,
+                    # the cursor stays before it and a new iterator (or a resume)
+                    # builds it again.
+                    exc = item.exc
+                    exc.add_note(f"(raised in a tokload reader thread while building task {task})")
+                    self._fail(exc)
+                    raise exc
+                # Nothing was taken until stored here, in one statement: an exception
+                # from this thread (Ctrl+C, a signal handler's) before it leaves the
+                # task to ask for again.
+                self._ready, self._at, self._task = list(item), 0, task + 1
+                self._waited = time.perf_counter() - t0
+                pf.drop(task)
+                if self._auto and item:
+                    self._size_prefetch(item[0][1])
+                if self._loader.auto_threads:
+                    self._size_threads()
+
+    def _deliver_next(self, t0: float) -> Any:
+        """The next batch where it needs no wait for the reader threads (one is
+        ready, or it is built here without threads), else ``_WAIT``: ``(batch,
+        its place in the queue (-1: built here), the cursor after it, the
+        restarts before it)``, delivered but for the cursor (``__next__`` moves
+        it). Under the loader's lock."""
         if self._closed:
             if self.replaced:
                 raise RuntimeError(
@@ -692,11 +777,9 @@ class _LoaderIter:
                 )
             raise StopIteration
         loader = self._loader
-        wait = 0.0
         if self._stale or (self._pf is not None and self._pf.forked):
             self.restart()  # cut short before, or in a forked child: threads of its own
         pf = self._pf
-        queued = pf is not None  # the batch comes from _ready
         if pf is None:
             # (in the loader's own io scope: a packed schedule reads lengths)
             with loader._io if loader._io is not None else contextlib.nullcontext():
@@ -704,66 +787,38 @@ class _LoaderIter:
             if span is None:
                 self.close()
                 raise StopIteration
-            t0 = time.perf_counter()
             items, tokens = loader._build([span])
-            wait = time.perf_counter() - t0
             item, ntok = items[0], tokens[0]
-            end = span[1]
-        else:
-            if self._at >= len(self._ready):
-                # Nothing is taken until it is stored: an exception from this thread
-                # (Ctrl+C, a signal handler's) anywhere here leaves the task to ask for
-                # again, and get() raises nothing else but the end and a close.
-                task = self._task
-                t0 = time.perf_counter()
-                try:
-                    got = pf.get(task)
-                except StopIteration:
-                    self.close()
-                    raise
-                if isinstance(got, Failure):
-                    # A task that failed before its steps were known (a packed
-                    # schedule reads its documents' lengths): as for a Failed batch,
-                    # the cursor stays before it and a new iterator (or a resume)
-                    # builds it again.
-                    exc = got.exc
-                    exc.add_note(f"(raised in a tokload reader thread while building task {task})")
-                    self._fail(exc)
-                    raise exc
-                wait = time.perf_counter() - t0
-                self._ready, self._at, self._task = list(got), 0, task + 1  # one statement
-                pf.drop(task)
-                if self._auto and got:
-                    self._size_prefetch(got[0][1])
-                if loader.auto_threads:
-                    self._size_threads()
-            if not self._ready:  # an empty task: the pass is over
-                self.close()
-                raise StopIteration
-            at = self._at
-            if at:
-                self._ready[at - 1] = None  # delivered: the queue lets go of it
-            entry = self._ready[at]
-            assert entry is not None
-            (start, end), item, ntok = entry
-            if isinstance(item, Failed):
-                # The batch was not delivered: the cursor stays before it, and a new
-                # iterator (or a resume) builds it again.
-                self._fail(item.exc)
-                raise item.exc
-            span = (start, end)
+            self._delivered(span, ntok, item, time.perf_counter() - t0)
+            return item, -1, span[1], self._gen
+        if self._at >= len(self._ready):
+            if self._task == 0 or self._ready:
+                return _WAIT
+            self.close()  # an empty task: the pass is over
+            raise StopIteration
+        at = self._at
+        if at:
+            self._ready[at - 1] = None  # delivered: the queue lets go of it
+        entry = self._ready[at]
+        assert entry is not None
+        (start, end), item, ntok = entry
+        if isinstance(item, Failed):
+            # The batch was not delivered: the cursor stays before it, and a new
+            # iterator (or a resume) builds it again.
+            self._fail(item.exc)
+            raise item.exc
+        wait, self._waited = self._waited, 0.0
+        self._delivered((start, end), ntok, item, wait)
+        return item, at, end, self._gen
+
+    def _delivered(self, span: tuple[int, int], ntok: Counted, item: Any, wait: float) -> None:
+        """What delivering a batch does before the cursor counts it."""
+        loader = self._loader
         loader._stats.delivered(wait, loader.schedule.samples(*span), *ntok)
         if loader.log_every is not None:
             loader._log_stats()
         if self._deliver is not None:
             self._deliver(item)
-        # Delivered: the batch leaves the queue and the cursor counts it in one
-        # statement (an exception before it leaves the batch to be delivered again).
-        if queued:
-            self._at, loader._cursor = at + 1, end
-        else:
-            loader._cursor = end
-        return item
 
     def _fail(self, exc: BaseException) -> None:
         """End the pass at a failure: ``next()`` then says so (the cursor stays before
@@ -820,8 +875,11 @@ class _LoaderIter:
         if not self._closed:
             self._closed = True
             self._ready, self._at = [], 0
-            if self._pf is not None and not self._pf.close(timeout):
-                self._loader._still_stopping(self._pf)
+        # (each call waits: a second close() from another thread returns once the
+        # threads are gone, as the first does)
+        pf = self._pf
+        if pf is not None and not pf.close(timeout):
+            self._loader._still_stopping(pf)
 
     def __del__(self) -> None:
         # Garbage collection runs on whatever thread drops the last reference (the
