@@ -361,6 +361,10 @@ def test_bad_components(views: list[TokenStream], tmp_path: Path) -> None:
     other = TokenStream(views[0].source, window=3)
     with pytest.raises(ValueError, match="component 1 has window 3"):
         Blend([(views[0], 1), (other, 1)], length=10)
+    # a blend of documents has no windows to find boundaries in (an AttributeError
+    # on "window" once, from the cu_seqlens check that came first)
+    with pytest.raises(TypeError, match="a blend of documents has no windows"):
+        Blend([(docs, 1)], length=10).boundaries([0, 1])
 
 
 def test_fill_locates_each_document_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

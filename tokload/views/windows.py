@@ -173,9 +173,13 @@ class WindowBoundaries:
         return raw, steps
 
     def _window_boundaries(
-        self, indices: npt.ArrayLike, alloc: Alloc, keys: Sequence[str]
+        self, indices: npt.ArrayLike, alloc: Alloc, keys: Sequence[str], whole: bool = False
     ) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
+        """``boundary_arrays`` of windows ``indices``; ``whole``: they are one step, whose
+        ``cu_seqlens`` (int32) must number its tokens (checked before any is allocated)."""
         starts, ncuts, cuts = self._window_cuts(indices)
+        if whole and "cu_seqlens" in keys:
+            check_step_tokens(len(starts), self.window)
         return boundary_arrays(starts, self.window, ncuts, cuts, alloc, keys)
 
     def boundaries(self, indices: npt.ArrayLike, alloc: Alloc = np.empty) -> dict[str, Any]:
@@ -195,9 +199,7 @@ class WindowBoundaries:
         rounds of index reads per batch, at most ``2 log2(documents)``.
         """
         keys = self.boundary_keys or BOUNDARY_KEYS
-        if "cu_seqlens" in keys:  # int32, as attention kernels take it
-            check_step_tokens(len(np.asarray(indices).reshape(-1)), self.window)
-        arrays, cu, longest = self._window_boundaries(indices, alloc, keys)
+        arrays, cu, longest = self._window_boundaries(indices, alloc, keys, whole=True)
         if "cu_seqlens" in keys:
             arrays["cu_seqlens"] = cu.astype(np.int32)
         out: dict[str, Any] = dict(arrays)
