@@ -235,7 +235,11 @@ class DataLoader:
         self._cursor = 0
         self._iter: weakref.ref[_LoaderIter] | None = None
         self._stopping: list[Prefetcher] = []  # told to stop, not joined yet
-        self._lock, self._lock_pid = threading.RLock(), os.getpid()  # see _guard
+        # taken by a cursor move and an iterator's next() (not while it waits for
+        # its reader threads), so that a move from another thread lands between two
+        # batches; a new one in a child made by os.fork() (_new_locks_after_fork)
+        self._lock = threading.RLock()
+        _LOADERS.add(self)
         self._stats = LoaderStats(self.rank, self.world_size)
         self._stats_mark = self._stats.mark()
         self.log_every = None if log_every is None else float(log_every)
@@ -245,15 +249,6 @@ class DataLoader:
         """The schedule of this configuration (pure: a new one gives the same order)."""
         made: Schedule = self.batching.schedule(self.view, self.batch_size, **self._order)
         return made
-
-    def _guard(self) -> threading.RLock:
-        """The lock that a cursor move and an iterator's ``next()`` take (not while
-        it waits for its reader threads), so that a move from another thread
-        lands between two batches; a new one in a child made by ``os.fork()``
-        (a thread of the parent may have held it at the fork)."""
-        if self._lock_pid != os.getpid():
-            self._lock, self._lock_pid = threading.RLock(), os.getpid()
-        return self._lock
 
     def _own_process(self) -> None:
         """In a child made by ``os.fork()``: a new schedule (and a reader of it). A
@@ -292,7 +287,7 @@ class DataLoader:
         the run raises ValueError here.
         """
         value = self.schedule.check_cursor(value)
-        with self._guard():  # (a loop in another thread takes the next batch after it)
+        with self._lock:  # (a loop in another thread takes the next batch after it)
             it = self._iter() if self._iter is not None else None
             if it is not None:
                 it._stale = True  # before the cursor moves: its prefetch is of the old one
@@ -611,8 +606,17 @@ class DataLoader:
             self._close_iter(0.0)  # never wait on the collecting thread
 
 
-_WAIT = object()
-"""``_LoaderIter._deliver_next``: no batch without waiting for the reader threads."""
+_LOADERS: weakref.WeakSet[DataLoader] = weakref.WeakSet()
+
+
+def _new_locks_after_fork() -> None:
+    """In a child made by ``os.fork()``: a new lock for every loader (a thread of the
+    parent may have held one at the fork; the child has that thread alone)."""
+    for loader in list(_LOADERS):
+        loader._lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_locks_after_fork)
 
 
 class _LoaderIter:
@@ -641,6 +645,7 @@ class _LoaderIter:
         self._stale = False  # a restart began and has not finished: next() does it again
         self._gen = 0  # restarts so far: a task taken from an older prefetcher is dropped
         self._waited = 0.0  # the wait for the task being handed out, for its first batch
+        self._counted: Any = None  # the last batch delivered (see _delivered)
         self._auto = False  # the automatic prefetch: sized by the batches it sees
         self._largest = 0  # bytes of the largest batch measured
         # Host batches need nothing at delivery: skip the call per batch.
@@ -696,127 +701,144 @@ class _LoaderIter:
         return self
 
     def __next__(self) -> Any:
-        # The loader's lock guards this iterator's state against a cursor move (or
-        # load_state_dict) from another thread, and is not held while waiting for a
-        # task: a move lands at once, and a task taken from the prefetcher it
-        # replaced is dropped (the move's new prefetcher builds the batches).
-        lock = self._loader._guard()
+        # The loader's lock orders this with a cursor move, load_state_dict and close
+        # from another thread (or a signal handler): it is not held while waiting for
+        # a task or building a batch, and what a move made stale meanwhile is dropped.
+        # A batch counts as delivered (leaves the queue, moves the cursor) in one
+        # statement after the lock is left, with no call between the test that no
+        # move came and the return: no other thread and no signal handler can run
+        # there, and an exception anywhere before leaves the batch to come again.
         loader = self._loader
-        t0 = time.perf_counter()
+        lock = loader._lock
         while True:
             with lock:
-                got = self._deliver_next(t0)
-                pf, task, gen = self._pf, self._task, self._gen
-            if got is not _WAIT:
-                item, at, end, of = got
-                # Delivered: the batch leaves the queue and the cursor counts it in one
-                # statement, unless a move from another thread came after the lock was
-                # left (no call between this test and the return: no thread, and no
-                # signal handler, runs in between).
-                if of == self._gen:
-                    if at < 0:
-                        loader._cursor = end
-                    else:
-                        self._at, loader._cursor = at + 1, end
+                if self._closed:
+                    self._ended()
+                if self._stale or (self._pf is not None and self._pf.forked):
+                    self.restart()  # cut short before, or in a forked child
+                # (read in one statement, without a call: a signal handler's move,
+                # which runs at calls, replaces these, and is seen by the test below)
+                gen, pf, at, queue, task = self._gen, self._pf, self._at, self._ready, self._task
+                ready = pf is not None and at < len(queue)
+                if ready:
+                    item, end = self._take(queue, (gen, task, at))
+                elif pf is not None:
+                    if task and not queue:  # an empty task: the pass is over
+                        self.close()
+                        raise StopIteration
+                else:
+                    # (in the loader's own io scope: a packed schedule reads lengths)
+                    with loader._io if loader._io is not None else contextlib.nullcontext():
+                        span = loader.schedule.span(loader.cursor)
+                    if span is None:
+                        self.close()
+                        raise StopIteration
+            if ready:
+                if gen == self._gen and not self._stale:
+                    self._at, loader._cursor = at + 1, end
+                    return item
+                continue  # a move came after the lock was left: its batches instead
+            t0 = time.perf_counter()
+            if pf is None:
+                assert span is not None
+                # (a failure here is raised, the cursor before the batch: built in this
+                # thread, it cannot be told from an exception a signal handler raised,
+                # so the next next() builds the batch again)
+                items, tokens = loader._build([span])
+                with lock:
+                    if gen != self._gen or self._stale or self._closed:
+                        continue
+                    item = items[0]
+                    key = (gen, span)
+                    self._delivered(key, span, tokens[0], item, time.perf_counter() - t0)
+                if gen == self._gen and not self._stale:
+                    loader._cursor = span[1]
                     return item
                 continue
-            assert pf is not None
             try:
-                item = pf.get(task)
+                got = pf.get(task)
             except StopIteration:
                 self.close()
                 raise
             except RuntimeError:
                 with lock:
-                    if self._gen != gen:  # moved meanwhile: its prefetcher was closed
-                        continue
-                    if self._closed:  # closed from another thread: the pass is over
-                        raise StopIteration from None
+                    if self._closed or gen != self._gen:
+                        continue  # closed, replaced or moved meanwhile: said at the top
                 raise
             with lock:
-                if self._gen != gen or self._closed:
-                    continue  # of the prefetcher a move replaced, or closed: dropped
-                if isinstance(item, Failure):
+                if gen != self._gen or self._stale or self._closed:
+                    continue  # of the prefetcher a move replaced: dropped
+                if isinstance(got, Failure):
                     # A task that failed before its steps were known (a packed
                     # schedule reads its documents' lengths): as for a Failed batch,
                     # the cursor stays before it and a new iterator (or a resume)
                     # builds it again.
-                    exc = item.exc
+                    exc = got.exc
                     exc.add_note(f"(raised in a tokload reader thread while building task {task})")
                     self._fail(exc)
                     raise exc
-                # Nothing was taken until stored here, in one statement: an exception
-                # from this thread (Ctrl+C, a signal handler's) before it leaves the
-                # task to ask for again.
-                self._ready, self._at, self._task = list(item), 0, task + 1
+                # taken: stored in one statement without a call (an exception before
+                # it leaves the task to ask for again; a signal handler's cursor move,
+                # which runs at calls, comes before the test or after the store)
+                items = list(got)
+                if gen != self._gen or self._stale:
+                    continue
+                self._ready, self._at, self._task = items, 0, task + 1
                 self._waited = time.perf_counter() - t0
                 pf.drop(task)
-                if self._auto and item:
-                    self._size_prefetch(item[0][1])
-                if self._loader.auto_threads:
+                if self._auto and got:
+                    self._size_prefetch(got[0][1])
+                if loader.auto_threads:
                     self._size_threads()
 
-    def _deliver_next(self, t0: float) -> Any:
-        """The next batch where it needs no wait for the reader threads (one is
-        ready, or it is built here without threads), else ``_WAIT``: ``(batch,
-        its place in the queue (-1: built here), the cursor after it, the
-        restarts before it)``, delivered but for the cursor (``__next__`` moves
-        it). Under the loader's lock."""
-        if self._closed:
-            if self.replaced:
-                raise RuntimeError(
-                    "this DataLoader iterator was replaced by a newer iter() of its loader, "
-                    "which goes on from the cursor: a loader has one pass at a time"
-                )
-            if self.failed is not None:
-                raise RuntimeError(
-                    f"this DataLoader iterator stopped at a failure "
-                    f"({type(self.failed).__name__}: {self.failed}); iter(loader) goes on "
-                    f"from the cursor ({self._loader.cursor}), building the failed batch "
-                    "again"
-                )
-            raise StopIteration
-        loader = self._loader
-        if self._stale or (self._pf is not None and self._pf.forked):
-            self.restart()  # cut short before, or in a forked child: threads of its own
-        pf = self._pf
-        if pf is None:
-            # (in the loader's own io scope: a packed schedule reads lengths)
-            with loader._io if loader._io is not None else contextlib.nullcontext():
-                span = loader.schedule.span(loader.cursor)
-            if span is None:
-                self.close()
-                raise StopIteration
-            items, tokens = loader._build([span])
-            item, ntok = items[0], tokens[0]
-            self._delivered(span, ntok, item, time.perf_counter() - t0)
-            return item, -1, span[1], self._gen
-        if self._at >= len(self._ready):
-            if self._task == 0 or self._ready:
-                return _WAIT
-            self.close()  # an empty task: the pass is over
-            raise StopIteration
-        at = self._at
+    def _ended(self) -> None:
+        """Raise what ``next()`` of a closed iterator raises."""
+        if self.replaced:
+            raise RuntimeError(
+                "this DataLoader iterator was replaced by a newer iter() of its loader, "
+                "which goes on from the cursor: a loader has one pass at a time"
+            )
+        if self.failed is not None:
+            raise RuntimeError(
+                f"this DataLoader iterator stopped at a failure "
+                f"({type(self.failed).__name__}: {self.failed}); iter(loader) goes on "
+                f"from the cursor ({self._loader.cursor}), building the failed batch again"
+            )
+        raise StopIteration
+
+    def _take(self, queue: list[Any], key: tuple[int, int, int]) -> tuple[Any, int]:
+        """Batch ``at`` of the task being handed out (``queue``), delivered but for
+        the cursor: ``(batch, the cursor after it)``; ``key``: ``(restarts, tasks
+        taken, at)``, which names it. Under the loader's lock."""
+        at = key[2]
         if at:
-            self._ready[at - 1] = None  # delivered: the queue lets go of it
-        entry = self._ready[at]
+            queue[at - 1] = None  # delivered: the queue lets go of it
+        entry = queue[at]
         assert entry is not None
-        (start, end), item, ntok = entry
+        span, item, ntok = entry
         if isinstance(item, Failed):
             # The batch was not delivered: the cursor stays before it, and a new
             # iterator (or a resume) builds it again.
             self._fail(item.exc)
             raise item.exc
         wait, self._waited = self._waited, 0.0
-        self._delivered((start, end), ntok, item, wait)
-        return item, at, end, self._gen
+        self._delivered(key, span, ntok, item, wait)
+        return item, span[1]
 
-    def _delivered(self, span: tuple[int, int], ntok: Counted, item: Any, wait: float) -> None:
-        """What delivering a batch does before the cursor counts it."""
+    def _delivered(
+        self, key: Any, span: tuple[int, int], ntok: Counted, item: Any, wait: float
+    ) -> None:
+        """What delivering a batch does before the cursor counts it; its statistics
+        once (``key`` names the batch: one an exception made come again is not
+        counted twice)."""
         loader = self._loader
-        loader._stats.delivered(wait, loader.schedule.samples(*span), *ntok)
-        if loader.log_every is not None:
-            loader._log_stats()
+        if key != self._counted:
+            # (an interrupt inside this update may count the batch twice: only the
+            # statistics, never the batches)
+            loader._stats.delivered(wait, loader.schedule.samples(*span), *ntok)
+            self._counted = key
+            if loader.log_every is not None:
+                loader._log_stats()
         if self._deliver is not None:
             self._deliver(item)
 
@@ -872,17 +894,22 @@ class _LoaderIter:
     def close(self, timeout: float = CLOSE_S) -> None:
         """Stop the reader threads, waiting ``timeout`` seconds at most for all of
         them (0: tell them to stop and return)."""
-        if not self._closed:
-            self._closed = True
-            self._ready, self._at = [], 0
+        with self._loader._lock:  # (not while next() of another thread uses _ready)
+            if not self._closed:
+                self._closed = True
+                self._ready, self._at = [], 0
+            pf = self._pf
         # (each call waits: a second close() from another thread returns once the
         # threads are gone, as the first does)
-        pf = self._pf
         if pf is not None and not pf.close(timeout):
             self._loader._still_stopping(pf)
 
     def __del__(self) -> None:
         # Garbage collection runs on whatever thread drops the last reference (the
         # training thread, usually): it only tells the threads to stop, and they exit
-        # on their own once a read in progress returns.
-        self.close(0.0)
+        # on their own once a read in progress returns. Nothing else holds this
+        # iterator: no lock is needed (nor waited for).
+        self._closed = True
+        pf = self._pf
+        if pf is not None and not pf.close(0.0):
+            self._loader._still_stopping(pf)

@@ -10,8 +10,8 @@ Interrupts. The consumer's thread may get an exception between any two calls
 (Ctrl+C, or a signal handler that raises: a watchdog's alarm). ``get(step)``
 keeps the step it returns until ``drop(step)`` (or the ``get`` of the next
 step), so an owner interrupted before it has stored the item asks for the same
-step again and loses nothing; and the shared state is guarded by a plain
-``threading.Lock`` entered with ``with``, whose taking and giving back no Python
+step again and loses nothing; and the shared state is guarded by a
+``threading.RLock`` entered with ``with``, whose taking and giving back no Python
 code can come between (``threading.Condition``'s own ``__enter__`` and
 ``__exit__`` are Python functions: an exception raised inside one of them leaves
 the lock held, and every reader thread waits on it forever).
@@ -130,7 +130,9 @@ class Prefetcher:
         self._build = build
         self._stop = stop
         self._depth = depth
-        self._lock = threading.Lock()  # entered with `with`; the condition waits on it
+        # entered with `with`; the condition waits on it. Reentrant: a signal handler
+        # that moves a loader's cursor closes this prefetcher from inside get().
+        self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._claim = first  # next step a thread may take
         self._next = first  # next step the consumer gets
@@ -205,7 +207,7 @@ class Prefetcher:
     def _forget_threads(self) -> None:
         """In a forked child (the at-fork hook): the threads are gone and the
         condition's lock may be held by one of them; keep nothing of either."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._threads = []
         self._forked = True
@@ -267,10 +269,11 @@ class Prefetcher:
                 if self._closed:
                     raise RuntimeError("the prefetcher was closed")
                 cond.wait(POLL_S)  # short waits: Ctrl+C is seen at once
+            item = self._results[step]  # (before a call: a handler may close it there)
             if self._next <= step:  # the threads may build one step further
                 self._next = step + 1
                 cond.notify_all()
-            return self._results[step]
+            return item
 
     def drop(self, step: int) -> None:
         """Forget step ``step``'s item: the consumer has stored it."""
@@ -284,6 +287,10 @@ class Prefetcher:
         of them together (0: do not wait). Returns whether they all did; a thread
         still inside a step exits when the step returns, building nothing more.
         """
+        if self._lock._is_owned():  # type: ignore[attr-defined]
+            # a signal handler closing it inside this thread's get(): the threads wait
+            # for the lock that get holds, so they exit once it returns (not waited for)
+            timeout = 0.0
         with self._lock:
             self._closed = True
             self._results.clear()
