@@ -829,11 +829,10 @@ def _failing_at(bad: int, times: int | None = None) -> Callable[[np.ndarray], No
     return hook
 
 
-def test_a_failed_task_is_not_read_again_and_fails_at_its_first_step() -> None:
-    # shuffle=False, batches of 2, tasks of 4 steps: task 0 is step 0 (positions 0-1),
-    # task 1 steps 1-4 (2-9), task 2 steps 5-8 (10-17); sample 14 is in task 2, step 7
-    view = Rows(40, _failing_at(14))
-    ld = DataLoader(
+def _tasks_of_four(view: Rows) -> DataLoader:
+    """Batches of 2 in order, one epoch, tasks of 4 steps (task 0: step 0, positions
+    0-1; task 1: steps 1-4, positions 2-9; task 2: positions 10-17), one thread."""
+    return DataLoader(
         view,
         2,
         shuffle=False,
@@ -841,6 +840,13 @@ def test_a_failed_task_is_not_read_again_and_fails_at_its_first_step() -> None:
         num_threads=1,
         read=tokload.ReadOptions(steps_per_task=4, prefetch=4),
     )
+
+
+def test_a_failed_task_is_not_read_again_and_fails_at_its_first_step() -> None:
+    # shuffle=False, batches of 2, tasks of 4 steps: task 0 is step 0 (positions 0-1),
+    # task 1 steps 1-4 (2-9), task 2 steps 5-8 (10-17); sample 14 is in task 2, step 7
+    view = Rows(40, _failing_at(14))
+    ld = _tasks_of_four(view)
     it = iter(ld)
     got = [next(it)["position"].tolist() for _ in range(5)]
     assert got == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
@@ -919,14 +925,7 @@ def test_a_reader_failure_that_is_no_exception_skips_no_task() -> None:
             failed.append(1)
             raise asyncio.CancelledError()
 
-    ld = DataLoader(
-        Rows(40, hook),
-        2,
-        shuffle=False,
-        epochs=1,
-        num_threads=1,
-        read=tokload.ReadOptions(steps_per_task=4, prefetch=4),
-    )
+    ld = _tasks_of_four(Rows(40, hook))
     it = iter(ld)
     got = [next(it)["position"].tolist() for _ in range(5)]
     with pytest.raises(asyncio.CancelledError):
