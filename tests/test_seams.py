@@ -546,7 +546,7 @@ def test_a_close_does_not_forget_an_iterator_made_meanwhile(
     old = iter(ld)
     next(old)
     made: list[Any] = []
-    real = tokload.loader._LoaderIter.close
+    real = tokload.iteration.LoaderIter.close
 
     def close(self: Any, timeout: float = 1.0) -> None:
         real(self, timeout)
@@ -554,7 +554,7 @@ def test_a_close_does_not_forget_an_iterator_made_meanwhile(
             made.append(None)
             made[0] = iter(ld)
 
-    monkeypatch.setattr(tokload.loader._LoaderIter, "close", close)
+    monkeypatch.setattr(tokload.iteration.LoaderIter, "close", close)
     ld.close()
     new: Any = made[0]
     assert ld._iter is not None and ld._iter() is made[0]
@@ -1054,11 +1054,11 @@ switches."""
 _NEXT_CODES = {
     f.__code__
     for f in (
-        tokload.loader._LoaderIter.__next__,
-        tokload.loader._LoaderIter._take,
-        tokload.loader._LoaderIter._ended,
-        tokload.loader._LoaderIter.restart,
-        tokload.loader._LoaderIter._start,
+        tokload.iteration.LoaderIter.__next__,
+        tokload.iteration.LoaderIter._take,
+        tokload.iteration.LoaderIter._ended,
+        tokload.iteration.LoaderIter.restart,
+        tokload.iteration.LoaderIter._start,
         Prefetcher.get,
         Prefetcher.drop,
         Prefetcher.add_threads,

@@ -13,9 +13,11 @@ It composes three stages, one job each:
 
 This module owns the policy around them: the cursor (the first position not yet
 delivered; the whole checkpoint), how a reader task's steps are read and made
-into batches (``DataLoader._build_task``), the statistics, and iteration: reader
-threads that build several steps per task ahead of the trainer.  Which steps a
-task builds, how many tasks ahead and on how many threads is ``tokload.tasks``'s.
+into batches (``DataLoader._build_task``) and the statistics. A pass of iteration
+(reader threads that build several steps per task ahead of the trainer, handed
+out in order as ``next()`` moves the cursor) is ``tokload.iteration``'s; which
+steps a task builds, how many tasks ahead and on how many threads is
+``tokload.tasks``'s.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import numpy as np
 from tokload.arguments import is_integer, positive_integer, seed_and_rounds
 from tokload.batching import Batching, cut, read_step, resolve
 from tokload.errors import StateError
-from tokload.prefetch import CLOSE_S, Failure, Prefetcher
+from tokload.iteration import LoaderIter
+from tokload.prefetch import CLOSE_S, Prefetcher
 from tokload.ranks import resolve_rank
 from tokload.readahead import wanted
 from tokload.reading import ReadOptions, from_retired
@@ -41,11 +44,7 @@ from tokload.schedule import Schedule
 from tokload.stats import LoaderStats, format_report, log
 from tokload.tasks import (
     Counted,
-    Failed,
-    auto_prefetch,
-    batch_nbytes,
     task_builder,
-    waiting_threads,
 )
 from tokload.transfer import Batch, Transfer, loader_backend, retired_transfer
 from tokload.views.contract import check_view, fingerprint_upto
@@ -233,7 +232,7 @@ class DataLoader:
         self.transfer = Transfer(loader_backend(device, pin_memory, collate))
         self._reader = self.batching.reader(view, self.schedule, self.transfer.alloc)
         self._cursor = 0
-        self._iter: weakref.ref[_LoaderIter] | None = None
+        self._iter: weakref.ref[LoaderIter] | None = None
         self._stopping: list[Prefetcher] = []  # told to stop, not joined yet
         # taken by a cursor move and an iterator's next() (not while it waits for
         # its reader threads), so that a move from another thread lands between two
@@ -548,7 +547,7 @@ class DataLoader:
         if old is not None and not old._closed:  # (one that has ended stays ended)
             old.replaced = True  # its next() says so, rather than end as if the data had
         self._close_iter()
-        it = _LoaderIter(self)
+        it = LoaderIter(self)
         self._iter = weakref.ref(it)
         return it
 
@@ -617,299 +616,3 @@ def _new_locks_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_new_locks_after_fork)
-
-
-class _LoaderIter:
-    """One pass of iteration: owns the reader threads; advances the loader's cursor.
-
-    Reader task 0 builds the first step after the cursor the threads started
-    from, task ``k > 0`` the ``c = steps_per_task`` steps after task ``k - 1``'s;
-    the consumer takes them in order. ``restart`` starts over from the loader's
-    current cursor: the old threads are stopped and joined first (one deadline,
-    ``CLOSE_S``), so moving the cursor never piles threads up. In a child made by
-    ``os.fork()`` the parent's threads do not exist (the prefetcher is marked
-    ``forked``): the next ``next()`` restarts from the cursor with the child's
-    own threads, and so gets the batches the parent gets next.
-    """
-
-    def __init__(self, loader: DataLoader) -> None:
-        self._loader = loader
-        self._closed = False
-        self.replaced = False  # a newer iter(loader) took over the cursor
-        self.failed: BaseException | None = None  # what ended the pass, if a failure did
-        # the batches of the task being handed out, in order; _at: the next one
-        self._ready: list[tuple[tuple[int, int], Any, Counted] | None] = []
-        self._at = 0
-        self._pf: Prefetcher | None = None
-        self._task = 0  # the prefetcher's step (reader task) to take next
-        self._stale = False  # a restart began and has not finished: next() does it again
-        self._gen = 0  # restarts so far: a task taken from an older prefetcher is dropped
-        self._waited = 0.0  # the wait for the task being handed out, for its first batch
-        self._counted: Any = None  # the last batch delivered (see _delivered)
-        self._auto = False  # the automatic prefetch: sized by the batches it sees
-        self._largest = 0  # bytes of the largest batch measured
-        # Host batches need nothing at delivery: skip the call per batch.
-        self._deliver = loader.transfer.deliver if loader.device is not None else None
-        self._start()
-
-    def _start(self) -> None:
-        loader = self._loader
-        loader._own_process()
-        self._ready, self._at, self._task = [], 0, 0
-        if loader.num_threads > 0:
-            # The threads see only the build function, never this object, so
-            # dropping the iterator (e.g. leaving a for loop) lets it be collected.
-            per = loader.steps_per_task
-            # automatic: two tasks until the first batch says how big batches are
-            depth = 2 if loader.prefetch is None else max(1, -(-loader.prefetch // per))
-            self._auto = loader.prefetch is None
-            self._largest = 0
-            # read ahead as far as the prefetch reaches: [tasks, the ReadAhead]
-            self._lead: list[Any] = [depth]
-            cancel = threading.Event()  # set by the prefetcher's close: tasks give up
-            # made without threads, which start once it is ours: a prefetcher that an
-            # exception (Ctrl+C) cut off before the assignment has none running
-            self._pf = Prefetcher(
-                loader._task_builder(loader.cursor, self._lead, cancel),
-                0,
-                None,
-                depth,
-                0,
-                cancel=cancel,
-            )
-            self._pf.add_threads(loader.num_threads)
-
-    def restart(self) -> None:
-        """Drop what was prefetched and go on from the loader's cursor (the old
-        threads stopped and joined, ``CLOSE_S`` at most for all of them).
-
-        A restart that an exception (Ctrl+C) cuts short is done again by the
-        next ``next()``: never are the old cursor's batches delivered."""
-        if self._closed:
-            return
-        self._stale = True
-        pf = self._pf
-        if pf is not None:
-            pf.close(0)  # told at once; then waited for
-            self._loader._still_stopping(pf)
-            pf.close(CLOSE_S)
-        self._pf, self._ready, self._at, self._gen = None, [], 0, self._gen + 1
-        self._start()
-        self._stale = False
-
-    def __iter__(self) -> _LoaderIter:
-        return self
-
-    def __next__(self) -> Any:
-        # The loader's lock orders this with a cursor move, load_state_dict and close
-        # from another thread (or a signal handler): it is not held while waiting for
-        # a task or building a batch, and what a move made stale meanwhile is dropped.
-        # A batch counts as delivered (leaves the queue, moves the cursor) in one
-        # statement after the lock is left, with no call between the test that no
-        # move came and the return: no other thread and no signal handler can run
-        # there, and an exception anywhere before leaves the batch to come again.
-        loader = self._loader
-        lock = loader._lock
-        while True:
-            with lock:
-                if self._closed:
-                    self._ended()
-                if self._stale or (self._pf is not None and self._pf.forked):
-                    self.restart()  # cut short before, or in a forked child
-                # (read in one statement, without a call: a signal handler's move,
-                # which runs at calls, replaces these, and is seen by the test below)
-                gen, pf, at, queue, task = self._gen, self._pf, self._at, self._ready, self._task
-                ready = pf is not None and at < len(queue)
-                if ready:
-                    item, end = self._take(queue, (gen, task, at))
-                elif pf is not None:
-                    if task and not queue:  # an empty task: the pass is over
-                        self.close()
-                        raise StopIteration
-                else:
-                    # (in the loader's own io scope: a packed schedule reads lengths)
-                    with loader._io if loader._io is not None else contextlib.nullcontext():
-                        span = loader.schedule.span(loader.cursor)
-                    if span is None:
-                        self.close()
-                        raise StopIteration
-            if ready:
-                if gen == self._gen and not self._stale:
-                    self._at, loader._cursor = at + 1, end
-                    return item
-                continue  # a move came after the lock was left: its batches instead
-            t0 = time.perf_counter()
-            if pf is None:
-                assert span is not None
-                # (a failure here is raised, the cursor before the batch: built in this
-                # thread, it cannot be told from an exception a signal handler raised,
-                # so the next next() builds the batch again)
-                items, tokens = loader._build([span])
-                with lock:
-                    if gen != self._gen or self._stale or self._closed:
-                        continue
-                    item = items[0]
-                    key = (gen, span)
-                    self._delivered(key, span, tokens[0], item, time.perf_counter() - t0)
-                if gen == self._gen and not self._stale:
-                    loader._cursor = span[1]
-                    return item
-                continue
-            try:
-                got = pf.get(task)
-            except StopIteration:
-                self.close()
-                raise
-            except RuntimeError:
-                with lock:
-                    if self._closed or gen != self._gen:
-                        continue  # closed, replaced or moved meanwhile: said at the top
-                raise
-            with lock:
-                if gen != self._gen or self._stale or self._closed:
-                    continue  # of the prefetcher a move replaced: dropped
-                if isinstance(got, Failure):
-                    # A task that failed before its steps were known (a packed
-                    # schedule reads its documents' lengths): as for a Failed batch,
-                    # the cursor stays before it and a new iterator (or a resume)
-                    # builds it again.
-                    exc = got.exc
-                    exc.add_note(f"(raised in a tokload reader thread while building task {task})")
-                    self._fail(exc)
-                    raise exc
-                # taken: stored in one statement without a call (an exception before
-                # it leaves the task to ask for again; a signal handler's cursor move,
-                # which runs at calls, comes before the test or after the store)
-                items = list(got)
-                if gen != self._gen or self._stale:
-                    continue
-                self._ready, self._at, self._task = items, 0, task + 1
-                self._waited = time.perf_counter() - t0
-                pf.drop(task)
-                if self._auto and got:
-                    self._size_prefetch(got[0][1])
-                if loader.auto_threads:
-                    self._size_threads()
-
-    def _ended(self) -> None:
-        """Raise what ``next()`` of a closed iterator raises."""
-        if self.replaced:
-            raise RuntimeError(
-                "this DataLoader iterator was replaced by a newer iter() of its loader, "
-                "which goes on from the cursor: a loader has one pass at a time"
-            )
-        if self.failed is not None:
-            raise RuntimeError(
-                f"this DataLoader iterator stopped at a failure "
-                f"({type(self.failed).__name__}: {self.failed}); iter(loader) goes on "
-                f"from the cursor ({self._loader.cursor}), building the failed batch again"
-            )
-        raise StopIteration
-
-    def _take(self, queue: list[Any], key: tuple[int, int, int]) -> tuple[Any, int]:
-        """Batch ``at`` of the task being handed out (``queue``), delivered but for
-        the cursor: ``(batch, the cursor after it)``; ``key``: ``(restarts, tasks
-        taken, at)``, which names it. Under the loader's lock."""
-        at = key[2]
-        if at:
-            queue[at - 1] = None  # delivered: the queue lets go of it
-        entry = queue[at]
-        assert entry is not None
-        span, item, ntok = entry
-        if isinstance(item, Failed):
-            # The batch was not delivered: the cursor stays before it, and a new
-            # iterator (or a resume) builds it again.
-            self._fail(item.exc)
-            raise item.exc
-        wait, self._waited = self._waited, 0.0
-        self._delivered(key, span, ntok, item, wait)
-        return item, span[1]
-
-    def _delivered(
-        self, key: Any, span: tuple[int, int], ntok: Counted, item: Any, wait: float
-    ) -> None:
-        """What delivering a batch does before the cursor counts it; its statistics
-        once (``key`` names the batch: one an exception made come again is not
-        counted twice)."""
-        loader = self._loader
-        if key != self._counted:
-            # (an interrupt inside this update may count the batch twice: only the
-            # statistics, never the batches)
-            loader._stats.delivered(wait, loader.schedule.samples(*span), *ntok)
-            self._counted = key
-            if loader.log_every is not None:
-                loader._log_stats()
-        if self._deliver is not None:
-            self._deliver(item)
-
-    def _fail(self, exc: BaseException) -> None:
-        """End the pass at a failure: ``next()`` then says so (the cursor stays before
-        the batch that failed)."""
-        self.failed = exc
-        self.close()
-
-    def queue(self) -> dict[str, int]:
-        """Built batches waiting for ``next()``, and the most that can wait: the
-        prefetch's tasks and the one being handed out."""
-        pf = self._pf
-        if pf is None:
-            return {"batches_ready": 0, "prefetch_batches": 0}
-        per = self._loader.steps_per_task
-        return {
-            "batches_ready": len(self._ready) - self._at + pf.ready * per,
-            "prefetch_batches": (pf.depth + 1) * per,
-        }
-
-    def _size_prefetch(self, batch: Any) -> None:
-        """The automatic prefetch depth, from the first batch of each task: sized
-        by the largest batch seen (batches of documents vary), so it only shrinks
-        after the first."""
-        if isinstance(batch, Failed) or self._pf is None:
-            return
-        nbytes = batch_nbytes(batch)
-        if self._largest and nbytes <= self._largest:
-            return
-        self._largest = max(self._largest, nbytes)
-        depth = auto_prefetch(self._largest, self._loader.prefetch_bytes)
-        tasks = max(2, -(-depth // self._loader.steps_per_task))
-        self._lead[0] = tasks
-        self._pf.set_depth(tasks)
-
-    def _size_threads(self) -> None:
-        """More reader threads while the tasks wait for their reads: a task that
-        takes ``r`` times its CPU time (r > 2) leaves a thread idle most of the
-        time, so ``num_threads * r`` threads keep ``num_threads`` threads' worth
-        of work going; at most ``MAX_WAITING_THREADS`` and the tasks the prefetch
-        may hold.  Threads that wait for reads cost neither CPU nor the GIL."""
-        pf = self._pf
-        if pf is None:
-            return
-        want = waiting_threads(self._loader.num_threads, *pf.load(), pf.depth)
-        if want > pf.threads:
-            # more threads only help: where the system refuses one, go on with those
-            # there are (the next sizing tries again)
-            with contextlib.suppress(RuntimeError):
-                pf.add_threads(want - pf.threads)
-
-    def close(self, timeout: float = CLOSE_S) -> None:
-        """Stop the reader threads, waiting ``timeout`` seconds at most for all of
-        them (0: tell them to stop and return)."""
-        with self._loader._lock:  # (not while next() of another thread uses _ready)
-            if not self._closed:
-                self._closed = True
-                self._ready, self._at = [], 0
-            pf = self._pf
-        # (each call waits: a second close() from another thread returns once the
-        # threads are gone, as the first does)
-        if pf is not None and not pf.close(timeout):
-            self._loader._still_stopping(pf)
-
-    def __del__(self) -> None:
-        # Garbage collection runs on whatever thread drops the last reference (the
-        # training thread, usually): it only tells the threads to stop, and they exit
-        # on their own once a read in progress returns. Nothing else holds this
-        # iterator: no lock is needed (nor waited for).
-        self._closed = True
-        pf = self._pf
-        if pf is not None and not pf.close(0.0):
-            self._loader._still_stopping(pf)
