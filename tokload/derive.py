@@ -163,10 +163,13 @@ def convert(
                 "copy the dataset here first, or convert it here and upload the result"
             )
     root, out = Path(src), Path(dst)
-    m = read_manifest(root)
-    # every file checked as a reader checks it (regular files, sizes that agree with
-    # the manifest) before any is read: a FIFO would block the reads below forever
-    open_dataset(root).close()
+    # opened as a reader opens it, every file checked (regular files, sizes that
+    # agree with the manifest) before any is read: a FIFO would block the reads
+    # below forever
+    source = open_dataset(root)
+    source.close()
+    m = source.manifest
+    assert m is not None  # (a dataset's source has its manifest)
     if not m.metadata or not m.documents:
         raise FormatError(f"{root}: the dataset has no metadata (or no documents) to convert")
     block = checked_block(span_block, layout)
