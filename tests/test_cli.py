@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from test_build import _hf_tokenizer, write_corpus
 
 import tokload
 from tokload.__main__ import main
+from tokload.errors import UsageError
 
 COMMANDS = ["demo", "build", "merge", "inspect", "verify", "plan", "bench"]
 
@@ -580,6 +582,37 @@ def test_plan_and_inspect_say_what_the_data_cannot_give(
         f"tokload plan: error: {tmp_path / 'flat.npy'}: has no document boundaries to read "
         "documents by: plan it as windows (without --documents; window=N in Python)"
     )
+    code, _, err = cli(
+        ["plan", str(tmp_path / "flat.npy"), "--world-size", "2", "--tokens-per-s", "5",
+         "--window", "51"],
+        capsys,
+    )  # fmt: skip
+    assert code == 2
+    assert one_line(err) == (
+        f"tokload plan: error: {tmp_path / 'flat.npy'}: a window of 51 tokens is longer than "
+        "the dataset's 50: it has no sample to read"
+    )
+    # the arguments the command line checks, checked in Python too (review26: negative
+    # GETs/s, ZeroDivisionError, OverflowError)
+    plan = tokload.tools.plan
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"window": -5}, "window must be a positive integer, got -5"),
+        ({"window": 0}, "window must be a positive integer, got 0"),
+        ({"window": 2.5}, "window must be a positive integer, got 2.5"),
+        ({"tokens_per_s": float("inf")}, "tokens_per_s must be a positive finite number, got inf"),
+        ({"tokens_per_s": float("nan")}, "tokens_per_s must be a positive finite number, got nan"),
+        ({"tokens_per_s": "5"}, "tokens_per_s must be a positive finite number, got '5'"),
+        ({"world_size": 0}, "world_size must be a positive integer, got 0"),
+        ({"world_size": 1.5}, "world_size must be a positive integer, got 1.5"),
+    ]
+    for kw, message in cases:
+        args: dict[str, Any] = {"world_size": 2, "tokens_per_s": 5.0, "window": 10, **kw}
+        with pytest.raises(UsageError) as e:
+            plan(tmp_path / "flat.npy", **args)
+        assert str(e.value) == message
+    rate: Any = np.float32(5)  # NumPy numbers are numbers
+    window: Any = np.int64(50)
+    assert plan(tmp_path / "flat.npy", 2, rate, window)["gets_per_sample"] == 1
     n = len(tokload.Documents(dataset))
     code, out, _ = cli(["inspect", str(dataset), "--sample", str(n - 1)], capsys)
     assert code == 0 and f"document {n - 1}: " in out

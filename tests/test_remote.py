@@ -659,6 +659,18 @@ def test_a_merged_dataset_and_odd_spellings_of_a_url_read_from_the_store(
         tokload.convert(merged, tmp_path / "converted")
 
 
+def test_a_bucket_without_a_dataset_at_its_root_is_named_as_given(s3: LocalS3) -> None:
+    """Opening ``s3://bucket`` (its dataset is under a prefix) said "no such bucket
+    'bucket.idx'": the Megatron probe appended ``.idx`` to the bucket's name (review26)."""
+    s3.create_bucket("tokload-root")
+    s3.client().put_object(Bucket="tokload-root", Key="web/notes.txt", Body=b"x")
+    for url in ("s3://tokload-root", "s3://tokload-root/"):
+        with pytest.raises(MissingShardError) as e:
+            TokenStream(url, 16)
+        assert "no tokload dataset (manifest.json), Megatron .idx or .npy" in str(e.value)
+        assert e.value.filename == "s3://tokload-root" and ".idx'" not in str(e.value)
+
+
 def test_urls_that_are_not_object_stores() -> None:
     with pytest.raises(ValueError, match="unsupported URL scheme 'ftp'"):
         TokenStream("ftp://host/ds", 10)
@@ -712,6 +724,103 @@ def test_build_to_s3_is_published_manifest_last_and_resumes(s3: LocalS3, tmp_pat
     s3.client().put_object(Bucket=BUCKET, Key=key, Body=body[:-4] + b"\0\0\0\0")
     (problem,) = tokload.tools.verify(url, deep=True)
     assert problem.startswith(f"{rows}: damaged")
+
+
+def _objects(s3: LocalS3, prefix: str) -> dict[str, bytes]:
+    c = s3.client()
+    out = {}
+    for page in c.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+        for o in page.get("Contents", []):
+            out[o["Key"]] = c.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read()
+    return out
+
+
+def _jsonl(path: Path, n: int, tag: str) -> Path:
+    path.write_text(
+        "".join(json.dumps({"text": f"{tag} {i} " * (i % 9 + 1)}) + "\n" for i in range(n))
+    )
+    return path
+
+
+def test_a_build_to_a_url_follows_the_rules_of_a_local_output(s3: LocalS3, tmp_path: Path) -> None:
+    """What the store holds at a build's URL is checked as a local output is (review26):
+    with a fresh staging directory (another machine), a build from other inputs
+    replaced the dataset there (its manifest and chunks deleted), and a prefix of
+    someone else's objects had its manifest.json overwritten and everything under
+    parts/ deleted, --force or not."""
+    a, b = _jsonl(tmp_path / "a.jsonl", 120, "alpha"), _jsonl(tmp_path / "b.jsonl", 40, "beta")
+    kw: dict[str, Any] = {"chunk_bytes": 2000, "progress": False}
+    url = f"s3://{BUCKET}/rules/web"
+    tokload.build([a], url, staging=tmp_path / "st-a", **kw)
+    before = _objects(s3, "rules/web/")
+    with pytest.raises(
+        UsageError, match=r"rules/web: holds a dataset built from other inputs \(.*a\.jsonl\)"
+    ):
+        tokload.build([b], url, staging=tmp_path / "st-b", **kw)
+    assert _objects(s3, "rules/web/") == before
+    # the same inputs from another staging directory (a re-run elsewhere), and more
+    # inputs, are the same dataset: built, nothing deleted but the manifest
+    done = tokload.build([a], url, staging=tmp_path / "st-c", **kw)
+    assert done.published.uploaded == 0 and done.published.deleted == 0
+    done = tokload.build([a, b], url, staging=tmp_path / "st-c", **kw)
+    assert done.published.uploaded > 0
+    # --force replaces it
+    done = tokload.build([b], url, staging=tmp_path / "st-d", force=True, **kw)
+    assert len(Documents(url)) == 40
+
+    # a prefix of someone else's objects
+    theirs = {"rules/other/notes.txt": b"notes", "rules/other/parts/README.txt": b"read me"}
+    for k, v in theirs.items():
+        s3.client().put_object(Bucket=BUCKET, Key=k, Body=v)
+    there = f"s3://{BUCKET}/rules/other"
+    with pytest.raises(
+        UsageError,
+        match=r"rules/other: holds 2 objects and no tokload build \(notes.txt, parts/README.txt\)",
+    ):
+        tokload.build([a], there, staging=tmp_path / "st-e", **kw)
+    with pytest.raises(
+        UsageError, match=r"rules/other: holds parts/, which tokload build did not write"
+    ):
+        tokload.build([a], there, staging=tmp_path / "st-e", force=True, **kw)
+    s3.client().delete_object(Bucket=BUCKET, Key="rules/other/parts/README.txt")
+    s3.client().put_object(Bucket=BUCKET, Key="rules/other/manifest.json", Body=b"{}")
+    with pytest.raises(
+        UsageError, match=r"rules/other: holds manifest.json, which tokload build did not write"
+    ):
+        tokload.build([a], there, staging=tmp_path / "st-e", force=True, **kw)
+    s3.client().delete_object(Bucket=BUCKET, Key="rules/other/manifest.json")
+    # --force beside other objects: built, and they are untouched
+    tokload.build([a], there, staging=tmp_path / "st-e", force=True, **kw)
+    assert len(Documents(there)) == 120
+    assert _objects(s3, "rules/other/notes.txt") == {"rules/other/notes.txt": b"notes"}
+    # ... and under parts/, only the build's chunk folders are ever deleted
+    s3.client().put_object(Bucket=BUCKET, Key="rules/other/parts/mine/x.bin", Body=b"x")
+    tokload.build([b], there, staging=tmp_path / "st-f", force=True, **kw)
+    assert _objects(s3, "rules/other/parts/mine/") == {"rules/other/parts/mine/x.bin": b"x"}
+    assert len(Documents(there)) == 40
+
+
+def test_a_rebuilt_chunk_leaves_none_of_its_old_objects(s3: LocalS3, tmp_path: Path) -> None:
+    """A chunk rebuilt into other shards (another shard size) had its old shards left
+    in the store for good (review26): the store is now what the build is."""
+    a = _jsonl(tmp_path / "a.jsonl", 300, "alpha")
+    url = f"s3://{BUCKET}/rebuilt"
+    kw: dict[str, Any] = {"staging": tmp_path / "st", "progress": False}
+    tokload.build([a], url, shard_bytes=4000, **kw)
+    many = set(_objects(s3, "rebuilt/"))
+    done = tokload.build([a], url, **kw)
+    now = set(_objects(s3, "rebuilt/"))
+    local = {
+        "rebuilt/" + p.relative_to(tmp_path / "st").as_posix()
+        for p in (tmp_path / "st").rglob("*")
+        if p.is_file() and not p.name.startswith(".")
+    }
+    assert len(many) > len(now) and now == local
+    assert done.published.deleted == len(many - now) + 2  # and the two manifests replaced
+    np.testing.assert_array_equal(
+        Documents(url).read(np.arange(300)).values,
+        Documents(tmp_path / "st").read(np.arange(300)).values,
+    )
 
 
 def test_inspect_decodes_a_remote_sample_with_the_datasets_tokenizer(
@@ -1082,6 +1191,58 @@ def test_an_unknown_profile_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyP
         RemoteAccessError, match=r"the AWS profile 'nosuch' cannot give credentials"
     ):
         tokload.open_dataset(f"s3://{BUCKET}/ds", {"retries": 0})
+
+
+def test_a_named_profile_without_credentials_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AWS_PROFILE naming a profile that gives no credentials (a region alone): the
+    instance's role was taken instead, silently, and the error asked to set
+    AWS_PROFILE, which was set (review26). Without a profile named, a config file
+    holding a region alone still leaves the instance's role (an EC2 set-up)."""
+    from tokload.remote.client import _aws_credentials
+
+    _profile_only(monkeypatch, tmp_path, "lab")
+    (tmp_path / "credentials").write_text("")
+    with pytest.raises(RemoteAccessError) as e:
+        _aws_credentials({})
+    assert str(e.value).startswith(
+        "the AWS profile 'lab' cannot give credentials (it has no keys, SSO, credential_process "
+        f"or role to assume); files read: {tmp_path / 'config'}, {tmp_path / 'credentials'}"
+    )
+    monkeypatch.delenv("AWS_PROFILE")
+    assert _aws_credentials({}) == (
+        None,
+        "the instance metadata service (no keys, web identity, task role or profile)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "problem"),
+    [
+        ("127.0.0.1:9000", "it does not start with http:// or https://"),
+        ("localhost:9000", "it does not start with http:// or https://"),
+        ("ftp://host", "it does not start with http:// or https://"),
+        ("http://", "it names no host"),
+        ("http://host:abc", "Port could not be cast to integer value as 'abc'"),
+        ("https://host:99999", "Port out of range 0-65535"),
+    ],
+)
+def test_a_malformed_endpoint_is_named_not_a_panic(
+    monkeypatch: pytest.MonkeyPatch, endpoint: str, problem: str
+) -> None:
+    """An endpoint without its scheme made the client panic at its first request
+    ("rust future panicked"), with nothing naming the endpoint (review26)."""
+    url = f"s3://{BUCKET}/ds"
+    with pytest.raises(UsageError) as e:
+        tokload.open_dataset(url, {"endpoint": endpoint, "retries": 0})
+    assert str(e.value) == (
+        f"s3://{BUCKET}: the endpoint {endpoint!r} from storage_options (endpoint) is not a "
+        f"URL of the form http(s)://host[:port]: {problem}"
+    )
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    with pytest.raises(UsageError, match=r"from the environment \(AWS_ENDPOINT_URL\)"):
+        tokload.open_dataset(url, {"retries": 0})
 
 
 def test_a_missing_bucket_and_a_missing_prefix_are_told_apart(

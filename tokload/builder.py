@@ -214,7 +214,8 @@ def build(
             not inputs.
         force: build into a non-empty directory that holds no tokload build
             (its files are left as they are), or replace a dataset built
-            there from other inputs.
+            there from other inputs. A URL ``output`` is checked by the same
+            rules, for the objects under it (``tokload.publish.check_store``).
         ray: run the chunks as Ray tasks: ``True`` for ``ray.init()`` (an
             existing instance, ``RAY_ADDRESS``, or a new local one), or a
             cluster address. Inputs and ``output`` must be on a filesystem
@@ -293,6 +294,10 @@ def build(
     if not files:
         raise UsageError(f"no input files ({_nothing_found(found)})")
     check_output(out, files, force)
+    if url is not None:  # what the store holds, by the same rules (another machine's build)
+        from tokload.publish import check_store
+
+        check_store(url, files, force, PARTS, storage_options)
     # one build at a time writes an output: a second refused (each removed the
     # other's chunks in progress); the check again, as the other left the output
     lock = OutputLock(out)

@@ -14,13 +14,22 @@ uploads each chunk as soon as it is complete, while the others are built, and
    manifest last, so a chunk whose manifest is in the store with the same
    bytes as the local one is complete and skipped on a re-run (an interrupted
    publish resumes where it stopped); objects of chunks no longer in the build
-   are deleted;
+   are deleted, and so are a rebuilt chunk's objects that its new version lacks;
 3. the tokenizer file, then the top-level manifest, last.
+
+What it may replace or delete follows the rules of a local output
+(``tokload.build_output``), checked by ``check_store`` before the build
+starts: objects under the URL that no build wrote are never touched (a
+prefix holding them is refused unless ``force``, and even then if the build
+would write over one), and a dataset built there from other inputs is
+replaced only with ``force``. Under ``parts/``, only chunk folders
+(``parts/<digits>-<digits>/``, the build's names) are ever deleted.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from tokload import remote
-from tokload.format import MANIFEST
+from tokload.errors import FormatError, UsageError
+from tokload.format import MANIFEST, parse_manifest
+from tokload.tokenizer import TOKENIZER_FILE
+
+CHUNK_NAME = re.compile(r"[0-9]+(-[0-9]+)?")
+"""The name of a chunk's folder under ``parts/`` (``tokload.build_plan.Chunk``)."""
 
 
 @dataclass
@@ -66,12 +80,9 @@ def publish(
     have = remote.listing(url, options)
     top = remote.join(url, MANIFEST)
     todo = {c for c in chunks if c not in stored and not _chunk_stored(have, root, url, parts, c)}
-    keep = {f"{url}/{parts}/{c}/" for c in chunks}
-    stale = [
-        u
-        for u in have
-        if u.startswith(f"{url}/{parts}/") and not any(u.startswith(k) for k in keep)
-    ]
+    keep = set(chunks)
+    # (objects of chunk folders only: anything else under parts/ is not the build's)
+    stale = [u for u in have if _chunk_of(u, url, parts) not in (None, *keep)]
     # (hidden files, such as the build's marker, are local bookkeeping: not uploaded)
     extras = [
         p
@@ -128,10 +139,138 @@ def _upload_chunk(
     cman = f"{url}/{parts}/{c}/{MANIFEST}"
     if cman in have:
         remote.delete([cman], options)
-    for f in sorted(cdir.iterdir()):
-        if f.is_file() and f.name != MANIFEST and not f.name.startswith("."):
-            _put(f, f"{url}/{parts}/{c}/{f.name}", options, done)
+        done.deleted += 1
+    files = [
+        f
+        for f in sorted(cdir.iterdir())
+        if f.is_file() and f.name != MANIFEST and not f.name.startswith(".")
+    ]
+    # the objects of the chunk's older version that this one lacks (a rebuild into
+    # other shards): deleted while the chunk is incomplete, as its manifest is
+    names = {f"{url}/{parts}/{c}/{f.name}" for f in files}
+    old = [u for u in have if u != cman and _chunk_of(u, url, parts) == c and u not in names]
+    remote.delete(old, options)
+    done.deleted += len(old)
+    for f in files:
+        _put(f, f"{url}/{parts}/{c}/{f.name}", options, done)
     _put(cdir / MANIFEST, cman, options, done)
+
+
+def _chunk_of(u: str, url: str, parts: str) -> str | None:
+    """The chunk whose folder holds the object ``u`` (``url/parts/<chunk>/...``);
+    None for an object elsewhere, or in a folder not named as a chunk."""
+    head = f"{url}/{parts}/"
+    if not u.startswith(head):
+        return None
+    name, slash, _ = u[len(head) :].partition("/")
+    return name if slash and CHUNK_NAME.fullmatch(name) else None
+
+
+def check_store(
+    url: str,
+    files: Sequence[str | os.PathLike[str]],
+    force: bool,
+    parts: str = "parts",
+    options: Mapping[str, Any] | None = None,
+) -> None:
+    """Refuse a URL whose objects a build would mix with or replace unasked: the
+    rules ``tokload.build_output.check_output`` applies to a local output, for
+    the objects under ``url`` (the build's own staging directory, checked as a
+    local output, is a fresh one on another machine).
+
+    Nothing there is fine. A build there (its top-level manifest written by
+    ``tokload build``, or chunk folders under ``parts/``: a publish that
+    stopped halfway) is fine when one of the inputs it records is among
+    ``files`` (a re-run, or inputs added), else refused unless ``force``.
+    Anything else needs ``force``, and even then ``manifest.json``,
+    ``tokenizer.json`` or an object under ``parts/`` there is refused: the
+    build would write over it or delete it.
+
+    Raises:
+        UsageError: as above, naming the URL and what it holds.
+        RemoteError, RemoteAccessError: the store cannot be listed or read.
+    """
+    url = remote.normalize(url)
+    have = remote.listing(url, options)
+    if not have:
+        return
+    top = have.get(remote.join(url, MANIFEST))
+    built = _built_by_tokload(top)
+    chunks = sorted({c for u in have if (c := _chunk_of(u, url, parts)) is not None})
+    if not built and not chunks:
+        if not force:
+            shown = ", ".join(u[len(url) + 1 :] for u in sorted(have)[:5])
+            more = ", ..." if len(have) > 5 else ""
+            raise UsageError(
+                f"{url}: holds {len(have)} objects and no tokload build ({shown}{more}); build "
+                "to a new or empty prefix, or pass --force to build beside these objects "
+                "(none of them is changed or deleted)"
+            )
+        taken = [n for n in (MANIFEST, TOKENIZER_FILE) if remote.join(url, n) in have]
+        if any(u.startswith(f"{url}/{parts}/") for u in have):
+            taken.append(f"{parts}/")
+        if taken:
+            raise UsageError(
+                f"{url}: holds {', '.join(taken)}, which tokload build did not write and "
+                "would replace or delete; --force builds beside other objects but never "
+                "over these: build to another prefix"
+            )
+        return
+    if top is not None and not built:  # chunk folders, and another writer's manifest
+        raise UsageError(
+            f"{url}: holds {MANIFEST}, which tokload build did not write and would replace: "
+            "build to another prefix"
+        )
+    if force:
+        return
+    wanted = {os.path.abspath(f) for f in files}
+    # The chunks' manifests record their input's absolute path (the top-level one
+    # has the paths as given): one read per input, the first of its chunks, until
+    # one is an input of this build (at the first read, for a re-run)
+    recorded: set[str] = set()
+    seen: set[str] = set()
+    for c in chunks:
+        i = c.split("-")[0]
+        if i in seen:
+            continue
+        seen.add(i)
+        got = _chunk_input(have.get(f"{url}/{parts}/{c}/{MANIFEST}"))
+        if got is not None:
+            if os.path.abspath(got) in wanted:
+                return
+            recorded.add(os.path.abspath(got))
+    if recorded:
+        shown = ", ".join(sorted(recorded)[:3]) + (", ..." if len(recorded) > 3 else "")
+        raise UsageError(
+            f"{url}: holds a dataset built from other inputs ({shown}), none of which is an "
+            "input of this build; build to another prefix, or pass --force to replace it"
+        )
+
+
+def _built_by_tokload(obj: Any) -> bool:
+    """Whether the manifest object ``obj`` was written by ``tokload build``
+    (``user["built_by"]``): False for no object, or another writer's."""
+    if obj is None:
+        return False
+    try:
+        m = parse_manifest(remote.read_object(obj, "a manifest"), obj.url)
+    except (FormatError, ValueError):
+        return False
+    return bool(m.user.get("built_by") == "tokload build")
+
+
+def _chunk_input(obj: Any) -> str | None:
+    """The input path a chunk's manifest object records (``user["build"]``), or None."""
+    if obj is None:
+        return None
+    try:
+        rec = parse_manifest(remote.read_object(obj, "a manifest"), obj.url).user.get("build")
+    except (FormatError, ValueError):
+        return None
+    if isinstance(rec, dict) and isinstance(rec.get("input"), dict):
+        path = rec["input"].get("path")
+        return path if isinstance(path, str) else None
+    return None
 
 
 class Publisher:

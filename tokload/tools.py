@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from tokload.arguments import positive_integer
 from tokload.errors import TokloadError, UsageError
 from tokload.format import METADATA_FIELD
 from tokload.location import Location
@@ -136,10 +137,15 @@ def plan(
     from tokload._meta import BlockSet
     from tokload.views.base import open_source
 
-    if world_size < 1 or not tokens_per_s > 0:
-        raise UsageError(
-            f"world_size must be >= 1 and tokens_per_s > 0, got {world_size} and {tokens_per_s}"
-        )
+    world_size = positive_integer("world_size", world_size, UsageError)
+    if (
+        isinstance(tokens_per_s, bool)
+        or not isinstance(tokens_per_s, (int, float, np.integer, np.floating))
+        or not 0 < tokens_per_s < math.inf
+    ):
+        raise UsageError(f"tokens_per_s must be a positive finite number, got {tokens_per_s!r}")
+    if window is not None:
+        window = positive_integer("window", window, UsageError)
     if metadata and window is None:
         raise UsageError("plan: metadata is read with windows (StreamWithMetadata), not documents")
     src = open_source(os.fspath(path), storage_options)
@@ -163,6 +169,11 @@ def plan(
                 "" if held else " (and an index entry each: the index is not held in memory)"
             )
         else:
+            if window > total:
+                raise UsageError(
+                    f"{path}: a window of {window:,} tokens is longer than the dataset's "
+                    f"{total:,.0f}: it has no sample to read"
+                )
             per_sample = float(window)
             nonempty = max(int((rows > 0).sum()), 1)
             # a window takes one GET more for each of the nonempty - 1 boundaries

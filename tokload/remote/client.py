@@ -33,11 +33,12 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import urllib.parse
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
-from tokload.errors import RemoteAccessError
+from tokload.errors import RemoteAccessError, UsageError
 
 CHANGED = "changed"  # the object's ETag is not the one named (If-Match failed)
 MISSING = "missing"  # no such object
@@ -90,26 +91,25 @@ def connect(
     seconds, per request.
 
     Raises:
-        ValueError: an unknown option, a malformed endpoint.
+        UsageError: (a ValueError) an unknown option, a malformed endpoint.
         RemoteAccessError: an AWS profile that cannot give credentials.
     """
     obs = obstore()
     config = dict(config)
     given = _option(config, "endpoint", "endpoint_url")
     env = os.environ
-    endpoint = str(
-        given
-        or (
-            env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or env.get("AWS_ENDPOINT")
-            if scheme == "s3"
-            else None
-        )
-        or ""
-    )
-    if scheme == "s3" and endpoint and given is None:
-        config["endpoint"] = endpoint
+    source = "storage_options (endpoint)"
+    if given is None and scheme == "s3":
+        for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"):
+            if env.get(var):
+                given, source = env[var], f"the environment ({var})"
+                config["endpoint"] = given
+                break
+    endpoint = str(given or "")
+    if endpoint:
+        _check_endpoint(f"{scheme}://{bucket}", endpoint, source)
     client: dict[str, Any] = {"timeout": f"{timeout}s", "connect_timeout": f"{connect_timeout}s"}
-    if endpoint.startswith("http://"):
+    if endpoint.lower().startswith("http://"):
         client["allow_http"] = True
     provider = None
     if scheme == "s3":
@@ -127,8 +127,34 @@ def connect(
             credential_provider=provider,
         )
     except Exception as e:  # an unknown option, a malformed endpoint
-        raise ValueError(f"{scheme}://{bucket}: storage_options: {first_line(e)}") from None
+        raise UsageError(f"{scheme}://{bucket}: storage_options: {first_line(e)}") from None
     return handle, credentials
+
+
+def _check_endpoint(where: str, endpoint: str, source: str) -> None:
+    """Refuse an endpoint that is not ``http(s)://host[:port][/path]``: the client
+    takes it as it is, and a malformed one (no scheme: ``127.0.0.1:9000``) made
+    its first request panic, with nothing naming the endpoint.
+
+    Raises:
+        UsageError: (a ValueError) naming the endpoint, where it came from and what
+            is wrong.
+    """
+    parts = urllib.parse.urlsplit(endpoint)
+    if parts.scheme not in ("http", "https"):
+        problem = "it does not start with http:// or https://"
+    elif not parts.hostname:
+        problem = "it names no host"
+    else:
+        try:
+            parts.port  # noqa: B018 (a port that is not a number in range raises)
+            return
+        except ValueError as e:
+            problem = str(e)
+    raise UsageError(
+        f"{where}: the endpoint {endpoint!r} from {source} is not a URL of the form "
+        f"http(s)://host[:port]: {problem}"
+    )
 
 
 def _option(config: dict[str, Any], *names: str) -> Any:
@@ -200,6 +226,11 @@ def _aws_credentials(config: dict[str, Any]) -> tuple[Any, str]:
             return Boto3CredentialProvider(session), (
                 f"the AWS profile {name!r} (boto3: {', '.join(files)}; SSO and "
                 "credential_process included)"
+            )
+        if profile:  # named, and empty: not the instance's role instead, silently
+            raise RemoteAccessError(
+                f"the AWS profile {name!r} cannot give credentials (it has no keys, SSO, "
+                f"credential_process or role to assume); files read: {', '.join(files)}"
             )
     return None, "the instance metadata service (no keys, web identity, task role or profile)"
 

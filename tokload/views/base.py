@@ -76,11 +76,13 @@ def _open_remote(url: str, options: Mapping[str, Any] | None) -> Source:
     loc = Location(url, options)
     if loc.exists(loc.join(MANIFEST)):
         return open_dataset_at(loc)
-    prefix = url[:-4] if url.endswith((".idx", ".bin")) else url
-    if remote.exists(prefix + ".idx", options):
-        return interop.open_megatron(prefix, options)
-    if url.endswith(".npy") and remote.exists(url, options):
-        return interop.open_flat(url, storage_options=options)
+    # (a bucket itself names no object: "s3://data" + ".idx" would be another bucket)
+    if remote.split_url(url)[2]:
+        prefix = url[:-4] if url.endswith((".idx", ".bin")) else url
+        if remote.exists(prefix + ".idx", options):
+            return interop.open_megatron(prefix, options)
+        if url.endswith(".npy") and remote.exists(url, options):
+            return interop.open_flat(url, storage_options=options)
     empty = "; nothing is stored under this prefix" if loc.stores_nothing() else ""
     raise MissingShardError(
         2,
