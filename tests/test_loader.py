@@ -156,6 +156,23 @@ def test_device_mesh_data_parallel_dimension(corpus: Path) -> None:
         DataLoader(view, 4, mesh=FakeMesh({"dp": 1}, {"dp": 2}), mesh_dim=2)
     c = DataLoader(view, 4, mesh=FakeMesh({"dp": 1, "tp": 3}, {"dp": 2, "tp": 4}), mesh_dim=-1)
     assert (c.rank, c.world_size) == (3, 4)
+    # not a mesh, or a mesh's dimension without it (review27: an AttributeError, and
+    # a dp x tp job that forgot mesh= split its data over the whole world)
+    for not_a_mesh in ("dp", [[0, 1], [2, 3]]):
+        with pytest.raises(TypeError, match=r"mesh must be a torch.distributed.device_mesh."
+                           r"DeviceMesh, got (str 'dp'|list \[\[0, 1\], \[2, 3\]\])$"):  # fmt: skip
+            DataLoader(view, 4, mesh=not_a_mesh)
+    given_ranks: list[dict[str, Any]] = [{}, {"rank": 1, "world_size": 2}]
+    for ranks in given_ranks:
+        with pytest.raises(ValueError, match=r"^mesh_dim='dp' is given without a mesh: pass mesh="):
+            DataLoader(view, 4, mesh_dim="dp", **ranks)
+
+    class Elsewhere(FakeMesh):  # a mesh of other processes (another pipeline stage's)
+        def get_coordinate(self) -> None:
+            return None
+
+    with pytest.raises(ValueError, match=r"^this process \(RANK=.*\) is not in the DeviceMesh "):
+        DataLoader(view, 4, mesh=Elsewhere({"dp": 0}, {"dp": 2}), mesh_dim="dp")
 
 
 def test_real_device_mesh_by_name(corpus: Path) -> None:
@@ -211,8 +228,14 @@ def test_a_loader_made_before_init_process_group_under_torchrun_is_refused(
         DataLoader(TokenStream(corpus, window=9), 4)
     ld = DataLoader(TokenStream(corpus, window=9), 4, rank=0, world_size=1)  # said so
     assert (ld.rank, ld.world_size) == (0, 1)
-    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: nothing to share
-    assert DataLoader(TokenStream(corpus, window=9), 4).world_size == 1
+    # read as torch reads it (int(): " 2" and "2\n" from a config file ran unrefused)
+    for spelt in (" 4", "4\n", "+4"):
+        monkeypatch.setenv("WORLD_SIZE", spelt)
+        with pytest.raises(ValueError, match=r"\(RANK=2\) but torch.distributed is not"):
+            DataLoader(TokenStream(corpus, window=9), 4)
+    for alone in ("1", "", "x", "\u00b2"):  # one process, or not a launcher's integer
+        monkeypatch.setenv("WORLD_SIZE", alone)
+        assert DataLoader(TokenStream(corpus, window=9), 4).world_size == 1
 
 
 @pytest.mark.parametrize("threads", [0, 1])

@@ -84,8 +84,10 @@ class DataLoader:
             1, as ``torchrun`` sets it): each would read every batch.
         mesh: a ``DeviceMesh``: rank and world size come from its
             data-parallel dimension; ranks differing only in other dimensions
-            get identical batches.
-        mesh_dim: the mesh's data-parallel dimension (name or index, default 0).
+            get identical batches. TypeError for anything else; ValueError for
+            a mesh this process is not in.
+        mesh_dim: the mesh's data-parallel dimension (name or index, default 0);
+            ValueError without ``mesh``.
         num_threads: reader threads (at most 256); 0 builds each batch in
             ``next()`` (handy for debugging). Default: half the CPU cores,
             between 1 and 4, so the training thread keeps a core of its own;

@@ -25,8 +25,23 @@ def resolve_rank(
     if mesh is not None:
         if rank is not None or world_size is not None:
             raise ValueError("give either a DeviceMesh or rank/world_size, not both")
+        if not all(callable(getattr(mesh, f, None)) for f in ("get_local_rank", "size")):
+            raise TypeError(
+                f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
+                f"{type(mesh).__name__} {mesh!r:.80}"
+            )
         dim = _mesh_index(mesh, 0 if mesh_dim is None else mesh_dim)
+        where = getattr(mesh, "get_coordinate", None)
+        if callable(where) and where() is None:
+            raise ValueError(
+                f"this process ({_global_rank()}) is not in the DeviceMesh {mesh!r:.200}: pass "
+                "the mesh of the devices this process trains on"
+            )
         return int(mesh.get_local_rank(dim)), int(mesh.size(dim))
+    if mesh_dim is not None:
+        # (a dp x tp job that forgot mesh= would split the data over the whole world,
+        # and tensor-parallel peers would get different batches)
+        raise ValueError(f"mesh_dim={mesh_dim!r} is given without a mesh: pass mesh= too")
     if rank is None and world_size is None:
         try:
             import torch.distributed as dist
@@ -35,7 +50,7 @@ def resolve_rank(
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
         launched = os.environ.get("WORLD_SIZE", "")
-        if launched.isdigit() and int(launched) > 1:
+        if _launched(launched) > 1:
             # torchrun started several processes: as rank 0 of 1 each would read
             # every batch of every other, silently
             raise ValueError(
@@ -71,3 +86,24 @@ def _mesh_index(mesh: Any, dim: str | int) -> int:
     if not is_integer(dim) or not -ndim <= dim < ndim:
         raise ValueError(f"mesh_dim={dim!r} is not a dimension of a {ndim}-D DeviceMesh")
     return int(dim) % ndim
+
+
+def _launched(value: str) -> int:
+    """``WORLD_SIZE`` as torch reads it (``int()``: spaces and a newline around it
+    too), 0 when it is not an integer."""
+    try:
+        return int(value)
+    except ValueError:
+        return 0
+
+
+def _global_rank() -> str:
+    """This process's global rank, as a message names it."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return f"global rank {dist.get_rank()}"
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return f"RANK={os.environ.get('RANK', '?')}"
