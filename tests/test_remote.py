@@ -768,36 +768,65 @@ def test_a_build_to_a_url_follows_the_rules_of_a_local_output(s3: LocalS3, tmp_p
     done = tokload.build([b], url, staging=tmp_path / "st-d", force=True, **kw)
     assert len(Documents(url)) == 40
 
-    # a prefix of someone else's objects
-    theirs = {"rules/other/notes.txt": b"notes", "rules/other/parts/README.txt": b"read me"}
+    # a prefix of someone else's objects, a folder of digits under parts/ among them
+    theirs = {
+        "rules/other/notes.txt": b"notes",
+        "rules/other/parts/README.txt": b"read me",
+        "rules/other/parts/2024/report.csv": b"a,b",
+    }
     for k, v in theirs.items():
         s3.client().put_object(Bucket=BUCKET, Key=k, Body=v)
     there = f"s3://{BUCKET}/rules/other"
     with pytest.raises(
         UsageError,
-        match=r"rules/other: holds 2 objects and no tokload build \(notes.txt, parts/README.txt\)",
+        match=r"rules/other: holds 3 objects and no tokload build \(notes.txt, "
+        r"parts/2024/report.csv, parts/README.txt\)",
     ):
         tokload.build([a], there, staging=tmp_path / "st-e", **kw)
-    with pytest.raises(
-        UsageError, match=r"rules/other: holds parts/, which tokload build did not write"
-    ):
-        tokload.build([a], there, staging=tmp_path / "st-e", force=True, **kw)
-    s3.client().delete_object(Bucket=BUCKET, Key="rules/other/parts/README.txt")
     s3.client().put_object(Bucket=BUCKET, Key="rules/other/manifest.json", Body=b"{}")
     with pytest.raises(
         UsageError, match=r"rules/other: holds manifest.json, which tokload build did not write"
     ):
         tokload.build([a], there, staging=tmp_path / "st-e", force=True, **kw)
     s3.client().delete_object(Bucket=BUCKET, Key="rules/other/manifest.json")
-    # --force beside other objects: built, and they are untouched
+    # --force beside other objects (under parts/ too): built, and they are untouched,
+    # as are a later build's (only the build's chunk folders are ever deleted)
     tokload.build([a], there, staging=tmp_path / "st-e", force=True, **kw)
     assert len(Documents(there)) == 120
-    assert _objects(s3, "rules/other/notes.txt") == {"rules/other/notes.txt": b"notes"}
-    # ... and under parts/, only the build's chunk folders are ever deleted
-    s3.client().put_object(Bucket=BUCKET, Key="rules/other/parts/mine/x.bin", Body=b"x")
     tokload.build([b], there, staging=tmp_path / "st-f", force=True, **kw)
-    assert _objects(s3, "rules/other/parts/mine/") == {"rules/other/parts/mine/x.bin": b"x"}
     assert len(Documents(there)) == 40
+    left = _objects(s3, "rules/other/")
+    assert {k: left.get(k) for k in theirs} == theirs
+
+
+def test_a_publish_stopped_midway_resumes_and_other_slices_stay(
+    s3: LocalS3, tmp_path: Path
+) -> None:
+    """review28: a rebuild of [a] over a build of [a, z] stopped before a's first chunk
+    was back up could not be resumed (z's chunks, still there, made it "a dataset
+    built from other inputs"): the chunks no longer in the build go as the dataset
+    goes offline, as a local build removes them first. And a --part slice built into
+    the prefix of another deleted that slice's chunks: they stay, as locally."""
+    assert s3.proxy is not None
+    a, z = _jsonl(tmp_path / "a.jsonl", 120, "alpha"), _jsonl(tmp_path / "z.jsonl", 60, "zulu")
+    kw: dict[str, Any] = {"chunk_bytes": 2000, "progress": False}
+    url = f"s3://{BUCKET}/midway"
+    tokload.build([a, z], url, staging=tmp_path / "st-1", **kw)
+    _jsonl(a, 130, "alpha")  # edited: its chunks are rebuilt
+    s3.proxy.inject("403", times=-1, match="PUT midway/parts/00000-00000/manifest.json")
+    with pytest.raises(RemoteAccessError):
+        tokload.build([a], url, staging=tmp_path / "st-2", **kw)
+    s3.proxy.clear()
+    assert not any(k.startswith("midway/parts/00001-") for k in _objects(s3, "midway/"))
+    done = tokload.build([a], url, staging=tmp_path / "st-2", **kw)  # the same command
+    assert done.built == 0 and len(Documents(url)) == 130
+
+    sliced = f"s3://{BUCKET}/sliced"
+    tokload.build([a, z], sliced, staging=tmp_path / "st-3", part="0/2", **kw)
+    first = set(_objects(s3, "sliced/parts/"))
+    done = tokload.build([a, z], sliced, staging=tmp_path / "st-4", part="1/2", **kw)
+    assert first <= set(_objects(s3, "sliced/parts/"))
+    assert done.published.deleted == 1  # the top-level manifest alone, replaced
 
 
 def test_a_rebuilt_chunk_leaves_none_of_its_old_objects(s3: LocalS3, tmp_path: Path) -> None:
@@ -1217,6 +1246,32 @@ def test_a_named_profile_without_credentials_is_named(
     )
 
 
+def test_a_profile_of_a_region_alone_on_ec2_says_the_instance_role_is_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On EC2, boto3 gives a profile of a region alone the instance's role (as the AWS
+    CLI does); the source named was the profile (review28)."""
+    import boto3
+    from botocore.credentials import Credentials  # type: ignore[import-untyped]
+
+    from tokload.remote.client import _aws_credentials
+
+    _profile_only(monkeypatch, tmp_path, "lab")
+    (tmp_path / "credentials").write_text("")
+    role = Credentials("k", "s", method="iam-role")  # what boto3 gives there
+    monkeypatch.setattr(boto3.Session, "get_credentials", lambda self: role)
+    provider, where = _aws_credentials({})
+    assert provider is not None
+    assert where.startswith(
+        "the instance's role, through the AWS profile 'lab', which holds no credentials"
+    )
+    keys = Credentials("k", "s", method="shared-credentials-file")
+    monkeypatch.setattr(boto3.Session, "get_credentials", lambda self: keys)
+    assert _aws_credentials({})[1].startswith(
+        "the AWS profile 'lab' (boto3, shared-credentials-file: "
+    )
+
+
 @pytest.mark.parametrize(
     ("endpoint", "problem"),
     [
@@ -1226,6 +1281,8 @@ def test_a_named_profile_without_credentials_is_named(
         ("http://", "it names no host"),
         ("http://host:abc", "Port could not be cast to integer value as 'abc'"),
         ("https://host:99999", "Port out of range 0-65535"),
+        ("http://host:9000\n", "it holds white space (a newline from a file?)"),
+        (" http://host:9000", "it holds white space (a newline from a file?)"),
     ],
 )
 def test_a_malformed_endpoint_is_named_not_a_panic(

@@ -183,24 +183,41 @@ def stale_parts(parts: Path, plan: list[Chunk], mine: list[Chunk]) -> list[Path]
     or half-removed) of inputs past the end of the input list, chunks of the inputs
     this build touches that are not in their plan, and parts of the old one-per-input
     layout. Chunks of inputs this build does not touch (other ``--part`` slices) stay."""
-    planned = {c.name for c in plan}
-    touched = {c.input for c in mine}
-    n_inputs = plan[-1].input + 1 if plan else 0
     stale = []
+    is_stale = StaleChunks(plan, mine)
     for d in parts.iterdir():
         stem = d.name.split(".")[0]
         fields = stem.split("-")
         if not all(f.isdigit() for f in fields) or len(fields) > 2 or not ours(d):
             continue  # never remove what tokload build did not write
-        i = int(fields[0])
         if (
             d.name.endswith(".old")
-            or i >= n_inputs
-            or (i in touched and (len(fields) == 1 or stem not in planned))
-            or (d.name.endswith(".tmp") and i in touched)
+            or is_stale(stem)
+            or (d.name.endswith(".tmp") and int(fields[0]) in is_stale.touched)
         ):
             stale.append(d)
     return sorted(stale)
+
+
+class StaleChunks:
+    """Whether a chunk's name (``00000-00000``, or ``00000`` of the old one-per-input
+    layout) no longer belongs to a build of ``plan`` that builds ``mine``: a chunk of
+    an input past the end of the input list, or of an input this build touches but
+    not in its plan. Chunks of inputs this build does not touch (other ``--part``
+    slices) stay. For a local output (``stale_parts``) and an object store
+    (``tokload.publish``) alike."""
+
+    def __init__(self, plan: list[Chunk], mine: list[Chunk]) -> None:
+        self.planned = {c.name for c in plan}
+        self.touched = {c.input for c in mine}
+        self.n_inputs = plan[-1].input + 1 if plan else 0
+
+    def __call__(self, name: str) -> bool:
+        fields = name.split("-")
+        i = int(fields[0])
+        return i >= self.n_inputs or (
+            i in self.touched and (len(fields) == 1 or name not in self.planned)
+        )
 
 
 def temporaries(parts: Path, name: str) -> list[Path]:

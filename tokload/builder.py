@@ -42,6 +42,7 @@ from tokload.build_output import (
     MARKER_TEXT,
     PARTS,
     OutputLock,
+    StaleChunks,
     check_output,
     ours,
     remove_dir,
@@ -354,7 +355,14 @@ def build(
         if url is not None:  # upload each chunk as it completes, while the others are built
             from tokload.publish import Publisher
 
-            publisher = Publisher(out, url, PARTS, [c.name for c in mine], storage_options).start()
+            publisher = Publisher(
+                out,
+                url,
+                PARTS,
+                [c.name for c in mine],
+                storage_options,
+                stale=StaleChunks(plan, mine),
+            ).start()
         bar = Progress(progress, sum(c.size for c in todo), log, progress_every)
         touched = sorted({c.input for c in mine})
         summary = BuildSummary(inputs=len(touched), chunks=len(mine), built=len(todo))

@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,8 +41,9 @@ from tokload.errors import FormatError, UsageError
 from tokload.format import MANIFEST, parse_manifest
 from tokload.tokenizer import TOKENIZER_FILE
 
-CHUNK_NAME = re.compile(r"[0-9]+(-[0-9]+)?")
-"""The name of a chunk's folder under ``parts/`` (``tokload.build_plan.Chunk``)."""
+CHUNK_NAME = re.compile(r"[0-9]{5,}-[0-9]{5,}")
+"""The name of a chunk's folder under ``parts/`` (``tokload.build_plan.Chunk.name``):
+only such folders are ever deleted."""
 
 
 @dataclass
@@ -63,12 +64,15 @@ def publish(
     chunks: Sequence[str],
     options: Mapping[str, Any] | None = None,
     stored: Collection[str] = (),
+    stale: Callable[[str], bool] = lambda name: True,
 ) -> Published:
     """Upload the dataset at ``local`` (built with chunk directories
     ``local/parts/<chunk>``, ``chunks`` in order) to ``url``.
 
     ``stored``: chunks known to be in the store already (a ``Publisher``'s),
-    not compared again.
+    not compared again. ``stale``: whether a chunk in the store that is not one
+    of ``chunks`` no longer belongs (``tokload.build_output.StaleChunks``: the
+    chunks of other ``--part`` slices stay); its objects are deleted.
 
     Raises:
         RemoteError, RemoteAccessError: an upload failed after its retries
@@ -80,9 +84,7 @@ def publish(
     have = remote.listing(url, options)
     top = remote.join(url, MANIFEST)
     todo = {c for c in chunks if c not in stored and not _chunk_stored(have, root, url, parts, c)}
-    keep = set(chunks)
-    # (objects of chunk folders only: anything else under parts/ is not the build's)
-    stale = [u for u in have if _chunk_of(u, url, parts) not in (None, *keep)]
+    old = _stale_objects(have, url, parts, chunks, stale)
     # (hidden files, such as the build's marker, are local bookkeeping: not uploaded)
     extras = [
         p
@@ -90,14 +92,14 @@ def publish(
         if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
     ]
     changed_extras = [p for p in extras if not _same(have, p, remote.join(url, p.name))]
-    if not todo and not stale and not changed_extras and _same(have, root / MANIFEST, top):
+    if not todo and not old and not changed_extras and _same(have, root / MANIFEST, top):
         done.skipped = len(chunks)
         return done
     if top in have:
         remote.delete([top], options)  # the URL stops being a dataset until the end
         done.deleted += 1
-    remote.delete(stale, options)
-    done.deleted += len(stale)
+    remote.delete(old, options)
+    done.deleted += len(old)
     for c in chunks:
         if c in todo:
             _upload_chunk(have, root, url, parts, c, options, done)
@@ -107,6 +109,23 @@ def publish(
         _put(p, remote.join(url, p.name), options, done)
     _put(root / MANIFEST, top, options, done)
     return done
+
+
+def _stale_objects(
+    have: Mapping[str, Any],
+    url: str,
+    parts: str,
+    chunks: Collection[str],
+    stale: Callable[[str], bool],
+) -> list[str]:
+    """The objects of ``have`` in chunk folders that are not ``chunks`` and ``stale``
+    says no longer belong (nothing else under ``parts/`` is the build's)."""
+    keep = set(chunks)
+    return [
+        u
+        for u in have
+        if (c := _chunk_of(u, url, parts)) is not None and c not in keep and stale(c)
+    ]
 
 
 def _same(have: Mapping[str, Any], path: Path, url: str) -> bool:
@@ -179,12 +198,17 @@ def check_store(
     local output, is a fresh one on another machine).
 
     Nothing there is fine. A build there (its top-level manifest written by
-    ``tokload build``, or chunk folders under ``parts/``: a publish that
-    stopped halfway) is fine when one of the inputs it records is among
-    ``files`` (a re-run, or inputs added), else refused unless ``force``.
-    Anything else needs ``force``, and even then ``manifest.json``,
-    ``tokenizer.json`` or an object under ``parts/`` there is refused: the
-    build would write over it or delete it.
+    ``tokload build``, or chunk folders under ``parts/``, ``00000-00000``: a
+    publish that stopped) is fine when one of the inputs its chunks record is
+    among ``files`` (a re-run, or inputs added), or when the chunks of an input
+    do not say (a publish stopped in the middle of that input's chunks), else
+    refused unless ``force``. Anything else needs ``force``, and even then a
+    ``manifest.json`` or ``tokenizer.json`` there is refused: the build would
+    write over it. Only chunk folders are ever deleted, so other objects, under
+    ``parts/`` or not, stay as they are.
+
+    The chunks' manifests are read one per input (its first chunk), many at
+    once.
 
     Raises:
         UsageError: as above, naming the URL and what it holds.
@@ -207,13 +231,11 @@ def check_store(
                 "(none of them is changed or deleted)"
             )
         taken = [n for n in (MANIFEST, TOKENIZER_FILE) if remote.join(url, n) in have]
-        if any(u.startswith(f"{url}/{parts}/") for u in have):
-            taken.append(f"{parts}/")
         if taken:
             raise UsageError(
                 f"{url}: holds {', '.join(taken)}, which tokload build did not write and "
-                "would replace or delete; --force builds beside other objects but never "
-                "over these: build to another prefix"
+                "would replace; --force builds beside other objects but never over these: "
+                "build to another prefix"
             )
         return
     if top is not None and not built:  # chunk folders, and another writer's manifest
@@ -224,27 +246,22 @@ def check_store(
     if force:
         return
     wanted = {os.path.abspath(f) for f in files}
-    # The chunks' manifests record their input's absolute path (the top-level one
-    # has the paths as given): one read per input, the first of its chunks, until
-    # one is an input of this build (at the first read, for a re-run)
-    recorded: set[str] = set()
-    seen: set[str] = set()
+    # the chunks' manifests record their input's absolute path (the top-level one
+    # has the paths as given)
+    first: dict[str, str] = {}  # input -> its first chunk
     for c in chunks:
-        i = c.split("-")[0]
-        if i in seen:
-            continue
-        seen.add(i)
-        got = _chunk_input(have.get(f"{url}/{parts}/{c}/{MANIFEST}"))
-        if got is not None:
-            if os.path.abspath(got) in wanted:
-                return
-            recorded.add(os.path.abspath(got))
-    if recorded:
-        shown = ", ".join(sorted(recorded)[:3]) + (", ..." if len(recorded) > 3 else "")
-        raise UsageError(
-            f"{url}: holds a dataset built from other inputs ({shown}), none of which is an "
-            "input of this build; build to another prefix, or pass --force to replace it"
-        )
+        first.setdefault(c.split("-")[0], c)
+    manifests = [have.get(f"{url}/{parts}/{c}/{MANIFEST}") for c in first.values()]
+    if any(m is None for m in manifests):
+        return  # a publish stopped in the middle of an input's chunks: its build's
+    recorded = {os.path.abspath(p) for p in _chunk_inputs(manifests) if p is not None}
+    if len(recorded) < len(manifests) or recorded & wanted:
+        return  # a chunk that does not say (an older build's), or a re-run
+    shown = ", ".join(sorted(recorded)[:3]) + (", ..." if len(recorded) > 3 else "")
+    raise UsageError(
+        f"{url}: holds a dataset built from other inputs ({shown}), none of which is an "
+        "input of this build; build to another prefix, or pass --force to replace it"
+    )
 
 
 def _built_by_tokload(obj: Any) -> bool:
@@ -259,18 +276,22 @@ def _built_by_tokload(obj: Any) -> bool:
     return bool(m.user.get("built_by") == "tokload build")
 
 
-def _chunk_input(obj: Any) -> str | None:
-    """The input path a chunk's manifest object records (``user["build"]``), or None."""
-    if obj is None:
-        return None
-    try:
-        rec = parse_manifest(remote.read_object(obj, "a manifest"), obj.url).user.get("build")
-    except (FormatError, ValueError):
-        return None
-    if isinstance(rec, dict) and isinstance(rec.get("input"), dict):
-        path = rec["input"].get("path")
-        return path if isinstance(path, str) else None
-    return None
+def _chunk_inputs(objs: list[Any]) -> list[str | None]:
+    """The input path each chunk manifest object of ``objs`` records
+    (``user["build"]["input"]["path"]``), None where it records none."""
+    out: list[str | None] = []
+    for obj, raw in zip(objs, remote.read_objects(objs, "a manifest"), strict=True):
+        try:
+            rec = parse_manifest(raw, obj.url).user.get("build")
+        except (FormatError, ValueError):
+            rec = None
+        path = (
+            rec["input"].get("path")
+            if isinstance(rec, dict) and isinstance(rec.get("input"), dict)
+            else None
+        )
+        out.append(path if isinstance(path, str) else None)
+    return out
 
 
 class Publisher:
@@ -294,9 +315,11 @@ class Publisher:
         chunks: Sequence[str],
         options: Mapping[str, Any] | None = None,
         poll: float = 0.5,
+        stale: Callable[[str], bool] = lambda name: True,
     ) -> None:
         self.local, self.url, self.parts = Path(local), remote.normalize(url), parts
         self.chunks, self.options, self.poll = list(chunks), options, poll
+        self.stale = stale
         self.done = Published()
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -318,11 +341,19 @@ class Publisher:
 
     def _take_offline(self) -> None:
         """Before the first object that changes the dataset: delete the top-level
-        manifest (the URL stops being a dataset until ``publish`` ends)."""
+        manifest (the URL stops being a dataset until ``publish`` ends), then the
+        chunks no longer in the build, as a local build removes them before it
+        builds: a publish stopped after this leaves no chunk of other inputs
+        that would make its re-run look like a build of other inputs."""
+        if self._offline:
+            return
         top = remote.join(self.url, MANIFEST)
-        if not self._offline and top in self._have:
+        if top in self._have:
             remote.delete([top], self.options)
             self.done.deleted += 1
+        old = _stale_objects(self._have, self.url, self.parts, self.chunks, self.stale)
+        remote.delete(old, self.options)
+        self.done.deleted += len(old)
         self._offline = True
 
     def _run(self) -> None:
@@ -356,7 +387,13 @@ class Publisher:
         if not ok:
             return self.done
         rest = publish(
-            self.local, self.url, self.parts, self.chunks, self.options, stored=self._stored
+            self.local,
+            self.url,
+            self.parts,
+            self.chunks,
+            self.options,
+            stored=self._stored,
+            stale=self.stale,
         )
         rest.uploaded += self.done.uploaded
         rest.bytes += self.done.bytes

@@ -66,6 +66,7 @@ from tokload.remote.objects import (
     missing_bucket,
     put_file,
     read_object,
+    read_objects,
 )
 from tokload.remote.store import RemoteObject, Settings, Store, store_for
 from tokload.remote.urls import (
@@ -95,6 +96,7 @@ __all__ = [
     "normalize",
     "put_file",
     "read_object",
+    "read_objects",
     "scheme_of",
     "split_url",
     "store_for",

@@ -141,7 +141,9 @@ def _check_endpoint(where: str, endpoint: str, source: str) -> None:
             is wrong.
     """
     parts = urllib.parse.urlsplit(endpoint)
-    if parts.scheme not in ("http", "https"):
+    if any(c.isspace() for c in endpoint):  # (urlsplit drops a newline at the end)
+        problem = "it holds white space (a newline from a file?)"
+    elif parts.scheme not in ("http", "https"):
         problem = "it does not start with http:// or https://"
     elif not parts.hostname:
         problem = "it names no host"
@@ -211,7 +213,8 @@ def _aws_credentials(config: dict[str, Any]) -> tuple[Any, str]:
         name = profile or "default"
         try:
             session = boto3.Session(profile_name=profile) if profile else boto3.Session()
-            found = session.get_credentials() is not None
+            creds = session.get_credentials()
+            found = creds is not None
         except Exception as e:  # botocore's: an unknown profile, a broken file, SSO expired
             raise RemoteAccessError(
                 f"the AWS profile {name!r} cannot give credentials ({first_line(e)}); "
@@ -223,11 +226,19 @@ def _aws_credentials(config: dict[str, Any]) -> tuple[Any, str]:
             )
             if no_region and session.region_name:
                 config["region"] = session.region_name
+            method = getattr(creds, "method", None)
+            if method in ("iam-role", "container-role"):
+                # (as the AWS CLI does: a profile of a region alone, on EC2)
+                role = "instance's" if method == "iam-role" else "container's"
+                return Boto3CredentialProvider(session), (
+                    f"the {role} role, through the AWS profile {name!r}, which holds no "
+                    f"credentials of its own (boto3: {', '.join(files)})"
+                )
             return Boto3CredentialProvider(session), (
-                f"the AWS profile {name!r} (boto3: {', '.join(files)}; SSO and "
-                "credential_process included)"
+                f"the AWS profile {name!r} (boto3, {method or 'its own'}: {', '.join(files)}; "
+                "SSO and credential_process included)"
             )
-        if profile:  # named, and empty: not the instance's role instead, silently
+        if profile:  # named, and empty (nor an instance's role that boto3 falls back to)
             raise RemoteAccessError(
                 f"the AWS profile {name!r} cannot give credentials (it has no keys, SSO, "
                 f"credential_process or role to assume); files read: {', '.join(files)}"

@@ -132,6 +132,35 @@ def read_object(obj: RemoteObject, what: str, start: int = 0, end: int | None = 
     return bytes(body)
 
 
+READS_AT_ONCE = 64
+"""Whole objects ``read_objects`` keeps in flight."""
+
+
+def read_objects(objs: Iterable[RemoteObject], what: str) -> list[bytes]:
+    """``read_object`` of each of ``objs`` (whole), ``READS_AT_ONCE`` in flight: a
+    check of many small objects (manifests) takes a round trip per
+    ``READS_AT_ONCE`` of them, not per object. The first failure is raised."""
+    objs = list(objs)
+    if not objs:
+        return []
+
+    async def all_of() -> list[bytes]:
+        room = asyncio.Semaphore(READS_AT_ONCE)
+
+        async def one(obj: RemoteObject) -> bytes:
+            if obj.size == 0:
+                return b""
+            async with room:
+                try:
+                    return bytes(await _get_range(obj, 0, obj.size))
+                except _Failed as f:
+                    raise named(f.cause, obj.url, 0, obj.size, f.attempts, what) from None
+
+        return list(await asyncio.gather(*(one(o) for o in objs)))
+
+    return run(all_of())  # type: ignore[no-any-return]
+
+
 def put_file(
     url: str, path: str | os.PathLike[str], options: Mapping[str, Any] | None = None
 ) -> None:
