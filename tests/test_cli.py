@@ -152,6 +152,10 @@ def test_bench_without_a_window_is_a_usage_error(
         pass
     code, _, err = cli(["bench", str(tmp_path / "empty")], capsys)
     assert code == 2 and "the dataset has no rows: there is nothing to read" in one_line(err)
+    # windows of one token from Python (the command line asks for two): a stride of 1,
+    # not the "stride must be a positive integer, got 0" of a stride it made itself
+    one = tokload.tools.bench(dataset, seconds=0.05, window=1, batch_size=2, num_threads=0)
+    assert one["tokens_per_s"] > 0
 
 
 def test_build_argument_mistakes_found_late_exit_2(

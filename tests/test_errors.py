@@ -246,6 +246,9 @@ def test_indices_out_of_range(tmp_path: Path) -> None:
         TokenStream(ds, window=True)
     with pytest.raises(ValueError, match=r"stride must be a positive integer, got 2\.5"):
         TokenStream(ds, window=7, stride=2.5)  # type: ignore[arg-type]
+    # (a stride the reads take as 64 bits: read, it raised OverflowError; review30)
+    with pytest.raises(ValueError, match=r"^stride must be below 2\*\*64, got 1844674407370955"):
+        TokenStream(ds, window=7, stride=1 << 64)
     seven: Any = np.int64(7)
     assert TokenStream(ds, window=seven, stride=5).fingerprint == stream.fingerprint
     with pytest.raises(FormatError, match="has no metadata"):

@@ -485,7 +485,8 @@ def bench(
     from tokload.views import TokenStream
 
     t0 = time.perf_counter()
-    view = TokenStream(path, window=window, stride=window - 1)
+    # (windows of window - 1 targets: each starts at the last token of the one before)
+    view = TokenStream(path, window=window, stride=max(window - 1, 1))
     t_open = time.perf_counter()
     if not len(view):
         rows = view.source.num_rows

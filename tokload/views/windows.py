@@ -42,6 +42,8 @@ class _Windows(View):
     ) -> None:
         stride = window if stride is None else stride
         window, stride = positive_integer("window", window), positive_integer("stride", stride)
+        if stride >= 1 << 64:  # (read as a 64-bit row count)
+            raise ValueError(f"stride must be below 2**64, got {stride}")
         super().__init__(data, storage_options)
         self.window, self.stride = window, stride
         rows = self.source.num_rows
