@@ -29,8 +29,10 @@ class ReadOptions:
             least twice ``steps_per_task`` so a task is always being built.
             Default (None): as many as ``prefetch_bytes`` of batches hold, at
             most ``tokload.tasks.MAX_AUTO_PREFETCH`` (512) and at least two
-            tasks, sized by the largest of the batches that begin a task (until
-            the first is delivered, two tasks; a ``collate`` result with no
+            tasks besides the one being handed out (``prefetch_bytes`` does
+            not bound that floor), sized by the largest of the batches that
+            begin a task (until the first is delivered, two tasks; a
+            ``collate`` result with no
             arrays in dicts, lists or tuples counts as unknown: 32 batches).
             512 is sized by ``bench/bench_stall.py``: on storage that delays 1
             read in 1,000 by 200 ms, it lets 8 reader threads hide most of the
