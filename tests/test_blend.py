@@ -358,6 +358,34 @@ def test_bad_components(views: list[TokenStream], tmp_path: Path) -> None:
         Blend([(Rows(), 1)], length=10)
     with pytest.raises(TypeError, match="component 0 is not a view"):
         Blend([(object(), 1)], length=10)
+    # (review31: a bare "too many values to unpack (expected 2)")
+    bare: Any = [views[0], views[1]]
+    with pytest.raises(
+        TypeError, match=r"^component 0 must be a \(view, weight\) pair, got TokenStream "
+    ):
+        Blend(bare, length=10)
+    weighted: Any = {views[0]: 0.5, views[1]: 0.5}
+    with pytest.raises(
+        TypeError, match=r"^components must be a list of \(view, weight\) pairs, got dict$"
+    ):
+        Blend(weighted, length=10)
+    pairs: Any = ((views[0], 1), [views[1], 1])  # tuples and lists
+    assert len(Blend(pairs, length=10)) == 10
+
+    # a build with metadata (its tokens are the field "token") and a plain source
+    rng = np.random.default_rng(0)
+    with Writer(tmp_path / "fields", [("token", "<u2")]) as w:
+        for _ in range(20):
+            w.write({"token": rng.integers(0, 100, 30)})
+    with Writer(tmp_path / "plain", "<u2") as w:
+        for _ in range(20):
+            w.write(rng.integers(0, 100, 30))
+    hint = r"a tokload build with metadata, --keep-field or --annotations, stores its tokens"
+    with pytest.raises(ValueError, match=r"component 1 has the fields tokens: uint16; component 0 "
+                       r"has token: uint16 \(" + hint):  # fmt: skip
+        Blend([(Documents(tmp_path / "fields"), 1), (Documents(tmp_path / "plain"), 1)])
+    with pytest.raises(ValueError, match=hint):
+        Blend([(TokenStream(tmp_path / "plain", 8), 1), (TokenStream(tmp_path / "fields", 8), 1)])
     other = TokenStream(views[0].source, window=3)
     with pytest.raises(ValueError, match="component 1 has window 3"):
         Blend([(views[0], 1), (other, 1)], length=10)

@@ -305,6 +305,12 @@ def test_compressed_parquet_and_text_inputs(tmp_path: Path) -> None:
     [
         ("{not json", "malformed JSON", r"bad\.jsonl:2: malformed JSON"),
         ("[" * 100_000, "malformed JSON", r"bad\.jsonl:2: malformed JSON \("),
+        # a raw tab in a string (json's own message ends in "at": said once)
+        (
+            '{"text": "a\tb"}',
+            "malformed JSON",
+            r"bad\.jsonl:2: malformed JSON \(Invalid control character at column 12\)",
+        ),
         ("[1]", "not a JSON object", r"bad\.jsonl:2: a JSON list, not an object"),
         ('{"body": "x"}', "missing text field", r"bad\.jsonl:2: no text field 'text'"),
         ('{"text": 5}', "text field not a string", r"bad\.jsonl:2: field 'text' is a int"),

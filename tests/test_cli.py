@@ -596,6 +596,22 @@ def test_plan_and_inspect_say_what_the_data_cannot_give(
         f"tokload plan: error: {tmp_path / 'flat.npy'}: a window of 51 tokens is longer than "
         "the dataset's 50: it has no sample to read"
     )
+    # inspect and verify read tokload datasets: a token file or a Megatron prefix is
+    # said to be one (review31: "<file>.npy/manifest.json: Not a directory")
+    megatron = Path(__file__).parent / "data" / "megatron" / "tiny_uint16"
+    for command in ("inspect", "verify"):
+        for path, kind in [
+            (tmp_path / "flat.npy", "a flat token file"),
+            (megatron, "a Megatron-LM .bin/.idx prefix"),
+            (megatron.with_suffix(".idx"), "a Megatron-LM .bin/.idx prefix"),
+        ]:
+            code, out, err = cli([command, str(path)], capsys)
+            assert code == 2 and out == ""
+            assert one_line(err) == (
+                f"tokload {command}: error: {path}: {kind}, not a tokload dataset (a directory "
+                f"with manifest.json): {command} reads tokload datasets; read it with the "
+                "views (tokload.Documents, TokenStream, open_flat) or tokload plan and bench"
+            )
     # the arguments the command line checks, checked in Python too (review26: negative
     # GETs/s, ZeroDivisionError, OverflowError)
     plan = tokload.tools.plan

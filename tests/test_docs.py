@@ -14,10 +14,10 @@ order, by the kind its fence names:
 Any other fence fails the test, so nothing a reader may copy goes unexecuted. The
 README's two set-up commands install the package and run the suite itself: they
 are not run here, but :func:`test_readme_setup_commands_are_what_ci_runs` checks
-that ``.ci/run`` runs exactly them. The directory of a page starts with one
-thing in it: ``megatron/tiny_text_document.{bin,idx}``, a Megatron-LM indexed
-dataset written by megatron-core (``tests/data/megatron``), for the pages that
-show reading Megatron data in place.
+that ``.ci/run`` runs exactly them. The directory of a page starts empty: a
+page creates what it reads, as a reader would (a Megatron-LM prefix too,
+written as megatron-core writes one; ``tests/test_views.py`` reads the files
+megatron-core itself wrote).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import gc
 import os
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -41,7 +40,6 @@ PAGES = [
     ROOT / "docs" / "index.md",
     *sorted((ROOT / "docs" / "guide").glob("*.md")),
 ]
-MEGATRON = ROOT / "tests" / "data" / "megatron" / "tiny_uint16"
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 TITLE = re.compile(r"""\btitle=(?:"([^"]*)"|'([^']*)'|(\S+))""")
@@ -142,11 +140,6 @@ def test_every_block_of_the_page_runs(
 ) -> None:
     found = blocks(page)
     skip = setup_blocks(found) if page.name == "README.md" else []
-    (tmp_path / "megatron").mkdir()
-    for ext in ("bin", "idx"):
-        shutil.copy(
-            MEGATRON.with_suffix(f".{ext}"), tmp_path / "megatron" / f"tiny_text_document.{ext}"
-        )
     monkeypatch.chdir(tmp_path)
     env = {
         **os.environ,

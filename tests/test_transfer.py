@@ -57,6 +57,22 @@ def blocks_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # ---- the fake device itself can fail ----------------------------------------------------------
 
 
+def test_a_missing_key_names_the_keys_a_batch_has() -> None:
+    """review31: a bare KeyError: 'tokens' for a batch of a structured dtype, whose
+    tokens are the field 'token'."""
+    batch = Batch({"token": torch.zeros(2), "index": torch.zeros(2)})
+    with pytest.raises(KeyError) as e:
+        batch["tokens"]
+    assert e.value.args[0] == (
+        "'tokens': this batch has the keys 'token', 'index' (a dataset of a structured dtype, "
+        "as a build with --keep-field or --annotations writes, has a key per field: its "
+        "tokens are 'token')"
+    )
+    with pytest.raises(KeyError, match=r"'lengths': this batch has the keys 'token', 'index'\"$"):
+        batch["lengths"]
+    assert batch.get("tokens") is None and "tokens" not in batch
+
+
 def test_the_fake_device_sees_a_buffer_written_during_a_copy() -> None:
     fd = FakeDevice(min_delay=0.05, max_delay=0.05)
     host = fd.host_empty((1000,), torch.int32)

@@ -281,8 +281,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--force",
         action="store_true",
-        help="build into a non-empty directory that holds no tokload build (its files stay "
-        "as they are), or replace a dataset built there from other inputs",
+        help="build into a non-empty directory (or s3:// prefix) that holds no tokload build "
+        "(its files stay as they are), or replace a dataset built there from other inputs",
     )
     b.add_argument(
         "--shard-size",

@@ -608,8 +608,11 @@ class Fill:
     tokens each document puts in its row, row by row; a document longer than
     ``window`` gives its first ``window``), ``"doc_counts"`` (int64, ``[B]``),
     ``"index"`` (the ``D`` documents' view indices) and ``"position"`` (the
-    ``B`` rows' positions). ``batch_size`` counts rows, and so does the cursor:
-    another ``window`` or ``lookahead`` is another run (the checkpoint records
+    ``B`` rows' positions). ``batch_size`` counts rows. The cursor counts
+    positions in the shuffle of documents: row ``b`` of the group of documents
+    that starts at position ``p`` is position ``p + b`` (a group of ``m``
+    documents fills at most ``m`` rows), so it runs ahead of the rows delivered.
+    Another ``window`` or ``lookahead`` is another run (the checkpoint records
     them).
     """
 

@@ -243,7 +243,8 @@ def records(inp: ChunkInput, text_field: str) -> Iterator[Record]:
                     continue
                 except (ValueError, RecursionError) as e:
                     detail = (
-                        f"{e.msg} at column {e.colno}"
+                        # (some of json's messages end in "at": "Invalid control character at")
+                        f"{e.msg.removesuffix(' at')} at column {e.colno}"
                         if isinstance(e, json.JSONDecodeError)
                         else str(e).split(";")[0] or type(e).__name__
                     )

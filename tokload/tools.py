@@ -7,6 +7,7 @@ import math
 import os
 import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,8 +20,37 @@ from tokload.source import open_dataset
 from tokload.tokenizer import from_description
 
 
+def _a_tokload_dataset(path: str | os.PathLike[str], what: str) -> None:
+    """Refuse a local path that is a token file or a Megatron prefix, which ``what``
+    (``inspect``, ``verify``: tokload datasets only) would report as a manifest
+    missing at a path that is not there.
+
+    Raises:
+        UsageError: naming the path, what it is and what reads it.
+    """
+    from tokload import remote
+
+    text = os.fspath(path)
+    if remote.is_url(text):
+        return
+    local = Path(remote.local_path(text))
+    stem = local.with_suffix("") if local.suffix in (".bin", ".idx") else local
+    if Path(f"{stem}.idx").is_file() and not local.is_dir():
+        kind = "Megatron-LM .bin/.idx prefix"
+    elif local.is_file():
+        kind = "flat token file" if local.suffix in (".npy", ".bin") else "file"
+    else:
+        return
+    raise UsageError(
+        f"{path}: a {kind}, not a tokload dataset (a directory with manifest.json): {what} "
+        "reads tokload datasets; read it with the views (tokload.Documents, TokenStream, "
+        "open_flat) or tokload plan and bench"
+    )
+
+
 def inspect(path: str | os.PathLike[str], sample: int | None = 0, tokens: int = 64) -> str:
     """A readable summary of a dataset: manifest, sizes, and one decoded sample."""
+    _a_tokload_dataset(path, "inspect")
     src = open_dataset(path)
     m = src.manifest
     assert m is not None
@@ -286,7 +316,12 @@ def verify(
     ``deep=True``, first recomputes every file's checksum against the one the
     manifest records (``tokload.checksum.verify_checksums``), which reads
     all the data and names the first damaged file.
+
+    Raises:
+        UsageError: ``path`` is a token file or a Megatron prefix, not a
+            tokload dataset.
     """
+    _a_tokload_dataset(path, "verify")
     if deep:
         from tokload.checksum import verify_checksums
 

@@ -65,6 +65,15 @@ class Batch(dict[str, Any]):
         # this one included; an OrderedDict is what it reads state dicts as
         return (collections.OrderedDict, (), None, None, iter(self.items()))
 
+    def __missing__(self, key: Any) -> Any:
+        hint = ""
+        if key == "tokens" and "token" in self:
+            hint = (
+                " (a dataset of a structured dtype, as a build with --keep-field or "
+                "--annotations writes, has a key per field: its tokens are 'token')"
+            )
+        raise KeyError(f"{key!r}: this batch has the keys {', '.join(map(repr, self))}{hint}")
+
     def __copy__(self) -> Batch:  # a Batch, with its event (not through pickling)
         out = Batch(self)
         out.ready = self.ready

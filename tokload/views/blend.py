@@ -180,8 +180,19 @@ class Blend(WindowBoundaries, View):
         max_epochs: Mapping[int, int] | None = None,
         rounds: int = 6,
     ) -> None:
+        if isinstance(components, Mapping) or not isinstance(components, Sequence):
+            raise TypeError(
+                "components must be a list of (view, weight) pairs, got "
+                f"{type(components).__name__}"
+            )
         if not components:
             raise ValueError("a Blend needs at least one component")
+        for c, pair in enumerate(components):
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
+                raise TypeError(
+                    f"component {c} must be a (view, weight) pair, got {type(pair).__name__} "
+                    f"{pair!r:.80}"
+                )
         block_size = positive_integer("block_size", block_size)
         seed, rounds = seed_and_rounds(seed, rounds)
         self.views: list[Any] = []

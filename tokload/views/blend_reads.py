@@ -58,6 +58,7 @@ class WindowMix:
                 raise ValueError(
                     f"component {c} has window {v.window} and dtype {self._dtype_of(c)}; "
                     f"component 0 has {self.window} and {self.dtype}"
+                    + _token_field_hint(_fields_of(self._dtype_of(c)), _fields_of(self.dtype))
                 )
         self.keys: tuple[str, ...] = tuple(getattr(first, "boundary_keys", ()))
         for c, v in enumerate(views):
@@ -223,6 +224,7 @@ class DocumentMix:
                 raise ValueError(
                     f"component {c} has the fields {names(v.fields)}; "
                     f"component 0 has {names(self.fields)}"
+                    + _token_field_hint(dict(v.fields), self.fields)
                 )
         self.plain = _plain_documents(views)
 
@@ -368,6 +370,27 @@ def groups(comp: np.ndarray) -> list[tuple[int, np.ndarray]]:
         (int(sorted_comp[a]), order[a:e])
         for a, e in zip([0, *cuts.tolist()], [*cuts.tolist(), len(comp)], strict=True)
     ]
+
+
+def _fields_of(dtype: Any) -> dict[str, Any]:
+    """A dtype's fields as views name them: ``{"tokens": dtype}`` for a plain one."""
+    dt = np.dtype(dtype)
+    if dt.fields is None:
+        return {"tokens": dt}
+    return {k: dt.fields[k][0] for k in dt.names or ()}
+
+
+def _token_field_hint(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
+    """What to do when one component's one field is ``token`` (a build with metadata)
+    and the other's ``tokens`` (a plain source): "" otherwise."""
+    if {tuple(a), tuple(b)} != {("token",), ("tokens",)}:
+        return ""
+    return (
+        " (a tokload build with metadata, --keep-field or --annotations, stores its tokens "
+        "as the field 'token', and a plain source, a Megatron prefix, a flat file or a "
+        "build without metadata, as 'tokens': a blend of both needs the tokload "
+        "sources built without metadata)"
+    )
 
 
 def names(fields: Mapping[str, Any]) -> str:
