@@ -328,29 +328,44 @@ def test_bad_megatron_files(tmp_path: Path) -> None:
         r"indices need 974",
     ):
         tokload.open_megatron(tmp_path / "t")
-    bad = bytearray(idx)
-    bad[34 + 4 * 53 : 34 + 4 * 53 + 8] = (10**9).to_bytes(8, "little")  # pointer 0 past the .bin
-    (tmp_path / "t.idx").write_bytes(bad)
-    docs = Documents(tmp_path / "t")
-    with pytest.raises(
-        CorruptDataError,
-        match=r"t\.idx: the pointer of sequence 0: bad value "
-        r"1000000000",
-    ):
-        docs.read([0])
+    size = (tmp_path / "t.bin").stat().st_size
+    rows = size // 2
+    first = int.from_bytes(idx[34 : 34 + 4], "little")  # sequence 0's length
+    for pointer, message in [
+        (3, rf"the pointer of sequence 0: bad value 3 at byte 246 \(not a multiple of 2 "
+            rf"within the \.bin's {size} bytes\)"),
+        (10**9, rf"sequence 0 \({first} rows from byte 1000000000\) ends at byte "
+                rf"{10**9 + 2 * first} of the \.bin, which holds {size} bytes \({rows} rows\): "
+                r"the \.bin is shorter than the \.idx says \(a copy cut short\?\), or the "
+                r"\.idx entry at byte 246 is damaged"),
+    ]:  # fmt: skip
+        bad = bytearray(idx)
+        bad[34 + 4 * 53 : 34 + 4 * 53 + 8] = pointer.to_bytes(8, "little")  # sequence 0's
+        (tmp_path / "t.idx").write_bytes(bad)
+        docs = Documents(tmp_path / "t")
+        with pytest.raises(CorruptDataError, match=r"t\.idx: " + message):
+            docs.read([0])
     np.testing.assert_array_equal(docs[1], Documents(MEGATRON / "tiny_uint16")[1])
     # a bad length is named as the length, at its own byte (it was 'the pointer')
-    rows = (tmp_path / "t.bin").stat().st_size // 2
-    for length in (-1, rows + 1):
-        bad = bytearray(idx)
-        bad[34 + 4 : 34 + 8] = length.to_bytes(4, "little", signed=True)  # sequence 1's
-        (tmp_path / "t.idx").write_bytes(bad)
-        with pytest.raises(
-            CorruptDataError,
-            match=rf"t\.idx: the length of sequence 1: bad value {length} at byte 38 "
-            rf"\(the \.bin holds {rows} rows\)",
-        ):
-            Documents(tmp_path / "t").read([1])
+    bad = bytearray(idx)
+    bad[34 + 4 : 34 + 8] = (-1).to_bytes(4, "little", signed=True)  # sequence 1's
+    (tmp_path / "t.idx").write_bytes(bad)
+    with pytest.raises(
+        CorruptDataError, match=r"t\.idx: the length of sequence 1: bad value -1 at byte 38$"
+    ):
+        Documents(tmp_path / "t").read([1])
+    bad[34 + 4 : 34 + 8] = (rows + 1).to_bytes(4, "little", signed=True)
+    (tmp_path / "t.idx").write_bytes(bad)
+    with pytest.raises(
+        CorruptDataError, match=rf"t\.idx: sequence 1 \({rows + 1} rows from byte \d+\) ends "
+        rf"at byte \d+ of the \.bin, which holds {size} bytes .* entry at byte 38 is damaged"
+    ):  # fmt: skip
+        Documents(tmp_path / "t").read([1])
+    # a .bin cut short by whole rows (an interrupted copy): said so, not a bad pointer
+    (tmp_path / "t.idx").write_bytes(idx)
+    (tmp_path / "t.bin").write_bytes((MEGATRON / "tiny_uint16.bin").read_bytes()[: size // 2])
+    with pytest.raises(CorruptDataError, match=r"the \.bin is shorter than the \.idx says"):
+        Documents(tmp_path / "t").read([52])
     (tmp_path / "t.bin").unlink()
     with pytest.raises(MissingShardError, match="missing Megatron data"):
         tokload.open_megatron(tmp_path / "t")

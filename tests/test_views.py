@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -238,6 +239,54 @@ def test_subset_and_split(tmp_path: Path) -> None:
     for bad in ("0,0", "1,inf", "nan,1", [1, -1]):
         with pytest.raises(ValueError, match="split weights must be finite and non-negative"):
             tokload.split(docs, bad)
+    # Megatron's spellings: '/' too, and three parts from a string that names fewer
+    assert [len(p) for p in tokload.split(docs, "98/2/0")] == [98, 2, 0]
+    assert [len(p) for p in tokload.split(docs, "99, 1")] == [99, 1, 0]
+    assert [len(p) for p in tokload.split(docs, [99, 1])] == [99, 1]
+    with pytest.raises(ValueError, match=r"^split weights must be numbers separated by ',' or "):
+        tokload.split(docs, "98;2")
+
+
+def _megatron_split_indices(weights: list[float], n: int) -> list[int]:
+    """megatron-core's _get_split_indices (blended_megatron_dataset_builder), as it
+    is written there."""
+    split = [w / sum(weights) for w in weights]
+    indices = [0]
+    for i in range(len(split)):
+        indices.append(indices[i] + int(round(split[i] * float(n))))  # noqa: RUF046 (as there)
+    diff = indices[-1] - n
+    for i in range(1, len(indices)):
+        indices[i] -= diff
+    return indices
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    weights=st.lists(st.integers(0, 1000), min_size=1, max_size=4).filter(lambda w: sum(w) > 0),
+    n=st.integers(1, 5000),
+)
+def test_split_cuts_where_megatron_core_does(weights: list[int], n: int) -> None:
+    """The cuts of ``--split`` (review32: the cumulative weights were rounded, so a
+    validation set differed from Megatron's by a document at a cut, n=49 of
+    '969,30,1' among them)."""
+
+    class Rows:  # a view of n observations: split needs len and subset
+        def __init__(self, a: int, b: int) -> None:
+            self.a, self.b = a, b
+
+        def __len__(self) -> int:
+            return self.b - self.a
+
+        def subset(self, a: int, b: int) -> Rows:
+            return Rows(self.a + a, self.a + b)
+
+    rows: Any = Rows(0, n)
+    parts = tokload.split(rows, [float(w) for w in weights])
+    got = [0] + [p.b for p in parts]
+    want = _megatron_split_indices([float(w) for w in weights], n)
+    if min(want) >= 0:  # (Megatron's own cut may fall below 0: tokload's stays at 0)
+        assert got == want
+    assert got[-1] == n and all(a <= b for a, b in itertools.pairwise(got))
 
 
 # ---- stream with metadata --------------------------------------------------------------------

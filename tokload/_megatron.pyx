@@ -122,14 +122,34 @@ cdef class MegatronIndex(ExtentIndex):
                                                 self.bin_rows, ids, n, lens, ptrs, starts,
                                                 lengths, &err, &failed)
             self.file.engine_end(&eng)
-            if rc == lib.TL_ERR_CORRUPT and err.length == 4:  # a length, not a pointer
-                raise CorruptDataError(
-                    f"{self.file.paths[0]}: the length of sequence {ids[failed]}: bad value "
-                    f"{<int64_t>err.done} at byte {err.offset} (the .bin holds "
-                    f"{self.bin_rows} rows)"
-                )
+            if rc == lib.TL_ERR_CORRUPT:
+                _bad_entry(self.file.paths[0], ids[failed], lens[failed], ptrs[failed],
+                           self.itemsize, self.bin_rows, err.offset, err.length == 8)
             if rc:
                 _raise_io(&err, self.file.paths, f"the pointer of sequence {ids[failed]}")
         finally:
             PyMem_Free(mem)
         return 0
+
+
+def _bad_entry(idx, seq, length, ptr, itemsize, bin_rows, offset, pointer):
+    """Raise the CorruptDataError of sequence ``seq``'s entry: its ``length`` (or its
+    ``pointer``, a byte offset) out of the .bin's ``bin_rows`` rows. An entry that
+    is sound but reaches past the end is told as a .bin cut short, which is what
+    it is most often (an interrupted copy): the .idx says how big the .bin is."""
+    size = bin_rows * itemsize
+    if pointer and (ptr < 0 or ptr % itemsize):
+        raise CorruptDataError(
+            f"{idx}: the pointer of sequence {seq}: bad value {ptr} at byte {offset} "
+            f"(not a multiple of {itemsize} within the .bin's {size} bytes)"
+        )
+    if length < 0:
+        raise CorruptDataError(
+            f"{idx}: the length of sequence {seq}: bad value {length} at byte {offset}"
+        )
+    end = ptr + length * itemsize
+    raise CorruptDataError(
+        f"{idx}: sequence {seq} ({length} rows from byte {ptr}) ends at byte {end} of the "
+        f".bin, which holds {size} bytes ({bin_rows} rows): the .bin is shorter than the "
+        f".idx says (a copy cut short?), or the .idx entry at byte {offset} is damaged"
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Self, TypeVar
 
@@ -222,12 +223,32 @@ def _reopen_view(
 def split(view: V, weights: str | Sequence[float]) -> list[V]:
     """Cut a view into consecutive, non-overlapping parts by weight.
 
-    ``split(view, "969,30,1")`` gives train/validation/test views like
-    Megatron's ``split`` argument: part ``k`` gets observations
-    ``[round(n*c_k), round(n*c_{k+1}))`` where ``c`` are the normalized
-    cumulative weights. The parts cover the view exactly.
+    ``split(view, "969,30,1")`` gives train/validation/test views as
+    megatron-core cuts its datasets by ``--split``: each part's size is its
+    share of the ``n`` observations rounded (``round(n * w_k / sum(w))``), and
+    every cut is then moved by what the sizes add up to over ``n``, so the parts
+    cover the view exactly (a cut that would fall before 0 stays at 0). A
+    string takes Megatron's spellings (``"969,30,1"``, ``"98/2/0"``) and gives
+    three parts when it names fewer (``"99,1"``: an empty test part), as
+    Megatron does; a sequence of weights gives one part per weight.
+
+    Raises:
+        ValueError: weights that are not finite non-negative numbers with a
+            positive sum, or a string that is not numbers separated by ``,`` or
+            ``/``.
     """
-    w = [float(x) for x in weights.split(",")] if isinstance(weights, str) else list(weights)
+    if isinstance(weights, str):
+        pieces = [x for x in re.split(r"[,/]", weights.replace(" ", ""))]
+        try:
+            w = [float(x) for x in pieces]
+        except ValueError:
+            raise ValueError(
+                f"split weights must be numbers separated by ',' or '/' (Megatron's "
+                f"--split: '969,30,1'), got {weights!r}"
+            ) from None
+        w += [0.0] * (3 - len(w))
+    else:
+        w = list(weights)
     if not w or not all(0 <= x < math.inf for x in w) or sum(w) <= 0:  # NaN fails too
         raise ValueError(
             f"split weights must be finite and non-negative with a positive sum, got {weights!r}"
@@ -235,11 +256,10 @@ def split(view: V, weights: str | Sequence[float]) -> list[V]:
     n = len(view)
     total = sum(w)
     bounds = [0]
-    acc = 0.0
     for x in w:
-        acc += x
-        bounds.append(min(n, round(n * acc / total)))
-    bounds[-1] = n
+        bounds.append(bounds[-1] + round(x / total * float(n)))
+    excess = bounds[-1] - n  # megatron-core's _get_split_indices
+    bounds = [0] + [min(n, max(0, b - excess)) for b in bounds[1:]]
     return [view.subset(a, b) for a, b in itertools.pairwise(bounds)]
 
 
