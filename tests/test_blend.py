@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 import shutil
 import subprocess
@@ -371,6 +372,18 @@ def test_bad_components(views: list[TokenStream], tmp_path: Path) -> None:
         Blend(weighted, length=10)
     pairs: Any = ((views[0], 1), [views[1], 1])  # tuples and lists
     assert len(Blend(pairs, length=10)) == 10
+    # any iterable of pairs, read once (review33: dict.items() was refused)
+    for these in (
+        {views[0]: 1, views[1]: 1}.items(),
+        ((v, 1) for v in views[:2]),
+        np.array([(views[0], 1), (views[1], 1)], dtype=object),
+    ):
+        mixed: Any = Blend(these, length=10)  # type: ignore[arg-type]
+        again = pickle.loads(pickle.dumps(mixed))  # the pairs, not the spent iterator
+        assert again.fingerprint == mixed.fingerprint and len(again) == 10
+    two = views[0].subset(0, 2)  # a view of two samples is not a pair
+    with pytest.raises(TypeError, match=r"^component 0 must be a \(view, weight\) pair"):
+        Blend([two, two], length=10)  # type: ignore[list-item]
 
     # a build with metadata (its tokens are the field "token") and a plain source
     rng = np.random.default_rng(0)

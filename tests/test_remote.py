@@ -773,14 +773,15 @@ def test_a_build_to_a_url_follows_the_rules_of_a_local_output(s3: LocalS3, tmp_p
         "rules/other/notes.txt": b"notes",
         "rules/other/parts/README.txt": b"read me",
         "rules/other/parts/2024/report.csv": b"a,b",
+        "rules/other/parts/00000-00000/notes.txt": b"in a chunk's place",  # (review33)
     }
     for k, v in theirs.items():
         s3.client().put_object(Bucket=BUCKET, Key=k, Body=v)
     there = f"s3://{BUCKET}/rules/other"
     with pytest.raises(
         UsageError,
-        match=r"rules/other: holds 3 objects and no tokload build \(notes.txt, "
-        r"parts/2024/report.csv, parts/README.txt\)",
+        match=r"rules/other: holds 4 objects and no tokload build \(notes.txt, "
+        r"parts/00000-00000/notes.txt, parts/2024/report.csv, parts/README.txt\)",
     ):
         tokload.build([a], there, staging=tmp_path / "st-e", **kw)
     s3.client().put_object(Bucket=BUCKET, Key="rules/other/manifest.json", Body=b"{}")
@@ -820,6 +821,14 @@ def test_a_publish_stopped_midway_resumes_and_other_slices_stay(
     assert not any(k.startswith("midway/parts/00001-") for k in _objects(s3, "midway/"))
     done = tokload.build([a], url, staging=tmp_path / "st-2", **kw)  # the same command
     assert done.built == 0 and len(Documents(url)) == 130
+
+    # a part of no chunk (--part 0/2 of one chunk) publishes its manifest alone: its
+    # re-run found no input recorded and was refused (review33)
+    tiny = _jsonl(tmp_path / "tiny.jsonl", 3, "tiny")
+    alone = f"s3://{BUCKET}/alone"
+    for _ in range(2):
+        done = tokload.build([tiny], alone, staging=tmp_path / "st-5", part="0/2", **kw)
+        assert done.chunks == 0
 
     sliced = f"s3://{BUCKET}/sliced"
     tokload.build([a, z], sliced, staging=tmp_path / "st-3", part="0/2", **kw)

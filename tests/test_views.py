@@ -242,8 +242,9 @@ def test_subset_and_split(tmp_path: Path) -> None:
     # Megatron's spellings: '/' too, and three parts from a string that names fewer
     assert [len(p) for p in tokload.split(docs, "98/2/0")] == [98, 2, 0]
     assert [len(p) for p in tokload.split(docs, "99, 1")] == [99, 1, 0]
+    assert [len(p) for p in tokload.split(docs, " 99 1 ")] == [99, 1, 0]  # (was [100, 0, 0])
     assert [len(p) for p in tokload.split(docs, [99, 1])] == [99, 1]
-    with pytest.raises(ValueError, match=r"^split weights must be numbers separated by ',' or "):
+    with pytest.raises(ValueError, match=r"^split weights must be numbers separated by ',', '/' "):
         tokload.split(docs, "98;2")
 
 

@@ -87,7 +87,7 @@ class DataLoader:
             get identical batches. TypeError for anything else; ValueError for
             a mesh this process is not in.
         mesh_dim: the mesh's data-parallel dimension (name or index, default 0);
-            ValueError without ``mesh``.
+            ValueError without ``mesh`` where there are several ranks.
         num_threads: reader threads (at most 256); 0 builds each batch in
             ``next()`` (handy for debugging). Default: half the CPU cores,
             between 1 and 4, so the training thread keeps a core of its own;

@@ -22,8 +22,9 @@ What it may replace or delete follows the rules of a local output
 starts: objects under the URL that no build wrote are never touched (a
 prefix holding them is refused unless ``force``, and even then if the build
 would write over one), and a dataset built there from other inputs is
-replaced only with ``force``. Under ``parts/``, only chunk folders
-(``parts/<digits>-<digits>/``, the build's names) are ever deleted.
+replaced only with ``force``. Under ``parts/``, only the objects of chunks
+(``parts/<chunk>/manifest.json`` and the files of its shards, named as the
+build names them) are ever deleted.
 """
 
 from __future__ import annotations
@@ -42,8 +43,12 @@ from tokload.format import MANIFEST, parse_manifest
 from tokload.tokenizer import TOKENIZER_FILE
 
 CHUNK_NAME = re.compile(r"[0-9]{5,}-[0-9]{5,}")
-"""The name of a chunk's folder under ``parts/`` (``tokload.build_plan.Chunk.name``):
-only such folders are ever deleted."""
+"""The name of a chunk's folder under ``parts/`` (``tokload.build_plan.Chunk.name``)."""
+
+SHARD_FILE = re.compile(r"in([0-9]{5,}-[0-9]{5,})-[0-9]{5,}\.[a-z]+")
+"""The name of a file of a chunk's shard (``in<chunk>-<k>.rows``, ``.docs``, ...:
+``tokload.build_part`` names them): with the chunk's manifest, the only objects of
+its folder that are the build's, and ever deleted."""
 
 
 @dataclass
@@ -176,13 +181,19 @@ def _upload_chunk(
 
 
 def _chunk_of(u: str, url: str, parts: str) -> str | None:
-    """The chunk whose folder holds the object ``u`` (``url/parts/<chunk>/...``);
-    None for an object elsewhere, or in a folder not named as a chunk."""
+    """The chunk whose object ``u`` is (``url/parts/<chunk>/<its manifest or a file of
+    its shards>``); None for any other object, one of another name in a chunk's
+    folder included (not the build's)."""
     head = f"{url}/{parts}/"
     if not u.startswith(head):
         return None
-    name, slash, _ = u[len(head) :].partition("/")
-    return name if slash and CHUNK_NAME.fullmatch(name) else None
+    name, _, file = u[len(head) :].partition("/")
+    if not CHUNK_NAME.fullmatch(name):
+        return None
+    if file == MANIFEST:
+        return name
+    shard = SHARD_FILE.fullmatch(file)
+    return name if shard is not None and shard.group(1) == name else None
 
 
 def check_store(
@@ -255,8 +266,8 @@ def check_store(
     if any(m is None for m in manifests):
         return  # a publish stopped in the middle of an input's chunks: its build's
     recorded = {os.path.abspath(p) for p in _chunk_inputs(manifests) if p is not None}
-    if len(recorded) < len(manifests) or recorded & wanted:
-        return  # a chunk that does not say (an older build's), or a re-run
+    if not recorded or len(recorded) < len(manifests) or recorded & wanted:
+        return  # no chunk (a part of none), a chunk that does not say, or a re-run
     shown = ", ".join(sorted(recorded)[:3]) + (", ..." if len(recorded) > 3 else "")
     raise UsageError(
         f"{url}: holds a dataset built from other inputs ({shown}), none of which is an "

@@ -38,10 +38,19 @@ def resolve_rank(
                 "the mesh of the devices this process trains on"
             )
         return int(mesh.get_local_rank(dim)), int(mesh.size(dim))
-    if mesh_dim is not None:
+    got = _without_mesh(rank, world_size)
+    if mesh_dim is not None and got[1] > 1:
         # (a dp x tp job that forgot mesh= would split the data over the whole world,
-        # and tensor-parallel peers would get different batches)
-        raise ValueError(f"mesh_dim={mesh_dim!r} is given without a mesh: pass mesh= too")
+        # and tensor-parallel peers would get different batches; alone, it is moot)
+        raise ValueError(
+            f"mesh_dim={mesh_dim!r} is given without a mesh, and this is rank {got[0]} of "
+            f"{got[1]}: pass mesh= too, or no mesh_dim"
+        )
+    return got
+
+
+def _without_mesh(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``resolve_rank`` without a mesh."""
     if rank is None and world_size is None:
         try:
             import torch.distributed as dist

@@ -228,22 +228,22 @@ def split(view: V, weights: str | Sequence[float]) -> list[V]:
     share of the ``n`` observations rounded (``round(n * w_k / sum(w))``), and
     every cut is then moved by what the sizes add up to over ``n``, so the parts
     cover the view exactly (a cut that would fall before 0 stays at 0). A
-    string takes Megatron's spellings (``"969,30,1"``, ``"98/2/0"``) and gives
+    string takes Megatron's spellings (``"969,30,1"``, ``"98/2/0"``, ``"98 2 0"``) and gives
     three parts when it names fewer (``"99,1"``: an empty test part), as
     Megatron does; a sequence of weights gives one part per weight.
 
     Raises:
         ValueError: weights that are not finite non-negative numbers with a
-            positive sum, or a string that is not numbers separated by ``,`` or
-            ``/``.
+            positive sum, or a string that is not numbers separated by ``,``,
+            ``/`` or spaces.
     """
     if isinstance(weights, str):
-        pieces = [x for x in re.split(r"[,/]", weights.replace(" ", ""))]
+        pieces = re.split(r"\s*[,/]\s*|\s+", weights.strip())
         try:
             w = [float(x) for x in pieces]
         except ValueError:
             raise ValueError(
-                f"split weights must be numbers separated by ',' or '/' (Megatron's "
+                f"split weights must be numbers separated by ',', '/' or spaces (Megatron's "
                 f"--split: '969,30,1'), got {weights!r}"
             ) from None
         w += [0.0] * (3 - len(w))

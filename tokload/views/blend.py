@@ -48,7 +48,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,7 +135,8 @@ class Blend(WindowBoundaries, View):
     """A weighted, scheduled mixture of views; itself a view for the DataLoader.
 
     Args:
-        components: ``[(view, weight), ...]``; the views are of one kind:
+        components: ``[(view, weight), ...]`` (any iterable of pairs, read
+            once: ``weights.items()`` too); the views are of one kind:
             TokenStreams (same window, dtype and ``boundaries``),
             StreamWithMetadatas (same window, fields and ``deserialize``), or views
             of documents
@@ -180,19 +181,28 @@ class Blend(WindowBoundaries, View):
         max_epochs: Mapping[int, int] | None = None,
         rounds: int = 6,
     ) -> None:
-        if isinstance(components, Mapping) or not isinstance(components, Sequence):
+        if isinstance(components, Mapping | str | bytes) or not isinstance(components, Iterable):
             raise TypeError(
                 "components must be a list of (view, weight) pairs, got "
                 f"{type(components).__name__}"
             )
+        components = list(components)  # (dict.items(), a generator, ...: read once)
         if not components:
             raise ValueError("a Blend needs at least one component")
         for c, pair in enumerate(components):
-            if not isinstance(pair, tuple | list) or len(pair) != 2:
+            if isinstance(pair, Mapping | str | bytes) or not _a_pair(pair):
                 raise TypeError(
                     f"component {c} must be a (view, weight) pair, got {type(pair).__name__} "
                     f"{pair!r:.80}"
                 )
+        components = [(v, w) for v, w in components]
+        # (what pickling records: these pairs, not an iterator they were read from)
+        args, kwargs = self._made_with
+        self._made_with = (
+            ((components, *args[1:]), kwargs)
+            if args
+            else (args, {**kwargs, "components": components})
+        )
         block_size = positive_integer("block_size", block_size)
         seed, rounds = seed_and_rounds(seed, rounds)
         self.views: list[Any] = []
@@ -648,6 +658,17 @@ class Blend(WindowBoundaries, View):
             f"block_size={getattr(self, 'block_size', '?')}, "
             f"n={len(self) if hasattr(self, '_total') else '?'})"
         )
+
+
+def _a_pair(x: Any) -> bool:
+    """Whether ``x`` is two items, as ``(view, weight)`` (a tuple, a list, a NumPy
+    array of objects), and not a view (a view of two samples has a length of 2)."""
+    if hasattr(x, "fingerprint"):
+        return False
+    try:
+        return len(x) == 2
+    except TypeError:
+        return False
 
 
 def _kind(view: Any, c: int) -> str:
