@@ -176,6 +176,35 @@ def test_annotations_land_on_their_tokens_bytes(tmp_path: Path) -> None:
     assert checked > 10
 
 
+def test_an_empty_annotation_annotates_no_token(tmp_path: Path) -> None:
+    """An empty span ``[s, s)``, an SFT record's empty response, was refused as
+    "outside the text" and the record dropped (review34): it annotates no token."""
+    prompt = "Q: why? A: "
+    lines = [
+        {"text": prompt, "spans": [{"start": len(prompt), "end": len(prompt), "role": "answer"}]},
+        {"text": prompt + "ok", "spans": [{"start": len(prompt), "end": len(prompt) + 2,
+                                            "role": "answer"}]},
+        {"text": "", "spans": [{"start": 0, "end": 0, "role": "answer"}]},
+    ]  # fmt: skip
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    s = tokload.build(
+        [tmp_path / "sft.jsonl"], tmp_path / "ds", annotations_field="spans", progress=False
+    )
+    assert s.documents == 3 and s.skipped == {}
+    view = StreamWithMetadata(tmp_path / "ds", window=1, stride=1, deserialize=json.loads)
+    docs = Documents(tmp_path / "ds")
+    for d, want in enumerate(["", "ok", ""]):
+        start, length = (int(x[0]) for x in docs.extents([d]))
+        batch = view.read(np.arange(start, start + length))
+        tokens = batch.fields["token"][:, 0].tolist()
+        answer = [
+            t
+            for t, p in zip(tokens, batch.positions[:, 0].tolist(), strict=True)
+            if p >= 0 and batch.metadata[p].get("annotations") == [{"role": "answer"}]
+        ]
+        assert bytes(answer).decode() == want
+
+
 def _hf_tokenizer(path: Path, vocab_size: int | None = None) -> Path:
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -337,6 +366,17 @@ def test_compressed_parquet_and_text_inputs(tmp_path: Path) -> None:
             '{"text": "abc", "spans": [{"start": 1, "end": 9}]}',
             "annotation outside the text",
             r"bad\.jsonl:2: annotation \[1, 9\) is outside the text \(3 characters\)",
+        ),
+        (
+            '{"text": "abc", "spans": [{"start": 2, "end": 1}]}',
+            "annotation outside the text",
+            r"bad\.jsonl:2: annotation \[2, 1\) ends before it starts \(3 characters\)",
+        ),
+        # JSON's true is not 1 (review34: it was taken as 1, silently)
+        (
+            '{"text": "abc", "spans": [{"start": true, "end": 2}]}',
+            "annotation without integer start/end",
+            r"bad\.jsonl:2: an annotation without integer start/end: \{'start': True",
         ),
     ],
 )

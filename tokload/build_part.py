@@ -376,20 +376,18 @@ def _spans(
         )
     if raw:
         for a in raw:
-            if (
-                not isinstance(a, dict)
-                or not isinstance(a.get("start"), int)
-                or not isinstance(a.get("end"), int)
-            ):
+            if not isinstance(a, dict) or not _an_int(a.get("start")) or not _an_int(a.get("end")):
                 return None, (
                     ANNOTATION_NO_SPAN,
                     f"an annotation without integer start/end: {a!r}",
                 )
             s, e = a["start"], a["end"]
-            if not 0 <= s < e <= n_text:
+            # (an empty one, [s, s) within the text: an empty response, annotates no token)
+            if not 0 <= s <= e <= n_text:
+                what = "ends before it starts" if e < s else "is outside the text"
                 return None, (
                     ANNOTATION_OUTSIDE,
-                    f"annotation [{s}, {e}) is outside the text ({n_text} characters)",
+                    f"annotation [{s}, {e}) {what} ({n_text} characters)",
                 )
         assert offsets is not None
         starts = np.fromiter((a["start"] for a in raw), np.int64, len(raw))
@@ -419,6 +417,12 @@ def _spans(
                 return None, (NOT_JSON, f"a kept field or annotation has {e}")
             spans.append((a, b, payload.encode()))
     return spans, None
+
+
+def _an_int(v: Any) -> bool:
+    """Whether ``v`` is an integer of JSON (not ``true``/``false``, which Python's
+    ``int`` takes in)."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _json_value(v: Any) -> Any:
