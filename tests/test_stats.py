@@ -60,6 +60,24 @@ def test_counts_of_an_interval_and_the_next(corpus: Path) -> None:
     assert closed["batches"] == 0 and closed["batches_ready"] == closed["prefetch_batches"] == 0
 
 
+def test_batches_ready_near_the_end_of_a_run_are_those_left(corpus: Path) -> None:
+    """Each ready task counted as steps_per_task batches: near the end of a finite run
+    the queue said 513 ready with 86 left (review35)."""
+    view = tokload.TokenStream(corpus, window=W)
+    read = tokload.ReadOptions(steps_per_task=16, prefetch=512)
+    ld = tokload.DataLoader(view, B, seed=1, num_threads=1, epochs=1, read=read)
+    total = -(-len(view) // B)
+    it = iter(ld)
+    for _ in range(total - 20):
+        next(it)
+    deadline = time.monotonic() + 30
+    while ld.stats()["batches_ready"] < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the readers finish the run
+    assert ld.stats()["batches_ready"] == 20
+    assert len(list(it)) == 20
+    ld.close()
+
+
 def test_io_figures_are_the_reads_of_the_batches() -> None:
     """In a process of its own (the engine's totals are process-wide): with no
     reader threads, each batch is one engine call of one read per window."""

@@ -263,8 +263,10 @@ class LoaderIter:
         if pf is None:
             return {"batches_ready": 0, "prefetch_batches": 0}
         per = self._loader.steps_per_task
+        # (the tasks' own batches: the last tasks of a finite run have fewer than per)
+        built = sum(len(t) for t in pf.waiting() if isinstance(t, list))
         return {
-            "batches_ready": len(self._ready) - self._at + pf.ready * per,
+            "batches_ready": len(self._ready) - self._at + built,
             "prefetch_batches": (pf.depth + 1) * per,
         }
 

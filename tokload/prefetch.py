@@ -237,6 +237,11 @@ class Prefetcher:
         """Steps built and waiting for ``get`` (a snapshot)."""
         return len(self._results)
 
+    def waiting(self) -> list[Any]:
+        """The items built and waiting for ``get`` (a snapshot)."""
+        with self._lock:
+            return list(self._results.values())
+
     @property
     def next_step(self) -> int:
         """The step the next ``get`` returns."""
