@@ -612,6 +612,11 @@ def test_plan_and_inspect_say_what_the_data_cannot_give(
                 f"with manifest.json): {command} reads tokload datasets; read it with the "
                 "views (tokload.Documents, TokenStream, open_flat) or tokload plan and bench"
             )
+    code, _, err = cli(["inspect", str(dataset / "manifest.json")], capsys)
+    assert code == 2 and one_line(err) == (
+        f"tokload inspect: error: {dataset / 'manifest.json'}: a dataset's manifest: give its "
+        f"directory, {dataset}"
+    )
     # the arguments the command line checks, checked in Python too (review26: negative
     # GETs/s, ZeroDivisionError, OverflowError)
     plan = tokload.tools.plan

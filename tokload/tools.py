@@ -35,6 +35,8 @@ def _a_tokload_dataset(path: str | os.PathLike[str], what: str) -> None:
         return
     local = Path(remote.local_path(text))
     stem = local.with_suffix("") if local.suffix in (".bin", ".idx") else local
+    if local.name == "manifest.json" and local.is_file():
+        raise UsageError(f"{path}: a dataset's manifest: give its directory, {local.parent}")
     if Path(f"{stem}.idx").is_file() and not local.is_dir():
         kind = "Megatron-LM .bin/.idx prefix"
     elif local.is_file():
