@@ -376,6 +376,20 @@ def test_state_dict_round_trip_and_refusals(corpus: Path, tmp_path: Path) -> Non
     forced = DataLoader(TokenStream(corpus, window=10), 4, seed=1)
     forced.load_state_dict(st1, force=True)
     assert forced.cursor == 20
+    # a blend of many components with one changed: where the fingerprints differ is
+    # shown, not both whole (review31: 744 characters naming no component)
+    parts = [view.subset(10 * k, 10 * k + 10) for k in range(8)]
+    mix = tokload.Blend([(v, 1) for v in parts], length=80)
+    saved = DataLoader(mix, 4, seed=1).state_dict()
+    moved = [*parts[:5], view.subset(51, 61), *parts[6:]]
+    with pytest.raises(StateError) as e:
+        again = tokload.Blend([(v, 1) for v in moved], length=80)
+        DataLoader(again, 4, seed=1).load_state_dict(saved)
+    message = str(e.value)
+    assert len(mix.fingerprint) > 500 and len(message) < 400
+    before, after = message.split(", this loader has fingerprint=")
+    assert before.startswith("the state was saved for fingerprint=...'") and ":50:60" in before
+    assert ":51:61" in after and "(they differ from character " in after
     with pytest.raises(StateError, match="not a tokload loader state"):
         ld.load_state_dict({"step": 3})
     from torch.distributed.checkpoint.stateful import Stateful

@@ -354,9 +354,10 @@ class DataLoader:
             }
             for key, value in mine.items():
                 if state.get(key) != value:
+                    saved, here = _shown_apart(state.get(key), value)
                     raise StateError(
-                        f"the state was saved for {key}={state.get(key)!r}, this loader has "
-                        f"{key}={value!r}; pass force=True to resume anyway"
+                        f"the state was saved for {key}={saved}, this loader has "
+                        f"{key}={here}; pass force=True to resume anyway"
                     )
         self.cursor = cursor
 
@@ -618,3 +619,24 @@ def _new_locks_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_new_locks_after_fork)
+
+
+SHOWN = 240
+"""Characters of two differing values a ``StateError`` shows in full; longer ones
+(a blend's fingerprint names every component) are shown around where they differ."""
+
+
+def _shown_apart(saved: Any, here: Any, around: int = 40) -> tuple[str, str]:
+    """``repr`` of two values of a state that differ: whole when short, else the
+    part of each from a little before the first character where they differ."""
+    if not (isinstance(saved, str) and isinstance(here, str)) or len(saved) + len(here) <= SHOWN:
+        return repr(saved), repr(here)
+    same = (a == b for a, b in zip(saved, here, strict=False))  # (the shorter one's length)
+    at = next((k for k, eq in enumerate(same) if not eq), min(len(saved), len(here)))
+    lo = max(0, at - around)
+
+    def part(text: str) -> str:
+        hi = at + 2 * around
+        return ("..." if lo else "") + repr(text[lo:hi]) + ("..." if len(text) > hi else "")
+
+    return part(saved), f"{part(here)} (they differ from character {at})"
