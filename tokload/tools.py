@@ -29,15 +29,15 @@ def _a_tokload_dataset(path: str | os.PathLike[str], what: str) -> None:
         UsageError: naming the path, what it is and what reads it.
     """
     from tokload import remote
+    from tokload.views.base import local_kind
 
     text = os.fspath(path)
     if remote.is_url(text):
         return
     local = Path(remote.local_path(text))
-    stem = local.with_suffix("") if local.suffix in (".bin", ".idx") else local
     if local.name == "manifest.json" and local.is_file():
         raise UsageError(f"{path}: a dataset's manifest: give its directory, {local.parent}")
-    if Path(f"{stem}.idx").is_file() and not local.is_dir():
+    if local_kind(str(local)) == "megatron" and not local.is_dir():
         kind = "Megatron-LM .bin/.idx prefix"
     elif local.is_file():
         kind = "flat token file" if local.suffix in (".npy", ".bin") else "file"

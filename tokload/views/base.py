@@ -51,12 +51,12 @@ def _open_path(data: str | os.PathLike[str], storage_options: Mapping[str, Any] 
     if remote.is_url(path):
         return _open_remote(path, storage_options)
     path = remote.local_path(path)
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST)):
+    kind = local_kind(path)
+    if kind == "dataset":
         return open_dataset(path)
-    prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
-    if os.path.exists(prefix + ".idx"):
-        return interop.open_megatron(prefix)
-    if path.endswith(".npy") and os.path.isfile(path):
+    if kind == "megatron":
+        return interop.open_megatron(path[:-4] if path.endswith((".idx", ".bin")) else path)
+    if kind == "npy":
         return interop.open_flat(path)
     if os.path.isdir(path):
         return open_dataset(path)  # raises: no manifest
@@ -66,6 +66,20 @@ def _open_path(data: str | os.PathLike[str], storage_options: Mapping[str, Any] 
         "(flat .bin files need tokload.interop.open_flat(path, dtype=...))",
         path,
     )
+
+
+def local_kind(path: str) -> str | None:
+    """What a local path holds, as ``open_source`` reads it: ``"dataset"`` (a
+    directory with a manifest), ``"megatron"`` (a ``.bin``/``.idx`` prefix, or
+    either file), ``"npy"`` (a ``.npy`` token file), or None."""
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST)):
+        return "dataset"
+    prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
+    if os.path.exists(prefix + ".idx"):
+        return "megatron"
+    if path.endswith(".npy") and os.path.isfile(path):
+        return "npy"
+    return None
 
 
 def _open_remote(url: str, options: Mapping[str, Any] | None) -> Source:
@@ -261,6 +275,14 @@ def split(view: V, weights: str | Sequence[float]) -> list[V]:
     excess = bounds[-1] - n  # megatron-core's _get_split_indices
     bounds = [0] + [min(n, max(0, b - excess)) for b in bounds[1:]]
     return [view.subset(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def dtype_fields(dtype: np.dtype[Any]) -> dict[str, np.dtype[Any]]:
+    """A dtype's fields as the views name them: ``{"tokens": dtype}`` for a plain
+    one, else one entry per field of a structured one."""
+    if dtype.fields is None:
+        return {"tokens": dtype}
+    return {name: ft for name, ft, _ in _field_layout(dtype)}
 
 
 def _field_layout(

@@ -29,7 +29,7 @@ import numpy as np
 
 from tokload._docindex import ExtentIndex, extents_many
 from tokload._rows import RowSets, read_ranges
-from tokload.views.base import Fields, ReadPart
+from tokload.views.base import Fields, ReadPart, dtype_fields
 from tokload.views.contract import Alloc, document_extents
 from tokload.views.documents import Documents, plain_target
 from tokload.views.metadata import MetadataBatch, gather_batches
@@ -58,7 +58,7 @@ class WindowMix:
                 raise ValueError(
                     f"component {c} has window {v.window} and dtype {self._dtype_of(c)}; "
                     f"component 0 has {self.window} and {self.dtype}"
-                    + _token_field_hint(_fields_of(self._dtype_of(c)), _fields_of(self.dtype))
+                    + _token_field_hint(dtype_fields(self._dtype_of(c)), dtype_fields(self.dtype))
                 )
         self.keys: tuple[str, ...] = tuple(getattr(first, "boundary_keys", ()))
         for c, v in enumerate(views):
@@ -370,14 +370,6 @@ def groups(comp: np.ndarray) -> list[tuple[int, np.ndarray]]:
         (int(sorted_comp[a]), order[a:e])
         for a, e in zip([0, *cuts.tolist()], [*cuts.tolist(), len(comp)], strict=True)
     ]
-
-
-def _fields_of(dtype: Any) -> dict[str, Any]:
-    """A dtype's fields as views name them: ``{"tokens": dtype}`` for a plain one."""
-    dt = np.dtype(dtype)
-    if dt.fields is None:
-        return {"tokens": dt}
-    return {k: dt.fields[k][0] for k in dt.names or ()}
 
 
 def _token_field_hint(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:

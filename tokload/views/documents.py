@@ -13,7 +13,15 @@ from tokload._docindex import read_documents
 from tokload._rows import read_ranges, split_fields
 from tokload.arguments import check_fits
 from tokload.errors import FormatError
-from tokload.views.base import DataLike, Fields, ReadPart, View, _check_out, _field_layout
+from tokload.views.base import (
+    DataLike,
+    Fields,
+    ReadPart,
+    View,
+    _check_out,
+    _field_layout,
+    dtype_fields,
+)
 from tokload.views.contract import Alloc
 
 
@@ -132,10 +140,7 @@ class Documents(View):
     def fields(self) -> dict[str, np.dtype[Any]]:
         """The document contract (``tokload.batching``): ``{"tokens": dtype}``, or
         one entry per field of a structured dtype."""
-        dt = self.source.dtype
-        if dt.fields is None:
-            return {"tokens": dt}
-        return {name: ft for name, ft, _ in _field_layout(dt)}
+        return dtype_fields(self.source.dtype)
 
     def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
         """The view protocol (``tokload.views.contract``): ``"tokens"`` ``[B, L]``
