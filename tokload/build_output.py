@@ -27,7 +27,7 @@ from typing import Any
 from tokload.build_plan import Chunk
 from tokload.errors import TokloadError, UsageError
 from tokload.files import LOCK_FILE, DirectoryLock
-from tokload.format import MANIFEST, read_manifest
+from tokload.format import MANIFEST, Manifest, read_manifest
 from tokload.inputs import BUILD_MARKER
 from tokload.tokenizer import TOKENIZER_FILE
 
@@ -140,14 +140,22 @@ def _recorded_inputs(out: Path) -> set[str]:
         return found
     for d in parts.iterdir():
         try:
-            rec = read_manifest(d).user.get("build")
+            path = recorded_input(read_manifest(d))
         except (TokloadError, OSError, ValueError):
             continue
-        if isinstance(rec, dict) and isinstance(rec.get("input"), dict):
-            path = rec["input"].get("path")
-            if isinstance(path, str):
-                found.add(path)
+        if path is not None:
+            found.add(path)
     return found
+
+
+def recorded_input(chunk: Manifest) -> str | None:
+    """The absolute path of the input a chunk's manifest records it was built from
+    (``user["build"]["input"]["path"]``); None where it records none."""
+    rec = chunk.user.get("build")
+    if isinstance(rec, dict) and isinstance(rec.get("input"), dict):
+        path = rec["input"].get("path")
+        return path if isinstance(path, str) else None
+    return None
 
 
 def up_to_date(part: Path, base: dict[str, Any], chunk: Chunk) -> bool:

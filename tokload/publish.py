@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tokload import remote
+from tokload.build_output import recorded_input
 from tokload.errors import FormatError, UsageError
 from tokload.format import MANIFEST, parse_manifest
 from tokload.tokenizer import TOKENIZER_FILE
@@ -289,19 +290,13 @@ def _built_by_tokload(obj: Any) -> bool:
 
 def _chunk_inputs(objs: list[Any]) -> list[str | None]:
     """The input path each chunk manifest object of ``objs`` records
-    (``user["build"]["input"]["path"]``), None where it records none."""
+    (``build_output.recorded_input``), None where it records none."""
     out: list[str | None] = []
     for obj, raw in zip(objs, remote.read_objects(objs, "a manifest"), strict=True):
         try:
-            rec = parse_manifest(raw, obj.url).user.get("build")
+            out.append(recorded_input(parse_manifest(raw, obj.url)))
         except (FormatError, ValueError):
-            rec = None
-        path = (
-            rec["input"].get("path")
-            if isinstance(rec, dict) and isinstance(rec.get("input"), dict)
-            else None
-        )
-        out.append(path if isinstance(path, str) else None)
+            out.append(None)
     return out
 
 
