@@ -482,6 +482,65 @@ def test_kept_parquet_columns_of_types_json_lacks(tmp_path: Path) -> None:
     }
 
 
+def test_nan_and_infinities_are_kept_as_null(tmp_path: Path) -> None:
+    """A float column's missing values (NaN) and infinities, from Parquet or JSONL,
+    were written as bare ``NaN``/``Infinity``, which strict JSON parsers (orjson,
+    JavaScript, serde) refuse (review36): they are ``null``, as pandas writes them."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    nan, inf = float("nan"), float("inf")
+    pq.write_table(
+        pa.table({"text": ["a b", "c d", "e f"], "score": [nan, -inf, 0.5]}), tmp_path / "x.parquet"
+    )
+    (tmp_path / "y.jsonl").write_text(
+        '{"text": "g h", "score": NaN, "spans": [{"start": 0, "end": 1, "w": [1.0, Infinity]}]}\n'
+    )
+    build(
+        [tmp_path / "x.parquet", tmp_path / "y.jsonl"],
+        tmp_path / "out",
+        keep_fields=["score"],
+        annotations_field="spans",
+        progress=False,
+    )
+
+    def strict(raw: bytes) -> Any:
+        return json.loads(raw, parse_constant=lambda c: pytest.fail(f"{c} in {raw!r}"))
+
+    view = tokload.StreamWithMetadata(tmp_path / "out", window=1, stride=1, deserialize=strict)
+    docs = Documents(tmp_path / "out")
+    got = []
+    for d in range(4):
+        start = int(docs.extents([d])[0][0])
+        got.append(view.read(np.array([start])).metadata[0])
+    assert got == [
+        {"document": {"score": None}},
+        {"document": {"score": None}},
+        {"document": {"score": 0.5}},
+        {"document": {"score": None}, "annotations": [{"w": [1.0, None]}]},
+    ]
+
+
+def test_an_empty_annotation_inside_a_token_annotates_nothing(tmp_path: Path) -> None:
+    """An empty span ``[s, s)`` strictly inside a token of a trained tokenizer (an
+    SFT record's empty response in the middle of a word) annotated that token
+    (review36): it overlaps none of its characters."""
+    tj = _hf_tokenizer(tmp_path / "tokenizer.json")
+    tok = tokload.tokenizer.HFTokenizer(tj)
+    text = "the quick brown fox"
+    (enc,) = tok.encode_batch([text])
+    # within a token of several characters, not between two
+    inside = next(int(a) + 1 for a, e in enc.offsets if e - a >= 2)
+    (tmp_path / "sft.jsonl").write_text(
+        json.dumps({"text": text, "spans": [{"start": inside, "end": inside, "role": "x"}]}) + "\n"
+    )
+    s = build([tmp_path / "sft.jsonl"], tmp_path / "ds", tokenizer=tj, annotations_field="spans",
+              progress=False)  # fmt: skip
+    assert s.documents == 1 and s.skipped == {}
+    view = StreamWithMetadata(tmp_path / "ds", window=1, stride=1, deserialize=json.loads)
+    batch = view.read(np.arange(len(view)))
+    assert all(p < 0 or "annotations" not in batch.metadata[p] for p in batch.positions[:, 0])
+
+
 @pytest.mark.parametrize("suffix", [".gz", ".bz2", ".xz"])
 def test_a_truncated_compressed_input_keeps_the_records_before_the_damage(
     tmp_path: Path, suffix: str

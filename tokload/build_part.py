@@ -22,6 +22,7 @@ import datetime
 import decimal
 import itertools
 import json
+import math
 import os
 import secrets
 from collections import Counter
@@ -395,8 +396,8 @@ def _spans(
         shift = int(opts.bos)  # a BOS token spans [0, 0): it precedes every annotation
         los = np.searchsorted(offsets[:, 1], starts, side="right") + shift
         his = np.searchsorted(offsets[:, 0], ends, side="left") + shift
-        for a, lo, hi in zip(raw, los.tolist(), his.tolist(), strict=True):
-            if lo < hi:
+        for a, lo, hi, wide in zip(raw, los.tolist(), his.tolist(), ends > starts, strict=True):
+            if lo < hi and wide:  # (an empty span within a token overlaps no character of it)
                 anns.append((lo, hi, {k: v for k, v in a.items() if k not in ("start", "end")}))
     doc_meta = {f: rec.get(f) for f in opts.keep_fields}
     bounds = sorted({0, n_tokens, *(b for lo, hi, _ in anns for b in (lo, hi))})
@@ -410,9 +411,7 @@ def _spans(
             record["annotations"] = covering
         if record and b > a:
             try:
-                payload = json.dumps(
-                    record, sort_keys=True, separators=(",", ":"), default=_json_value
-                )
+                payload = _json_text(record)
             except (TypeError, ValueError) as e:
                 return None, (NOT_JSON, f"a kept field or annotation has {e}")
             spans.append((a, b, payload.encode()))
@@ -423,6 +422,36 @@ def _an_int(v: Any) -> bool:
     """Whether ``v`` is an integer of JSON (not ``true``/``false``, which Python's
     ``int`` takes in)."""
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _json_text(record: dict[str, Any]) -> str:
+    """``record`` as compact JSON text (keys sorted). NaN and the infinities (a
+    Parquet float column's missing values), which JSON lacks, are written as
+    null, as orjson and pandas write them: ``json.dumps`` would write ``NaN``,
+    which strict parsers refuse."""
+    try:
+        return json.dumps(
+            record, sort_keys=True, separators=(",", ":"), default=_json_value, allow_nan=False
+        )
+    except ValueError:  # (a float out of JSON's range; anything else fails again below)
+        return json.dumps(
+            _finite(record),
+            sort_keys=True,
+            separators=(",", ":"),
+            default=_json_value,
+            allow_nan=False,
+        )
+
+
+def _finite(v: Any) -> Any:
+    """``v`` with every float that is NaN or infinite, at any depth, made None."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_finite(x) for x in v]
+    return v
 
 
 def _json_value(v: Any) -> Any:
