@@ -482,6 +482,53 @@ def test_kept_parquet_columns_of_types_json_lacks(tmp_path: Path) -> None:
     }
 
 
+def test_parquet_nanosecond_times_and_unused_columns(tmp_path: Path) -> None:
+    """A Parquet file with a nanosecond timestamp column (as pandas writes them)
+    stopped the build with "not safely convertible to microseconds", kept or not,
+    in an error naming no file (review37): only the columns the build uses are
+    read, and nanosecond times are kept as ISO 8601 text with nine digits."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    ns = 1704164645123456789
+    table = pa.table(
+        {
+            "text": ["first document", "second"],
+            "crawled": pa.array([ns, None], pa.timestamp("ns")),
+            "utc": pa.array([ns, ns], pa.timestamp("ns", tz="UTC")),
+            "at": pa.array([3723123456789, 0], pa.time64("ns")),
+            "took": pa.array([1_500_000_001, 2_000_000_000], pa.duration("ns")),
+            "unused": pa.array([ns, ns], pa.timestamp("ns")),
+        }
+    )
+    pq.write_table(table, tmp_path / "x.parquet")
+    keep = ["crawled", "utc", "at", "took"]
+    build([tmp_path / "x.parquet"], tmp_path / "out", keep_fields=keep, progress=False)
+    view = tokload.StreamWithMetadata(tmp_path / "out", window=1, stride=1, deserialize=json.loads)
+    docs = Documents(tmp_path / "out")
+    got = [view.read(docs.extents([d])[0][:1].astype(np.int64)).metadata[0] for d in (0, 1)]
+    assert got == [
+        {
+            "document": {
+                "crawled": "2024-01-02T03:04:05.123456789",
+                "utc": "2024-01-02T03:04:05.123456789Z",
+                "at": "01:02:03.123456789",
+                "took": 1.500000001,
+            }
+        },
+        {
+            "document": {
+                "crawled": None,
+                "utc": "2024-01-02T03:04:05.123456789Z",
+                "at": "00:00:00.000000000",
+                "took": 2.0,
+            }
+        },
+    ]
+    # not kept, not read: a build without metadata takes the file as it is
+    build([tmp_path / "x.parquet"], tmp_path / "plain", progress=False)
+    assert len(Documents(tmp_path / "plain")) == 2
+
+
 def test_nan_and_infinities_are_kept_as_null(tmp_path: Path) -> None:
     """A float column's missing values (NaN) and infinities, from Parquet or JSONL,
     were written as bare ``NaN``/``Infinity``, which strict JSON parsers (orjson,

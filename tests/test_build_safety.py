@@ -308,6 +308,27 @@ def test_include_and_exclude_globs(tmp_path: Path) -> None:
     assert found.passed_over["files that are not data"] == 2  # dataset_info, config
 
 
+def test_a_path_that_exists_is_never_a_glob(tmp_path: Path) -> None:
+    """``data[1].jsonl`` was taken as a glob: alone it matched nothing ("no input
+    matches"), and beside ``data1.jsonl`` that other file was read in its place
+    (review37). A path that exists is itself; one that does not is a glob."""
+    (tmp_path / "data[1].jsonl").write_text('{"text": "named"}\n')
+    (tmp_path / "data1.jsonl").write_text('{"text": "other"}\n')
+    (tmp_path / "crawl[2024]").mkdir()
+    (tmp_path / "crawl[2024]" / "a.jsonl").write_text('{"text": "in the directory"}\n')
+    assert find_inputs([tmp_path / "data[1].jsonl"]).files == [tmp_path / "data[1].jsonl"]
+    assert find_inputs([tmp_path / "crawl[2024]"]).files == [tmp_path / "crawl[2024]" / "a.jsonl"]
+    with pytest.raises(FileNotFoundError, match="no input matches"):  # a glob: [2] is "2"
+        find_inputs([tmp_path / "data[2].jsonl"])
+    (tmp_path / "data2.jsonl").write_text('{"text": "two"}\n')
+    assert find_inputs([tmp_path / "data[2].jsonl"]).files == [tmp_path / "data2.jsonl"]
+    build([tmp_path / "data[1].jsonl"], tmp_path / "out", tokenizer="bytes", progress=False)
+    docs = tokload.Documents(tmp_path / "out")
+    tokens = docs[0]
+    assert len(docs) == 1 and isinstance(tokens, np.ndarray)
+    assert bytes(tokens[:-1].tolist()) == b"named"
+
+
 def test_a_directory_walk_follows_links_and_reads_no_file_twice(tmp_path: Path) -> None:
     """A linked directory's files are inputs (they were passed over without a word);
     a directory reached again, through a second link or a loop, is passed over."""

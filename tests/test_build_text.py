@@ -89,6 +89,38 @@ def test_a_byte_order_mark_is_not_text() -> None:
         list(text_pieces(io.BytesIO(b"\xef\xbb\xbfhello\xff world"), 64))
 
 
+def test_a_byte_order_mark_before_a_blank_jsonl_line_is_dropped(tmp_path: Path) -> None:
+    """A JSONL file whose mark is followed by a blank line, or that holds only the
+    mark, failed with "malformed JSON" at line 1 (review37): the mark is dropped
+    before the line is looked at, so the line is blank, as without the mark."""
+    (tmp_path / "blank.jsonl").write_bytes(b'\xef\xbb\xbf\r\n{"text": "first"}\r\n')
+    (tmp_path / "only.jsonl").write_bytes(b"\xef\xbb\xbf\n")
+    (tmp_path / "other.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "other"}\n')
+    s = build([tmp_path], tmp_path / "out", tokenizer="bytes", progress=False)
+    assert s.skipped == {}
+    assert _texts(tmp_path / "out") == [b"first", b"other"]
+
+
+def test_a_text_field_named_path_holds_a_text_files_text(tmp_path: Path) -> None:
+    """With ``--text-field path`` a plain-text input's document was its own file name
+    (the record's ``path`` wrote over the text, review37)."""
+    (tmp_path / "notes.txt").write_text("hello from a text file\n")
+    (tmp_path / "a.jsonl").write_text('{"path": "text in the field path"}\n')
+    build([tmp_path], tmp_path / "out", tokenizer="bytes", text_field="path", progress=False)
+    assert _texts(tmp_path / "out") == [b"text in the field path", b"hello from a text file\n"]
+
+
+def _texts(path: Path) -> list[bytes]:
+    """The documents of a build with the bytes tokenizer, as bytes (EOS dropped)."""
+    docs = tokload.Documents(path)
+    out = []
+    for i in range(len(docs)):
+        tokens = docs[i]
+        assert isinstance(tokens, np.ndarray)
+        out.append(bytes(tokens[:-1].tolist()))
+    return out
+
+
 def test_a_multibyte_character_across_reads_is_whole() -> None:
     text = "é" * 100 + " word " * 10
     got = list(text_pieces(io.BytesIO(text.encode()), 7))

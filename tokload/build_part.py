@@ -198,7 +198,7 @@ def build_chunk(
             """The records, ending at a damaged part of the input (kept in ``damage``):
             only reading is guarded, a failure to tokenize or write is raised."""
             try:
-                yield from records(inp, opts.text_field)
+                yield from records(inp, opts.text_field, opts.fields_read())
             except read_errors() as e:
                 if isinstance(e, BuildError):
                     raise

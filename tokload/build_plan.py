@@ -43,6 +43,12 @@ class BuildOptions:
     def metadata(self) -> bool:
         return bool(self.keep_fields) or self.annotations_field is not None
 
+    def fields_read(self) -> tuple[str, ...]:
+        """The fields of a record the build uses (a Parquet file's other columns
+        are not read)."""
+        extra = () if self.annotations_field is None else (self.annotations_field,)
+        return (self.text_field, *self.keep_fields, *extra)
+
     def record(self) -> dict[str, Any]:
         """The options that change the output (the tokenizer is recorded by its hash)."""
         return {

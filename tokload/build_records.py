@@ -22,7 +22,7 @@ import json
 import lzma
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -228,12 +228,18 @@ def _check_unicode(rec: Any) -> None:
         pass
 
 
-def records(inp: ChunkInput, text_field: str) -> Iterator[Record]:
+def records(
+    inp: ChunkInput, text_field: str, columns: Sequence[str] | None = None
+) -> Iterator[Record]:
+    """The records of a chunk of an input. ``columns``: the fields the build uses
+    (None: all); a Parquet file's other columns are not read."""
     path, chunk = inp.path, inp.chunk
     kind = input_kind(path)
     if kind == "jsonl":
         with _open_lines(inp) as f:
             for line_no, line in enumerate(f, 1):
+                if line_no == 1 and (chunk.unit != "bytes" or chunk.start == 0):
+                    line = line.removeprefix(codecs.BOM_UTF8)  # not text, even before a blank
                 if not line.strip():
                     continue
                 try:
@@ -284,15 +290,18 @@ def records(inp: ChunkInput, text_field: str) -> Iterator[Record]:
             row = sum(meta.row_group(g).num_rows for g in range(chunk.start))
             if not groups:
                 return
-            for batch in pf.iter_batches(batch_size=1024, row_groups=list(groups)):
-                for rec in batch.to_pylist():
+            names = pf.schema_arrow.names
+            wanted = None if columns is None else [c for c in names if c in set(columns)]
+            for batch in pf.iter_batches(batch_size=1024, row_groups=list(groups), columns=wanted):
+                for rec in _parquet_rows(batch, path, row):
                     row += 1
                     yield row, rec, None, WHOLE, ""
     else:
         with _decompressed(inp) as f:
             before = ""  # the end of the piece before (Record's context)
             for flags, piece in text_pieces(f):
-                yield 1, {text_field: piece, "path": str(path)}, None, flags, before
+                # (the text wins when the text field is called "path")
+                yield 1, {"path": str(path), text_field: piece}, None, flags, before
                 before = piece[-_CONTEXT_CHARS:]
 
 
@@ -336,7 +345,7 @@ def text_pieces(f: IO[bytes], piece: int | None = None) -> Iterator[tuple[int, s
     ``UnicodeDecodeError``) at the first byte that is not UTF-8.
     """
     size = piece or _TEXT_PIECE
-    # utf-8-sig: a byte order mark at the start is not text (JSONL drops it too)
+    # utf-8-sig: a byte order mark at the start is not text (records drops it from JSONL too)
     decoder = codecs.getincrementaldecoder("utf-8-sig")("strict")
     carry = ""
     first = True
@@ -377,6 +386,36 @@ def _cut(text: str) -> int:
             pos = text.rfind(sep, 1, pos)
             tries += 1
     return -1
+
+
+def _parquet_rows(batch: Any, path: Path, before: int) -> list[dict[str, Any]]:
+    """The rows of a Parquet record batch as dicts (``before``: rows before it, for
+    errors). Nanosecond times, which Python's lack (pandas writes them), are ISO
+    8601 text with nine digits (``2024-01-02T03:04:05.123456789``, a zone as
+    ``Z``), nanosecond durations seconds, as microsecond ones are."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    cols = []
+    for col in batch.columns:
+        t = col.type
+        if pa.types.is_timestamp(t) and t.unit == "ns":
+            col = pc.replace_substring(col.cast(pa.string()), " ", "T", max_replacements=1)
+        elif pa.types.is_time64(t) and t.unit == "ns":
+            col = col.cast(pa.string())
+        elif pa.types.is_duration(t) and t.unit == "ns":
+            col = pc.divide(col.cast(pa.int64()).cast(pa.float64()), 1e9)
+        cols.append(col)
+    try:
+        rows: list[dict[str, Any]] = pa.RecordBatch.from_arrays(
+            cols, names=batch.schema.names
+        ).to_pylist()
+    except (ValueError, pa.ArrowException) as e:  # (nested nanosecond times, say)
+        raise BuildError(
+            f"{path}: rows {before + 1} to {before + batch.num_rows}: a value Python cannot "
+            f"hold: {e}"
+        ) from None
+    return rows
 
 
 def _check_column(path: Path, schema: Any, field: str) -> None:

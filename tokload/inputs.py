@@ -6,7 +6,8 @@ and what was passed over.
 
 - A file named on the command line is always an input, whatever its name.
 - A glob's matches are taken like named files, except hidden ones (a shell
-  would not have matched them either) and those ``exclude`` matches.
+  would not have matched them either) and those ``exclude`` matches. A path
+  that exists is itself, not a glob, whatever its name holds (``data[1].jsonl``).
 - A directory is walked recursively and gives only **data files**: the
   known extensions (``.jsonl``/``.json``/``.ndjson``, optionally ``.gz``,
   ``.bz2``, ``.xz``, ``.zst``; ``.parquet``; ``.txt``), never hidden files or
@@ -195,7 +196,8 @@ def find_inputs(
     files: dict[str, Path] = {}  # by absolute path: each path once
     for spec in inputs:
         s = os.fspath(spec)
-        is_glob = glob.has_magic(s)
+        # a path that exists is itself, whatever its name holds ("data[1].jsonl")
+        is_glob = glob.has_magic(s) and not os.path.lexists(s)
         matches = sorted(glob.glob(s, recursive=True)) if is_glob else [s]
         if not matches:
             raise FileNotFoundError(2, "no input matches", s)
