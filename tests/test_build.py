@@ -230,6 +230,33 @@ def _hf_tokenizer(path: Path, vocab_size: int | None = None) -> Path:
     return path
 
 
+def test_a_merge_of_parts_keeps_their_tokenizer_and_refuses_another(tmp_path: Path) -> None:
+    """``tokload merge`` of build parts dropped the tokenizer record (``inspect`` no
+    longer decoded), and joined parts built with other tokenizers (review37)."""
+    tj = _hf_tokenizer(tmp_path / "tok.json")
+    inputs = write_corpus(tmp_path / "in", files=2)
+    for k in range(2):
+        build(inputs, tmp_path / f"p{k}", tokenizer=tj, part=(k, 2), progress=False)
+    build(inputs, tmp_path / "single", tokenizer=tj, progress=False)
+    m = tokload.merge(tmp_path / "whole", [tmp_path / "p0", tmp_path / "p1"])
+    single = tokload.format.read_manifest(tmp_path / "single")
+    assert m.user["tokenizer"] == single.user["tokenizer"]
+    assert (tmp_path / "whole" / "tokenizer.json").read_bytes() == tj.read_bytes()
+    report = tokload.tools.inspect(tmp_path / "whole", sample=1)
+    assert "text    '" in report and "not decoded" not in report
+    # parts of another tokenizer: refused, nothing written
+    build(inputs, tmp_path / "b1", tokenizer="bytes", part=(1, 2), progress=False)
+    with pytest.raises(tokload.FormatError, match=r"b1: tokenized with 'bytes', but .*p0 with"):
+        tokload.merge(tmp_path / "mixed", [tmp_path / "p0", tmp_path / "b1"])
+    assert not (tmp_path / "mixed" / "manifest.json").exists()
+    # a tokenizer file of the user's where the copy goes is not replaced
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "tokenizer.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="holds a tokenizer file that is not the inputs"):
+        tokload.merge(tmp_path / "mine", [tmp_path / "p0", tmp_path / "p1"])
+    assert (tmp_path / "mine" / "tokenizer.json").read_text() == "{}"
+
+
 def test_tokenizer_json_offsets_and_dtype(tmp_path: Path) -> None:
     tj = _hf_tokenizer(tmp_path / "tokenizer.json")
     inputs = write_corpus(tmp_path / "in", files=2)

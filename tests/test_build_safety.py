@@ -129,6 +129,9 @@ def test_a_non_empty_output_is_refused_unless_forced(tmp_path: Path) -> None:
     assert s.documents == 40
     assert {k: v for k, v in snapshot(out).items() if k in mine} == mine
     assert (out / BUILD_MARKER).is_file()
+    # the summary's size is the shards' (it counted the user's files too, review37)
+    shards = [p for p in (out / "parts").rglob("*") if p.suffix in (".rows", ".docs")]
+    assert s.bytes == sum(p.stat().st_size for p in shards) > 0
 
 
 def test_a_dataset_from_other_inputs_is_not_replaced_unasked(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import hashlib
 import json
 import pickle
 import shutil
@@ -657,6 +658,25 @@ def test_a_merged_dataset_and_odd_spellings_of_a_url_read_from_the_store(
         tokload.merge("s3://another-bucket/x", inputs)
     with pytest.raises(UsageError, match="convert reads and writes local directories"):
         tokload.convert(merged, tmp_path / "converted")
+
+
+def test_a_merge_in_the_store_copies_the_parts_tokenizer(s3: LocalS3, tmp_path: Path) -> None:
+    """Build parts in the bucket merged there: the merged manifest records their
+    tokenizer and the prefix gets its file, so inspect decodes (review37)."""
+    from test_build import _hf_tokenizer
+
+    tj = _hf_tokenizer(tmp_path / "tok.json")
+    (tmp_path / "in.jsonl").write_text("".join(f'{{"text": "the fox {k}"}}\n' for k in range(4)))
+    for k in range(2):
+        tokload.build([tmp_path / "in.jsonl"], tmp_path / "parts" / f"p{k}", tokenizer=tj,
+                      part=(k, 2), chunk_bytes=16, progress=False)  # fmt: skip
+    url = _upload(s3, tmp_path / "parts", "tokparts")
+    m = tokload.merge(f"{url}/whole", [f"{url}/p0", f"{url}/p1"])
+    assert m.user["tokenizer"]["sha256"] == hashlib.sha256(tj.read_bytes()).hexdigest()
+    got = remote.read_object(remote.head(f"{url}/whole/tokenizer.json", "t"), "t")
+    assert got == tj.read_bytes()
+    report = tokload.tools.inspect(f"{url}/whole", sample=1)
+    assert "text    'the fox" in report
 
 
 def test_a_bucket_without_a_dataset_at_its_root_is_named_as_given(s3: LocalS3) -> None:

@@ -179,11 +179,21 @@ def up_to_date(part: Path, base: dict[str, Any], chunk: Chunk) -> bool:
         return False
     same_input = [recorded_input.get(key) for key in ("path", "size", "mtime_ns")]
     same_chunk = {key: recorded_chunk.get(key) for key in chunk.record()}
-    return bool(
+    if not (
         got == want
         and same_input == [os.path.abspath(chunk.path), *chunk.identity]
         and same_chunk == chunk.record()
-    )
+    ):
+        return False
+    # its shards' files there, of their sizes (a shard deleted or cut short since: the
+    # build would reuse the chunk and then fail, leaving a manifest that lists it)
+    from tokload.source import open_dataset
+
+    try:
+        open_dataset(part).close()
+    except (TokloadError, OSError, ValueError):
+        return False
+    return True
 
 
 def stale_parts(parts: Path, plan: list[Chunk], mine: list[Chunk]) -> list[Path]:

@@ -108,7 +108,7 @@ class BuildSummary:
     documents: int = 0
     tokens: int = 0
     shards: int = 0
-    bytes: int = 0
+    bytes: int = 0  # the shards' files
     seconds: float = 0.0
     skipped: dict[str, int] = field(default_factory=dict)
     published: Any = None  # a tokload.publish.Published, for a URL output
@@ -394,7 +394,11 @@ def build(
             if mine:
                 _check_yield(documents, skipped, max_skipped, text_field)
             manifest = _assemble(out, opts, tok_record, tok.vocab_size, files, mine)
-            open_dataset(out).close()  # the manifest agrees with the files (sizes only: cheap)
+            try:
+                open_dataset(out).close()  # the manifest agrees with the files (sizes: cheap)
+            except BaseException:
+                (out / MANIFEST).unlink(missing_ok=True)  # a failed build leaves none
+                raise
         except BaseException:
             if publisher is not None:
                 publisher.finish(ok=False)
@@ -402,7 +406,12 @@ def build(
         summary.documents = manifest.num_documents
         summary.tokens = manifest.rows
         summary.shards = len(manifest.shards)
-        summary.bytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        # (the shards' files only: with --force the output may hold files of the user's)
+        summary.bytes = sum(
+            (out / f"{sh.name}.{ext}").stat().st_size
+            for sh in manifest.shards
+            for ext in manifest.files()
+        )
         summary.skipped = dict(skipped)
         if publisher is not None:
             summary.published = publisher.finish()

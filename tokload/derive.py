@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import posixpath
+import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -81,12 +82,18 @@ def merge(
     or URLs in one bucket (``storage_options`` for the store): the manifest is
     then uploaded to ``output``.
 
+    Inputs built by ``tokload build`` record their tokenizer: two that record
+    other tokenizers are refused (their ids mean other things); when all record
+    the same one, the merged manifest records it and ``output`` gets a copy of
+    its file, so ``tokload inspect`` decodes the merged dataset.
+
     Returns the merged manifest.
 
     Raises:
         FileExistsError: ``output`` holds a dataset.
         UsageError: local and remote paths mixed, or URLs of several buckets.
-        FormatError: an input differs from the first in dtype or options.
+        FormatError: an input differs from the first in dtype or options, or
+            records another tokenizer.
     """
     if not inputs:
         raise ValueError("merge needs at least one input dataset")
@@ -119,13 +126,90 @@ def merge(
             name = posixpath.normpath(posixpath.join(rel, s.name))
             merged.shards.append(dataclasses.replace(s, name=name))  # checksums carried over
         merged.user.setdefault("merged_from", []).append(rel)
-    if top is None:
-        write_manifest(output, merged)
-        return merged
+    tok = _one_tokenizer(manifests)
+    if tok is not None:
+        merged.user["tokenizer"] = tok[1]
     with tempfile.TemporaryDirectory(prefix="tokload-merge-") as staging:
+        tok_file = None if tok is None else _tokenizer_copy(tok, staging, storage_options)
+        dest = None
+        if tok_file is not None:
+            dest = _join(output, tok_file.name)
+            there = _read_if_there(dest, storage_options)
+            if there is not None and there != tok_file.read_bytes():
+                raise FileExistsError(
+                    17,
+                    "holds a tokenizer file that is not the inputs' tokenizer, which the merge "
+                    "would replace: merge into another directory",
+                    dest,
+                )
+        if top is None:
+            if tok_file is not None and dest is not None:
+                shutil.copyfile(tok_file, dest)
+            write_manifest(output, merged)
+            return merged
+        if tok_file is not None and dest is not None:
+            remote.put_file(dest, tok_file, storage_options)
         write_manifest(staging, merged)
         remote.put_file(top, Path(staging) / MANIFEST, storage_options)
     return merged
+
+
+def _join(root: str | os.PathLike[str], name: str) -> str:
+    r = os.fspath(root)
+    return remote.join(r, name) if remote.is_url(r) else os.path.join(r, name)
+
+
+def _read_if_there(path: str, options: Mapping[str, Any] | None) -> bytes | None:
+    """The bytes of the file or object at ``path``, None if there is none."""
+    try:
+        if remote.is_url(path):
+            return remote.read_object(
+                remote.head(path, "tokenizer file", options), "tokenizer file"
+            )
+        return Path(path).read_bytes()
+    except FileNotFoundError:  # (MissingShardError is one)
+        return None
+
+
+def _one_tokenizer(manifests: list[tuple[str, Manifest]]) -> tuple[str, dict[str, Any]] | None:
+    """``(the first input, its tokenizer record)`` when every input records the same
+    tokenizer, None when one records none; FormatError when two record other ones."""
+
+    def what(t: dict[str, Any]) -> dict[str, Any]:  # (where its file was is not what it is)
+        return {k: v for k, v in t.items() if k not in ("source", "file")}
+
+    toks = [(path, m.user.get("tokenizer")) for path, m in manifests]
+    known = [(path, t) for path, t in toks if isinstance(t, dict)]
+    for path, t in known[1:]:
+        if what(t) != what(known[0][1]):
+            raise FormatError(
+                f"{path}: tokenized with {_tokenizer_name(t)}, but {known[0][0]} with "
+                f"{_tokenizer_name(known[0][1])}: a merge would mix ids that mean other "
+                "things; build the inputs with one tokenizer"
+            )
+    return known[0] if known and len(known) == len(toks) else None
+
+
+def _tokenizer_name(t: dict[str, Any]) -> str:
+    sha = t.get("sha256")
+    return f"{t.get('kind')!r}" + (f" (SHA-256 {str(sha)[:12]}...)" if sha else "")
+
+
+def _tokenizer_copy(
+    tok: tuple[str, dict[str, Any]], staging: str, options: Mapping[str, Any] | None
+) -> Path | None:
+    """The first input's copy of the tokenizer's file, read into ``staging`` (None
+    for a tokenizer without a file, or an input that lacks its copy)."""
+    path, desc = tok
+    name = desc.get("file")
+    if not isinstance(name, str) or posixpath.basename(name) != name:
+        return None
+    data = _read_if_there(_join(path, name), options)
+    if data is None:
+        return None
+    dest = Path(staging) / name
+    dest.write_bytes(data)
+    return dest
 
 
 def convert(
