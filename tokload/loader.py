@@ -130,8 +130,9 @@ class DataLoader:
     view's provenance (a ``Blend``: ``"component"``, ``"component_index"``),
     ``"index"`` (int64, the view indices) and ``"position"`` (int64, the
     global positions). Host tensors
-    share memory with the buffers the data was read into; no buffer is ever
-    reused by tokload.
+    share memory with the buffers the data was read into; a buffer is reused
+    only once no tensor views it any more, so a batch you keep is never
+    written over.
 
     Errors, closing, fork. A reader thread's error is raised by the ``next()``
     that would have returned its batch, and the cursor stays before that batch.
