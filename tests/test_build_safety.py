@@ -332,6 +332,23 @@ def test_a_path_that_exists_is_never_a_glob(tmp_path: Path) -> None:
     assert bytes(tokens[:-1].tolist()) == b"named"
 
 
+def test_the_report_passes_over_no_file_it_reads_and_counts_each_once(tmp_path: Path) -> None:
+    """``'data/**'`` matched the directories too, whose walks passed over the
+    ``.py`` files the glob then took: the report said it passed over 3 files that
+    are not data (``c.py`` twice) and read both (review37)."""
+    (tmp_path / "data" / "sub").mkdir(parents=True)
+    (tmp_path / "data" / "a.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "data" / "d.py").write_text("print(1)\n")
+    (tmp_path / "data" / "sub" / "c.py").write_text("print(2)\n")
+    (tmp_path / "data" / "sub" / "e.py").write_text("print(3)\n")
+    found = find_inputs([tmp_path / "data", tmp_path / "data" / "sub"])
+    assert [p.name for p in found.files] == ["a.jsonl"]
+    assert found.passed_over == {"files that are not data": 3}  # each walked twice: once
+    found = find_inputs([str(tmp_path / "data" / "**")])
+    assert [p.name for p in found.files] == ["a.jsonl", "d.py", "c.py", "e.py"]
+    assert "not data" not in found.describe()
+
+
 def test_a_directory_walk_follows_links_and_reads_no_file_twice(tmp_path: Path) -> None:
     """A linked directory's files are inputs (they were passed over without a word);
     a directory reached again, through a second link or a loop, is passed over."""

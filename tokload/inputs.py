@@ -34,7 +34,7 @@ import glob
 import os
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,6 +130,9 @@ def is_dataset_dir(path: str | os.PathLike[str]) -> bool:
     )
 
 
+SPELLED_AGAIN = "paths named again, spelled otherwise"
+
+
 @dataclass
 class Found:
     """The inputs found, and what a walk or glob passed over (for the user's report)."""
@@ -137,12 +140,21 @@ class Found:
     files: list[Path] = field(default_factory=list)
     passed_over: Counter[str] = field(default_factory=Counter)  # reason -> files
     examples: dict[str, list[str]] = field(default_factory=dict)  # reason -> a few paths
+    _skipped: dict[str, dict[str, Path]] = field(default_factory=dict, repr=False)
 
     def skip(self, reason: str, path: Path) -> None:
-        self.passed_over[reason] += 1
-        names = self.examples.setdefault(reason, [])
-        if len(names) < 3:
-            names.append(str(path))
+        key = str(path) if reason == SPELLED_AGAIN else os.path.abspath(path)
+        self._skipped.setdefault(reason, {}).setdefault(key, path)
+
+    def settle(self, read: Collection[str]) -> None:
+        """Count what was passed over, each path once, leaving out the paths of
+        ``read`` (absolute: a file a walk passed over that a glob or a name took)."""
+        for reason, paths in self._skipped.items():
+            again = reason == SPELLED_AGAIN  # (those are read, under another spelling)
+            shown = [p for a, p in paths.items() if again or a not in read]
+            if shown:
+                self.passed_over[reason] = len(shown)
+                self.examples[reason] = [str(p) for p in shown[:3]]
 
     def describe(self) -> str:
         """One line: how many files of each kind and their bytes, and what was passed over."""
@@ -223,6 +235,7 @@ def find_inputs(
             else:
                 raise FileNotFoundError(2, "no such input", str(p))
     found.files = sorted(files.values())
+    found.settle(files.keys())
     return found
 
 
@@ -239,7 +252,7 @@ def _add(files: dict[str, Path], p: Path, found: Found) -> None:
     elif seen != p:
         first, other = (p, seen) if str(p) < str(seen) else (seen, p)
         files[key] = first
-        found.skip("paths named again, spelled otherwise", other)
+        found.skip(SPELLED_AGAIN, other)
 
 
 def _walk(
