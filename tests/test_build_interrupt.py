@@ -147,6 +147,65 @@ def test_ctrl_c_stops_a_build_cleanly(
     _interrupt(corpus, tmp_path / "ds", workers, group)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal")
+def test_a_worker_dies_with_its_build(tmp_path: Path) -> None:
+    """After ``kill -9`` of a ``-j`` build its workers went on, finished their chunks
+    and renamed them into the output outside the build's lock, while a re-run may
+    already hold it (review37): a worker's initializer (``_die_with``) has the
+    kernel kill it when the build process dies."""
+    worker = (
+        "import os, time; from tokload.builder import _die_with; "
+        "_die_with(os.getppid()); print('ready', flush=True); time.sleep(60)"
+    )
+    build = (
+        "import subprocess, sys, time; "
+        f"w = subprocess.Popen([sys.executable, '-c', {worker!r}], stdout=sys.stdout); "
+        "print(w.pid, flush=True); time.sleep(60)"
+    )
+    p = subprocess.Popen([sys.executable, "-c", build], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    pid = int(p.stdout.readline())
+    assert p.stdout.readline() == "ready\n"
+    p.kill()
+    p.wait(timeout=30)
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _alive(pid), "the worker outlived its build"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (not a zombie: an orphan's is reaped by init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal")
+def test_the_workers_of_a_killed_build_die_with_it(corpus: Path, tmp_path: Path) -> None:
+    """A ``-j 2`` build killed with ``kill -9``: its workers are gone at once, rename
+    no chunk into the output after, and the same command then builds the dataset."""
+    out = tmp_path / "ds"
+    p = _start(corpus, out, 2)
+    _writing(p, out, 2)
+    workers = [pid for pid in _session(p.pid) if pid != p.pid]
+    os.kill(p.pid, signal.SIGKILL)
+    p.communicate(timeout=30)
+    done = sorted(d.name for d in (out / "parts").iterdir())
+    killed = time.monotonic()
+    while any(pid in _session(p.pid) for pid in workers) and time.monotonic() - killed < 10:
+        time.sleep(0.02)
+    assert time.monotonic() - killed < 1.0, "a worker outlived the build"
+    assert sorted(d.name for d in (out / "parts").iterdir()) == done  # nothing renamed since
+    q = _start(corpus, out, 2)
+    _, err = q.communicate(timeout=120)
+    assert q.returncode == 0, err
+    assert tokload.open_dataset(out).num_documents == FILES * DOCS
+
+
 @pytest.mark.slow
 def test_an_interrupted_build_resumes(corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "ds"

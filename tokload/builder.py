@@ -22,11 +22,13 @@ the dataset can be decoded wherever it travels.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import hashlib
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -520,7 +522,9 @@ def _run_pool(tasks: list[tuple[Any, ...]], workers: int, update: Callable[..., 
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         old_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(progress, threads))
+        pool = ctx.Pool(
+            workers, initializer=_init_worker, initargs=(progress, threads, os.getpid())
+        )
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, old_handler)
@@ -576,11 +580,31 @@ def _set_threads(threads: int) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if threads > 1 else "false")
 
 
-def _init_worker(progress: Any, threads: int) -> None:
+def _init_worker(progress: Any, threads: int, parent: int) -> None:
     global _REPORT
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with(parent)
     _set_threads(threads)
     _REPORT = lambda *counts: progress.put(counts)  # noqa: E731
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with(parent: int) -> None:
+    """On Linux, have the kernel kill this worker when the build process dies (a
+    ``kill -9`` included, which leaves it no time to stop its pool): an orphan
+    would finish its chunk and rename it into the output outside the build's
+    lock. Elsewhere nothing changes (a killed build's workers finish their chunk)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the call
+        os._exit(1)
 
 
 def _build_task(task: tuple[Chunk, BuildOptions, str, dict[str, Any]]) -> tuple[int, int, int]:
