@@ -523,12 +523,13 @@ def test_parquet_nanosecond_times_and_unused_columns(tmp_path: Path) -> None:
             "crawled": pa.array([ns, None], pa.timestamp("ns")),
             "utc": pa.array([ns, ns], pa.timestamp("ns", tz="UTC")),
             "at": pa.array([3723123456789, 0], pa.time64("ns")),
-            "took": pa.array([1_500_000_001, 2_000_000_000], pa.duration("ns")),
-            "unused": pa.array([ns, ns], pa.timestamp("ns")),
+            "took": pa.array([1_500_000_001, 200 * 86_400 * 10**9], pa.duration("ns")),
+            "ny": pa.array([ns, ns], pa.timestamp("ns", tz="America/New_York")),
+            "unused": pa.array([{"t": ns}] * 2, pa.struct([("t", pa.timestamp("ns"))])),
         }
     )
     pq.write_table(table, tmp_path / "x.parquet")
-    keep = ["crawled", "utc", "at", "took"]
+    keep = ["crawled", "utc", "at", "took", "ny"]
     build([tmp_path / "x.parquet"], tmp_path / "out", keep_fields=keep, progress=False)
     view = tokload.StreamWithMetadata(tmp_path / "out", window=1, stride=1, deserialize=json.loads)
     docs = Documents(tmp_path / "out")
@@ -537,21 +538,26 @@ def test_parquet_nanosecond_times_and_unused_columns(tmp_path: Path) -> None:
         {
             "document": {
                 "crawled": "2024-01-02T03:04:05.123456789",
-                "utc": "2024-01-02T03:04:05.123456789Z",
+                "utc": "2024-01-02T03:04:05.123456789+00:00",  # as isoformat() writes it
                 "at": "01:02:03.123456789",
                 "took": 1.500000001,
+                "ny": "2024-01-01T22:04:05.123456789-05:00",
             }
         },
         {
             "document": {
                 "crawled": None,
-                "utc": "2024-01-02T03:04:05.123456789Z",
+                "utc": "2024-01-02T03:04:05.123456789+00:00",
                 "at": "00:00:00.000000000",
-                "took": 2.0,
+                "took": 200 * 86_400.0,  # past 2**53 ns
+                "ny": "2024-01-01T22:04:05.123456789-05:00",
             }
         },
     ]
-    # not kept, not read: a build without metadata takes the file as it is
+    # inside a struct, kept: refused, naming the column
+    with pytest.raises(tokload.BuildError, match=r"column 'unused', rows 1 to 2: .*microseconds"):
+        build([tmp_path / "x.parquet"], tmp_path / "nested", keep_fields=["unused"], progress=False)
+    # not kept, not read (the struct column too): a build without metadata takes the file
     build([tmp_path / "x.parquet"], tmp_path / "plain", progress=False)
     assert len(Documents(tmp_path / "plain")) == 2
 

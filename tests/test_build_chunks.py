@@ -155,6 +155,26 @@ def test_a_chunk_whose_shard_file_is_damaged_is_rebuilt(tmp_path: Path, damage: 
     assert dataset_files(out) == dataset_files(fresh)
 
 
+def test_a_build_whose_final_check_fails_leaves_no_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build writes the top-level manifest, then opens the dataset as a reader
+    would (sizes checked); when that fails, the manifest it wrote is removed: a
+    failed build leaves none."""
+    import tokload.builder
+
+    inputs = write_corpus(tmp_path / "in", files=2)
+
+    def damaged(path: Any) -> Any:
+        raise tokload.FormatError(f"{path}: damaged")
+
+    monkeypatch.setattr(tokload.builder, "open_dataset", damaged)
+    with pytest.raises(tokload.FormatError, match="damaged"):
+        build(inputs, tmp_path / "ds", progress=False)
+    assert not (tmp_path / "ds" / "manifest.json").exists()
+    assert len(list((tmp_path / "ds" / "parts").iterdir())) == 2  # kept for a re-run
+
+
 def test_a_bad_line_in_a_later_chunk_is_named_by_its_line_in_the_file(tmp_path: Path) -> None:
     big = one_file(tmp_path)
     lines = big.read_text().splitlines(keepends=True)

@@ -325,6 +325,11 @@ def test_a_path_that_exists_is_never_a_glob(tmp_path: Path) -> None:
         find_inputs([tmp_path / "data[2].jsonl"])
     (tmp_path / "data2.jsonl").write_text('{"text": "two"}\n')
     assert find_inputs([tmp_path / "data[2].jsonl"]).files == [tmp_path / "data2.jsonl"]
+    # a glob under a directory that exists: the directory as spelled (review39)
+    (tmp_path / "crawl2").mkdir()
+    (tmp_path / "crawl2" / "other.jsonl").write_text('{"text": "other"}\n')
+    found = find_inputs([str(tmp_path / "crawl[2024]" / "*.jsonl")])
+    assert found.files == [tmp_path / "crawl[2024]" / "a.jsonl"]
     build([tmp_path / "data[1].jsonl"], tmp_path / "out", tokenizer="bytes", progress=False)
     docs = tokload.Documents(tmp_path / "out")
     tokens = docs[0]
@@ -347,6 +352,9 @@ def test_the_report_passes_over_no_file_it_reads_and_counts_each_once(tmp_path: 
     found = find_inputs([str(tmp_path / "data" / "**")])
     assert [p.name for p in found.files] == ["a.jsonl", "d.py", "c.py", "e.py"]
     assert "not data" not in found.describe()
+    # passed over by a walk and by a glob, for two reasons: counted once
+    found = find_inputs([tmp_path / "data", str(tmp_path / "data" / "*.py")], exclude=["d.py"])
+    assert sum(found.passed_over.values()) == 3  # d.py, c.py, e.py
 
 
 def test_a_directory_walk_follows_links_and_reads_no_file_twice(tmp_path: Path) -> None:

@@ -392,30 +392,48 @@ def _parquet_rows(batch: Any, path: Path, before: int) -> list[dict[str, Any]]:
     """The rows of a Parquet record batch as dicts (``before``: rows before it, for
     errors). Nanosecond times, which Python's lack (pandas writes them), are ISO
     8601 text with nine digits (``2024-01-02T03:04:05.123456789``, a zone as
-    ``Z``), nanosecond durations seconds, as microsecond ones are."""
+    ``+00:00``, as microsecond ones are), nanosecond durations seconds. Inside a
+    struct or list column they are refused, naming the column."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     cols = []
-    for col in batch.columns:
-        t = col.type
-        if pa.types.is_timestamp(t) and t.unit == "ns":
-            col = pc.replace_substring(col.cast(pa.string()), " ", "T", max_replacements=1)
-        elif pa.types.is_time64(t) and t.unit == "ns":
-            col = col.cast(pa.string())
-        elif pa.types.is_duration(t) and t.unit == "ns":
-            col = pc.divide(col.cast(pa.int64()).cast(pa.float64()), 1e9)
-        cols.append(col)
     try:
+        for col in batch.columns:
+            t = col.type
+            if pa.types.is_timestamp(t) and t.unit == "ns":
+                col = pc.replace_substring(col.cast(pa.string()), " ", "T", max_replacements=1)
+                if t.tz is not None:  # Arrow writes "Z" and "-0500"; isoformat "+00:00", "-05:00"
+                    col = pc.replace_substring_regex(col, "Z$", "+00:00")
+                    col = pc.replace_substring_regex(col, r"([+-]\d\d)(\d\d)$", r"\1:\2")
+            elif pa.types.is_time64(t) and t.unit == "ns":
+                col = col.cast(pa.string())
+            elif pa.types.is_duration(t) and t.unit == "ns":  # (past 2**53 ns: rounded)
+                col = pc.divide(col.cast(pa.int64()).cast(pa.float64(), safe=False), 1e9)
+            cols.append(col)
         rows: list[dict[str, Any]] = pa.RecordBatch.from_arrays(
             cols, names=batch.schema.names
         ).to_pylist()
-    except (ValueError, pa.ArrowException) as e:  # (nested nanosecond times, say)
+    except (ValueError, pa.ArrowException) as e:
+        column = next((n for n, c in zip(batch.schema.names, cols, strict=False) if _fails(c)), "")
+        rows_ = f"rows {before + 1} to {before + batch.num_rows}"
+        if not column:
+            raise BuildError(f"{path}: {rows_}: {e}") from None
         raise BuildError(
-            f"{path}: rows {before + 1} to {before + batch.num_rows}: a value Python cannot "
-            f"hold: {e}"
+            f"{path}: column {column!r}, {rows_}: a value Python cannot hold (nanosecond "
+            "times inside a struct or list are not read): cast them to microseconds, or do "
+            "not keep the column"
         ) from None
     return rows
+
+
+def _fails(col: Any) -> bool:
+    """Whether a column's values cannot be made Python values (for the error)."""
+    try:
+        col.to_pylist()
+    except Exception:
+        return True
+    return False
 
 
 def _check_column(path: Path, schema: Any, field: str) -> None:

@@ -90,7 +90,8 @@ def merge(
     Returns the merged manifest.
 
     Raises:
-        FileExistsError: ``output`` holds a dataset.
+        FileExistsError: ``output`` holds a dataset, or a tokenizer file that is
+            not the inputs' tokenizer.
         UsageError: local and remote paths mixed, or URLs of several buckets.
         FormatError: an input differs from the first in dtype or options, or
             records another tokenizer.

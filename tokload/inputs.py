@@ -147,11 +147,14 @@ class Found:
         self._skipped.setdefault(reason, {}).setdefault(key, path)
 
     def settle(self, read: Collection[str]) -> None:
-        """Count what was passed over, each path once, leaving out the paths of
-        ``read`` (absolute: a file a walk passed over that a glob or a name took)."""
+        """Count what was passed over, each path once (under one reason), leaving
+        out the paths of ``read`` (absolute: a file a walk passed over that a glob
+        or a name took)."""
+        counted = set(read)  # each path under one reason only
         for reason, paths in self._skipped.items():
             again = reason == SPELLED_AGAIN  # (those are read, under another spelling)
-            shown = [p for a, p in paths.items() if again or a not in read]
+            shown = [p for a, p in paths.items() if again or a not in counted]
+            counted.update(paths)
             if shown:
                 self.passed_over[reason] = len(shown)
                 self.examples[reason] = [str(p) for p in shown[:3]]
@@ -210,7 +213,7 @@ def find_inputs(
         s = os.fspath(spec)
         # a path that exists is itself, whatever its name holds ("data[1].jsonl")
         is_glob = glob.has_magic(s) and not os.path.lexists(s)
-        matches = sorted(glob.glob(s, recursive=True)) if is_glob else [s]
+        matches = sorted(glob.glob(_pattern(s), recursive=True)) if is_glob else [s]
         if not matches:
             raise FileNotFoundError(2, "no input matches", s)
         for m in matches:
@@ -237,6 +240,17 @@ def find_inputs(
     found.files = sorted(files.values())
     found.settle(files.keys())
     return found
+
+
+def _pattern(spec: str) -> str:
+    """The glob pattern of ``spec``: its longest leading part that exists is taken
+    as it is spelled (``crawl[2024]/*.jsonl`` in the directory ``crawl[2024]``)."""
+    parts = spec.split(os.sep)
+    for k in range(len(parts) - 1, 0, -1):
+        head = os.sep.join(parts[:k])
+        if head and glob.has_magic(head) and os.path.lexists(head):
+            return os.sep.join([glob.escape(head), *parts[k:]])
+    return spec
 
 
 def _add(files: dict[str, Path], p: Path, found: Found) -> None:
