@@ -208,6 +208,19 @@ def test_device_copies_under_randomized_timing(
     assert fd.reuses > 0  # blocks went round the pool: the test exercised reuse
 
 
+def test_build_steps_delivers_its_batches_as_next_does(corpus: Path) -> None:
+    """``DataLoader.build_steps`` (public) returned device batches whose copies the
+    caller's stream never waited for, nor kept their memory from the next copy
+    (review40): they are delivered as ``next()`` delivers a batch."""
+    fd = FakeDevice(min_delay=0.05, max_delay=0.05)
+    ld = DataLoader(TokenStream(corpus, window=9), 4, device=fd, num_threads=0)
+    got = ld.build_steps(ld.schedule.spans(0, 3))
+    assert len(got) == 3 and all(b.ready is not None and b.ready.query() for b in got)
+    ld.close()
+    fd.close()
+    assert fd.violations == []
+
+
 @pytest.mark.parametrize("threads", [0, 2])
 def test_the_readme_non_blocking_recipe(threads: int, corpus: Path) -> None:
     """Host batches copied by the trainer itself, then dropped at once."""
@@ -297,8 +310,9 @@ def test_device_arguments_without_a_gpu() -> None:
 def test_collate_and_an_explicit_device_conflict(corpus: Path) -> None:
     with pytest.raises(ValueError, match="give either collate or device='cuda'"):
         DataLoader(TokenStream(corpus, window=9), 2, collate=dict, device="cuda")
-    # "cpu" copies nothing, as None: collate goes with it (it was refused)
-    for host in ("cpu", torch.device("cpu")):
+    # "cpu" copies nothing, as None: collate goes with it (it was refused; "cpu:0" and
+    # torch.device("cpu", 0) were still refused, review40)
+    for host in ("cpu", torch.device("cpu"), "cpu:0", torch.device("cpu", 0)):
         ld = DataLoader(TokenStream(corpus, window=9), 2, collate=dict, device=host, epochs=1)
         batch = next(iter(ld))
         assert isinstance(batch, dict) and isinstance(batch["tokens"], np.ndarray)

@@ -369,7 +369,11 @@ class DataLoader:
         return self.schedule.positions(start, end)
 
     def build_steps(self, spans: list[tuple[int, int]]) -> list[Any]:
-        """This rank's batches of consecutive global batches ``spans``, finished.
+        """This rank's batches of consecutive global batches ``spans``, finished, in
+        this thread (no reader thread, no cursor moved). On a device they are
+        delivered as ``next()`` delivers a batch: the calling thread's current
+        stream waits for their copies, and their memory is not given to another
+        copy until that stream is done with them (they raced the copy before).
 
         Other views read them with one ``read_batches`` where they have it (a
         stream with metadata blocks: one round of I/O for the task). A rowwise
@@ -380,7 +384,11 @@ class DataLoader:
         stream switch and an event is paid per task, not per step); a rowwise
         task's batches are slices of its device tensors.
         """
-        return self._build(spans)[0]
+        out = self._build(spans)[0]
+        if self.device is not None:
+            for b in out:
+                self.transfer.deliver(b)
+        return out
 
     def _build(self, spans: list[tuple[int, int]]) -> tuple[list[Any], list[Counted]]:
         """``build_steps``, and the tokens of each batch (for ``stats``): the first

@@ -5,16 +5,19 @@ a trainer receives, and to move them to a device, without ever letting a host
 buffer be written while a copy from it may still be running.
 
 **Lifetime, by construction.** Every array the loader hands to a view comes from
-``Transfer.alloc``, which allocates a fresh tensor through the backend
-(``torch.empty(..., pin_memory=True)`` on a CUDA host) and gives the view its
-NumPy alias to fill. The tensors of a batch are then rebuilt as views of that
-same tensor storage (``Transfer.tensors``), never through
+``Transfer.alloc``, which allocates a tensor through the backend and gives the
+view its NumPy alias to fill. Pinned memory is a fresh
+``torch.empty(..., pin_memory=True)``; the tensors of a batch are then rebuilt
+as views of that same tensor storage (``Transfer.tensors``), never through
 ``torch.from_numpy``: PyTorch's pinned-memory allocator then sees every
 ``non_blocking`` copy from them, whoever starts it (the loader's side stream or
 the trainer's own ``.to("cuda", non_blocking=True)``), records an event for it,
 and gives the memory back for reuse only once the last tensor sharing it is
-gone *and* every recorded copy has completed. tokload never reuses a buffer
-itself, so nothing else can overwrite one.
+gone *and* every recorded copy has completed; tokload never reuses pinned
+memory itself. Memory that is not pinned comes from ``_hostmem`` blocks, which
+go back to a free list once no array or tensor views them (a batch kept is
+never written over); a copy from pageable memory to a device is staged by CUDA
+before the copy call returns, so such a block is free to be reused after it.
 
 **Device copies.** With a device, the reader thread copies each batch on a side
 stream of that device (one stream per thread), records an event after the
@@ -181,6 +184,16 @@ class CudaBackend(HostBackend):
                 v.record_stream(stream)
 
 
+def _a_cpu(device: Any) -> bool:
+    """Whether ``device`` is a cpu device (``"cpu"``, ``"cpu:0"``, ``torch.device("cpu")``)."""
+    import torch
+
+    try:
+        return torch.device(device).type == "cpu"
+    except (RuntimeError, TypeError, ValueError):
+        return False  # (make_backend names what is wrong with it)
+
+
 def default_device() -> Any:
     """The rank's CUDA device (``LOCAL_RANK``, else the current one), or None without CUDA."""
     import torch
@@ -233,8 +246,8 @@ def loader_backend(device: Any, pin_memory: bool | str, collate: Any) -> Transfe
             )
         backend: TransferBackend = device
         return backend
-    # "cpu" keeps host batches (as None does): no copy for collate to exclude
-    copies = device is not None and str(device) not in ("auto", "cpu")
+    # a cpu device keeps host batches (as None does): no copy for collate to exclude
+    copies = device is not None and str(device) != "auto" and not _a_cpu(device)
     if collate is not None and copies:
         raise ValueError(
             "collate= replaces the conversion to tensors and the device copy; "
