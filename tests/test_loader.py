@@ -1069,6 +1069,7 @@ class _Waiting:
     def __len__(self) -> int:
         return 10_000
 
+    @property
     def fingerprint(self) -> str:
         return f"waiting-{self.wait}"
 

@@ -317,6 +317,117 @@ def test_a_provenance_key_the_batch_holds_is_refused(policy: Any) -> None:
         next(iter(DataLoader(Provenance(8), 2, batching=policy, num_threads=0, seed=1)))
 
 
+class ShortProvenance(OwnDocuments):
+    num_components = 2
+
+    def __init__(self, n: int, short: bool) -> None:
+        super().__init__(n)
+        self.short = short
+
+    def origin(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        if self.short:
+            return {"component": np.zeros(len(indices) - 1, dtype=np.int64)}
+        return {"component": np.full(len(indices), 2, dtype=np.int64)}
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=repr)
+def test_provenance_of_the_wrong_length_or_component_is_refused(policy: Any) -> None:
+    """``origin`` arrays one entry short were cut into the batch silently (or failed
+    in a bare broadcast error), and components past ``num_components`` were taken
+    (review41): refused, naming the view."""
+    with pytest.raises(ValueError, match=r"ShortProvenance.origin gave 'component' of shape"):
+        next(iter(DataLoader(ShortProvenance(8, True), 2, batching=policy, num_threads=0)))
+    with pytest.raises(ValueError, match=r"ShortProvenance.origin gave components outside"):
+        next(iter(DataLoader(ShortProvenance(8, False), 2, batching=policy, num_threads=0)))
+
+
+class Located(OwnDocuments):
+    """Documents that find themselves once (``locate``), with what it gives set."""
+
+    def __init__(self, where: Any) -> None:
+        super().__init__(30)
+        self.where = where
+        self.remembered: list[tuple[np.ndarray, ...]] = []
+
+    def locate(self, indices: np.ndarray) -> tuple[np.ndarray, ...]:
+        return (self.where(np.asarray(indices, dtype=np.int64)),)
+
+    def remember_located(self, indices: np.ndarray, *arrays: np.ndarray) -> None:
+        self.remembered.append(arrays)
+
+
+@pytest.mark.parametrize(
+    ("where", "error", "message"),
+    [
+        (lambda i: i + 0.5, TypeError, r"Located.locate gave an array of float64 and shape"),
+        (lambda i: np.stack([i, i], axis=1), TypeError, r"of int64 and shape \(\d+, 2\)"),
+        (lambda i: i[:-1], TypeError, r"shape \((\d+),\) for (?!\1 )\d+ documents"),
+        (lambda i: i.astype(np.uint64) | np.uint64(1 << 63), ValueError, "past an int64"),
+    ],
+)
+def test_what_locate_gives_is_held_to_the_contract(where: Any, error: Any, message: str) -> None:
+    """``locate``'s arrays were cast to int64 on the way back to
+    ``remember_located`` (0.5 became 0, 2**63 + 1 negative; review41)."""
+    good = Located(lambda i: i * 3)
+    next(iter(DataLoader(good, 2, batching=tokload.Fill(64, lookahead=16), num_threads=0)))
+    assert good.remembered and all(a[0].dtype == np.int64 for a in good.remembered)
+    with pytest.raises(error, match=message):
+        next(iter(DataLoader(Located(where), 2, batching=tokload.Fill(64, lookahead=16))))
+
+
+class Steps:
+    """A rowwise view with a per-batch key, read a task at a time by ``read_steps``."""
+
+    rowwise = True
+    batch_keys = ("n",)
+    fingerprint = "steps"
+
+    def __init__(self, extra: dict[str, Any]) -> None:
+        self.extra = extra
+
+    def __len__(self) -> int:
+        return 40
+
+    def read_batch(self, indices: np.ndarray, alloc: Any) -> dict[str, Any]:
+        return {"x": indices * 10, "n": np.array([len(indices)])}
+
+    def read_steps(
+        self, indices: np.ndarray, cuts: list[tuple[int, int]], alloc: Any
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        raw = {"x": indices * 10, "n": np.array([e - a for a, e in cuts])}
+        return raw, [{"n": slice(k, k + 1), **self.extra} for k in range(len(cuts))]
+
+
+def test_a_fingerprint_written_as_a_method_is_refused() -> None:
+    """``def fingerprint(self)`` without ``@property`` was taken: the state recorded
+    ``<bound method ...>`` with an address, and every resume was refused as another
+    view, saying nothing of why (review41; a test view of this suite had it)."""
+
+    class Method(Steps):
+        def fingerprint(self) -> str:  # type: ignore[override]
+            return "steps"
+
+    with pytest.raises(TypeError, match=r"Method.fingerprint is a method: make it a property"):
+        DataLoader(Method({}), 4)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"index": 0}, "read_steps gave a step the key 'index', which the loader sets"),
+        ({"position": 0}, "read_steps gave a step the key 'position', which the loader sets"),
+        ({"t": slice(0, 1)}, "read_steps gave a step a slice of 't', which its arrays lack"),
+    ],
+)
+def test_read_steps_keys_the_loader_sets_are_refused(extra: dict[str, Any], message: str) -> None:
+    """A step of ``read_steps`` could carry ``"index"``/``"position"``, which then
+    replaced the loader's (``read_batch``'s are refused), and a slice of a key its
+    arrays lack failed in a KeyError naming no method (review41)."""
+    assert next(iter(DataLoader(Steps({}), 4, seed=1, num_threads=2)))["n"].tolist() == [4]
+    with pytest.raises(ValueError, match=message):
+        next(iter(DataLoader(Steps(extra), 4, seed=1, num_threads=2)))
+
+
 @pytest.mark.parametrize("dtype", [np.dtype(("f4", (2,))), np.dtype([("a", "u2"), ("b", "u2")])])
 def test_a_field_of_documents_holds_one_number_per_row(dtype: np.dtype[Any]) -> None:
     """A subarray field got a flat buffer of one element per row, and the view's own

@@ -48,7 +48,21 @@ class Assembly:
         raw, steps = got
         if len(steps) != len(cuts):
             raise TypeError(f"{name}.read_steps gave {len(steps)} steps for {len(cuts)}")
-        return self._finish(raw, indices, positions, "read_steps"), steps
+        out = self._finish(raw, indices, positions, "read_steps")
+        for st in steps:
+            if not isinstance(st, dict):
+                raise TypeError(f"{name}.read_steps gave a step of {type(st).__name__}, not a dict")
+            for key in st:
+                if key in RESERVED_KEYS:
+                    raise ValueError(
+                        f"{name}.read_steps gave a step the key {key!r}, which the loader sets"
+                    )
+                if isinstance(st[key], slice) and key not in out:
+                    raise ValueError(
+                        f"{name}.read_steps gave a step a slice of {key!r}, which its arrays "
+                        f"lack (they hold {', '.join(map(repr, raw))})"
+                    )
+        return out, steps
 
     def read_many(self, parts: list[tuple[np.ndarray, np.ndarray]]) -> list[dict[str, Any]]:
         """``read`` of each ``(indices, positions)``; one ``read_batches`` call

@@ -209,9 +209,27 @@ def _origin(
                 + ("loader sets" if k in RESERVED_KEYS else "batch holds already")
                 + ": a provenance array needs a name of its own"
             )
-        a = alloc(np.shape(v), np.asarray(v).dtype)
+        shape = np.shape(v)
+        if len(shape) < 1 or shape[0] != len(indices):
+            raise ValueError(
+                f"{type(view).__name__}.origin gave {k!r} of shape {shape} for "
+                f"{len(indices)} samples: a provenance array has one entry per sample"
+            )
+        a = alloc(shape, np.asarray(v).dtype)
         a[...] = v
         out[k] = a
+    k = getattr(view, "num_components", None)
+    comp = out.get("component")
+    if (
+        k is not None
+        and comp is not None
+        and len(comp)
+        and (comp.dtype.kind not in "iu" or int(comp.min()) < 0 or int(comp.max()) >= k)
+    ):
+        raise ValueError(
+            f"{type(view).__name__}.origin gave components outside [0, {k}) "
+            f"(num_components), from {comp.min()} to {comp.max()}"
+        )
     return out
 
 

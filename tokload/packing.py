@@ -187,7 +187,7 @@ class PackedSchedule(Schedule):
         pos = np.arange(base, min(base + self.lookahead, (epoch + 1) * self.n), dtype=np.uint64)
         ids = Schedule.indices(self, pos)
         starts, lengths = self.extents(ids)
-        located = () if self.locate is None else tuple(self.locate(ids))
+        located = () if self.locate is None else _located(self.locate, ids)
         order, rows = best_fit(lengths, self.window)
         capped = np.minimum(lengths[order], np.uint64(self.window))
         got = _Group(
@@ -392,3 +392,22 @@ def padding_report(
     out: dict[str, Any] = {k: (1 - real / (r * window) if r else 0.0) for k, r in rows.items()}
     out["rows"] = rows
     return out
+
+
+def _located(locate: Any, ids: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``locate(ids)``, held to the view contract: 1-D integer arrays of one entry
+    per document whose values fit an int64 (they travel with the packed group as
+    int64)."""
+    out = []
+    name = getattr(getattr(locate, "__self__", None), "__class__", type(locate)).__name__
+    for a in locate(ids):
+        arr = np.asarray(a)
+        if arr.ndim != 1 or len(arr) != len(ids) or (arr.dtype.kind not in "iu" and len(arr)):
+            raise TypeError(
+                f"{name}.locate gave an array of {arr.dtype} and shape {arr.shape} for "
+                f"{len(ids)} documents: it gives 1-D integer arrays, one entry per document"
+            )
+        if arr.dtype.kind == "u" and len(arr) and int(arr.max()) >= 1 << 63:
+            raise ValueError(f"{name}.locate gave {int(arr.max())}, past an int64")
+        out.append(arr)
+    return tuple(out)

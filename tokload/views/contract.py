@@ -65,7 +65,10 @@ batched by any policy of documents (``tokload.batching``: ``Pad``, ``Pack``,
   or int64), one entry per document: a value per document that the view's own
   ``read_extents`` understands (its first row in the source, for tokload's
   views) and the documents' lengths in rows, none below 0
-  (``document_extents`` holds a view to this);
+  (``document_extents`` holds a view to this). ``Fill`` and a ``Blend`` hand
+  the starts back to ``read_extents`` as uint64 (a negative start as its bit
+  pattern: ``.view(np.int64)`` gives it back), ``Pad`` and ``Pack`` as they
+  came;
 - ``view.fields``: ``{name: dtype}`` of the arrays a read of documents fills
   (``{"tokens": dtype}``, or one entry per field of a structured dtype); no
   field has the name of a key the policy adds (``batching.PAD_KEYS``,
@@ -83,8 +86,9 @@ with ``view.num_components``; every policy adds them to the batch, one entry
 per sample (per document with ``Fill``), and the loader's ``stats()`` counts
 each component's samples and tokens. A view that finds its documents with a
 lookup worth doing once (a ``Blend``'s ``locate``: component and index of each
-position) may offer ``view.locate(indices)`` (its arrays, whatever they are)
-with ``view.remember_located(indices, *arrays)``: ``Fill`` calls ``locate``
+position) may offer ``view.locate(indices)`` (1-D integer arrays, one entry per
+document, values that fit an int64: they come back as int64; others are
+refused) with ``view.remember_located(indices, *arrays)``: ``Fill`` calls ``locate``
 as it packs a group of documents, right after their ``extents``, keeps the
 arrays with the group, and hands a task's gathered ones back to
 ``remember_located`` before it reads the task's documents.
@@ -158,6 +162,12 @@ def check_view(view: object) -> None:
             f"{type(view).__name__} is not a view: it lacks {', '.join(missing)} "
             "(a view needs len(), .fingerprint and .read_batch(indices, alloc); "
             "see tokload.views.contract)"
+        )
+    if callable(view.fingerprint):  # type: ignore[attr-defined]
+        raise TypeError(
+            f"{type(view).__name__}.fingerprint is a method: make it a property (or an "
+            "attribute) whose value is a string that names the data, or every resume is "
+            "refused as another view"
         )
 
 
