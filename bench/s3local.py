@@ -154,6 +154,17 @@ class _Handler(BaseHTTPRequestHandler):
         with srv._lock:
             srv.in_flight += 1
             srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
+        counted = True
+
+        def answered() -> None:
+            # before the answer's last bytes go out: the client may send its next
+            # request as soon as it has them, before this thread runs again
+            nonlocal counted
+            if counted:
+                counted = False
+                with srv._lock:
+                    srv.in_flight -= 1
+
         try:
             delay = srv.latency + (fault.seconds if fault and fault.kind == "delay" else 0.0)
             if delay:
@@ -189,12 +200,12 @@ class _Handler(BaseHTTPRequestHandler):
                 self.send_header(k, v)
             head = self.command == "HEAD"  # the object's length, and no body
             self.send_header("Content-Length", self._head_length if head else str(len(data)))
+            answered()
             self.end_headers()
             if not head:
                 self.wfile.write(data)
         finally:
-            with srv._lock:
-                srv.in_flight -= 1
+            answered()
 
     def _read_chunked(self) -> bytes:
         out = bytearray()
