@@ -27,13 +27,17 @@ from tokload.format import read_manifest
 from tokload.progress import Progress
 from tokload.tokenizer import load_tokenizer
 
-WORDS = ["alpha", "beta", " ", "  ", "\n", "\n\n", " \n", "x.", "é", "\t", "it's", "12345", "!!"]
+WORDS = [
+    "alpha", "beta", " ", "  ", "\n", "\n\n", " \n", "\r\n", "x.", "é", "\t", "it's", "12345", "!!",
+]  # fmt: skip
 
 
 def soft_cuts(pieces: list[str]) -> bool:
     """Whether every cut is one ``text_pieces`` prefers (not a forced one)."""
     for a, b in itertools.pairwise(pieces):
-        line_break = a.endswith("\n") and len(a) > 1 and not a[-2].isspace() and not b[0].isspace()
+        crlf = a.endswith("\r\n") and len(a) > 2 and not a[-3].isspace()
+        lf = a.endswith("\n") and len(a) > 1 and not a[-2].isspace()
+        line_break = (crlf or lf) and not b[0].isspace()
         word = b.startswith(" ") and not a[-1].isspace() and len(b) > 1 and not b[1].isspace()
         if not (line_break or word):
             return False
@@ -69,6 +73,26 @@ def test_a_text_without_places_to_cut_is_cut_where_it_stands() -> None:
     text = "x" * 1000
     got = list(text_pieces(io.BytesIO(text.encode()), 16))
     assert "".join(p for _, p in got) == text and len(got) > 1
+
+
+@pytest.mark.parametrize("eol", ["\n", "\r\n"])
+def test_a_text_is_cut_at_a_line_break_however_far_back(
+    bpe: tokload.tokenizer.Tokenizer, eol: str
+) -> None:
+    """A file with Windows line ends and no spaces (a CSV export) was never cut at a
+    line break (the CR counted as white space before the LF), and a table padded
+    with spaces hid its last good place behind 64 bad ones: both were cut where they
+    stood, mid-word, and the tokens there differed from the whole text's (review42)."""
+    csv = "".join(f"{k},Paris,France,capital{eol}" for k in range(400))
+    got = [p for _, p in text_pieces(io.BytesIO(csv.encode()), 256)]
+    assert "".join(got) == csv and len(got) > 4 and soft_cuts(got)
+    whole = bpe.encode_many([csv], offsets=False).ids
+    parts = bpe.encode_many(got, offsets=False).ids
+    assert whole.tolist() == parts.tolist()
+    # the one good place, then 600 lines of a space alone: found, not passed by
+    table = "Paris" + eol + "capital" + (" " + eol) * 600
+    first = next(text_pieces(io.BytesIO(table.encode()), 256))[1]
+    assert first == "Paris" + eol
 
 
 @pytest.mark.parametrize("piece", [3, 5, 64])

@@ -333,8 +333,8 @@ def text_pieces(f: IO[bytes], piece: int | None = None) -> Iterator[tuple[int, s
     """A plain-text file as pieces of about ``piece`` bytes, each with its place
     (``FIRST``/``LAST`` flags): memory stays bounded whatever the file's size.
 
-    A piece ends at a line break between two characters that are not white
-    space, else before a space between two words: a byte-level BPE
+    A piece ends at a line break (``\\n`` or ``\\r\\n``) between two characters
+    that are not white space, else before a space between two words: a byte-level BPE
     pre-tokenizer (GPT-2's and Llama 3's patterns, most tokenizer.json files)
     splits the text there anyway, so the pieces' tokens are the whole text's.
     (A tokenizer that treats the start of its input apart, as SentencePiece's
@@ -374,17 +374,26 @@ def text_pieces(f: IO[bytes], piece: int | None = None) -> Iterator[tuple[int, s
         carry = text[cut:]
 
 
+_LINE_BREAK = re.compile(r"(?<=\S)\r?\n(?=\S)")
+"""A line break (``\n`` or ``\r\n``) between two characters that are not white space."""
+_WORD_SPACE = re.compile(r"(?<=\S) (?=\S)")
+"""A space between two words."""
+
+
 def _cut(text: str) -> int:
-    """Where ``text`` may be cut (see ``text_pieces``), or -1: the last line break
-    with no white space on either side, else the last space between two words."""
-    for sep, after in (("\n", 1), (" ", 0)):
-        pos = text.rfind(sep, 1, len(text) - 1)
-        tries = 0
-        while pos > 0 and tries < 64:
-            if not text[pos - 1].isspace() and not text[pos + 1].isspace():
-                return pos + after
-            pos = text.rfind(sep, 1, pos)
-            tries += 1
+    """Where ``text`` may be cut (see ``text_pieces``), or -1: after the last line
+    break (``\n`` or ``\r\n``) with no white space on either side, else before
+    the last space between two words. The whole text is searched (the tail first):
+    a table padded with spaces may hold its last such place far from its end."""
+    for pattern, end in ((_LINE_BREAK, True), (_WORD_SPACE, False)):
+        for tail in (1 << 16, len(text)):  # (most texts have one near the end)
+            last = None
+            for m in pattern.finditer(text, max(0, len(text) - tail)):
+                last = m
+            if last is not None:
+                return last.end() if end else last.start()
+            if tail >= len(text):
+                break
     return -1
 
 

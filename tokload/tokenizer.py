@@ -113,8 +113,12 @@ class HFTokenizer:
     """A Hugging Face ``tokenizers`` ``tokenizer.json`` (fast; releases the GIL).
 
     BOS/EOS default to the first of the usual special tokens the vocabulary
-    has (``<|endoftext|>``, ``</s>``, ``<eos>``, ``[SEP]`` / ``<s>``, ``<bos>``,
-    ``[CLS]``); pass ids to override.
+    has, in this order (``<|endoftext|>``, ``</s>``, ``<eos>``,
+    ``<|end_of_text|>``, ``[SEP]`` / ``<|begin_of_text|>``, ``<s>``, ``<bos>``,
+    ``[CLS]``); pass ids to override. Texts are encoded without the
+    tokenizer's own special tokens (``add_special_tokens=False``: a
+    post-processor's ``<s>`` or ``[CLS]`` is not added); the build adds BOS and
+    EOS itself.
     """
 
     _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
