@@ -36,7 +36,6 @@ import collections
 import os
 import threading
 import warnings
-import weakref
 from typing import TYPE_CHECKING, Any, Protocol, SupportsIndex
 
 import numpy as np
@@ -306,10 +305,6 @@ class Transfer:
     def __init__(self, backend: TransferBackend) -> None:
         self.backend = backend
         self._dtypes: dict[np.dtype[Any], torch.dtype] = {}
-        # the arrays ``alloc`` made (by id, while they live): an array inside another
-        # tensor (a view's own data held in torch) is copied, not handed out as the
-        # batch's memory (views of an allocation keep it alive: their base)
-        self._ours: dict[int, weakref.ref[np.ndarray]] = {}
 
     @property
     def pinned(self) -> bool:
@@ -328,27 +323,18 @@ class Transfer:
         dt = np.dtype(dtype)
         td = self._dtypes.get(dt) or self._torch_dtype(dt)
         arr: np.ndarray = self.backend.host_empty(shape, td).numpy()
-        ours, key = self._ours, id(arr)
-
-        def forget(_: object) -> None:
-            ours.pop(key, None)
-
-        ours[key] = weakref.ref(arr, forget)
         return arr
-
-    def _allocated(self, a: Any) -> bool:
-        """Whether ``a`` is an array ``alloc`` returned (and still alive)."""
-        r = self._ours.get(id(a))
-        return r is not None and r() is a
 
     def tensor(self, a: np.ndarray) -> torch.Tensor:
         """The tensor for array ``a``: a view of the storage ``a`` was allocated in.
 
         Arrays that ``alloc`` did not make (a view computed a small array
-        itself, or handed out its own data, in NumPy or in a torch tensor) are
-        copied into a new host tensor, so every tensor of a batch lives in
-        memory the backend tracks (pinned when it pins), and a trainer that
-        changes a batch in place never changes a view's data.
+        itself, or handed out its own NumPy data) are copied into a new host
+        tensor, so every tensor of a batch lives in memory the backend tracks
+        (pinned when it pins). An array inside any torch tensor is taken as an
+        allocation's (knowing which tensors ``alloc`` made would cost calls per
+        array on the reader's hot path): a view that holds its data in torch
+        copies what it returns, or reads it into ``alloc``'s arrays.
         """
         import torch
 
@@ -358,12 +344,7 @@ class Transfer:
         except KeyError:
             td = self._torch_dtype(a.dtype)
         # (the dtype too: a view may reinterpret its buffer, alloc(..., np.uint8).view(bool))
-        if (
-            isinstance(base, torch.Tensor)
-            and base.shape == a.shape
-            and base.dtype == td
-            and self._allocated(a)
-        ):
+        if isinstance(base, torch.Tensor) and base.shape == a.shape and base.dtype == td:
             return base  # ``a`` is exactly an allocation's ``.numpy()``: its own tensor
         if type(base) is np.ndarray and a.flags.c_contiguous and a.dtype == base.dtype:
             # Rows of an allocation (a task's rows, the index/position pair): the
@@ -374,7 +355,6 @@ class Transfer:
                 and whole.shape == base.shape
                 and whole.dtype == td
                 and base.ndim
-                and self._allocated(base)
             ):
                 row = base.strides[0]
                 at = a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
@@ -384,10 +364,8 @@ class Transfer:
                         return whole[k]
                     if a.ndim == base.ndim and a.shape[1:] == base.shape[1:]:
                         return whole[k : k + len(a)]
-        owner: Any = a
-        while type(owner) is np.ndarray and not self._allocated(owner):
-            owner = owner.base
-        base = owner.base if type(owner) is np.ndarray else None  # the allocation's tensor
+        while type(base) is np.ndarray:
+            base = base.base
         if isinstance(base, torch.Tensor) and a.flags.c_contiguous:
             storage = base.untyped_storage()
             at = a.__array_interface__["data"][0] - storage.data_ptr()
