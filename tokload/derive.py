@@ -31,6 +31,7 @@ from tokload.format import (
     read_manifest,
     write_manifest,
 )
+from tokload.location import Location
 from tokload.source import open_dataset
 from tokload.writer import OpenShard, checked_block
 
@@ -134,8 +135,9 @@ def merge(
         tok_file = None if tok is None else _tokenizer_copy(tok, staging, storage_options)
         dest = None
         if tok_file is not None:
-            dest = _join(output, tok_file.name)
-            there = _read_if_there(dest, storage_options)
+            out_loc = Location(output, storage_options, listed=False)
+            dest = out_loc.join(tok_file.name)
+            there = _read_if_there(out_loc, tok_file.name)
             if there is not None and there != tok_file.read_bytes():
                 raise FileExistsError(
                     17,
@@ -155,19 +157,10 @@ def merge(
     return merged
 
 
-def _join(root: str | os.PathLike[str], name: str) -> str:
-    r = os.fspath(root)
-    return remote.join(r, name) if remote.is_url(r) else os.path.join(r, name)
-
-
-def _read_if_there(path: str, options: Mapping[str, Any] | None) -> bytes | None:
-    """The bytes of the file or object at ``path``, None if there is none."""
+def _read_if_there(loc: Location, name: str) -> bytes | None:
+    """The bytes of the tokenizer file ``name`` under ``loc``, None if there is none."""
     try:
-        if remote.is_url(path):
-            return remote.read_object(
-                remote.head(path, "tokenizer file", options), "tokenizer file"
-            )
-        return Path(path).read_bytes()
+        return loc.read(loc.join(name), "tokenizer file")
     except FileNotFoundError:  # (MissingShardError is one)
         return None
 
@@ -205,7 +198,7 @@ def _tokenizer_copy(
     name = desc.get("file")
     if not isinstance(name, str) or posixpath.basename(name) != name:
         return None
-    data = _read_if_there(_join(path, name), options)
+    data = _read_if_there(Location(path, options, listed=False), name)
     if data is None:
         return None
     dest = Path(staging) / name
