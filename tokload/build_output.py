@@ -160,10 +160,18 @@ def recorded_input(chunk: Manifest) -> str | None:
 
 def up_to_date(part: Path, base: dict[str, Any], chunk: Chunk) -> bool:
     """Whether ``part`` is complete and was built from ``chunk`` as it is now, with ``base``."""
+    from tokload.source import open_dataset
+
+    # opened as a reader opens it: the manifest, and its shards' files there, of their
+    # sizes (a shard deleted or cut short since: the build would reuse the chunk and
+    # then fail, leaving a manifest that lists it)
     try:
-        m = read_manifest(part)
+        src = open_dataset(part)
     except (TokloadError, OSError, ValueError):
         return False
+    src.close()
+    m = src.manifest
+    assert m is not None  # (a tokload dataset's)
     rec = m.user.get("build")
     if not isinstance(rec, dict):
         return False  # built by a tokload that recorded nothing: rebuild
@@ -179,21 +187,11 @@ def up_to_date(part: Path, base: dict[str, Any], chunk: Chunk) -> bool:
         return False
     same_input = [recorded_input.get(key) for key in ("path", "size", "mtime_ns")]
     same_chunk = {key: recorded_chunk.get(key) for key in chunk.record()}
-    if not (
+    return bool(
         got == want
         and same_input == [os.path.abspath(chunk.path), *chunk.identity]
         and same_chunk == chunk.record()
-    ):
-        return False
-    # its shards' files there, of their sizes (a shard deleted or cut short since: the
-    # build would reuse the chunk and then fail, leaving a manifest that lists it)
-    from tokload.source import open_dataset
-
-    try:
-        open_dataset(part).close()
-    except (TokloadError, OSError, ValueError):
-        return False
-    return True
+    )
 
 
 def stale_parts(parts: Path, plan: list[Chunk], mine: list[Chunk]) -> list[Path]:
