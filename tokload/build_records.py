@@ -290,8 +290,8 @@ def records(
             row = sum(meta.row_group(g).num_rows for g in range(chunk.start))
             if not groups:
                 return
-            names = pf.schema_arrow.names
-            wanted = None if columns is None else [c for c in names if c in set(columns)]
+            used = None if columns is None else set(columns)
+            wanted = None if used is None else [c for c in pf.schema_arrow.names if c in used]
             for batch in pf.iter_batches(batch_size=1024, row_groups=list(groups), columns=wanted):
                 for rec in _parquet_rows(batch, path, row):
                     row += 1

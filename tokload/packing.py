@@ -399,7 +399,7 @@ def _located(locate: Any, ids: np.ndarray) -> tuple[np.ndarray, ...]:
     per document whose values fit an int64 (they travel with the packed group as
     int64)."""
     out = []
-    name = getattr(getattr(locate, "__self__", None), "__class__", type(locate)).__name__
+    name = type(getattr(locate, "__self__", locate)).__name__  # (the view's, for its method)
     for a in locate(ids):
         arr = np.asarray(a)
         if arr.ndim != 1 or len(arr) != len(ids) or (arr.dtype.kind not in "iu" and len(arr)):
