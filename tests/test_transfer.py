@@ -292,6 +292,13 @@ def test_tensors_are_views_of_the_allocation_not_copies() -> None:
     t = tr.tensor(foreign)  # not from alloc: copied into a buffer the backend tracks
     assert t.data_ptr() != foreign.__array_interface__["data"][0]
     np.testing.assert_array_equal(t.numpy(), foreign)
+    # a view's own data held in a torch tensor was handed out as the batch's memory, so
+    # a trainer's in-place edit of the batch changed the data (review41): copied
+    corpus = torch.arange(20, dtype=torch.int64)
+    for part in (corpus.numpy(), corpus.numpy()[4:12], corpus.numpy().reshape(4, 5)[1:3]):
+        t = tr.tensor(part)
+        t.fill_(-100)
+        assert corpus.tolist() == list(range(20))
 
 
 def test_device_arguments_without_a_gpu() -> None:

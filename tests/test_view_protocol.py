@@ -217,6 +217,31 @@ def test_an_array_keeps_its_dtype_when_it_reinterprets_an_allocation() -> None:
     assert batch["mask"].all()
 
 
+class TorchHeld(BadRows):
+    """A view whose data lives in a torch tensor: rows are slices of its ``.numpy()``."""
+
+    def __init__(self) -> None:
+        self.corpus = torch.arange(100 * 3, dtype=torch.int64).reshape(100, 3)
+
+    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
+        a = int(indices[0])
+        return {"x": self.corpus.numpy()[a : a + len(indices)]}
+
+
+@pytest.mark.parametrize("threads", [0, 1])
+def test_a_trainers_edit_of_a_batch_never_reaches_a_views_torch_data(threads: int) -> None:
+    """The batch was the view's own memory: masking labels in place changed the corpus
+    for every later epoch (review41)."""
+    view = TorchHeld()
+    ld = DataLoader(view, 4, shuffle=False, num_threads=threads, device="cpu")
+    for n, batch in enumerate(ld):
+        np.testing.assert_array_equal(batch["x"].numpy(), view.corpus.numpy()[batch["index"]])
+        batch["x"].fill_(-100)
+        if n == 5:
+            break
+    assert view.corpus.flatten().tolist() == list(range(300))
+
+
 class OwnDocuments:
     """Documents of one's own (the document contract), with a hook on ``extents``."""
 

@@ -323,18 +323,20 @@ class Transfer:
         dt = np.dtype(dtype)
         td = self._dtypes.get(dt) or self._torch_dtype(dt)
         arr: np.ndarray = self.backend.host_empty(shape, td).numpy()
+        # The tensor ``arr`` views (a new alias of the allocation, the same object
+        # every slice of ``arr`` leads back to) is marked as the loader's: ``tensor``
+        # hands out such memory as the batch's and copies every other tensor's
+        # (an attribute, not a registry: no call per array on the reader's path).
+        arr.base._tokload_alloc = True  # type: ignore[union-attr]
         return arr
 
     def tensor(self, a: np.ndarray) -> torch.Tensor:
         """The tensor for array ``a``: a view of the storage ``a`` was allocated in.
 
         Arrays that ``alloc`` did not make (a view computed a small array
-        itself, or handed out its own NumPy data) are copied into a new host
-        tensor, so every tensor of a batch lives in memory the backend tracks
-        (pinned when it pins). An array inside any torch tensor is taken as an
-        allocation's (knowing which tensors ``alloc`` made would cost calls per
-        array on the reader's hot path): a view that holds its data in torch
-        copies what it returns, or reads it into ``alloc``'s arrays.
+        itself, or handed out its own data, NumPy or inside a torch tensor) are
+        copied into a new host tensor, so every tensor of a batch lives in memory
+        the backend tracks (pinned when it pins) and none is a view's own data.
         """
         import torch
 
@@ -343,8 +345,14 @@ class Transfer:
             td = self._dtypes[a.dtype]
         except KeyError:
             td = self._torch_dtype(a.dtype)
+        # (``"..." in t.__dict__``: alloc's mark, read without a call)
         # (the dtype too: a view may reinterpret its buffer, alloc(..., np.uint8).view(bool))
-        if isinstance(base, torch.Tensor) and base.shape == a.shape and base.dtype == td:
+        if (
+            isinstance(base, torch.Tensor)
+            and "_tokload_alloc" in base.__dict__
+            and base.shape == a.shape
+            and base.dtype == td
+        ):
             return base  # ``a`` is exactly an allocation's ``.numpy()``: its own tensor
         if type(base) is np.ndarray and a.flags.c_contiguous and a.dtype == base.dtype:
             # Rows of an allocation (a task's rows, the index/position pair): the
@@ -352,6 +360,7 @@ class Transfer:
             whole = base.base
             if (
                 isinstance(whole, torch.Tensor)
+                and "_tokload_alloc" in whole.__dict__
                 and whole.shape == base.shape
                 and whole.dtype == td
                 and base.ndim
@@ -366,7 +375,11 @@ class Transfer:
                         return whole[k : k + len(a)]
         while type(base) is np.ndarray:
             base = base.base
-        if isinstance(base, torch.Tensor) and a.flags.c_contiguous:
+        if (
+            isinstance(base, torch.Tensor)
+            and "_tokload_alloc" in base.__dict__
+            and a.flags.c_contiguous
+        ):
             storage = base.untyped_storage()
             at = a.__array_interface__["data"][0] - storage.data_ptr()
             if at % a.itemsize == 0 and 0 <= at <= storage.nbytes() - a.nbytes:

@@ -17,11 +17,10 @@ A view is any object with
   int64 array) as a dict of arrays. Each array that should become a tensor is
   allocated with ``alloc(shape, dtype)`` and filled in place (the loader passes
   an allocator of pinned memory on GPU hosts: the bytes go from the file into
-  the final buffer once). Arrays made otherwise in NumPy are copied into such a
-  buffer; an array inside a torch tensor is taken as the loader's own (its memory
-  becomes the batch's: copy data you hold in torch, or a trainer's in-place edit
-  of the batch edits it); values that are not arrays (a list of records) are
-  passed through as they are.
+  the final buffer once). Arrays made otherwise (in NumPy, or views of data the
+  view holds in a torch tensor) are copied into such a buffer, so a trainer's
+  in-place edit of a batch never reaches the view's data; values that are not
+  arrays (a list of records) are passed through as they are.
   The keys ``"index"`` and ``"position"`` are the loader's.
 
 and, optionally,
