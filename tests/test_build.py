@@ -7,6 +7,7 @@ import filecmp
 import gzip
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 import tokload
-from tokload import BuildError, Documents, StreamWithMetadata, build
+from tokload import BuildError, Documents, StreamWithMetadata, UsageError, build
 from tokload.__main__ import main
 from tokload.inputs import BUILD_MARKER
 
@@ -320,6 +321,40 @@ def test_the_dtype_holds_the_largest_id_not_the_number_of_ids(tmp_path: Path) ->
     tj = _word_level(tmp_path / "e.json", {"[UNK]": 0, "a": 1, "</s>": 65_536})
     build([tmp_path / "in.jsonl"], tmp_path / "eos", tokenizer=tj, progress=False)
     assert _tokens(tmp_path / "eos") == [1, 0, 1, 65_536]
+
+
+def test_named_bos_and_eos_tokens_end_documents_and_travel_with_the_dataset(
+    tmp_path: Path,
+) -> None:
+    """No option chose the end-of-document token: a Llama 3 SFT build could not end
+    its documents with ``<|eot_id|>`` (the tokenizer's first usual name won)."""
+    for k, text in enumerate(("a b", "b a a")):
+        (tmp_path / f"in{k}.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    inputs = sorted(tmp_path.glob("in*.jsonl"))
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, "</s>": 3, "<|eot_id|>": 4, "<|start|>": 5}
+    tj = _word_level(tmp_path / "t.json", vocab)
+    # in -j workers too: each loads the tokenizer and names the tokens itself
+    s = build(inputs, tmp_path / "ds", tokenizer=tj, eos="<|eot_id|>", workers=2, progress=False)
+    assert _tokens(tmp_path / "ds") == [1, 2, 4, 2, 1, 1, 4] and s.built == 2
+    record = tokload.format.read_manifest(tmp_path / "ds").user["tokenizer"]
+    assert (record["bos"], record["eos"]) == (None, 4)
+    assert "text    'b a a <|eot_id|>'" in tokload.tools.inspect(tmp_path / "ds", sample=1)
+    s = build(inputs, tmp_path / "ds", tokenizer=tj, eos="<|eot_id|>", progress=False)
+    assert s.built == 0  # the same tokens: reused
+    # another token: every chunk rebuilt with it; a named BOS is added
+    s = build(inputs, tmp_path / "ds", tokenizer=tj, bos="<|start|>", progress=False)
+    assert _tokens(tmp_path / "ds") == [5, 1, 2, 3, 5, 2, 1, 1, 3] and s.built == 2
+    with pytest.raises(
+        UsageError,
+        match=re.escape(f"the tokenizer {tj} has no token '<|eot|>' (asked for as EOS)"),
+    ):
+        build(inputs, tmp_path / "x", tokenizer=tj, eos="<|eot|>", progress=False)
+    with pytest.raises(UsageError, match="the byte tokenizer's BOS and EOS are fixed"):
+        build(inputs, tmp_path / "x", eos="</s>", progress=False)
+    for bad in ("", 1, None):
+        with pytest.raises(UsageError, match="eos must be True, False or a token's text"):
+            build(inputs, tmp_path / "x", tokenizer=tj, eos=bad, progress=False)  # type: ignore[arg-type]
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_rebuild_in_one_process_with_another_tokenizer_uses_it(tmp_path: Path) -> None:

@@ -183,7 +183,27 @@ def test_build_argument_mistakes_found_late_exit_2(
     assert code == 2
     assert error_line(err) == (
         f"tokload build: error: the tokenizer {no_eos} has no EOS token that tokload "
-        "recognizes; build with --no-eos, or use a tokenizer that has one"
+        "recognizes; name one with --eos-token, build with --no-eos, or use a tokenizer "
+        "that has one"
+    )
+    named = ["--tokenizer", str(no_eos), "--eos-token", "[UNK]", "--bos-token", "[UNK]"]
+    code, out, _ = cli(["build", str(inp), "-o", str(tmp_path / "o0"), *named], capsys)
+    assert code == 0 and "3 documents" in out
+    assert tokload.format.read_manifest(tmp_path / "o0").user["tokenizer"]["eos"] == 0
+    code, _, err = cli(
+        ["build", str(inp), "-o", str(tmp_path / "o1"), "--no-eos", "--eos-token", "x"], capsys
+    )
+    assert code == 2
+    assert error_line(err) == (
+        "tokload build: error: --no-eos and --eos-token contradict each other: give one"
+    )
+    named = ["--tokenizer", str(no_eos), "--eos-token", "<|endoftext|>"]
+    code, _, err = cli(["build", str(inp), "-o", str(tmp_path / "o1"), *named], capsys)
+    assert code == 2
+    assert error_line(err) == (
+        f"tokload build: error: the tokenizer {no_eos} has no token '<|endoftext|>' (asked "
+        "for as EOS): give the token's text exactly as the vocabulary spells it, e.g. "
+        "'<|eot_id|>'"
     )
     code, out, _ = cli(
         ["build", str(inp), "-o", str(tmp_path / "o1"), "--tokenizer", str(no_eos), "--no-eos"],

@@ -218,6 +218,18 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--bos", action="store_true", help="add BOS before each document")
     b.add_argument("--no-eos", dest="eos", action="store_false", help="no EOS after each document")
     b.add_argument(
+        "--bos-token",
+        metavar="TOKEN",
+        help="add this token (its text in the vocabulary) before each document, in place of "
+        "the tokenizer's BOS (implies --bos)",
+    )
+    b.add_argument(
+        "--eos-token",
+        metavar="TOKEN",
+        help="end each document with this token (its text in the vocabulary, e.g. "
+        "'<|eot_id|>') in place of the tokenizer's EOS",
+    )
+    b.add_argument(
         "-j",
         "--workers",
         type=_count(1),
@@ -501,6 +513,8 @@ def _run(args: argparse.Namespace, started: float) -> int:
         def log(line: str) -> None:
             print(f"tokload build: {line}", file=sys.stderr, flush=True)
 
+        if not args.eos and args.eos_token is not None:
+            raise UsageError("--no-eos and --eos-token contradict each other: give one")
         if args.tokenizer is None:
             log(
                 "no --tokenizer given: the built-in byte tokenizer is used (258 tokens); name "
@@ -520,8 +534,8 @@ def _run(args: argparse.Namespace, started: float) -> int:
             max_skipped=args.max_skipped,
             progress_every=args.progress_every,
             log=log,
-            bos=args.bos,
-            eos=args.eos,
+            bos=args.bos_token if args.bos_token is not None else args.bos,
+            eos=args.eos_token if args.eos_token is not None else args.eos,
             workers=args.workers,
             part=args.part,
             on_error=args.on_error,

@@ -54,7 +54,13 @@ from tokload.build_records import (
 from tokload.errors import BuildError
 from tokload.files import file_version
 from tokload.inputs import BUILD_MARKER
-from tokload.tokenizer import EncodedBatch, Tokenizer, load_tokenizer, token_dtype
+from tokload.tokenizer import (
+    EncodedBatch,
+    Tokenizer,
+    load_tokenizer,
+    token_dtype,
+    with_special_tokens,
+)
 from tokload.writer import Writer
 
 _BATCH_DOCS = 256
@@ -100,7 +106,7 @@ def build_chunk(
     reported yet, so the reports and the return value add up to the chunk's.
     """
     path, out = Path(chunk.path), Path(out_s)
-    tok = _tokenizer(opts.tokenizer)
+    tok = with_special_tokens(_tokenizer(opts.tokenizer), opts.bos_token, opts.eos_token)
     tdt = token_dtype(tok.vocab_size)
     # With metadata, the Writer attaches it as a span table (FORMAT.md, version 2).
     dtype: Any = [("token", tdt.str)] if opts.metadata else tdt

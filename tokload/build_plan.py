@@ -38,6 +38,10 @@ class BuildOptions:
     on_error: str = "stop"
     shard_bytes: int = 1 << 30
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    # The tokens' text when not the tokenizer's own BOS/EOS (their ids are in
+    # the tokenizer's record, which a chunk's reuse check compares)
+    bos_token: str | None = None
+    eos_token: str | None = None
 
     @property
     def metadata(self) -> bool:

@@ -77,6 +77,7 @@ from tokload.tokenizer import (
     describe_tokenizer,
     load_tokenizer,
     token_dtype,
+    with_special_tokens,
 )
 from tokload.writer import checked_block
 
@@ -140,6 +141,18 @@ def _listed(value: Any) -> list[Any]:
     return list(value)
 
 
+def _special(what: str, value: bool | str) -> tuple[str | None, bool]:
+    """``bos=``/``eos=``: the token's text (``None``: the tokenizer's own) and whether
+    to add it."""
+    if isinstance(value, str):
+        if not value:
+            raise UsageError(f"{what} must be True, False or a token's text, got ''")
+        return value, True
+    if not isinstance(value, bool):
+        raise UsageError(f"{what} must be True, False or a token's text, got {value!r}")
+    return None, value
+
+
 def build(
     inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     output: str | os.PathLike[str],
@@ -148,8 +161,8 @@ def build(
     keep_fields: Sequence[str] = (),
     annotations_field: str | None = None,
     tokenizer: str | os.PathLike[str] = "bytes",
-    bos: bool = False,
-    eos: bool = True,
+    bos: bool | str = False,
+    eos: bool | str = True,
     workers: int = 1,
     part: str | tuple[int, int] | None = None,
     on_error: str = "stop",
@@ -197,8 +210,10 @@ def build(
             ``"org/model"``: looked up in the local Hugging Face cache, then
             downloaded where a network is there). A ``tokenizer.json`` is
             copied to ``output/tokenizer.json``.
-        bos: add the tokenizer's BOS token before each document.
-        eos: add the tokenizer's EOS token after each document.
+        bos: add the tokenizer's BOS token before each document; a string
+            names the token to add instead (its text in the vocabulary).
+        eos: add the tokenizer's EOS token after each document; a string
+            names the token to add instead (``"<|eot_id|>"``).
         workers: processes building chunks in parallel (ignored with ``ray``).
         part: ``"k/N"``: build only the k-th of N contiguous slices of the
             chunks of all inputs (``tokload merge`` joins the parts).
@@ -282,13 +297,17 @@ def build(
     out = Path(remote.local_path(output))
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out}: the output must be a directory (or not exist yet); it is a file")
-    tok = load_tokenizer(tokenizer)  # fail early on a bad tokenizer
+    bos_token, bos = _special("bos", bos)
+    eos_token, eos = _special("eos", eos)
+    # fail early on a bad tokenizer, or a token it lacks
+    tok = with_special_tokens(load_tokenizer(tokenizer), bos_token, eos_token)
     for flag, token_id, name in ((bos, tok.bos_id, "BOS"), (eos, tok.eos_id, "EOS")):
         if flag and token_id is None:
             hint = "--no-eos" if name == "EOS" else "no --bos"
             raise UsageError(
                 f"the tokenizer {tok.name} has no {name} token that tokload recognizes; "
-                f"build with {hint}, or use a tokenizer that has one"
+                f"name one with --{name.lower()}-token, build with {hint}, or use a "
+                "tokenizer that has one"
             )
     say(describe_tokenizer(tok))
     found = find_inputs(inputs, output=out, include=include, exclude=exclude)
@@ -322,6 +341,8 @@ def build(
             on_error,
             shard_bytes,
             chunk_bytes,
+            bos_token,
+            eos_token,
         )
         base = {
             "builder": BUILDER_VERSION,

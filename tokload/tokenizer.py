@@ -9,6 +9,7 @@ Hugging Face tokenizers, NumPy for bytes) with the GIL released.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import json
@@ -22,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tokload.errors import FormatError
+from tokload.errors import FormatError, UsageError
 
 TOKENIZER_FILE = "tokenizer.json"
 """The name of the copy of the tokenizer inside a dataset built with one."""
@@ -285,6 +286,42 @@ def _from_hub(name: str) -> tuple[Path | None, list[str]]:
         first = _first_line(e)[:160]
         return None, [*tried, f"a download from {host} ({type(e).__name__}: {first})"]
     return Path(got), []
+
+
+def with_special_tokens(tok: Tokenizer, bos: str | None, eos: str | None) -> Tokenizer:
+    """``tok`` with the tokens whose text is ``bos`` and ``eos`` as its BOS and EOS
+    (``None``: the one ``tok`` found), as a copy: ``eos="<|eot_id|>"`` ends
+    each document of a Llama 3 build with the end of a turn.
+
+    Raises:
+        UsageError: the byte tokenizer (its BOS and EOS are fixed), or a name
+            that is not a token of the vocabulary (naming the tokenizer).
+    """
+    if bos is None and eos is None:
+        return tok
+    if not isinstance(tok, HFTokenizer):
+        name = bos if bos is not None else eos
+        raise UsageError(
+            f"the byte tokenizer's BOS and EOS are fixed (256 and 257); a token named "
+            f"{name!r} needs a tokenizer.json"
+        )
+    out = copy.copy(tok)
+    for what, name in (("BOS", bos), ("EOS", eos)):
+        if name is None:
+            continue
+        if not isinstance(name, str) or not name:
+            raise UsageError(f"the {what} token must be a token's text, got {name!r}")
+        i = tok._tok.token_to_id(name)
+        if i is None:
+            raise UsageError(
+                f"the tokenizer {tok.name} has no token {name!r} (asked for as {what}): give "
+                "the token's text exactly as the vocabulary spells it, e.g. '<|eot_id|>'"
+            )
+        if what == "BOS":
+            out.bos_id = int(i)
+        else:
+            out.eos_id = int(i)
+    return out
 
 
 def describe_tokenizer(tok: Tokenizer) -> str:
