@@ -180,6 +180,20 @@ def test_caps_redistribute_and_end_the_blend(views: list[TokenStream]) -> None:
     assert sorted(index[comp == 0].tolist()) == list(range(50))
     with pytest.raises(ValueError, match=r"length 65 is past the end of the blend \(64"):
         Blend([(views[0], 1), (views[2], 1)], block_size=10, max_epochs={0: 1, 1: 2}, length=65)
+    # capped sources run out in a stage before a later one that weights a source with
+    # samples left: the blend ended there, silently, without the later stage (review44)
+    stages: dict[str, Any] = {"block_size": 10, "max_epochs": {1: 1}}
+    for schedule in ([(20, [0, 1]), (100, [1, 1])], [(100, [1, 0])]):
+        weights = [0, 1] if len(schedule) == 1 else [1, 1]
+        comps = list(zip((views[0], views[2]), weights, strict=True))
+        with pytest.raises(
+            ValueError, match=r"the blend ends at position (\d+), where .* so that stage is never"
+        ) as e:
+            Blend(comps, schedule=schedule, **stages)
+        end = int(str(e.value).split()[5].rstrip(","))
+        assert len(Blend(comps, schedule=schedule, length=end, **stages)) == end  # as it says
+    # a later stage of only run-out sources adds nothing: the blend ends as before
+    assert len(Blend([(views[0], 0), (views[2], 1)], schedule=[(20, [0, 1])], **stages)) == 7
 
 
 def test_nested_blends(views: list[TokenStream]) -> None:
@@ -284,6 +298,13 @@ def test_through_the_dataloader_resume_and_rescale(views: list[TokenStream]) -> 
         # a float seed ran as the int it truncated to
         ({"seed": 1.5}, ValueError, r"seed must be an integer in \[0, 2\*\*64 - 1\], got 1\.5"),
         ({"rounds": -1}, ValueError, r"rounds must be an integer in \[0, 65536\], got -1"),
+        # each weight finite, their sum not: shares of 0 and a layout that failed to read
+        ({"weights": [1e308, 1e308]}, ValueError, r"stage 0: the weights' sum overflows"),
+        # a negative length failed at len(); 10.7 ran as 10, "100" as 100, True as 1
+        ({"length": -5}, ValueError, r"length must be an integer >= 0, got -5"),
+        ({"length": 10.7}, ValueError, r"length must be an integer >= 0, got 10\.7"),
+        ({"length": "100"}, ValueError, r"length must be an integer >= 0, got '100'"),
+        ({"length": True}, ValueError, r"length must be an integer >= 0, got True"),
     ],
 )
 def test_bad_blends(
@@ -865,3 +886,15 @@ def test_extents_many_refuses_what_is_not_a_document(tmp_path: Path) -> None:
         extents_many((idx,), [0], [0, 0], [0])
     with pytest.raises(TypeError):
         extents_many((object(),), [0], [0], [0])  # type: ignore[arg-type]
+
+
+def test_a_subset_never_answers_from_its_parents_last_locate(views: list[TokenStream]) -> None:
+    """A subset shares its parent's per-thread answer of ``locate``; keyed by the start
+    alone, a position past the subset's end was answered with the parent's sample
+    instead of refused (review44)."""
+    mix = Blend([(views[0], 1), (views[1], 1)], length=1000, block_size=100)
+    head = mix.subset(0, 100)
+    mix.locate([500])
+    for call in (head.locate, head.read, head.origin):
+        with pytest.raises(IndexError, match="observation 500 is out of range for a view of 100"):
+            call([500])

@@ -102,3 +102,44 @@ def test_hint_windows_checks_like_a_read(corpus: Path) -> None:
     view.close()
     with pytest.raises(ValueError, match="I/O on a closed dataset"):
         view.hint([0])
+
+
+def test_a_blend_reads_ahead_through_its_components(
+    corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blend had no ``hint``: on network storage its loader never read ahead, while
+    one of its streams alone did (review44)."""
+    a, b = TokenStream(corpus, window=33), TokenStream(corpus, window=33, stride=20)
+    inner = tokload.Blend([(a, 1.0), (b, 1.0)], length=90, block_size=3)
+    mix = tokload.Blend([(a, 1.0), (b, 2.0), (inner, 1.0)], length=300, block_size=4)
+    root = str(Path(corpus).resolve().anchor)
+    monkeypatch.setattr(readahead, "_mounts", lambda: ((root, "nfs4"),))
+    assert readahead.wanted(mix) and DataLoader(mix, 2).readahead is True
+    assert set(mix.storage_paths()) == set(a.storage_paths())
+    docs = tokload.Blend([(Documents(corpus), 1.0)], length=10)
+    assert docs.storage_paths() == [] and not readahead.wanted(docs)
+    # each component is hinted its own indices of the positions (the inner blend's its own)
+    seen: dict[int, list[np.ndarray]] = {0: [], 1: [], 2: []}
+    for c, view in enumerate((a, b)):
+        monkeypatch.setattr(view, "hint", lambda idx, c=c: seen[c].append(np.asarray(idx)))
+    positions = np.arange(0, 300, 7)
+    comp, index = mix.locate(positions)
+    mix.hint(positions)
+    got = {c: np.concatenate(seen[c]) if seen[c] else np.zeros(0, np.int64) for c in (0, 1)}
+    ic, ii = inner.locate(index[comp == 2])
+    for c in (0, 1):
+        want = np.concatenate([index[comp == c], ii[ic == c]])
+        assert sorted(got[c].tolist()) == sorted(want.tolist())
+    assert mix.locate(positions)[0] is comp  # the hint kept the thread's last answer
+    monkeypatch.undo()
+    with pytest.raises(IndexError, match="observation 300 is out of range"):
+        mix.hint([300])
+
+    def run(ra: bool) -> list[Any]:
+        read = tokload.ReadOptions(steps_per_task=2, prefetch=8, readahead=ra)
+        ld = DataLoader(mix, 3, seed=4, epochs=1, num_threads=2, read=read)
+        return [bt["tokens"].clone() for bt in ld]
+
+    with_hints, without = run(True), run(False)
+    assert len(with_hints) == len(without) == 100
+    assert all((x == y).all() for x, y in zip(with_hints, without, strict=True))

@@ -4,7 +4,8 @@ Position ``q`` of a ``Blend`` is computed on demand, from ``q`` alone:
 
 1. **Blocks.** Positions are cut into blocks of ``M`` (``block_size``). In a
    block, component ``c`` gets ``k_c`` slots: its share ``M * w_c / sum(w)``
-   rounded by largest remainder (ties to the lower component), so every block
+   rounded by largest remainder (ties, as float64 computes the shares, to the
+   lower component), so every block
    holds each component in exactly its proportion up to one sample. (Choose
    ``M`` so that the ``M * w_c / sum(w)`` are whole numbers when long-run
    ratios must be exact: otherwise the rounding repeats in every block.)
@@ -34,7 +35,8 @@ stage, so a component can join from a stage onward.
 block where it runs out it gets only what is left, and from the next block on
 its weight is 0 and the others' shares are recomputed from their weights (its
 share is redistributed in proportion). When every component of a stage is
-exhausted the blend ends there.
+exhausted the blend ends there (without ``length``, a later stage that weights a
+component with samples left is refused: it would never come).
 
 Everything is compiled at construction into a short list of *segments*
 (runs of blocks with the same counts), so a lookup is a binary search over
@@ -147,7 +149,9 @@ class Blend(WindowBoundaries, View):
         seed: the blend's key (slot interleaving and component shuffles), an
             integer in [0, 2**64 - 1].
         length: number of positions (``len(blend)``); default: where the blend
-            ends because every component is capped, else required.
+            ends because every component a stage weights is capped and has run
+            out (refused when a later stage weights one with samples left),
+            else required.
         block_size: ``M``; proportions are exact in every block of ``M``.
         schedule: ``[(position, weights), ...]`` stages after the first
             (positions multiples of ``M``, increasing).
@@ -249,6 +253,11 @@ class Blend(WindowBoundaries, View):
                 )
             if sum(weights) <= 0:
                 raise ValueError(f"stage {i}: all weights are zero")
+            if not sum(weights) < math.inf:  # each finite, their sum not: shares of 0
+                raise ValueError(
+                    f"stage {i}: the weights' sum overflows a float64, got {weights}; they "
+                    "are relative: scale them down"
+                )
             if pos % self.block_size:
                 raise ValueError(
                     f"stage {i} starts at position {pos}, not a multiple of the "
@@ -278,7 +287,18 @@ class Blend(WindowBoundaries, View):
         if length is None:
             if end is None:
                 raise ValueError("length is required unless every component is capped")
+            unreached = self._unreached_stage(end)
+            if unreached is not None:  # the blend ran dry before it: silently cut short
+                pos = stages[unreached][0]
+                raise ValueError(
+                    f"the blend ends at position {end}, where the components weighted before "
+                    f"stage {unreached} (position {pos}) run out (max_epochs), so that stage "
+                    f"is never reached: give length={end} to end the blend there, or weights "
+                    "that last until the stage"
+                )
             length = end
+        elif not is_integer(length) or length < 0:
+            raise ValueError(f"length must be an integer >= 0, got {length!r}")
         if end is not None and length > end:
             raise ValueError(
                 f"length {length} is past the end of the blend ({end} positions: "
@@ -374,6 +394,22 @@ class Blend(WindowBoundaries, View):
             return None
         return (last.first_block + last.blocks - 1) * self.block_size + sum(last.counts)
 
+    def _unreached_stage(self, end: int) -> int | None:
+        """The first stage the blend, ending at ``end``, never reaches although it
+        weights a component with samples left (uncapped, or capped and not run
+        out), or None."""
+        last = self._segments[-1]
+        used = [b + last.blocks * n for b, n in zip(last.before, last.counts, strict=True)]
+        left = [
+            c
+            for c in range(len(self.views))
+            if c not in self.max_epochs or used[c] < self.max_epochs[c] * self.sizes[c]
+        ]
+        for i, (pos, weights) in enumerate(self.stages):
+            if pos >= end and any(weights[c] > 0 for c in left):
+                return i
+        return None
+
     # ---- lookups --------------------------------------------------------------------
 
     def component_positions(self, positions: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
@@ -403,14 +439,21 @@ class Blend(WindowBoundaries, View):
         policy asks for the same positions' components and documents more than
         once while it builds a task (their extents, reads and provenance), so
         the arrays are read-only."""
-        key = (self._lo, np.ascontiguousarray(positions, dtype=np.int64).tobytes())
+        key = (self._lo, self._hi, np.ascontiguousarray(positions, dtype=np.int64).tobytes())
         last = getattr(self._located, "last", None)
         if last is not None and last[0] == key:
             return last[1], last[2]
+        comp, index = self._locate(positions)
+        comp.flags.writeable = index.flags.writeable = False  # shared with the next caller
+        self._located.last = (key, comp, index)
+        return comp, index
+
+    def _locate(self, positions: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """``locate`` without its per-thread answer (read-ahead's, for later tasks)."""
         # perm_{c,e}(p % n_c), keyed by epoch_seed(epoch_seed(seed ^ "comp", c), e),
         # for every position in one compiled call (grouped by (component, epoch):
         # a large blend's shuffled positions fall in as many as there are positions)
-        comp, index = locate_slots(
+        return locate_slots(
             self.seed ^ _SLOT_TAG,
             self._global(positions).astype(np.int64),
             self.block_size,
@@ -422,9 +465,25 @@ class Blend(WindowBoundaries, View):
             self.rounds,
             self._tables,
         )
-        comp.flags.writeable = index.flags.writeable = False  # shared with the next caller
-        self._located.last = (key, comp, index)
-        return comp, index
+
+    def storage_paths(self) -> list[str]:
+        """The files of the components that read ahead (``hint``): the loader turns
+        read-ahead on when one is on a network or FUSE filesystem."""
+        paths: list[str] = []
+        for v in self.views:
+            if getattr(v, "hint", None) is not None and hasattr(v, "storage_paths"):
+                paths.extend(v.storage_paths())
+        return paths
+
+    def hint(self, indices: npt.ArrayLike) -> None:
+        """The view protocol's read-ahead: each component that reads ahead is given
+        its own indices of positions ``indices`` (a blend in a blend passes them
+        on); returns at once."""
+        comp, index = self._locate(indices)
+        for c in np.unique(comp).tolist():
+            hint = getattr(self.views[c], "hint", None)
+            if hint is not None:
+                hint(index[comp == c])
 
     def remember_located(
         self, positions: npt.ArrayLike, comp: np.ndarray, index: np.ndarray
@@ -435,12 +494,12 @@ class Blend(WindowBoundaries, View):
         (``PackedSchedule``'s ``locate``) and gathered the answers with its rows;
         the reads and provenance of those rows then ask ``locate`` for them in
         this order, and get these instead of locating them again."""
-        key = (self._lo, np.ascontiguousarray(positions, dtype=np.int64).tobytes())
+        key = (self._lo, self._hi, np.ascontiguousarray(positions, dtype=np.int64).tobytes())
         comp = np.array(comp, dtype=np.int64)  # copies: read-only, as locate's are
         index = np.array(index, dtype=np.int64)
-        if comp.shape != index.shape or len(comp) != len(key[1]) // 8:
+        if comp.shape != index.shape or len(comp) != len(key[2]) // 8:
             raise ValueError(
-                f"{len(key[1]) // 8} positions, {len(comp)} components, {len(index)} indices"
+                f"{len(key[2]) // 8} positions, {len(comp)} components, {len(index)} indices"
             )
         comp.flags.writeable = index.flags.writeable = False
         self._located.last = (key, comp, index)
