@@ -258,6 +258,64 @@ def test_a_merge_of_parts_keeps_their_tokenizer_and_refuses_another(tmp_path: Pa
     assert (tmp_path / "mine" / "tokenizer.json").read_text() == "{}"
 
 
+def test_a_merge_refuses_parts_of_other_options_or_chunk_plans(tmp_path: Path) -> None:
+    """``tokload merge`` joined parts built with another chunk size (the two plans'
+    slices overlap: about half the documents twice) or another ``bos``, exit 0
+    (review43); a part given twice, or an output holding an unfinished build, too."""
+    inputs = write_corpus(tmp_path / "in", files=2)
+    opts: dict[str, Any] = {"progress": False, "chunk_bytes": 512}
+    build(inputs, tmp_path / "p0", part=(0, 2), **opts)
+    build(inputs, tmp_path / "p1", part=(1, 2), **opts)
+    build(inputs, tmp_path / "big", part=(0, 2), progress=False)
+    build(inputs, tmp_path / "bos", part=(1, 2), bos=True, **opts)
+    with pytest.raises(
+        tokload.FormatError,
+        match=r"big and .*p0 both read .*, cut into chunks of 33554432 and 512 bytes",
+    ):
+        tokload.merge(tmp_path / "m", [tmp_path / "p0", tmp_path / "big"])
+    with pytest.raises(
+        tokload.FormatError, match=r"bos: built with bos=True, but .*p0 with bos=False"
+    ):
+        tokload.merge(tmp_path / "m", [tmp_path / "p0", tmp_path / "bos"])
+    with pytest.raises(UsageError, match=r"p0: given twice; merged, its documents would come"):
+        tokload.merge(tmp_path / "m", [tmp_path / "p0", tmp_path / "p1", tmp_path / "p0"])
+    assert not (tmp_path / "m").exists()  # a refused merge leaves no directory behind
+    # parts of one plan: the single build's documents, each once
+    tokload.merge(tmp_path / "m", [tmp_path / "p0", tmp_path / "p1"])
+    build(inputs, tmp_path / "one", **opts)
+    assert _tokens(tmp_path / "m") == _tokens(tmp_path / "one")
+    # an unfinished build's directory: its next run would replace the merged manifest
+    (tmp_path / "in" / "empty.jsonl").write_text("")
+    with pytest.raises(BuildError):
+        build([tmp_path / "in" / "empty.jsonl"], tmp_path / "unfinished", progress=False)
+    with pytest.raises(FileExistsError, match="holds a tokload build"):
+        tokload.merge(tmp_path / "unfinished", [tmp_path / "p0", tmp_path / "p1"])
+    # another EOS of the same tokenizer file: the refusal says how they differ
+    tj = _word_level(tmp_path / "t.json", {"[UNK]": 0, "a": 1, "</s>": 2, "<|eot|>": 3})
+    build(inputs, tmp_path / "e0", tokenizer=tj, part=(0, 2), **opts)
+    build(inputs, tmp_path / "e1", tokenizer=tj, part=(1, 2), eos="<|eot|>", **opts)
+    with pytest.raises(tokload.FormatError, match=r"BOS None, EOS 3, but .* BOS None, EOS 2"):
+        tokload.merge(tmp_path / "m2", [tmp_path / "e0", tmp_path / "e1"])
+
+
+def test_a_converted_dataset_keeps_its_tokenizer(tmp_path: Path) -> None:
+    """``tokload convert`` left the tokenizer file out of the copy, whose manifest
+    still named it: ``inspect`` of the copy no longer decoded (review43)."""
+    tj = _hf_tokenizer(tmp_path / "tok.json")
+    inputs = write_corpus(tmp_path / "in", files=1)
+    meta_build(inputs, tmp_path / "src", tokenizer=tj)
+    tokload.convert(tmp_path / "src", tmp_path / "dst", layout="spans")
+    assert (tmp_path / "dst" / "tokenizer.json").read_bytes() == tj.read_bytes()
+    report = tokload.tools.inspect(tmp_path / "dst", sample=0)
+    assert "text    '" in report and "not decoded" not in report
+    # a file of that name in the way is not replaced
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "tokenizer.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="holds a tokenizer file that is not the dataset's"):
+        tokload.convert(tmp_path / "src", tmp_path / "mine", layout="spans")
+    assert (tmp_path / "mine" / "tokenizer.json").read_text() == "{}"
+
+
 def test_tokenizer_json_offsets_and_dtype(tmp_path: Path) -> None:
     tj = _hf_tokenizer(tmp_path / "tokenizer.json")
     inputs = write_corpus(tmp_path / "in", files=2)

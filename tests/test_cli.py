@@ -330,6 +330,34 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert (p.returncode, p.stdout, p.stderr) == (0, f"tokload {tokload.__version__}\n", "")
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("TOKLOAD_MAX_OPEN_FILES", "0", "a positive integer"),
+        ("TOKLOAD_HOST_CACHE_MB", "-1", "a whole number of MiB (>= 0)"),
+        ("TOKLOAD_INDEX_MEMORY", "x", "a number of bytes (>= 0)"),
+        ("TOKLOAD_IO", "bogus", "one of auto, uring, threads, sync"),
+        ("TOKLOAD_IO_DEPTH", "x", "an integer in [1, "),
+    ],
+)
+def test_a_bad_setting_in_the_environment_is_a_usage_error(
+    name: str, value: str, expected: str, tmp_path: Path
+) -> None:
+    """A bad ``TOKLOAD_*`` value was a traceback at import (even for ``--version``) or
+    "unexpected ValueError ... a bug in tokload" (review43): exit 2, one line."""
+    with tokload.Writer(tmp_path / "ds", "<u4") as w:
+        w.write(np.arange(100, dtype=np.uint32))
+    env = {**os.environ, name: value}
+    run = [sys.executable, "-m", "tokload"]
+    p = subprocess.run([*run, "--version"], capture_output=True, text=True, env=env)
+    assert (p.returncode, p.stderr) == (0, "")
+    p = subprocess.run([*run, "bench", str(tmp_path / "ds"), "--window", "8"], env=env,
+                       capture_output=True, text=True)  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith(f"tokload bench: error: {name}='{value}': expected {expected}")
+    assert len(p.stderr.splitlines()) == 1, p.stderr
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_has_a_description_defaults_and_an_example(
     command: str, capsys: pytest.CaptureFixture[str]

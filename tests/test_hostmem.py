@@ -12,6 +12,7 @@ import itertools
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 
 import numpy as np
@@ -175,15 +176,29 @@ def test_the_limit_comes_from_the_environment() -> None:
     env = {**os.environ, "TOKLOAD_HOST_CACHE_MB": "3"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == str(3 * MB), out.stderr
-    env["TOKLOAD_HOST_CACHE_MB"] = "lots"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode != 0
-    assert "TOKLOAD_HOST_CACHE_MB='lots': expected a whole number of MiB (>= 0)" in out.stderr
-    # too large for bytes in a size_t: named, not a bare OverflowError at import
-    for name, value in (("TOKLOAD_HOST_CACHE_MB", 1 << 44), ("TOKLOAD_MAX_OPEN_FILES", 1 << 64)):
-        bad = {**os.environ, name: str(value)}
-        out = subprocess.run([sys.executable, "-c", code], env=bad, capture_output=True, text=True)
-        assert out.returncode != 0 and f"{name}='{value}': expected" in out.stderr, out.stderr
+    # A bad value: the import takes the default (a traceback at import stopped even
+    # `tokload --version`, review43); a loader, or opening a dataset, names it
+    loader = (
+        "import tokload, numpy as np\n"
+        "from tokload import _hostmem\n"
+        "print(_hostmem.limit())\n"
+        "with tokload.Writer('ds', '<u4') as w: w.write(np.arange(9, dtype=np.uint32))\n"
+        "tokload.DataLoader(tokload.TokenStream('ds', window=4), 2)\n"
+    )
+    for name, value, expected in (
+        ("TOKLOAD_HOST_CACHE_MB", "lots", "a whole number of MiB (>= 0)"),
+        # too large for bytes in a size_t, for C's int64: named, not a bare OverflowError
+        ("TOKLOAD_HOST_CACHE_MB", str(1 << 44), "a whole number of MiB (>= 0)"),
+        ("TOKLOAD_MAX_OPEN_FILES", str(1 << 64), "a positive integer"),
+    ):
+        bad = {**os.environ, name: value}
+        with tempfile.TemporaryDirectory() as d:
+            out = subprocess.run(
+                [sys.executable, "-c", loader], env=bad, capture_output=True, text=True, cwd=d
+            )
+        assert out.stdout.strip() == str(_hostmem.DEFAULT_LIMIT_MB * MB), out.stderr
+        assert out.returncode != 0, out.stderr
+        assert f"UsageError: {name}='{value}': expected {expected}" in out.stderr, out.stderr
 
 
 def test_the_loaders_host_batches_reuse_the_blocks(tmp_path: object) -> None:

@@ -27,6 +27,7 @@ import os
 import numpy as np
 
 from tokload.envvars import env_int
+from tokload.errors import UsageError
 
 cdef extern from "<sys/mman.h>" nogil:
     void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
@@ -46,13 +47,24 @@ cdef lib.tl_hostmem _free
 cdef size_t _mapped = 0  # bytes mapped by this module: in use or free
 
 
-def _env_limit():
-    mb = env_int("TOKLOAD_HOST_CACHE_MB", DEFAULT_LIMIT_MB, 0, "a whole number of MiB (>= 0)",
-                 (1 << 63) >> 20)  # in bytes, a size_t
+def _env_limit(bint strict=True):
+    try:
+        mb = env_int("TOKLOAD_HOST_CACHE_MB", DEFAULT_LIMIT_MB, 0,
+                     "a whole number of MiB (>= 0)", (1 << 63) >> 20)  # in bytes, a size_t
+    except UsageError:
+        if strict:
+            raise
+        mb = DEFAULT_LIMIT_MB  # (at import: check_environment refuses it, for a loader)
     return mb << 20
 
 
-lib.tl_hostmem_init(&_free, _env_limit())
+def check_environment():
+    """UsageError naming ``TOKLOAD_HOST_CACHE_MB`` where its value is not one
+    (the import took the default then, so that ``tokload --version`` runs)."""
+    _env_limit()
+
+
+lib.tl_hostmem_init(&_free, _env_limit(False))
 
 
 cdef void _unmap(lib.tl_hostmem_block *blocks, size_t n) noexcept:

@@ -45,7 +45,7 @@ import numpy as np
 from tokload._remote import take_error as _take_remote_error
 from tokload.arguments import is_integer
 from tokload.envvars import env_int
-from tokload.errors import CorruptDataError, MissingShardError, TruncatedFileError
+from tokload.errors import CorruptDataError, MissingShardError, TruncatedFileError, UsageError
 
 IO_CHOICES = ("auto", "uring", "threads", "sync")
 DEFAULT_QUEUE_DEPTH = 64
@@ -110,8 +110,13 @@ class io_scope:
         return False
 
 
-def _default_max_open_files():
-    n = env_int("TOKLOAD_MAX_OPEN_FILES", 0, 1, "a positive integer")
+def _default_max_open_files(bint strict=True):
+    try:
+        n = env_int("TOKLOAD_MAX_OPEN_FILES", 0, 1, "a positive integer")
+    except UsageError:
+        if strict:
+            raise
+        n = 0  # (at import: refused when a dataset is opened, so `tokload --version` runs)
     if n:
         return n
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -120,7 +125,7 @@ def _default_max_open_files():
     return max(1, min(256, soft // 4))
 
 
-lib.tl_fdcache_init(&_cache, _default_max_open_files())
+lib.tl_fdcache_init(&_cache, _default_max_open_files(False))
 lib.tl_pool_init(&_pool)
 _faults.seed = 0
 _faults.counter = 0
@@ -204,7 +209,8 @@ def resolve_io(io=None):
     else:
         where = f"io={io!r}"
     if io not in IO_CHOICES:
-        raise ValueError(f"{where}: expected one of {', '.join(IO_CHOICES)}")
+        error = UsageError if where.startswith("TOKLOAD_") else ValueError
+        raise error(f"{where}: expected one of {', '.join(IO_CHOICES)}")
     if io == "auto":
         return "uring" if _probe_uring() else "threads"
     if io == "uring" and not _probe_uring():
@@ -233,7 +239,8 @@ def _checked_depth(value, str where, bint text=False):
         except ValueError:
             pass
     if not 1 <= d <= MAX_QUEUE_DEPTH:
-        raise ValueError(f"{where}={value!r}: expected an integer in [1, {MAX_QUEUE_DEPTH}]")
+        error = UsageError if text else ValueError  # (an environment variable's: a setting)
+        raise error(f"{where}={value!r}: expected an integer in [1, {MAX_QUEUE_DEPTH}]")
     return d
 
 

@@ -31,6 +31,7 @@ from tokload.format import (
     read_manifest,
     write_manifest,
 )
+from tokload.inputs import BUILD_MARKER
 from tokload.location import Location
 from tokload.source import open_dataset
 from tokload.writer import OpenShard, checked_block
@@ -78,8 +79,11 @@ def merge(
 
     The merged manifest lists every input's shards, in the order given, by
     their paths relative to ``output`` (FORMAT.md), so the inputs must stay
-    where they are. All inputs need the same dtype and options. ``output`` may
-    not already hold a dataset. ``output`` and the inputs are local directories,
+    where they are. All inputs need the same dtype and options (for builds of
+    ``tokload build``, the options their manifests record, and the same chunk
+    size where two read one input file), each given once. ``output`` may not
+    already hold a dataset or an unfinished build; a refused merge writes
+    nothing. ``output`` and the inputs are local directories,
     or URLs in one bucket (``storage_options`` for the store): the manifest is
     then uploaded to ``output``.
 
@@ -91,21 +95,36 @@ def merge(
     Returns the merged manifest.
 
     Raises:
-        FileExistsError: ``output`` holds a dataset, or a tokenizer file that is
-            not the inputs' tokenizer.
-        UsageError: local and remote paths mixed, or URLs of several buckets.
-        FormatError: an input differs from the first in dtype or options, or
-            records another tokenizer.
+        FileExistsError: ``output`` holds a dataset, an unfinished build, or a
+            tokenizer file that is not the inputs' tokenizer.
+        UsageError: local and remote paths mixed, URLs of several buckets, or
+            an input given twice.
+        FormatError: an input differs from the first in dtype or options,
+            records another tokenizer, or cuts a file another input reads
+            into chunks of another size.
     """
     if not inputs:
         raise ValueError("merge needs at least one input dataset")
     rels = _relative_to(output, inputs)
+    for k, rel in enumerate(rels):
+        if rel in rels[:k]:
+            raise UsageError(
+                f"{os.fspath(inputs[k])}: given twice; merged, its documents would come twice "
+                "(to weight a dataset, blend it: tokload.Blend)"
+            )
     top = remote.join(os.fspath(output), MANIFEST) if remote.is_url(output) else None
     if top is not None:
         if remote.exists(top, storage_options):
             raise FileExistsError(17, "a dataset already exists here", os.fspath(output))
-    else:
-        _new_dataset_dir(output)
+    elif (Path(output) / MANIFEST).exists():
+        raise FileExistsError(17, "a dataset already exists here", os.fspath(output))
+    elif (Path(output) / BUILD_MARKER).exists():
+        raise FileExistsError(
+            17,
+            "holds a tokload build (unfinished: no manifest), whose next run would replace "
+            "the merged manifest: merge into another directory",
+            os.fspath(output),
+        )
     manifests = [(os.fspath(p), read_manifest(p, storage_options)) for p in inputs]
     first = manifests[0][1]
     merged = Manifest(
@@ -131,6 +150,9 @@ def merge(
     tok = _one_tokenizer(manifests)
     if tok is not None:
         merged.user["tokenizer"] = tok[1]
+    _same_build_options(manifests)
+    if top is None:
+        _new_dataset_dir(output)  # (only now: a refused merge leaves no directory behind)
     with tempfile.TemporaryDirectory(prefix="tokload-merge-") as staging:
         tok_file = None if tok is None else _tokenizer_copy(tok, staging, storage_options)
         dest = None
@@ -176,17 +198,88 @@ def _one_tokenizer(manifests: list[tuple[str, Manifest]]) -> tuple[str, dict[str
     known = [(path, t) for path, t in toks if isinstance(t, dict)]
     for path, t in known[1:]:
         if what(t) != what(known[0][1]):
+            same = all(t.get(k) == known[0][1].get(k) for k in ("kind", "sha256"))
             raise FormatError(
-                f"{path}: tokenized with {_tokenizer_name(t)}, but {known[0][0]} with "
-                f"{_tokenizer_name(known[0][1])}: a merge would mix ids that mean other "
+                f"{path}: tokenized with {_tokenizer_name(t, same)}, but {known[0][0]} with "
+                f"{_tokenizer_name(known[0][1], same)}: a merge would mix ids that mean other "
                 "things; build the inputs with one tokenizer"
             )
     return known[0] if known and len(known) == len(toks) else None
 
 
-def _tokenizer_name(t: dict[str, Any]) -> str:
+def _tokenizer_name(t: dict[str, Any], ids: bool = False) -> str:
+    """The tokenizer a record names, with its BOS and EOS ids when ``ids`` (one
+    file built with other ones)."""
     sha = t.get("sha256")
-    return f"{t.get('kind')!r}" + (f" (SHA-256 {str(sha)[:12]}...)" if sha else "")
+    return (
+        f"{t.get('kind')!r}"
+        + (f" (SHA-256 {str(sha)[:12]}...)" if sha else "")
+        + (f", BOS {t.get('bos')}, EOS {t.get('eos')}" if ids else "")
+    )
+
+
+# Options of ``tokload build`` that cut the same documents into other files: the
+# tokenizer is compared by _one_tokenizer, the chunk size where inputs share a file.
+_CUTS = ("shard_bytes", "chunk_bytes", "tokenizer")
+
+
+def _same_build_options(manifests: list[tuple[str, Manifest]]) -> None:
+    """FormatError when two inputs built by ``tokload build`` record options that
+    make other documents (BOS/EOS, fields), or cut an input file they both read
+    into chunks of other sizes (parts of two chunk plans: documents twice or
+    never)."""
+    built = [
+        (path, m.user["options"], m.user.get("inputs") or [])
+        for path, m in manifests
+        if m.user.get("built_by") == "tokload build" and isinstance(m.user.get("options"), dict)
+    ]
+    if not built:
+        return
+    path0, opts0, _ = built[0]
+    first = {k: v for k, v in opts0.items() if k not in _CUTS}
+    for path, opts, _ in built[1:]:
+        these = {k: v for k, v in opts.items() if k not in _CUTS}
+        if these != first:
+            keys = sorted(k for k in first.keys() | these.keys() if first.get(k) != these.get(k))
+            said, said0 = (", ".join(f"{k}={o.get(k)!r}" for k in keys) for o in (these, first))
+            raise FormatError(
+                f"{path}: built with {said}, but {path0} with {said0}: their "
+                "documents differ; build the parts with the same options"
+            )
+    read_by: dict[str, tuple[str, Any]] = {}  # input file: (the first dataset, its chunk size)
+    for path, opts, files in built:
+        for f in files:
+            other = read_by.setdefault(str(f), (path, opts.get("chunk_bytes")))
+            size = opts.get("chunk_bytes")
+            if other[1] != size:
+                raise FormatError(
+                    f"{path} and {other[0]} both read {f}, cut into chunks of {size} "
+                    f"and {other[1]} bytes: merged, some of its documents would come twice and "
+                    "others never; build the parts with one --chunk-size"
+                )
+
+
+def _dataset_tokenizer_file(root: Path, m: Manifest, out: Path) -> tuple[Path, bytes] | None:
+    """Where in ``out`` the copy of the tokenizer file of the dataset at ``root``
+    goes, and its bytes (None when it records no file, or lacks it); FileExistsError
+    when ``out`` holds another file of that name."""
+    desc = m.user.get("tokenizer")
+    name = desc.get("file") if isinstance(desc, dict) else None
+    if not isinstance(name, str) or posixpath.basename(name) != name:
+        return None
+    try:
+        data = (root / name).read_bytes()
+    except FileNotFoundError:
+        return None
+    dest = out / name
+    if dest.exists() and dest.read_bytes() != data:
+        raise FileExistsError(
+            17,
+            "holds a tokenizer file that is not the dataset's, which the copy would replace: "
+            "write it into another directory",
+            str(dest),
+        )
+    return dest, data
 
 
 def _tokenizer_copy(
@@ -227,7 +320,9 @@ def convert(
     refers to keeps no bytes when the source is in blocks), so a
     ``StreamWithMetadata`` of the copy gives the same batches,
     bit for bit. Memory stays within a shard's metadata (the rows are
-    streamed in chunks). ``dst`` may not hold a dataset. Both are local
+    streamed in chunks). The tokenizer file a build records is copied too, so
+    ``tokload inspect`` decodes the copy (a different file of its name already
+    in ``dst``: FileExistsError). ``dst`` may not hold a dataset. Both are local
     directories (a URL is refused with ``UsageError``).
 
     Returns the new manifest.
@@ -282,6 +377,8 @@ def convert(
         span_block=block,
     )
     names: set[str] = set()
+    tok = _dataset_tokenizer_file(root, m, out)
+    tok_file: Path | None = None  # (written here: removed if the convert fails)
     try:
         for k, s in enumerate(m.shards):
             name = os.path.basename(s.name)
@@ -289,6 +386,10 @@ def convert(
                 name = f"c{k:05d}-{name}"
             names.add(name)
             target.shards.append(_convert_shard(root, s, m, out, name, target, durable))
+        if tok is not None and not tok[0].exists():
+            # the tokenizer's copy travels with the dataset (inspect decodes with it)
+            tok[0].write_bytes(tok[1])
+            tok_file = tok[0]
         if durable:
             fsync_dir(out)
         write_manifest(out, target)
@@ -298,6 +399,8 @@ def convert(
         for done in target.shards:
             for ext in SHARD_FILES:
                 (out / f"{done.name}.{ext}").unlink(missing_ok=True)
+        if tok_file is not None:
+            tok_file.unlink(missing_ok=True)
         raise
     return target
 

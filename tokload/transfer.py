@@ -119,6 +119,7 @@ class HostBackend:
     """Host batches in ordinary or pinned memory; no device copies."""
 
     def __init__(self, pinned: bool = False) -> None:
+        _hostmem.check_environment()  # TOKLOAD_HOST_CACHE_MB, taken at import as it is
         self.pinned = pinned
         self.device: Any = None
         self._np: dict[torch.dtype, np.dtype[Any]] = {}
