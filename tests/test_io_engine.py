@@ -424,8 +424,14 @@ def test_descriptors_stay_within_the_bound_under_concurrent_reads(
 
 
 def test_max_open_files_setter_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match="max_open_files must be at least 1, got 0"):
-        _io.set_max_open_files(0)
+    before = _io.max_open_files()
+    # (2.7 ran as 2, True as 1, "3" as 3: review45)
+    for bad in (0, 2.7, True, "3"):
+        with pytest.raises(
+            ValueError, match=f"max_open_files must be an integer >= 1, got {bad!r}"
+        ):
+            _io.set_max_open_files(bad)  # type: ignore[arg-type]
+    assert _io.max_open_files() == before
     monkeypatch.setenv("TOKLOAD_MAX_OPEN_FILES", "17")
     _io.set_max_open_files(None)
     assert _io.max_open_files() == 17
@@ -690,3 +696,27 @@ def test_injected_eio_names_the_file_and_offset(tmp_path: Path, backend: str) ->
     assert "Input/output error while reading rows [150, 160) (40 bytes at offset 200)" in str(
         e.value
     )
+
+
+def test_a_refused_io_setting_changes_no_file(tmp_path: Path) -> None:
+    """``configure_io("sync", 0)`` switched the first of a dataset's file sets to
+    ``sync`` before it refused the depth: the dataset read with mixed engines
+    (review45)."""
+    meta = tmp_path / "meta"
+    with tokload.Writer(meta, "<u4", metadata=True) as w:
+        for k in range(20):
+            w.write(np.arange(50, dtype=np.uint32), spans=[(0, 10, b"r%d" % k)])
+    view = tokload.StreamWithMetadata(meta, window=8)
+    blend = tokload.Blend([(view, 1.0), (tokload.StreamWithMetadata(meta, window=8), 1.0)],
+                          length=10)  # fmt: skip
+    sets = [f for f in view.source._closers if isinstance(f, _io.FileSet)]
+    assert len(sets) > 1
+    before = [(f.io, f.queue_depth) for f in sets]
+    for target in (view, blend):
+        with pytest.raises(ValueError, match=r"queue_depth=0: expected an integer in \[1, "):
+            target.configure_io("sync", 0)
+        with pytest.raises(ValueError, match="io='fast': expected one of"):
+            target.configure_io("fast", 8)
+        assert [(f.io, f.queue_depth) for f in sets] == before
+    view.configure_io("sync", 8)
+    assert {(f.io, f.queue_depth) for f in sets} == {("sync", 8)}

@@ -21,6 +21,9 @@ MOUNTINFO = r"""22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
 31 30 0:41 / /mnt/nfs/local rw,relatime shared:3 - tmpfs tmpfs rw
 32 22 0:42 / /mnt/my\040bucket rw,nosuid - fuse.s3fs s3fs rw,user_id=0
 33 22 0:43 / /data rw - lustre 10.0.0.1@tcp:/fs rw
+34 22 0:44 / /scratch rw - autofs systemd-1 rw,fd=45
+35 34 0:45 / /scratch rw - nfs4 srv:/scratch rw,vers=4.2
+36 22 0:46 / /mnt/new\012line rw - tmpfs tmpfs rw
 """
 
 
@@ -31,6 +34,10 @@ def test_the_filesystem_of_a_path_is_its_deepest_mount() -> None:
     assert filesystem_of("/mnt/nfs/local/x", mounts) == "tmpfs"  # nested, local
     assert filesystem_of("/mnt/nfsother/x", mounts) == "ext4"  # not a prefix match
     assert filesystem_of("/mnt/my bucket/shard", mounts) == "fuse.s3fs"
+    # two mounts on one point: the later (in view) decides; an automounter's autofs
+    # hid the nfs4 over it, so read-ahead was off on the storage it is for (review45)
+    assert filesystem_of("/scratch/corpus/a.rows", mounts) == "nfs4"
+    assert filesystem_of("/mnt/new\nline/x", mounts) == "tmpfs"  # \012 decoded too
     assert [is_remote(t) for t in ("nfs4", "tmpfs", "fuse.s3fs", "lustre", "ext4", None)] == [
         True,
         False,
@@ -143,3 +150,21 @@ def test_a_blend_reads_ahead_through_its_components(
     with_hints, without = run(True), run(False)
     assert len(with_hints) == len(without) == 100
     assert all((x == y).all() for x, y in zip(with_hints, without, strict=True))
+
+
+def test_shards_linked_one_by_one_are_judged_where_they_lead(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local directory whose shard files are links into a network mount was judged
+    local: read-ahead stayed off (review45)."""
+    links = tmp_path / "links"
+    links.mkdir()
+    for f in Path(corpus).iterdir():
+        (links / f.name).symlink_to(f.resolve())
+    view = TokenStream(links, window=33)
+    monkeypatch.setattr(
+        readahead, "_mounts", lambda: (("/", "ext4"), (str(Path(corpus).resolve()), "nfs4"))
+    )
+    assert readahead.wanted(view)
+    monkeypatch.setattr(readahead, "_mounts", lambda: (("/", "ext4"),))
+    assert not readahead.wanted(view)

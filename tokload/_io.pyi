@@ -20,6 +20,9 @@ def uring_error() -> str | None: ...
 # "uring", "threads" or "sync": what io ("auto", "uring", "threads", "sync";
 # None: TOKLOAD_IO, else "auto") selects here.
 def resolve_io(io: str | None = None) -> str: ...
+def checked_io_settings(
+    io: str | None = None, queue_depth: int | None = None
+) -> tuple[str | None, int | None]: ...
 
 # ``with io_scope(io, queue_depth):`` this thread's reads use that backend and
 # depth whatever each FileSet's settings (None: the FileSet's); scopes nest.

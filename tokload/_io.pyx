@@ -146,9 +146,9 @@ def set_max_open_files(n=None):
         _max_explicit = False
         n = _default_max_open_files()
     else:
+        if not is_integer(n) or n < 1:  # (2.7 ran as 2, True as 1, "3" as 3)
+            raise ValueError(f"max_open_files must be an integer >= 1, got {n!r}")
         n = int(n)
-        if n < 1:
-            raise ValueError(f"max_open_files must be at least 1, got {n}")
         _max_explicit = True
     lib.tl_fdcache_set_max(&_cache, n)
 
@@ -225,6 +225,15 @@ def default_queue_depth():
     if not env:
         return DEFAULT_QUEUE_DEPTH
     return _checked_depth(env, "TOKLOAD_IO_DEPTH", text=True)
+
+
+def checked_io_settings(io=None, queue_depth=None):
+    """``(backend, depth)`` that ``io`` and ``queue_depth`` select (``None`` for one
+    not given), or the error a setting gets, before anything is changed (a view's
+    files are configured one file set after another)."""
+    backend = None if io is None else resolve_io(io)
+    depth = None if queue_depth is None else _checked_depth(queue_depth, "queue_depth")
+    return backend, depth
 
 
 def _checked_depth(value, str where, bint text=False):
@@ -585,11 +594,13 @@ cdef class FileSet:
     def configure(self, io=None, queue_depth=None):
         """Choose the I/O backend and/or the reads in flight per batch
         (``None`` leaves a setting as it is).  Takes effect at the next read.
-        Objects in an object store always use the remote backend."""
-        if io is not None and self.remote is None:
-            self.backend = _BACKEND_CODES[resolve_io(io)]
-        if queue_depth is not None:
-            self.depth = _checked_depth(queue_depth, "queue_depth")
+        Objects in an object store always use the remote backend.  A refused
+        setting changes neither."""
+        backend, depth = checked_io_settings(io, queue_depth)
+        if backend is not None and self.remote is None:
+            self.backend = _BACKEND_CODES[backend]
+        if depth is not None:
+            self.depth = depth
 
     @property
     def io(self):

@@ -60,18 +60,26 @@ def parse_mountinfo(text: str) -> list[tuple[str, str]]:
         fields = left.split()
         if not sep or len(fields) < 5 or not right.split():
             continue
-        point = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
+        point = (
+            fields[4]
+            .replace("\\040", " ")
+            .replace("\\011", "\t")
+            .replace("\\012", "\n")
+            .replace("\\134", "\\")
+        )
         mounts.append((point, right.split()[0]))
     return mounts
 
 
 def filesystem_of(path: str, mounts: Iterable[tuple[str, str]]) -> str | None:
-    """The type of the filesystem holding ``path`` (the deepest mount point above it)."""
+    """The type of the filesystem holding ``path``: the deepest mount point above it,
+    the last mounted of several on one point (the one in view: an automounter's
+    ``autofs`` is listed before the ``nfs4`` mounted over it)."""
     real = os.path.realpath(path)
     best, kind = -1, None
     for point, fstype in mounts:
         inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and len(point) > best:
+        if inside and len(point) >= best:
             best, kind = len(point), fstype
     return kind
 
@@ -96,7 +104,8 @@ def wanted(view: Any) -> bool:
     if getattr(view, "hint", None) is None or paths is None:
         return False
     mounts = _mounts()
-    dirs = {os.path.dirname(p) for p in paths()}  # thousands of shards, a few directories
+    # thousands of shards, a few directories; a shard that is a link, where it leads
+    dirs = {os.path.dirname(os.path.realpath(p) if os.path.islink(p) else p) for p in paths()}
     return any(is_remote(filesystem_of(d, mounts)) for d in dirs)
 
 

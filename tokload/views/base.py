@@ -12,7 +12,7 @@ from typing import Any, Self, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from tokload._io import FileSet
+from tokload._io import FileSet, checked_io_settings
 from tokload.arguments import is_integer
 from tokload.errors import MissingShardError
 from tokload.format import MANIFEST
@@ -207,8 +207,10 @@ class View:
         ``io``: ``"auto"`` (io_uring where the kernel allows it, else a pool of C
         threads), ``"uring"``, ``"threads"`` or ``"sync"``; ``queue_depth``: reads
         kept in flight per read call. None leaves a setting as it is (initially
-        ``TOKLOAD_IO`` / ``TOKLOAD_IO_DEPTH``, else the defaults).
+        ``TOKLOAD_IO`` / ``TOKLOAD_IO_DEPTH``, else the defaults). A refused
+        setting changes no file.
         """
+        checked_io_settings(io, queue_depth)  # (before the first file set changes)
         for f in self.source._closers:
             if isinstance(f, FileSet):
                 f.configure(io=io, queue_depth=queue_depth)

@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from tokload._io import checked_io_settings
 from tokload._permute import epoch_seed, epoch_seeds
 from tokload._rows import read_ranges
 from tokload._slots import block_slots
@@ -704,7 +705,9 @@ class Blend(WindowBoundaries, View):
                 close()
 
     def configure_io(self, io: str | None = None, queue_depth: int | None = None) -> None:
-        """``View.configure_io`` for every component that has it."""
+        """``View.configure_io`` for every component that has it (a refused setting
+        changes none)."""
+        checked_io_settings(io, queue_depth)
         for v in self.views:
             configure = getattr(v, "configure_io", None)
             if configure is not None:
