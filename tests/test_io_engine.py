@@ -478,6 +478,70 @@ _ULIMIT_CHILD = textwrap.dedent(
 )
 
 
+_FEW_DESCRIPTORS_CHILD = textwrap.dedent(
+    """
+    import os, resource, sys, time
+    import numpy as np
+    from tokload import _io, _rows
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    root, free = sys.argv[1], int(sys.argv[2])
+    paths = sorted(os.path.join(root, f) for f in os.listdir(root))
+    backends = ["sync", "threads"] + (["uring"] if _io.uring_available() else [])
+    windows = np.random.default_rng(0).permutation(len(paths) * 10 - 1)[:300]
+    held = []  # the rest of the process (a trainer's sockets and logs) holds the others
+    while True:
+        try:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            break
+    for fd in held[len(held) - free :]:
+        os.close(fd)
+    for io in backends:
+        _io.set_max_open_files(None)  # 16: more than the process has left
+        files = _io.FileSet(paths, io=io, queue_depth=64)
+        rows = _rows.RowSet(files, [100] * len(paths), 4)
+        out = np.zeros((len(windows), 15), np.uint32)
+        t0 = time.monotonic()
+        try:
+            rows.read_windows(windows, 0, len(paths) * 10 - 1, 10, 15, out)
+            print(io, "ok", int(out.astype(np.int64).sum()))
+        except OSError as e:
+            print(io, "error", e.errno, time.monotonic() - t0)
+        files.close()
+    """
+)
+
+
+@pytest.mark.parametrize("free", [1, 3, 0])
+def test_every_backend_reads_when_the_process_is_short_of_descriptors(
+    tmp_path: Path, free: int
+) -> None:
+    """With fewer descriptors left in the process than the bound, ``threads`` and
+    ``uring`` failed with EMFILE where ``sync`` read (review45): a thread out of
+    descriptors waited holding a reservation of a file another thread had opened,
+    whose descriptor its pin then kept from being closed; and io_uring never
+    completed a read of its own to free one. With none left at all, each backend
+    reports EMFILE at once (threads out of descriptors do not wait for each other)."""
+    _shards(tmp_path, [100] * 60)
+    child = subprocess.run(
+        [sys.executable, "-c", _FEW_DESCRIPTORS_CHILD, str(tmp_path), str(free)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "TOKLOAD_MAX_OPEN_FILES"},
+    )
+    assert child.returncode == 0, child.stderr
+    lines = [line.split() for line in child.stdout.splitlines()]
+    assert len(lines) >= 2
+    if free:
+        assert {w[1] for w in lines} == {"ok"} and len({w[2] for w in lines}) == 1, lines
+    else:
+        assert all(w[1:3] == ["error", str(errno.EMFILE)] for w in lines), lines
+        assert all(float(w[3]) < 1 for w in lines), lines
+
+
 @pytest.mark.slow
 def test_three_thousand_shards_stream_under_ulimit_256(tmp_path: Path) -> None:
     # Written by hand as FORMAT.md specifies (the Writer rewrites its manifest

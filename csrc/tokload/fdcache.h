@@ -38,6 +38,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 /* One file: an entry of a caller-owned array (a FileSet). */
@@ -59,8 +60,11 @@ typedef struct tl_fdcache {
     pthread_mutex_t mu;
     pthread_cond_t freed; /* a file became unpinned, or a reservation was given back */
     tl_fent lru;     /* sentinel: lru.next is the least recently used */
-    size_t open;     /* descriptors open */
+    size_t open;     /* descriptors open, and reserved for opens in progress */
     size_t max;      /* bound on open descriptors (>= 1) */
+    size_t starved;  /* opens that found the process out of descriptors, deciding or
+                      * waiting (their reservations, counted in open, hold none) */
+    size_t closes;   /* descriptors closed so far (atomic: an open out of them retries) */
     uint64_t opens;  /* open(2) calls that succeeded, for tests and stats */
 } tl_fdcache;
 
@@ -71,6 +75,8 @@ TL_INLINE void tl_fdcache_init(tl_fdcache *c, size_t max)
     c->lru.prev = c->lru.next = &c->lru;
     c->open = 0;
     c->max = max ? max : 1;
+    c->starved = 0;
+    c->closes = 0;
     c->opens = 0;
 }
 
@@ -105,22 +111,43 @@ TL_INLINE void tl_fdcache_unlink_(tl_fent *e)
     e->prev = e->next = NULL;
 }
 
-/* Close least recently used unpinned files until at most `keep` are open.
- * Called with mu held. */
-TL_INLINE void tl_fdcache_shrink_(tl_fdcache *c, size_t keep)
+/* Close least recently used unpinned files until at most `keep` are open;
+ * returns how many it closed.  Called with mu held. */
+TL_INLINE size_t tl_fdcache_shrink_(tl_fdcache *c, size_t keep)
 {
+    size_t closed = 0;
     while (c->open > keep && c->lru.next != &c->lru) {
         tl_fent *victim = c->lru.next;
         tl_fdcache_unlink_(victim);
         close(victim->fd);
         victim->fd = -1;
         c->open--;
+        closed++;
     }
+    if (closed) __atomic_add_fetch(&c->closes, closed, __ATOMIC_SEQ_CST);
+    return closed;
 }
 
 /* tl_fdcache_acquire without waiting: every open file is pinned and the
  * bound is reached (distinct from every errno). */
 #define TL_FD_BUSY (-100010)
+
+/* How long an open that finds the process out of descriptors keeps trying
+ * while reads of other threads hold ours (each read frees one). */
+#define TL_FD_PATIENCE_S 2
+
+/* Whether an open out of descriptors may try again: within TL_FD_PATIENCE_S of
+ * the first failure (*since, zero before it, is set then). */
+TL_INLINE int tl_fdcache_patience_(struct timespec *since)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if (since->tv_sec == 0 && since->tv_nsec == 0) {
+        *since = now;
+        return 1;
+    }
+    return now.tv_sec - since->tv_sec < TL_FD_PATIENCE_S;
+}
 
 /*
  * Pin e and return its descriptor (>= 0), opening the file if needed
@@ -132,7 +159,10 @@ TL_INLINE void tl_fdcache_shrink_(tl_fdcache *c, size_t keep)
  * wait until a read releases one (a caller that holds no pin itself cannot
  * deadlock: pins are held only across reads that finish on their own);
  * without it, return TL_FD_BUSY (a caller with reads in flight completes one
- * of its own and asks again).
+ * of its own and asks again).  The same when the process is out of
+ * descriptors (EMFILE, ENFILE: a trainer's sockets hold the rest) and every
+ * file of ours is pinned: a read's release lets us close its file and open
+ * ours; with none pinned, the errno is returned.
  */
 TL_INLINE int tl_fdcache_acquire(tl_fdcache *c, tl_fent *e, int may_wait)
 {
@@ -166,7 +196,9 @@ TL_INLINE int tl_fdcache_acquire(tl_fdcache *c, tl_fent *e, int may_wait)
     pthread_mutex_unlock(&c->mu);
 
     int fd, err = 0;
-    for (int attempt = 0;; attempt++) {
+    struct timespec since = {0, 0}; /* the first EMFILE (tl_fdcache_patience_) */
+    for (;;) {
+        size_t closes = __atomic_load_n(&c->closes, __ATOMIC_SEQ_CST);
         /* O_NONBLOCK: a FIFO put in a shard's place after the dataset was
          * checked must not block here; it is refused just below. */
         fd = open(e->path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
@@ -185,14 +217,49 @@ TL_INLINE int tl_fdcache_acquire(tl_fdcache *c, tl_fent *e, int may_wait)
         }
         err = errno;
         if (err == EINTR) continue;
-        if ((err == EMFILE || err == ENFILE) && attempt < 8) {
+        if ((err == EMFILE || err == ENFILE) && tl_fdcache_patience_(&since)) {
             /* Another part of the process holds descriptors: give back ours. */
             pthread_mutex_lock(&c->mu);
-            size_t before = c->open;
-            tl_fdcache_shrink_(c, c->open > 1 ? c->open - 1 : 1);
-            int freed = c->open < before;
+            if (e->fd >= 0) {
+                /* Another thread opened this file meanwhile (its descriptor stays
+                 * open while our pin holds it): give back our reservation, use it. */
+                c->open--;
+                pthread_cond_broadcast(&c->freed);
+                fd = e->fd;
+                pthread_mutex_unlock(&c->mu);
+                return fd;
+            }
+            /* (a descriptor closed since our open failed: it may be free now) */
+            int freed = tl_fdcache_shrink_(c, c->open > 1 ? c->open - 1 : 1) > 0 ||
+                        __atomic_load_n(&c->closes, __ATOMIC_SEQ_CST) != closes;
+            /* Others of ours may hold descriptors (the LRU is empty: pinned by
+             * reads in flight, or being opened): one will be released.  Opens
+             * out of descriptors, ours among them, hold none. */
+            c->starved++;
+            int pinned = !freed && c->open > c->starved;
+            if (pinned && !may_wait) {
+                /* The caller completes a read of its own, which frees one. */
+                c->starved--;
+                pthread_mutex_unlock(&c->mu);
+                err = -TL_FD_BUSY;
+                break;
+            }
+            if (pinned) {
+                /* Wait for a read to release one, then try again (another thread
+                 * may take the descriptor first: for up to TL_FD_PATIENCE_S). */
+                struct timespec until;
+                clock_gettime(CLOCK_REALTIME, &until);
+                until.tv_nsec += 20 * 1000 * 1000;
+                if (until.tv_nsec >= 1000000000L) {
+                    until.tv_sec++;
+                    until.tv_nsec -= 1000000000L;
+                }
+                pthread_cond_timedwait(&c->freed, &c->mu, &until);
+                if (e->fd < 0) tl_fdcache_shrink_(c, c->open > 1 ? c->open - 1 : 1);
+            }
+            c->starved--;
             pthread_mutex_unlock(&c->mu);
-            if (freed) continue;
+            if (freed || pinned) continue;
         }
         break;
     }
@@ -208,7 +275,10 @@ TL_INLINE int tl_fdcache_acquire(tl_fdcache *c, tl_fent *e, int may_wait)
     if (fd < 0 || e->fd >= 0) {
         /* Failed, or another thread opened it meanwhile: give back the
          * reservation (and our copy). */
-        if (fd >= 0) close(fd);
+        if (fd >= 0) {
+            close(fd);
+            __atomic_add_fetch(&c->closes, 1, __ATOMIC_SEQ_CST);
+        }
         c->open--;
         pthread_cond_signal(&c->freed);
         if (fd < 0) {
@@ -243,6 +313,7 @@ TL_INLINE void tl_fdcache_release(tl_fdcache *c, tl_fent *e)
             close(e->fd);
             e->fd = -1;
             c->open--;
+            __atomic_add_fetch(&c->closes, 1, __ATOMIC_SEQ_CST);
         } else {
             e->next = &c->lru;
             e->prev = c->lru.prev;
@@ -250,7 +321,8 @@ TL_INLINE void tl_fdcache_release(tl_fdcache *c, tl_fent *e)
             c->lru.prev = e;
             tl_fdcache_shrink_(c, c->max);
         }
-        pthread_cond_signal(&c->freed);
+        /* every waiter: one for the bound and one for a descriptor (EMFILE) */
+        pthread_cond_broadcast(&c->freed);
     }
     pthread_mutex_unlock(&c->mu);
 }
@@ -267,6 +339,7 @@ TL_INLINE void tl_fdcache_retire(tl_fdcache *c, tl_fent *ents, size_t n)
             close(e->fd);
             e->fd = -1;
             c->open--;
+            __atomic_add_fetch(&c->closes, 1, __ATOMIC_SEQ_CST);
         }
     }
     pthread_mutex_unlock(&c->mu);
@@ -306,6 +379,7 @@ TL_INLINE void tl_fdcache_after_fork(tl_fdcache *c)
     pthread_cond_init(&c->freed, NULL);
     c->lru.prev = c->lru.next = &c->lru;
     c->open = 0;
+    c->starved = 0;
 }
 
 /*
