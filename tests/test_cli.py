@@ -695,3 +695,53 @@ def test_plan_and_inspect_say_what_the_data_cannot_give(
         f"tokload inspect: error: {dataset}: there is no document {n}: the dataset has {n:,} "
         f"(0 to {n - 1:,})"
     )
+
+
+def test_options_that_do_nothing_where_given_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--staging`` with a local output, ``--span-block`` with ``--layout per_token``
+    and ``plan --documents --window`` were ignored silently (review43)."""
+    (inp,) = write_corpus(tmp_path / "in", files=1, docs=3)
+    out = tmp_path / "o"
+    code, _, err = cli(
+        ["build", str(inp), "-o", str(out), "--staging", str(tmp_path / "s")], capsys
+    )
+    assert code == 2 and not out.exists()
+    assert error_line(err) == (
+        f"tokload build: error: staging='{tmp_path / 's'}' is the local build directory of a "
+        f"URL output (s3://...); the output '{out}' is local: it is built there"
+    )
+    assert cli(["build", str(inp), "-o", str(out), "--keep-field", "id"], capsys)[0] == 0
+    code, _, err = cli(
+        ["convert", str(out), str(tmp_path / "c"), "--layout", "per_token", "--span-block", "64"],
+        capsys,
+    )
+    assert code == 2 and not (tmp_path / "c").exists()
+    assert "--span-block is for --layout blocks or spans, not per_token" in error_line(err)
+    with pytest.raises(ValueError, match="span_block is for the layouts 'blocks' and 'spans'"):
+        tokload.convert(out, tmp_path / "c", "per_token", span_block=64)
+    plan = ["plan", str(out), "--world-size", "8", "--tokens-per-s", "1e6", "--documents"]
+    code, _, err = cli([*plan, "--window", "64"], capsys)
+    assert code == 2
+    assert error_line(err) == (
+        "tokload plan: error: --window and --documents contradict each other: give one"
+    )
+    assert cli(plan, capsys)[0] == 0
+
+
+def test_a_small_max_skipped_is_said_as_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--max-skipped 0.0005`` failed with "more than the 0% allowed" (review43)."""
+    lines = [json.dumps({"text": f"doc {k}"}) for k in range(99)] + ['{"text": 5}']
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    code, _, err = cli(
+        [
+            *("build", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o")),
+            *("--on-error", "skip", "--max-skipped", "0.0005"),
+        ],
+        capsys,
+    )
+    assert code == 1
+    assert "more than the 0.05% allowed" in error_line(err), err

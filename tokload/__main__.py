@@ -130,7 +130,8 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="tokload",
         description="Feeds tokens to LLM training: build, check and stream token datasets.",
-        epilog="Exit codes: 0 ok, 1 bad data, 2 bad command line, 130 interrupted.\n"
+        epilog="Exit codes: 0 ok, 1 bad data, 2 bad command line, 130 interrupted, 141 the "
+        "reader of the output went away.\n"
         "Start with 'tokload demo', or 'tokload COMMAND --help'.",
         formatter_class=_Formatter,
         parents=[common],
@@ -331,7 +332,7 @@ def _parser() -> argparse.ArgumentParser:
 
     c = command(
         "convert",
-        "copy a stream with metadata into the other metadata layout",
+        "copy a stream with metadata into another metadata layout",
         "Write DST, a copy of the dataset SRC whose metadata is in blocks of rows that\n"
         "hold their runs and records (--layout blocks, format version 3: one read per\n"
         "window, about 6 bytes per run of tokens plus the records), a span table per\n"
@@ -398,7 +399,9 @@ def _parser() -> argparse.ArgumentParser:
         required=True,
         help="tokens each rank trains on per second",
     )
-    q.add_argument("--window", type=_count(2), default=4097, help="tokens per sample window")
+    q.add_argument(
+        "--window", type=_count(2), default=None, help="tokens per sample window (default: 4097)"
+    )
     q.add_argument(
         "--documents",
         action="store_true",
@@ -560,6 +563,8 @@ def _run(args: argparse.Namespace, started: float) -> int:
         from tokload.derive import convert
         from tokload.writer import checked_block
 
+        if args.layout == "per_token" and args.span_block is not None:
+            raise UsageError("--span-block is for --layout blocks or spans, not per_token")
         checked_block(args.span_block, args.layout, UsageError)  # exit 2, as argparse's
         m = convert(args.src, args.dst, args.layout, span_block=args.span_block)
         print(
@@ -585,7 +590,9 @@ def _run(args: argparse.Namespace, started: float) -> int:
     if args.command == "plan":
         from tokload.tools import plan, plan_table
 
-        window = None if args.documents else args.window
+        if args.documents and args.window is not None:
+            raise UsageError("--window and --documents contradict each other: give one")
+        window = None if args.documents else (args.window or 4097)
         result = plan(args.path, args.world_size, args.tokens_per_s, window, metadata=args.metadata)
         print(json.dumps(result, indent=1) if args.json else plan_table(result))
         return 0

@@ -131,7 +131,9 @@ def build_chunk(
     def fail(line: int | None, reason: str, message: str) -> None:
         if opts.on_error == "stop":
             at = str(path) if line is None else where(line)
-            raise BuildError(f"{at}: {message} (on_error='skip' skips such records)")
+            raise BuildError(
+                f"{at}: {message} (--on-error skip, on_error='skip' in Python, skips such records)"
+            )
         skipped[reason] += 1
 
     try:

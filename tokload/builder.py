@@ -294,6 +294,11 @@ def build(
             digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
             staging = Path.home() / ".cache" / "tokload" / "build" / digest
         output = staging
+    elif staging is not None:  # (it was ignored: the build ran in the output)
+        raise UsageError(
+            f"staging={os.fspath(staging)!r} is the local build directory of a URL output "
+            f"(s3://...); the output {os.fspath(output)!r} is local: it is built there"
+        )
     out = Path(remote.local_path(output))
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out}: the output must be a directory (or not exist yet); it is a file")
@@ -475,8 +480,8 @@ def _check_yield(
     if bad and bad / (documents + bad) > max_skipped:
         raise BuildError(
             f"skipped {bad} of {documents + bad} records ({bad / (documents + bad):.1%}; "
-            f"{reasons}), more than the {max_skipped:.0%} allowed; fix the inputs or options, "
-            "or allow more with --max-skipped (the chunks built are kept and reused)"
+            f"{reasons}), more than the {max_skipped * 100:.3g}% allowed; fix the inputs or "
+            "options, or allow more with --max-skipped (the chunks built are kept and reused)"
         )
 
 

@@ -345,6 +345,8 @@ def convert(
     assert m is not None  # (a dataset's source has its manifest)
     if not m.metadata or not m.documents:
         raise FormatError(f"{root}: the dataset has no metadata (or no documents) to convert")
+    if layout == "per_token" and span_block is not None:
+        raise ValueError("span_block is for the layouts 'blocks' and 'spans', not 'per_token'")
     block = checked_block(span_block, layout)
     if m.metadata_layout == layout and (layout == "per_token" or block == m.span_block):
         raise FormatError(
