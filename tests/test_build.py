@@ -290,6 +290,8 @@ def test_a_merge_refuses_parts_of_other_options_or_chunk_plans(tmp_path: Path) -
         build([tmp_path / "in" / "empty.jsonl"], tmp_path / "unfinished", progress=False)
     with pytest.raises(FileExistsError, match="holds a tokload build"):
         tokload.merge(tmp_path / "unfinished", [tmp_path / "p0", tmp_path / "p1"])
+    with pytest.raises(UsageError, match=r"the output must be a directory .*; it is a file"):
+        tokload.merge(tmp_path / "in" / "empty.jsonl", [tmp_path / "p0", tmp_path / "p1"])
     # another EOS of the same tokenizer file: the refusal says how they differ
     tj = _word_level(tmp_path / "t.json", {"[UNK]": 0, "a": 1, "</s>": 2, "<|eot|>": 3})
     build(inputs, tmp_path / "e0", tokenizer=tj, part=(0, 2), **opts)

@@ -41,6 +41,8 @@ def _new_dataset_dir(output: str | os.PathLike[str]) -> Path:
     """The directory a new dataset is written to (made if missing): FileExistsError
     if it already holds one (a manifest), before anything is written there."""
     out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out}: the output must be a directory (or not exist yet); it is a file")
     if (out / MANIFEST).exists():
         raise FileExistsError(17, "a dataset already exists here", str(out))
     out.mkdir(parents=True, exist_ok=True)
@@ -116,6 +118,10 @@ def merge(
     if top is not None:
         if remote.exists(top, storage_options):
             raise FileExistsError(17, "a dataset already exists here", os.fspath(output))
+    elif Path(output).exists() and not Path(output).is_dir():
+        raise UsageError(
+            f"{os.fspath(output)}: the output must be a directory (or not exist yet); it is a file"
+        )
     elif (Path(output) / MANIFEST).exists():
         raise FileExistsError(17, "a dataset already exists here", os.fspath(output))
     elif (Path(output) / BUILD_MARKER).exists():
