@@ -258,7 +258,9 @@ def test_a_merge_of_parts_keeps_their_tokenizer_and_refuses_another(tmp_path: Pa
     assert (tmp_path / "mine" / "tokenizer.json").read_text() == "{}"
 
 
-def test_a_merge_refuses_parts_of_other_options_or_chunk_plans(tmp_path: Path) -> None:
+def test_a_merge_refuses_parts_of_other_options_or_chunk_plans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``tokload merge`` joined parts built with another chunk size (the two plans'
     slices overlap: about half the documents twice) or another ``bos``, exit 0
     (review43); a part given twice, or an output holding an unfinished build, too."""
@@ -280,10 +282,26 @@ def test_a_merge_refuses_parts_of_other_options_or_chunk_plans(tmp_path: Path) -
     with pytest.raises(UsageError, match=r"p0: given twice; merged, its documents would come"):
         tokload.merge(tmp_path / "m", [tmp_path / "p0", tmp_path / "p1", tmp_path / "p0"])
     assert not (tmp_path / "m").exists()  # a refused merge leaves no directory behind
+    # parts of two splits of one plan, or a part beside its whole build: chunks twice
+    # (review46); a part that read the same file spelled another way is the same file
+    build(inputs, tmp_path / "third", part=(1, 3), **opts)
+    with pytest.raises(tokload.FormatError, match=r"third and .*p0 both hold chunks? \d"):
+        tokload.merge(tmp_path / "m", [tmp_path / "p0", tmp_path / "third"])
+    build(inputs, tmp_path / "whole", **opts)
+    with pytest.raises(tokload.FormatError, match=r"p1 and .*whole both hold"):
+        tokload.merge(tmp_path / "m", [tmp_path / "whole", tmp_path / "p1"])
+    monkeypatch.chdir(tmp_path)
+    relative = [p.relative_to(tmp_path) for p in inputs]
+    build(relative, tmp_path / "rel", part=(0, 2), progress=False)
+    with pytest.raises(tokload.FormatError, match=r"rel and .*p0 both read .*, cut into chunks"):
+        tokload.merge(tmp_path / "m", [tmp_path / "p0", tmp_path / "rel"])
+    # what a bad record does is not what the documents are: a part re-run with
+    # --on-error skip joins parts built with stop (review46)
+    build(inputs, tmp_path / "skip1", part=(1, 2), on_error="skip", **opts)
+    tokload.merge(tmp_path / "mskip", [tmp_path / "p0", tmp_path / "skip1"])
     # parts of one plan: the single build's documents, each once
     tokload.merge(tmp_path / "m", [tmp_path / "p0", tmp_path / "p1"])
-    build(inputs, tmp_path / "one", **opts)
-    assert _tokens(tmp_path / "m") == _tokens(tmp_path / "one")
+    assert _tokens(tmp_path / "m") == _tokens(tmp_path / "whole")
     # an unfinished build's directory: its next run would replace the merged manifest
     (tmp_path / "in" / "empty.jsonl").write_text("")
     with pytest.raises(BuildError):

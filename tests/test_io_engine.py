@@ -542,6 +542,33 @@ def test_every_backend_reads_when_the_process_is_short_of_descriptors(
         assert all(float(w[3]) < 1 for w in lines), lines
 
 
+def test_io_uring_probed_out_of_descriptors_is_probed_again() -> None:
+    """A probe of io_uring that found the process out of descriptors cached
+    "unavailable" for good: ``io="auto"`` read with threads, and ``io="uring"``
+    failed, for the rest of the process (review46)."""
+    _backend_or_skip("uring")
+    code = textwrap.dedent(
+        """
+        import os, resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        from tokload import _io
+        held = []
+        while True:
+            try:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                break
+        print(_io.uring_available(), _io.resolve_io("auto"))
+        for fd in held:
+            os.close(fd)
+        print(_io.uring_available(), _io.resolve_io("auto"))
+        """
+    )
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split() == ["False", "threads", "True", "uring"], child.stdout
+
+
 @pytest.mark.slow
 def test_three_thousand_shards_stream_under_ulimit_256(tmp_path: Path) -> None:
     # Written by hand as FORMAT.md specifies (the Writer rewrites its manifest

@@ -176,9 +176,11 @@ cdef int _probe_uring() noexcept:
             _uring_state = 1
             _put_ring(r)
         else:
-            _uring_state = 0
             _uring_errno = -rc
             PyMem_RawFree(r)
+            if -rc in (_errno.EMFILE, _errno.ENFILE, _errno.ENOMEM):
+                return 0  # out of descriptors or memory now: unavailable, probed again later
+            _uring_state = 0
     return _uring_state
 
 

@@ -479,7 +479,7 @@ def _check_yield(
         raise BuildError(f"the build produced no documents: {why}{hint}")
     if bad and bad / (documents + bad) > max_skipped:
         raise BuildError(
-            f"skipped {bad} of {documents + bad} records ({bad / (documents + bad):.1%}; "
+            f"skipped {bad} of {documents + bad} records ({bad / (documents + bad) * 100:.3g}%; "
             f"{reasons}), more than the {max_skipped * 100:.3g}% allowed; fix the inputs or "
             "options, or allow more with --max-skipped (the chunks built are kept and reused)"
         )
@@ -511,6 +511,8 @@ def _assemble(
         "options": {**opts.record(), "tokenizer": tok_record.get("file", tok_record["kind"])},
         "tokenizer": tok_record,
         "inputs": [str(files[i]) for i in touched],
+        # (absolute, links as named: a merge tells parts that read one file apart)
+        "input_files": [os.path.abspath(files[i]) for i in touched],
         "input_range": [touched[0], touched[-1] + 1] if touched else [0, 0],
         "chunk_range": [mine[0].input, mine[0].index, mine[-1].input, mine[-1].index + 1]
         if mine

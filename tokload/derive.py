@@ -6,6 +6,7 @@ the writer's ``OpenShard``)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import posixpath
 import shutil
@@ -82,8 +83,9 @@ def merge(
     The merged manifest lists every input's shards, in the order given, by
     their paths relative to ``output`` (FORMAT.md), so the inputs must stay
     where they are. All inputs need the same dtype and options (for builds of
-    ``tokload build``, the options their manifests record, and the same chunk
-    size where two read one input file), each given once. ``output`` may not
+    ``tokload build``, the options their manifests record but ``on_error``, and
+    where two read one input file, one chunk size and no chunk held by both),
+    each given once. ``output`` may not
     already hold a dataset or an unfinished build; a refused merge writes
     nothing. ``output`` and the inputs are local directories,
     or URLs in one bucket (``storage_options`` for the store): the manifest is
@@ -103,7 +105,7 @@ def merge(
             an input given twice.
         FormatError: an input differs from the first in dtype or options,
             records another tokenizer, or cuts a file another input reads
-            into chunks of another size.
+            into chunks of another size or holds one of its chunks too.
     """
     if not inputs:
         raise ValueError("merge needs at least one input dataset")
@@ -224,27 +226,28 @@ def _tokenizer_name(t: dict[str, Any], ids: bool = False) -> str:
     )
 
 
-# Options of ``tokload build`` that cut the same documents into other files: the
-# tokenizer is compared by _one_tokenizer, the chunk size where inputs share a file.
-_CUTS = ("shard_bytes", "chunk_bytes", "tokenizer")
+# Options of ``tokload build`` that leave the documents as they are: how they are cut
+# into files, what a bad record does (a part that finished with "stop" had none), and
+# the tokenizer (compared by _one_tokenizer).
+_NOT_CONTENT = ("shard_bytes", "chunk_bytes", "on_error", "tokenizer")
 
 
 def _same_build_options(manifests: list[tuple[str, Manifest]]) -> None:
     """FormatError when two inputs built by ``tokload build`` record options that
-    make other documents (BOS/EOS, fields), or cut an input file they both read
-    into chunks of other sizes (parts of two chunk plans: documents twice or
-    never)."""
+    make other documents (BOS/EOS, fields), cut an input file they both read into
+    chunks of other sizes (parts of two chunk plans), or both hold a chunk of one
+    file (parts of two splits, a part beside its whole build): documents twice."""
     built = [
-        (path, m.user["options"], m.user.get("inputs") or [])
+        (path, m.user["options"], m.user)
         for path, m in manifests
         if m.user.get("built_by") == "tokload build" and isinstance(m.user.get("options"), dict)
     ]
     if not built:
         return
     path0, opts0, _ = built[0]
-    first = {k: v for k, v in opts0.items() if k not in _CUTS}
+    first = {k: v for k, v in opts0.items() if k not in _NOT_CONTENT}
     for path, opts, _ in built[1:]:
-        these = {k: v for k, v in opts.items() if k not in _CUTS}
+        these = {k: v for k, v in opts.items() if k not in _NOT_CONTENT}
         if these != first:
             keys = sorted(k for k in first.keys() | these.keys() if first.get(k) != these.get(k))
             said, said0 = (", ".join(f"{k}={o.get(k)!r}" for k in keys) for o in (these, first))
@@ -252,17 +255,46 @@ def _same_build_options(manifests: list[tuple[str, Manifest]]) -> None:
                 f"{path}: built with {said}, but {path0} with {said0}: their "
                 "documents differ; build the parts with the same options"
             )
-    read_by: dict[str, tuple[str, Any]] = {}  # input file: (the first dataset, its chunk size)
-    for path, opts, files in built:
-        for f in files:
-            other = read_by.setdefault(str(f), (path, opts.get("chunk_bytes")))
-            size = opts.get("chunk_bytes")
-            if other[1] != size:
-                raise FormatError(
-                    f"{path} and {other[0]} both read {f}, cut into chunks of {size} "
-                    f"and {other[1]} bytes: merged, some of its documents would come twice and "
-                    "others never; build the parts with one --chunk-size"
-                )
+    held: dict[str, list[tuple[str, Any, float, float]]] = {}  # file: (dataset, size, chunks)
+    for path, opts, user in built:
+        size = opts.get("chunk_bytes")
+        for f, (lo, hi) in _chunks_read(user).items():
+            for other, other_size, olo, ohi in held.get(f, ()):
+                if other_size != size:
+                    raise FormatError(
+                        f"{path} and {other} both read {f}, cut into chunks of {size} "
+                        f"and {other_size} bytes: merged, some of its documents would come "
+                        "twice and others never; build the parts with one --chunk-size"
+                    )
+                if lo < ohi and olo < hi:
+                    a, b = max(lo, olo), min(hi, ohi)
+                    which = (
+                        f"chunk {a:g}"
+                        if b == a + 1
+                        else f"chunks {a:g} to {b - 1:g}"
+                        if b < math.inf
+                        else f"its chunks from {a:g} on"
+                    )
+                    raise FormatError(
+                        f"{path} and {other} both hold {which} of {f}: merged, its documents "
+                        "would come twice; merge the parts of one --part k/N split, each once"
+                    )
+            held.setdefault(f, []).append((path, size, lo, hi))
+
+
+def _chunks_read(user: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """Each input file a build read (absolute where its manifest records them) and
+    the chunks ``[lo, hi)`` of it it holds (``hi`` infinite: to the file's end)."""
+    files = user.get("input_files") or user.get("inputs") or []
+    first = (user.get("input_range") or [0])[0]
+    cut = user.get("chunk_range") or []
+    out: dict[str, tuple[float, float]] = {}
+    for k, f in enumerate(files):
+        at = first + k
+        lo = cut[1] if len(cut) == 4 and at == cut[0] else 0
+        hi = cut[3] if len(cut) == 4 and at == cut[2] else math.inf
+        out[str(f)] = (lo, hi)
+    return out
 
 
 def _dataset_tokenizer_file(root: Path, m: Manifest, out: Path) -> tuple[Path, bytes] | None:

@@ -132,11 +132,18 @@ TL_INLINE size_t tl_fdcache_shrink_(tl_fdcache *c, size_t keep)
  * bound is reached (distinct from every errno). */
 #define TL_FD_BUSY (-100010)
 
+/* tl_fdcache_acquire's may_wait: never, or for the bound and for a descriptor of
+ * the process (EMFILE), or for the bound only (a hint: advice, not worth a wait
+ * for descriptors a read needs). */
+#define TL_FD_NO_WAIT 0
+#define TL_FD_WAIT 1
+#define TL_FD_WAIT_BOUND 2
+
 /* How long an open that finds the process out of descriptors keeps trying
  * while reads of other threads hold ours (each read frees one). */
-#define TL_FD_PATIENCE_S 2
+#define TL_FD_PATIENCE_NS (2 * 1000000000LL)
 
-/* Whether an open out of descriptors may try again: within TL_FD_PATIENCE_S of
+/* Whether an open out of descriptors may try again: within TL_FD_PATIENCE_NS of
  * the first failure (*since, zero before it, is set then). */
 TL_INLINE int tl_fdcache_patience_(struct timespec *since)
 {
@@ -146,7 +153,9 @@ TL_INLINE int tl_fdcache_patience_(struct timespec *since)
         *since = now;
         return 1;
     }
-    return now.tv_sec - since->tv_sec < TL_FD_PATIENCE_S;
+    long long ns = (long long)(now.tv_sec - since->tv_sec) * 1000000000LL +
+                   (now.tv_nsec - since->tv_nsec);
+    return ns < TL_FD_PATIENCE_NS;
 }
 
 /*
@@ -162,7 +171,8 @@ TL_INLINE int tl_fdcache_patience_(struct timespec *since)
  * of its own and asks again).  The same when the process is out of
  * descriptors (EMFILE, ENFILE: a trainer's sockets hold the rest) and every
  * file of ours is pinned: a read's release lets us close its file and open
- * ours; with none pinned, the errno is returned.
+ * ours (TL_FD_WAIT_BOUND waits for the bound only: TL_FD_BUSY here); with
+ * none pinned, the errno is returned.
  */
 TL_INLINE int tl_fdcache_acquire(tl_fdcache *c, tl_fent *e, int may_wait)
 {
@@ -237,8 +247,9 @@ TL_INLINE int tl_fdcache_acquire(tl_fdcache *c, tl_fent *e, int may_wait)
              * out of descriptors, ours among them, hold none. */
             c->starved++;
             int pinned = !freed && c->open > c->starved;
-            if (pinned && !may_wait) {
-                /* The caller completes a read of its own, which frees one. */
+            if (pinned && may_wait != TL_FD_WAIT) {
+                /* The caller completes a read of its own, which frees one (or, a
+                 * hint, goes without). */
                 c->starved--;
                 pthread_mutex_unlock(&c->mu);
                 err = -TL_FD_BUSY;
@@ -246,7 +257,7 @@ TL_INLINE int tl_fdcache_acquire(tl_fdcache *c, tl_fent *e, int may_wait)
             }
             if (pinned) {
                 /* Wait for a read to release one, then try again (another thread
-                 * may take the descriptor first: for up to TL_FD_PATIENCE_S). */
+                 * may take the descriptor first: for up to TL_FD_PATIENCE_NS). */
                 struct timespec until;
                 clock_gettime(CLOCK_REALTIME, &until);
                 until.tv_nsec += 20 * 1000 * 1000;

@@ -83,7 +83,7 @@ TL_INLINE size_t tl_ioreq_hint(const tl_ioreq *reqs, size_t n, tl_fdcache *cache
     for (size_t i = 0; i < n; i++) {
         const tl_ioreq *q = &reqs[i];
         if (q->length == 0) continue;
-        int fd = tl_fdcache_acquire(cache, q->file, 1);
+        int fd = tl_fdcache_acquire(cache, q->file, TL_FD_WAIT_BOUND);
         if (fd < 0) continue;
         given += posix_fadvise(fd, (off_t)q->offset, (off_t)q->length, POSIX_FADV_WILLNEED) == 0;
         tl_fdcache_release(cache, q->file);
