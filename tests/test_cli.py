@@ -197,6 +197,12 @@ def test_build_argument_mistakes_found_late_exit_2(
     assert error_line(err) == (
         "tokload build: error: --no-eos and --eos-token contradict each other: give one"
     )
+    code, _, err = cli(["build", str(inp), "-o", str(tmp_path / "o1"), "--bos-token", ""], capsys)
+    assert code == 2
+    assert (
+        error_line(err)
+        == "tokload build: error: --bos-token needs a token's text, e.g. '<|eot_id|>'"
+    )
     named = ["--tokenizer", str(no_eos), "--eos-token", "<|endoftext|>"]
     code, _, err = cli(["build", str(inp), "-o", str(tmp_path / "o1"), *named], capsys)
     assert code == 2

@@ -518,6 +518,9 @@ def _run(args: argparse.Namespace, started: float) -> int:
 
         if not args.eos and args.eos_token is not None:
             raise UsageError("--no-eos and --eos-token contradict each other: give one")
+        for flag, token in (("--bos-token", args.bos_token), ("--eos-token", args.eos_token)):
+            if token == "":
+                raise UsageError(f"{flag} needs a token's text, e.g. '<|eot_id|>'")
         if args.tokenizer is None:
             log(
                 "no --tokenizer given: the built-in byte tokenizer is used (258 tokens); name "
