@@ -725,8 +725,6 @@ def test_options_that_do_nothing_where_given_are_refused(
     )
     assert code == 2 and not (tmp_path / "c").exists()
     assert "--span-block is for --layout blocks or spans, not per_token" in error_line(err)
-    with pytest.raises(ValueError, match="span_block is for the layouts 'blocks' and 'spans'"):
-        tokload.convert(out, tmp_path / "c", "per_token", span_block=64)
     plan = ["plan", str(out), "--world-size", "8", "--tokens-per-s", "1e6", "--documents"]
     code, _, err = cli([*plan, "--window", "64"], capsys)
     assert code == 2

@@ -504,6 +504,12 @@ def test_user_field_of_any_json_type_is_ignored(tmp_path: Path, user: Any) -> No
     m["user"] = user
     (ds / "manifest.json").write_text(json.dumps(m))
     np.testing.assert_array_equal(Documents(ds)[5], np.arange(10) + 500)
+    # FORMAT.md: free-form JSON of any type for the writer's own notes. One that was
+    # not an object became {} when tokload rewrote the manifest (review47)
+    with Writer(ds, "<u4", mode="a", name_prefix="t") as w:
+        w.write(np.arange(3, dtype=np.uint32))
+    kept = json.loads((ds / "manifest.json").read_text())["user"]
+    assert kept == (user if user is not None else {})
 
 
 def test_shard_names_with_slashes_and_dotdot_work(tmp_path: Path) -> None:
@@ -660,3 +666,26 @@ def test_an_integer_setting_that_is_not_one_names_the_variable(
     want = f"TOKLOAD_TEST_SETTING={raw!r}: expected a count (>= 0)"
     with pytest.raises(ValueError, match=re.escape(want)):
         env_int("TOKLOAD_TEST_SETTING", 7, 0, "a count (>= 0)")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"version": 2, "metadata_layout": "blocks"}, r"'metadata_layout' must be one of"),
+        ({"version": 2, "metadata_layout": "bogus"}, r"got 'bogus' in version 2"),
+        ({"shard0": {"metadata_records": 3}}, r"has 3 metadata records and 0 bytes, but the"),
+        ({"shard0": {"metadata_bytes": 3}}, r"has 0 metadata records and 3 bytes, but the"),
+    ],
+)
+def test_what_format_md_forbids_without_metadata_is_refused(
+    tmp_path: Path, edit: dict[str, Any], message: str
+) -> None:
+    """Without metadata, a layout FORMAT.md forbids and metadata counts other than 0
+    ("all but name and rows 0 when unused") were taken (review47)."""
+    ds = small(tmp_path / "ds")
+    m = json.loads((ds / "manifest.json").read_text())
+    m["shards"][0].update(edit.pop("shard0", {}))
+    m.update(edit)
+    (ds / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FormatError, match=message):
+        tokload.open_dataset(ds)

@@ -330,6 +330,28 @@ def test_damaged_span_tables_name_the_file(
     assert str(e.value).startswith(str(msx if what == "block index" else mds))
 
 
+def test_a_block_index_value_too_small_is_refused(tmp_path: Path) -> None:
+    """A ``.msx`` value one run too small, still in order and in range, was read
+    silently: the run it named was stretched over rows of later runs, which got its
+    record (review47). FORMAT.md: values that do not name the right runs raise."""
+    ds, _, msx = _spans_dataset(tmp_path)
+    view = StreamWithMetadata(ds, window=3, stride=1)
+    want = view.read(np.arange(len(view)))
+    values = np.fromfile(msx, "<u8")
+    j = next(j for j in range(1, len(values) - 1) if values[j] - 1 >= values[j - 1])
+    v = int(values[j])
+    _poke(msx, 8 * j, v - 1, 8)
+    message = (
+        rf"^{msx}: a block index value names span table entry {v - 1} for row {4 * j}, but "
+        rf"entry {v} starts at row \d+, at or before it \(the value is too small\)"
+    )
+    with pytest.raises(CorruptDataError, match=message):
+        StreamWithMetadata(ds, window=3, stride=1).read(np.arange(len(view)))
+    _poke(msx, 8 * j, v, 8)  # mended: the same batch
+    got = StreamWithMetadata(ds, window=3, stride=1).read(np.arange(len(view)))
+    np.testing.assert_array_equal(got.positions, want.positions)
+
+
 def test_damaged_record_index_names_the_file(tmp_path: Path) -> None:
     ds, mds, _ = _spans_dataset(tmp_path)
     mdx = mds.with_suffix(".mdx")

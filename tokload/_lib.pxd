@@ -347,6 +347,7 @@ cdef extern from "tokload/spans.h" nogil:
     int TL_SPAN_BAD_RECORD
     int TL_SPAN_BAD_OFFSET
     int TL_SPAN_BAD_COVER
+    int TL_SPAN_BAD_HOLD
 
     ctypedef struct tl_span_error:
         int code

@@ -497,6 +497,11 @@ cdef class SpanSet:
             return CorruptDataError(
                 f"{self._paths[2][k]}: metadata index entry {e.entry} = {e.value} breaks "
                 f"0 = first <= ... <= last = {e.limit} (the data size)")
+        if e.code == lib.TL_SPAN_BAD_HOLD:
+            return CorruptDataError(
+                f"{self._paths[0][k]}: a block index value names span table entry "
+                f"{e.entry - 1} for row {e.limit}, but entry {e.entry} starts at row "
+                f"{e.value}, at or before it (the value is too small)")
         return CorruptDataError(
             f"{self._paths[0][k]}: the block index names span table entries that do not cover "
             f"row {e.limit} (entry {e.entry} starts at row {e.value})")

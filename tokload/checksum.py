@@ -90,8 +90,9 @@ def verify_checksums(path: str | os.PathLike[str]) -> list[str]:
         where = loc.join(MANIFEST)
         if unchecked == len(m.shards):
             problems.append(
-                f"{where}: no checksums recorded (written before tokload recorded them); "
-                "the data could not be verified"
+                f"{where}: no checksums recorded (they are optional in the format: written "
+                "by another tool, or by a tokload before it recorded them); --deep has nothing "
+                "to verify the data against"
             )
         else:
             problems.append(

@@ -383,8 +383,6 @@ def convert(
     assert m is not None  # (a dataset's source has its manifest)
     if not m.metadata or not m.documents:
         raise FormatError(f"{root}: the dataset has no metadata (or no documents) to convert")
-    if layout == "per_token" and span_block is not None:
-        raise ValueError("span_block is for the layouts 'blocks' and 'spans', not 'per_token'")
     block = checked_block(span_block, layout)
     if m.metadata_layout == layout and (layout == "per_token" or block == m.span_block):
         raise FormatError(
@@ -413,6 +411,7 @@ def convert(
         documents=m.documents,
         metadata=True,
         user=dict(m.user),
+        user_other=m.user_other,
         metadata_layout=layout,
         span_block=block,
     )

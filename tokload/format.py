@@ -104,6 +104,9 @@ class Manifest:
     metadata: bool = False
     shards: list[ShardInfo] = field(default_factory=list)
     user: dict[str, Any] = field(default_factory=dict)
+    user_other: Any = None
+    """A ``user`` value that is not an object (FORMAT.md allows any JSON): kept as
+    it is, and written back while ``user`` stays empty."""
     metadata_layout: str = "per_token"
     """``"blocks"`` (version 3), ``"spans"`` (version 2) or ``"per_token"``;
     meaningful only with ``metadata``."""
@@ -179,7 +182,7 @@ class Manifest:
             out["metadata_layout"] = self.metadata_layout
             out["span_block"] = self.span_block
         out["shards"] = [s.to_json() for s in self.shards]
-        out["user"] = self.user
+        out["user"] = self.user if self.user or self.user_other is None else self.user_other
         return out
 
     @classmethod
@@ -213,8 +216,15 @@ class Manifest:
             _shard_from_json(s, f"{where}: shards[{k}]") for k, s in enumerate(data["shards"])
         ]
         layout, block = "per_token", DEFAULT_SPAN_BLOCK
+        given = data.get("metadata_layout")
+        # (meaningless without metadata, but one FORMAT.md forbids is refused)
+        forbidden = given not in LAYOUTS or (given == "blocks" and version < 3)
+        if version >= 2 and "metadata_layout" in data and not flags["metadata"] and forbidden:
+            raise FormatError(
+                f"{where}: 'metadata_layout' must be one of {', '.join(map(repr, LAYOUTS))}"
+                f' ("blocks" in version 3), got {_show(given)} in version {version}'
+            )
         if version >= 2 and flags["metadata"]:
-            given = data.get("metadata_layout")
             if given not in LAYOUTS:
                 raise FormatError(
                     f"{where}: 'metadata_layout' must be one of {', '.join(map(repr, LAYOUTS))}, "
@@ -228,15 +238,16 @@ class Manifest:
             if layout in ("spans", "blocks"):
                 block = _count(data, "span_block", where, required=True)
                 if block < 1:
-                    raise FormatError(f"{where}.span_block must be positive, got 0")
+                    raise FormatError(f"{where}: span_block must be positive, got 0")
         user = data.get("user")
         m = cls(
             dtype=dtype,
             documents=flags["documents"],
             metadata=flags["metadata"],
             shards=shards,
-            # Readers ignore ``user`` (FORMAT.md): a value that is not an object is dropped.
+            # Readers ignore ``user`` (FORMAT.md); one that is not an object is kept apart
             user=user if isinstance(user, dict) else {},
+            user_other=None if isinstance(user, dict) else user,
             metadata_layout=layout,
             span_block=block,
         )
@@ -305,6 +316,11 @@ class Manifest:
             if not self.spans and s.metadata_runs:
                 raise FormatError(
                     f"{where}: shard {s.name!r} has metadata runs but the dataset has no span table"
+                )
+            if not self.metadata and (s.metadata_records or s.metadata_bytes):
+                raise FormatError(
+                    f"{where}: shard {s.name!r} has {s.metadata_records} metadata records "
+                    f"and {s.metadata_bytes} bytes, but the dataset has no metadata"
                 )
             if s.metadata_records >= NO_METADATA:
                 raise FormatError(

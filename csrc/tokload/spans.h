@@ -45,6 +45,7 @@
 #define TL_SPAN_BAD_RECORD 3  /* a record id past the shard's records */
 #define TL_SPAN_BAD_OFFSET 4  /* a record index entry out of order or range */
 #define TL_SPAN_BAD_COVER 5   /* the slice the block index names misses a row */
+#define TL_SPAN_BAD_HOLD 6    /* a block index value names a run before the one holding its row */
 
 typedef struct {
     int code;
@@ -75,6 +76,8 @@ typedef struct {
     uint64_t nruns; /* runs read */
     uint64_t at;    /* its first run's entry in the runs buffer */
     uint64_t blk;   /* its block index entries' place in the block buffer */
+    uint64_t hold;  /* the run (of those read) the block index names for the first row
+                     * of the block after the piece; UINT64_MAX: the piece ends the shard */
 } tl_span_piece;
 
 /* A batch request: `len` units from global unit `start` to byte `dst`. */
@@ -175,8 +178,15 @@ TL_INLINE int tl_spans_runs(const tl_span_set *s, tl_span_piece *pieces, size_t 
         }
         uint64_t r0 = e[0], last = e[b1 + 1 - b0];
         /* The run holding the first row of the next block may start inside
-         * this piece's last block: read it too. */
-        uint64_t r1 = (b1 + 1 == nblocks) ? runs : last + 1;
+         * this piece's last block: read it too, and the run after it, which
+         * must start past that row (a block index value too small would stretch
+         * its run over rows of later ones: tl_spans_resolve checks). */
+        uint64_t r1 = runs;
+        p->hold = UINT64_MAX;
+        if (b1 + 1 < nblocks) {
+            r1 = last + 2 < runs ? last + 2 : runs;
+            p->hold = last - r0;
+        }
         p->run0 = r0;
         p->nruns = r1 - r0;
         p->at = total;
@@ -233,13 +243,21 @@ TL_INLINE int tl_spans_resolve(const tl_span_set *s, const tl_span_piece *pieces
             return tl_span_fail(err, TL_SPAN_BAD_COVER, k, p->run0,
                                 p->nruns ? tl_span_load_start(e) : 0, p->start);
         }
-        /* Unless the slice ends the shard, its last run holds the first row of
-         * the block after the piece, so it covers the piece's end. */
-        uint64_t after = ((p->start + p->len - 1) / s->block + 1) * s->block;
-        if (TL_UNLIKELY(p->run0 + p->nruns < runs &&
-                        tl_span_load_start(e + TL_SPAN_ENTRY * (p->nruns - 1)) > after)) {
-            return tl_span_fail(err, TL_SPAN_BAD_COVER, k, p->run0 + p->nruns - 1,
-                                tl_span_load_start(e + TL_SPAN_ENTRY * (p->nruns - 1)), after);
+        /* Unless the piece ends the shard, the run the block index names holds
+         * the first row of the block after the piece (so it covers the piece's
+         * end): it starts at or before that row, and the run after it past it. */
+        if (p->hold != UINT64_MAX) {
+            uint64_t after = ((p->start + p->len - 1) / s->block + 1) * s->block;
+            uint64_t held = tl_span_load_start(e + TL_SPAN_ENTRY * p->hold);
+            if (TL_UNLIKELY(held > after)) {
+                return tl_span_fail(err, TL_SPAN_BAD_COVER, k, p->run0 + p->hold, held, after);
+            }
+            if (TL_UNLIKELY(p->hold + 1 < p->nruns &&
+                            tl_span_load_start(e + TL_SPAN_ENTRY * (p->hold + 1)) <= after)) {
+                return tl_span_fail(err, TL_SPAN_BAD_HOLD, k, p->run0 + p->hold + 1,
+                                    tl_span_load_start(e + TL_SPAN_ENTRY * (p->hold + 1)),
+                                    after);
+            }
         }
         /* last run with start <= p->start */
         uint64_t lo = 0, hi = p->nruns;
