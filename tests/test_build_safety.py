@@ -434,7 +434,7 @@ def test_skipping_past_the_threshold_fails_and_keeps_the_chunks(tmp_path: Path) 
     out = tmp_path / "out"
     with pytest.raises(
         BuildError,
-        match=r"skipped 25 of 100 records \(25\.0%; malformed JSON: 25\), more than the 10%",
+        match=r"skipped 25 of 100 records \(25%; malformed JSON: 25\), more than the 10%",
     ):
         build([p], out, on_error="skip")
     assert not (out / "manifest.json").exists()

@@ -559,8 +559,10 @@ def test_convert_between_metadata_layouts(
 def test_plan_spreads_the_gets_over_the_prefixes_that_hold_the_rows(
     dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A shuffled read touches every row equally: each chunk's prefix serves GETs in
-    proportion to its rows; a window that runs across two files takes two GETs."""
+    """A shuffled read touches every row equally: each chunk's prefix serves the GETs
+    of the windows that touch its files (a window that runs across two files takes
+    two GETs, the second in the later file); with documents, a GET per document in its
+    file (review49: the GETs of documents were spread by rows)."""
     from tokload.tools import S3_GETS_PER_PREFIX, plan
 
     src = tokload.open_dataset(dataset)
@@ -600,15 +602,31 @@ def test_plan_spreads_the_gets_over_the_prefixes_that_hold_the_rows(
     assert one["gets_per_sample"] == 1.0
     assert r["gets_per_s"] == pytest.approx(64 * 1000 / window * per_window)
     want: dict[str, float] = {}
-    for p, rows in zip(paths, cum[1:] - cum[:-1], strict=True):
+    for k, p in enumerate(paths):  # counted: the windows (of every start) touching file k
+        touching = (starts < cum[k + 1]) & (starts + window > cum[k])
         prefix = p.rsplit("/", 1)[0] + "/"
-        want[prefix] = want.get(prefix, 0.0) + r["gets_per_s"] * rows / total
+        want[prefix] = want.get(prefix, 0.0) + 64 * 1000 / window * touching.mean()
     assert len(want) == 2 and all("/parts/" in k for k in want)  # one per chunk
     assert r["prefixes"] == pytest.approx(want)
     assert r["busiest"] == pytest.approx(max(want.values()) / S3_GETS_PER_PREFIX)
     docs = plan(dataset, 64, 1000.0, None)
     assert docs["gets_per_sample"] == 1.0  # the document index is held in memory
-    assert docs["tokens_per_sample"] == pytest.approx(total / tokload.Documents(dataset).__len__())
+    n_docs = len(tokload.Documents(dataset))
+    assert docs["tokens_per_sample"] == pytest.approx(total / n_docs)
+    m = tokload.format.read_manifest(dataset)
+    by_docs: dict[str, float] = {}
+    for p, shard in zip(paths, m.shards, strict=True):
+        prefix = p.rsplit("/", 1)[0] + "/"
+        by_docs[prefix] = by_docs.get(prefix, 0.0) + docs["gets_per_s"] * shard.documents / n_docs
+    assert docs["prefixes"] == pytest.approx(by_docs)
+    # as many tokens under each prefix, 100 times the documents under one: 99% of the
+    # GETs there (the rows' split said 50/50, "ok" with the busiest over the limit)
+    (tmp_path / "short.jsonl").write_text("".join('{"text": "ab"}\n' for _ in range(1000)))
+    (tmp_path / "long.jsonl").write_text('{"text": "%s"}\n' % ("ab" * 999) * 10)
+    tokload.build([tmp_path / "short.jsonl", tmp_path / "long.jsonl"], tmp_path / "skew",
+                  progress=False)  # fmt: skip
+    skew = plan(tmp_path / "skew", 64, 20_000.0, None)["prefixes"]
+    assert len(skew) == 2 and max(skew.values()) / sum(skew.values()) == pytest.approx(1000 / 1010)
 
     code, out, _ = cli(["plan", str(dataset), "--world-size", "8", "--tokens-per-s", "10"], capsys)
     assert code == 0 and out.splitlines()[-1].startswith("ok ")

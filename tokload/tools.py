@@ -148,10 +148,12 @@ def plan(
 ) -> dict[str, Any]:
     """The ranged GETs a training run will ask of a store, per prefix.
 
-    A globally shuffled read touches every byte of the data equally often, so
-    each prefix (the directory of a data file: a build's chunk, ``parts/<chunk>/``,
-    or the folder of a Megatron prefix or flat file) serves GETs in proportion to
-    the rows it holds.  The run consumes ``tokens_per_s`` tokens a second on each
+    A globally shuffled read touches every sample equally often, so each prefix
+    (the directory of a data file: a build's chunk, ``parts/<chunk>/``, or the
+    folder of a Megatron prefix or flat file) serves GETs in proportion to the
+    samples it holds: the rows of its files, and for windows the GET more each
+    file start costs the windows that run into it; its documents, for
+    documents.  The run consumes ``tokens_per_s`` tokens a second on each
     of ``world_size`` ranks, as windows of ``window`` tokens (one GET per file a
     window runs across) or, with ``window=None``, as whole documents (one GET
     each, one more for its index entry when the document index is not held in
@@ -159,7 +161,9 @@ def plan(
     (``StreamWithMetadata``, metadata layout ``"blocks"``): each window also
     reads its metadata blocks, one GET per file as for the rows, and one more
     for their index entries when the block index is not held in memory.
-    Works on a local dataset too (planning an upload).
+    Works on a local dataset too (planning an upload).  An upper bound: requests
+    of one reader task that fall close together in a file are merged into one
+    GET (``ReadOptions``), which on a small dataset saves many.
 
     Returns a dict: ``gets_per_s`` (the whole run), ``gets_per_sample``,
     ``tokens_per_sample``, ``prefixes`` (``{prefix: GETs/s}``, busiest first),
@@ -197,6 +201,13 @@ def plan(
             per_sample = total / max(src.num_documents, 1)
             held = _index_in_memory(src.docs)
             gets_per_sample = 1.0 if held else 2.0
+            # a GET (two) per document: each file's share is its share of the documents
+            counts = (
+                np.asarray([s.documents for s in src.manifest.shards], dtype=np.float64)
+                if src.manifest is not None and len(src.manifest.shards) == len(paths)
+                else rows
+            )
+            share = counts / max(float(counts.sum()), 1.0) * gets_per_sample
             reading = f"documents of {per_sample:,.0f} tokens on average" + (
                 "" if held else " (and an index entry each: the index is not held in memory)"
             )
@@ -213,6 +224,11 @@ def plan(
             # start in the window - 1 rows before it (files shorter than a window:
             # several a window)
             gets_per_sample = 1.0 + (window - 1) * (nonempty - 1) / total
+            # each file's share: the windows that start in it, and those that run
+            # into it from the files before (a file start costs the window - 1 rows
+            # before it a GET more, in that file)
+            later = np.cumsum(rows > 0) > 1
+            share = (rows + (window - 1) * (later & (rows > 0))) / total
             reading = f"windows of {window:,} tokens"
             if metadata:
                 blocks = src.spans
@@ -231,16 +247,18 @@ def plan(
                 # file a window runs across), their index entries in another
                 held = _index_in_memory(blocks)
                 gets_per_sample *= 2.0 if held else 3.0
+                share *= 2.0 if held else 3.0
                 reading += " with their metadata" + (
                     "" if held else " (and index entries: the block index is not held in memory)"
                 )
     finally:
         src.close()
-    gets = world_size * tokens_per_s / per_sample * gets_per_sample
+    samples = world_size * tokens_per_s / per_sample
+    gets = samples * gets_per_sample
     by_prefix: dict[str, float] = {}
-    for p, r in zip(paths, rows.tolist(), strict=True):
+    for p, part in zip(paths, share.tolist(), strict=True):
         prefix = p.rsplit("/", 1)[0] + "/" if "/" in p else "./"
-        by_prefix[prefix] = by_prefix.get(prefix, 0.0) + gets * r / total
+        by_prefix[prefix] = by_prefix.get(prefix, 0.0) + samples * part
     ordered = dict(sorted(by_prefix.items(), key=lambda kv: -kv[1]))
     busiest = max(ordered.values(), default=0.0)
     return {
@@ -253,7 +271,13 @@ def plan(
         "gets_per_s": gets,
         "prefixes": ordered,
         "busiest": busiest / S3_GETS_PER_PREFIX,
-        "prefixes_needed": max(1, math.ceil(gets / S3_GETS_PER_PREFIX)),
+        # as many as the GETs need spread evenly, and more than hold them now
+        # where they are not (the busiest over the limit)
+        "prefixes_needed": max(
+            1,
+            math.ceil(gets / S3_GETS_PER_PREFIX),
+            math.ceil(len(ordered) * busiest / S3_GETS_PER_PREFIX - 1e-9),
+        ),
     }
 
 
