@@ -478,6 +478,19 @@ _ULIMIT_CHILD = textwrap.dedent(
 )
 
 
+def _run_child(code: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a new interpreter with ``args``, without the test process's
+    TOKLOAD_MAX_OPEN_FILES (the child sets its own limits)."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+        env={k: v for k, v in os.environ.items() if k != "TOKLOAD_MAX_OPEN_FILES"},
+    )
+
+
 _FEW_DESCRIPTORS_CHILD = textwrap.dedent(
     """
     import os, resource, sys, time
@@ -524,14 +537,7 @@ def test_every_backend_reads_when_the_process_is_short_of_descriptors(
     completed a read of its own to free one. With none left at all, each backend
     reports EMFILE at once (threads out of descriptors do not wait for each other)."""
     _shards(tmp_path, [100] * 60)
-    child = subprocess.run(
-        [sys.executable, "-c", _FEW_DESCRIPTORS_CHILD, str(tmp_path), str(free)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-        env={k: v for k, v in os.environ.items() if k != "TOKLOAD_MAX_OPEN_FILES"},
-    )
+    child = _run_child(_FEW_DESCRIPTORS_CHILD, str(tmp_path), str(free), timeout=120)
     assert child.returncode == 0, child.stderr
     lines = [line.split() for line in child.stdout.splitlines()]
     assert len(lines) >= 2
@@ -596,14 +602,7 @@ def test_three_thousand_shards_stream_under_ulimit_256(tmp_path: Path) -> None:
         "metadata": False,
     }
     (root / "manifest.json").write_text(json.dumps({**manifest, "shards": shards, "user": {}}))
-    child = subprocess.run(
-        [sys.executable, "-c", _ULIMIT_CHILD, str(root)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-        env={k: v for k, v in os.environ.items() if k != "TOKLOAD_MAX_OPEN_FILES"},
-    )
+    child = _run_child(_ULIMIT_CHILD, str(root), timeout=300)
     assert child.returncode == 0, child.stderr
     words = child.stdout.split()
     peak, bound, docs = int(words[1]), int(words[3]), int(words[7])

@@ -38,14 +38,20 @@ from tokload.source import open_dataset
 from tokload.writer import OpenShard, checked_block
 
 
-def _new_dataset_dir(output: str | os.PathLike[str]) -> Path:
-    """The directory a new dataset is written to (made if missing): FileExistsError
-    if it already holds one (a manifest), before anything is written there."""
-    out = Path(output)
+def _refuse_output(out: Path) -> None:
+    """UsageError if ``out`` is a file, FileExistsError if it holds a dataset (a
+    manifest): checked before anything is written there."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out}: the output must be a directory (or not exist yet); it is a file")
     if (out / MANIFEST).exists():
         raise FileExistsError(17, "a dataset already exists here", str(out))
+
+
+def _new_dataset_dir(output: str | os.PathLike[str]) -> Path:
+    """The directory a new dataset is written to (made if missing), refused as
+    ``_refuse_output`` says."""
+    out = Path(output)
+    _refuse_output(out)
     out.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -120,19 +126,15 @@ def merge(
     if top is not None:
         if remote.exists(top, storage_options):
             raise FileExistsError(17, "a dataset already exists here", os.fspath(output))
-    elif Path(output).exists() and not Path(output).is_dir():
-        raise UsageError(
-            f"{os.fspath(output)}: the output must be a directory (or not exist yet); it is a file"
-        )
-    elif (Path(output) / MANIFEST).exists():
-        raise FileExistsError(17, "a dataset already exists here", os.fspath(output))
-    elif (Path(output) / BUILD_MARKER).exists():
-        raise FileExistsError(
-            17,
-            "holds a tokload build (unfinished: no manifest), whose next run would replace "
-            "the merged manifest: merge into another directory",
-            os.fspath(output),
-        )
+    else:
+        _refuse_output(Path(output))
+        if (Path(output) / BUILD_MARKER).exists():
+            raise FileExistsError(
+                17,
+                "holds a tokload build (unfinished: no manifest), whose next run would "
+                "replace the merged manifest: merge into another directory",
+                os.fspath(output),
+            )
     manifests = [(os.fspath(p), read_manifest(p, storage_options)) for p in inputs]
     first = manifests[0][1]
     merged = Manifest(
