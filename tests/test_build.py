@@ -318,6 +318,51 @@ def test_a_merge_refuses_parts_of_other_options_or_chunk_plans(
         tokload.merge(tmp_path / "m2", [tmp_path / "e0", tmp_path / "e1"])
 
 
+def test_a_merge_refuses_a_split_with_a_part_left_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tokload merge`` of parts 0/3 and 2/3 wrote a dataset without part 1's
+    documents, exit 0: a forgotten part lost a third of the corpus silently.
+    Refused unless ``--partial`` (``partial=True``), naming the part missing."""
+    inputs = write_corpus(tmp_path / "in", files=2)
+    opts: dict[str, Any] = {"progress": False, "chunk_bytes": 512}
+    for k in range(3):
+        build(inputs, tmp_path / f"p{k}", part=(k, 3), **opts)
+    plan = tokload.format.read_manifest(tmp_path / "p1").user["plan"]
+    total = plan["chunks"]
+    assert plan["part"] == [1, 3] and plan["span"] == [total // 3, 2 * total // 3]
+    gone = f"chunks {total // 3} to {2 * total // 3 - 1}"
+    with pytest.raises(
+        UsageError,
+        match=rf"p0, .*p2: parts of one build of {total} chunks, which leave out "
+        rf"{2 * total // 3 - total // 3} of them \({gone}\) \(--part 1/3 not given\)",
+    ):
+        tokload.merge(tmp_path / "m", [tmp_path / "p0", tmp_path / "p2"])
+    assert not (tmp_path / "m").exists()
+    assert main(["merge", str(tmp_path / "m"), str(tmp_path / "p2"), str(tmp_path / "p1")]) == 2
+    assert "--part 0/3 not given" in capsys.readouterr().err
+    # the parts built so far, knowingly; every part, in any order of the arguments
+    part = tokload.merge(tmp_path / "m", [tmp_path / "p0", tmp_path / "p2"], partial=True)
+    assert main(["merge", str(tmp_path / "m1"), str(tmp_path / "p0"), "--partial"]) == 0
+    whole = tokload.merge(tmp_path / "all", [tmp_path / f"p{k}" for k in (2, 0, 1)])
+    assert 0 < part.num_documents < whole.num_documents
+    build(inputs, tmp_path / "single", **opts)
+    assert sorted(_tokens(tmp_path / "all")) == sorted(_tokens(tmp_path / "single"))
+    # parts of two splits that hold no chunk twice, but leave some out: chunks named
+    build(inputs, tmp_path / "h1", part=(1, 2), **opts)
+    gap = rf"\(chunks {total // 3} to {total // 2 - 1}\): merged"
+    with pytest.raises(UsageError, match=gap):
+        tokload.merge(tmp_path / "m3", [tmp_path / "p0", tmp_path / "h1"])
+    # an input that grew between two parts' builds: the plans differ
+    with open(inputs[1], "a") as f:
+        f.write(json.dumps({"id": 999, "text": "more " * 400}) + "\n")
+    build(inputs, tmp_path / "late", part=(2, 3), **opts)
+    late = tokload.format.read_manifest(tmp_path / "late").user["plan"]
+    assert late["id"] == plan["id"] and late["chunks"] > total
+    with pytest.raises(tokload.FormatError, match=r"late and .*p0: built from the same inputs"):
+        tokload.merge(tmp_path / "m2", [tmp_path / "p0", tmp_path / "p1", tmp_path / "late"])
+
+
 def test_a_converted_dataset_keeps_its_tokenizer(tmp_path: Path) -> None:
     """``tokload convert`` left the tokenizer file out of the copy, whose manifest
     still named it: ``inspect`` of the copy no longer decoded (review43)."""

@@ -329,6 +329,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     m.add_argument("output", help="the merged dataset's directory (must not hold a dataset)")
     m.add_argument("inputs", nargs="+", help="the datasets to join")
+    m.add_argument(
+        "--partial",
+        action="store_true",
+        help="merge parts of a --part k/N build although some are left out (the merged "
+        "dataset lacks their documents); without it, such a merge is refused",
+    )
 
     c = command(
         "convert",
@@ -556,7 +562,7 @@ def _run(args: argparse.Namespace, started: float) -> int:
     if args.command == "merge":
         from tokload.derive import merge
 
-        m = merge(args.output, args.inputs)
+        m = merge(args.output, args.inputs, partial=args.partial)
         print(
             f"tokload merge: {len(m.shards)} shards, {m.num_documents:,} documents, "
             f"{m.rows:,} rows -> {args.output}"

@@ -11,7 +11,9 @@ inputs always give the same chunks, whatever the number of workers or machines.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -116,6 +118,24 @@ def parse_part(part: str | tuple[int, int] | None) -> tuple[int, int]:
     if n < 1 or not 0 <= k < n:
         raise UsageError(f"part {k}/{n}: need 0 <= k < N (parts are numbered from 0)")
     return k, n
+
+
+def plan_record(
+    files: Sequence[Path], chunk_bytes: int, chunks: int, part: tuple[int, int]
+) -> dict[str, Any]:
+    """What a build's manifest records of the plan it took its chunks from: the
+    plan's ``id`` (a hash of the inputs' absolute paths and the chunk size, the
+    same for every part of one ``--part k/N`` split), its number of ``chunks``,
+    the ``part`` ``[k, N]`` and its ``span``, the plan's chunks ``[lo, hi)`` it
+    holds. ``tokload merge`` finds a part left out by it."""
+    k, n = part
+    key = json.dumps([[os.path.abspath(f) for f in files], chunk_bytes])
+    return {
+        "id": hashlib.sha256(key.encode()).hexdigest()[:16],
+        "chunks": chunks,
+        "part": [k, n],
+        "span": [k * chunks // n, (k + 1) * chunks // n],
+    }
 
 
 def plan_chunks(files: Sequence[Path], chunk_bytes: int) -> list[Chunk]:

@@ -54,7 +54,14 @@ from tokload.build_output import (
     up_to_date,
 )
 from tokload.build_part import build_chunk
-from tokload.build_plan import DEFAULT_CHUNK_BYTES, BuildOptions, Chunk, parse_part, plan_chunks
+from tokload.build_plan import (
+    DEFAULT_CHUNK_BYTES,
+    BuildOptions,
+    Chunk,
+    parse_part,
+    plan_chunks,
+    plan_record,
+)
 from tokload.build_records import NO_TEXT
 from tokload.errors import BuildError, UsageError
 from tokload.format import (
@@ -331,8 +338,8 @@ def build(
     try:
         check_output(out, files, force)
         plan = plan_chunks(files, chunk_bytes)
-        lo, hi = k * len(plan) // n, (k + 1) * len(plan) // n
-        mine = plan[lo:hi]
+        planned = plan_record(files, chunk_bytes, len(plan), (k, n))
+        mine = plan[slice(*planned["span"])]
         (out / PARTS).mkdir(parents=True, exist_ok=True)
         (out / BUILD_MARKER).write_text(MARKER_TEXT)
         tok_record = dataset_record(tok)
@@ -421,7 +428,7 @@ def build(
         try:
             if mine:
                 _check_yield(documents, skipped, max_skipped, text_field)
-            manifest = _assemble(out, opts, tok_record, tok.vocab_size, files, mine)
+            manifest = _assemble(out, opts, tok_record, tok.vocab_size, files, mine, planned)
             try:
                 open_dataset(out).close()  # the manifest agrees with the files (sizes: cheap)
             except BaseException:
@@ -492,6 +499,7 @@ def _assemble(
     vocab_size: int,
     files: list[Path],
     mine: list[Chunk],
+    planned: dict[str, Any],
 ) -> Manifest:
     """The top-level manifest: the chunks' shards in input and chunk order."""
     tdt = token_dtype(vocab_size)
@@ -517,6 +525,7 @@ def _assemble(
         "chunk_range": [mine[0].input, mine[0].index, mine[-1].input, mine[-1].index + 1]
         if mine
         else [],
+        "plan": planned,
     }
     write_manifest(out, m)
     return m

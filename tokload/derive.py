@@ -83,6 +83,8 @@ def merge(
     output: str | os.PathLike[str],
     inputs: Sequence[str | os.PathLike[str]],
     storage_options: Mapping[str, Any] | None = None,
+    *,
+    partial: bool = False,
 ) -> Manifest:
     """Join datasets into one by writing a manifest only; no data is copied.
 
@@ -102,13 +104,19 @@ def merge(
     the same one, the merged manifest records it and ``output`` gets a copy of
     its file, so ``tokload inspect`` decodes the merged dataset.
 
+    Parts of one ``tokload build --part k/N`` split must all be given: parts
+    that leave out chunks of the inputs their build planned (a part not given)
+    are refused, unless ``partial`` (merge the parts built so far, knowing the
+    merged dataset lacks the rest).
+
     Returns the merged manifest.
 
     Raises:
         FileExistsError: ``output`` holds a dataset, an unfinished build, or a
             tokenizer file that is not the inputs' tokenizer.
-        UsageError: local and remote paths mixed, URLs of several buckets, or
-            an input given twice.
+        UsageError: local and remote paths mixed, URLs of several buckets, an
+            input given twice, or (without ``partial``) a part of a split
+            left out.
         FormatError: an input differs from the first in dtype or options,
             records another tokenizer, or cuts a file another input reads
             into chunks of another size or holds one of its chunks too.
@@ -161,6 +169,8 @@ def merge(
     if tok is not None:
         merged.user["tokenizer"] = tok[1]
     _same_build_options(manifests)
+    if not partial:
+        _every_part(manifests)
     if top is None:
         _new_dataset_dir(output)  # (only now: a refused merge leaves no directory behind)
     with tempfile.TemporaryDirectory(prefix="tokload-merge-") as staging:
@@ -282,6 +292,53 @@ def _same_build_options(manifests: list[tuple[str, Manifest]]) -> None:
                         "would come twice; merge the parts of one --part k/N split, each once"
                     )
             held.setdefault(f, []).append((path, size, lo, hi))
+
+
+def _every_part(manifests: list[tuple[str, Manifest]]) -> None:
+    """UsageError when the inputs that took their chunks from one build plan
+    (the ``plan`` record of ``tokload build``, one per ``--part k/N`` split)
+    leave some of its chunks out; FormatError when they planned other numbers
+    of chunks from the same inputs (an input changed between the builds)."""
+    plans: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for path, m in manifests:
+        p = m.user.get("plan") if m.user.get("built_by") == "tokload build" else None
+        if isinstance(p, dict) and isinstance(p.get("id"), str):
+            plans.setdefault(p["id"], []).append((path, p))
+    for parts in plans.values():
+        (path0, p0), *rest = parts
+        for path, p in rest:
+            if p.get("chunks") != p0.get("chunks"):
+                raise FormatError(
+                    f"{path} and {path0}: built from the same inputs, split into "
+                    f"{p.get('chunks')} and {p0.get('chunks')} chunks: an input changed "
+                    "between the two builds; build every part again from the same inputs"
+                )
+        total = int(p0["chunks"])
+        held = sorted(tuple(p["span"]) for _, p in parts)
+        gaps, at = [], 0
+        for lo, hi in held:
+            if lo > at:
+                gaps.append((at, lo))
+            at = max(at, hi)
+        if at < total:
+            gaps.append((at, total))
+        if not gaps:
+            continue
+        splits = {p["part"][1] for _, p in parts}
+        missing = ""
+        if len(splits) == 1:  # the parts (with chunks) of the split that are not given
+            (n,) = splits
+            given = {p["part"][0] for _, p in parts}
+            ks = [k for k in range(n) if k not in given and k * total // n < (k + 1) * total // n]
+            missing = " (" + ", ".join(f"--part {k}/{n}" for k in ks) + " not given)"
+        where = ", ".join(f"{lo} to {hi - 1}" if hi > lo + 1 else f"{lo}" for lo, hi in gaps)
+        lost = sum(hi - lo for lo, hi in gaps)
+        names = ", ".join(path for path, _ in parts)
+        raise UsageError(
+            f"{names}: parts of one build of {total} chunks, which leave out {lost} of them "
+            f"(chunks {where}){missing}: merged, their documents would be missing; give "
+            "every part, or merge these alone with --partial (partial=True)"
+        )
 
 
 def _chunks_read(user: dict[str, Any]) -> dict[str, tuple[float, float]]:
