@@ -9,7 +9,6 @@ import dataclasses
 import math
 import os
 import posixpath
-import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -171,32 +170,49 @@ def merge(
     _same_build_options(manifests)
     if not partial:
         _every_part(manifests)
+    tok_file = None if tok is None else _tokenizer_file(tok[0], tok[1], output, storage_options)
     if top is None:
         _new_dataset_dir(output)  # (only now: a refused merge leaves no directory behind)
-    with tempfile.TemporaryDirectory(prefix="tokload-merge-") as staging:
-        tok_file = None if tok is None else _tokenizer_copy(tok, staging, storage_options)
-        dest = None
         if tok_file is not None:
-            out_loc = Location(output, storage_options, listed=False)
-            dest = out_loc.join(tok_file.name)
-            there = _read_if_there(out_loc, tok_file.name)
-            if there is not None and there != tok_file.read_bytes():
-                raise FileExistsError(
-                    17,
-                    "holds a tokenizer file that is not the inputs' tokenizer, which the merge "
-                    "would replace: merge into another directory",
-                    dest,
-                )
-        if top is None:
-            if tok_file is not None and dest is not None:
-                shutil.copyfile(tok_file, dest)
-            write_manifest(output, merged)
-            return merged
-        if tok_file is not None and dest is not None:
-            remote.put_file(dest, tok_file, storage_options)
+            Path(tok_file[0]).write_bytes(tok_file[1])
+        write_manifest(output, merged)
+        return merged
+    with tempfile.TemporaryDirectory(prefix="tokload-merge-") as staging:
+        if tok_file is not None:
+            copy = Path(staging) / posixpath.basename(tok_file[0])
+            copy.write_bytes(tok_file[1])
+            remote.put_file(tok_file[0], copy, storage_options)
         write_manifest(staging, merged)
         remote.put_file(top, Path(staging) / MANIFEST, storage_options)
     return merged
+
+
+def _tokenizer_file(
+    source: str | os.PathLike[str],
+    desc: Any,
+    out: str | os.PathLike[str],
+    options: Mapping[str, Any] | None,
+) -> tuple[str, bytes] | None:
+    """Where under ``out`` the copy of the tokenizer file that the dataset at
+    ``source`` records (``desc``, its manifest's record) goes, and its bytes:
+    None when it records no file, or lacks it. FileExistsError when ``out``
+    holds another file of that name, which the copy would replace."""
+    name = desc.get("file") if isinstance(desc, dict) else None
+    if not isinstance(name, str) or posixpath.basename(name) != name:
+        return None
+    data = _read_if_there(Location(source, options, listed=False), name)
+    if data is None:
+        return None
+    out_loc = Location(out, options, listed=False)
+    there = _read_if_there(out_loc, name)
+    if there is not None and there != data:
+        raise FileExistsError(
+            17,
+            f"holds a tokenizer file that is not the tokenizer of {os.fspath(source)}, "
+            "which the copy would replace: write into another directory",
+            out_loc.join(name),
+        )
+    return out_loc.join(name), data
 
 
 def _read_if_there(loc: Location, name: str) -> bytes | None:
@@ -356,46 +372,6 @@ def _chunks_read(user: dict[str, Any]) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _dataset_tokenizer_file(root: Path, m: Manifest, out: Path) -> tuple[Path, bytes] | None:
-    """Where in ``out`` the copy of the tokenizer file of the dataset at ``root``
-    goes, and its bytes (None when it records no file, or lacks it); FileExistsError
-    when ``out`` holds another file of that name."""
-    desc = m.user.get("tokenizer")
-    name = desc.get("file") if isinstance(desc, dict) else None
-    if not isinstance(name, str) or posixpath.basename(name) != name:
-        return None
-    try:
-        data = (root / name).read_bytes()
-    except FileNotFoundError:
-        return None
-    dest = out / name
-    if dest.exists() and dest.read_bytes() != data:
-        raise FileExistsError(
-            17,
-            "holds a tokenizer file that is not the dataset's, which the copy would replace: "
-            "write it into another directory",
-            str(dest),
-        )
-    return dest, data
-
-
-def _tokenizer_copy(
-    tok: tuple[str, dict[str, Any]], staging: str, options: Mapping[str, Any] | None
-) -> Path | None:
-    """The first input's copy of the tokenizer's file, read into ``staging`` (None
-    for a tokenizer without a file, or an input that lacks its copy)."""
-    path, desc = tok
-    name = desc.get("file")
-    if not isinstance(name, str) or posixpath.basename(name) != name:
-        return None
-    data = _read_if_there(Location(path, options, listed=False), name)
-    if data is None:
-        return None
-    dest = Path(staging) / name
-    dest.write_bytes(data)
-    return dest
-
-
 def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -475,7 +451,7 @@ def convert(
         span_block=block,
     )
     names: set[str] = set()
-    tok = _dataset_tokenizer_file(root, m, out)
+    tok = _tokenizer_file(root, m.user.get("tokenizer"), out, None)
     tok_file: Path | None = None  # (written here: removed if the convert fails)
     try:
         for k, s in enumerate(m.shards):
@@ -484,10 +460,10 @@ def convert(
                 name = f"c{k:05d}-{name}"
             names.add(name)
             target.shards.append(_convert_shard(root, s, m, out, name, target, durable))
-        if tok is not None and not tok[0].exists():
+        if tok is not None and not Path(tok[0]).exists():
             # the tokenizer's copy travels with the dataset (inspect decodes with it)
-            tok[0].write_bytes(tok[1])
-            tok_file = tok[0]
+            tok_file = Path(tok[0])
+            tok_file.write_bytes(tok[1])
         if durable:
             fsync_dir(out)
         write_manifest(out, target)
