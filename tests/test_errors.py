@@ -314,6 +314,125 @@ def test_writer_rejects_bad_spans_and_modes(tmp_path: Path) -> None:
     assert not (tmp_path / "none").exists()  # refused before anything is made
 
 
+def test_writer_refuses_what_it_would_store_wrong_before_writing(tmp_path: Path) -> None:
+    """review50: an int payload became that many zero bytes, float span bounds were
+    truncated, a ``user`` that is not JSON failed only when the first shard was
+    published (leaving it listed nowhere) and NaN was written as bare ``NaN`` (not
+    JSON); a ``name_prefix`` with '/' wrote shards outside the dataset."""
+    for layout in ("per_token", "spans", "blocks"):
+        dt: Any = META_DT if layout == "per_token" else "<u4"
+        with Writer(tmp_path / layout, dt, metadata=True, metadata_layout=layout) as w:
+            doc: Any = {"token": np.arange(10)} if layout == "per_token" else np.arange(10)
+            write: Any = w.write  # (spans of the wrong types, on purpose)
+            with pytest.raises(TypeError, match=r"span \[0, 10\): the payload must be bytes"):
+                write(doc, spans=[(0, 10, 12345)])
+            with pytest.raises(TypeError, match=r"the payload is a str; records are bytes"):
+                write(doc, spans=[(0, 10, "text")])
+            with pytest.raises(TypeError, match=r"span \(1.5, 3, ...\): start and stop must"):
+                write(doc, spans=[(1.5, 3, b"x")])
+            with pytest.raises(TypeError, match=r"a span is \(start, stop, payload\), got"):
+                write(doc, spans=[(0, 3)])
+            write(doc, spans=[(np.int64(0), np.uint8(4), np.frombuffer(b"ab", np.uint8))])
+        got = tokload.StreamWithMetadata(tmp_path / layout, window=10)[0]
+        assert [got.metadata[k] for k in range(len(got.metadata))] == [b"ab"]
+        assert got.positions.tolist() == [0] * 4 + [-1] * 6
+    bad_users: list[tuple[Any, type[Exception], str]] = [
+        ({"ids": {1, 2}}, TypeError, r"user is not JSON the manifest can hold: .*set"),
+        ({"loss": float("nan")}, ValueError, r"user is not JSON .*Out of range float"),
+        ([1, 2], TypeError, r"user must be a mapping \(a JSON object\), got list"),
+    ]
+    for user, error, message in bad_users:
+        with pytest.raises(error, match=message):
+            Writer(tmp_path / "u", "<u2", user=user)
+        assert not (tmp_path / "u").exists()
+    deep: dict[str, Any] = {}
+    for _ in range(5000):
+        deep = {"k": deep}
+    with pytest.raises(ValueError, match=r"user is nested too deeply"):
+        Writer(tmp_path / "u", "<u2", user=deep)
+    for prefix, message in [
+        ("../x", r"contains '/': shards go in the dataset's directory itself"),
+        ("", r"is empty"),
+        (".x", r"starts with '.', as the writer's temporary files do"),
+        ("a\0b", r"contains a NUL character"),
+    ]:
+        with pytest.raises(ValueError, match=rf"name_prefix {re.escape(repr(prefix))} {message}"):
+            Writer(tmp_path / "px", "<u2", name_prefix=prefix)
+        assert not (tmp_path / "px").exists()
+    # metadata appended to a dataset without: the dataset is named, not the dtype
+    with Writer(tmp_path / "plain", "<u2") as w:
+        w.write(np.arange(3, dtype=np.uint16))
+    with pytest.raises(FormatError, match=r"cannot append .*metadata=True .*metadata=False"):
+        Writer(tmp_path / "plain", "<u2", mode="a", metadata=True)
+
+
+def test_a_writer_whose_manifest_write_failed_lists_its_shards_on_the_next_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """review50: ``close`` marked the writer closed before the manifest was written;
+    when that failed (a full disk), a second ``close`` returned at once and the
+    last shard stayed unlisted: its documents lost. A write failure at a shard
+    change is retried by the next publish the same way."""
+    real = tokload.format.write_manifest
+    fail = {"n": 0}
+
+    def full_disk(path: Any, manifest: Any) -> None:
+        if fail["n"]:
+            fail["n"] -= 1
+            raise OSError(28, "No space left on device")
+        real(path, manifest)
+
+    monkeypatch.setattr("tokload.writer.write_manifest", full_disk)
+    w = Writer(tmp_path / "ds", "<u2", shard_bytes=2000, durable=False)
+    w.write(np.full(600, 0, np.uint16))
+    fail["n"] = 1  # the first shard's listing, at the second document's shard change
+    with pytest.raises(OSError, match="No space left"):
+        w.write(np.full(600, 1, np.uint16))
+    for i in (2, 3):
+        w.write(np.full(600, i, np.uint16))
+    fail["n"] = 1
+    with pytest.raises(OSError, match="No space left"):
+        w.close()
+    with pytest.raises(OSError, match="No space left"):
+        fail["n"] = 1
+        w.close()
+    w.close()  # space freed
+    w.close()  # (idempotent once it succeeded)
+    docs: Any = Documents(tmp_path / "ds")
+    assert [int(docs[k][0]) for k in range(len(docs))] == [0, 2, 3]
+    with pytest.raises(ValueError, match="write to a closed Writer"):
+        w.write([1])
+
+
+def test_a_field_named_as_a_key_the_view_adds_is_refused(tmp_path: Path) -> None:
+    """review50: a field named ``metadata_positions`` (or ``position_ids`` under
+    ``boundaries=``) was replaced by the batch's own array, silently."""
+    m = tmp_path / "m"
+    with Writer(m, [("token", "<u4"), ("metadata_positions", "<u4")], metadata=True) as w:
+        w.write({"token": np.arange(8), "metadata_positions": np.full(8, 77)}, [(0, 8, b"r")])
+    with pytest.raises(
+        ValueError,
+        match=r"m: a field named 'metadata_positions', a key the view adds to each batch: "
+        r"its values would be replaced by the batch's own \(rename the field\)",
+    ):
+        tokload.StreamWithMetadata(m, window=4)
+    tokload.Documents(m)  # (other views read the field as it is)
+    p = tmp_path / "p"
+    with Writer(p, [("token", "<u4"), ("position_ids", "<u4")]) as w:
+        for d in range(3):
+            w.write({"token": np.full(3, d), "position_ids": np.full(3, 99)})
+    with pytest.raises(
+        ValueError,
+        match=r"a field named 'position_ids', a key boundaries= adds to each batch: .*"
+        r"\(rename the field, or leave it out of boundaries=\[...\]\)",
+    ):
+        tokload.TokenStream(p, window=4, boundaries=True)
+    kept = tokload.TokenStream(p, window=4, boundaries=["cu_seqlens"])
+    read: Any = kept.read([0])
+    assert read["position_ids"].tolist() == [[99, 99, 99, 99]]
+    tokload.TokenStream(p, window=4)
+
+
 def test_bad_megatron_files(tmp_path: Path) -> None:
     for ext in (".bin", ".idx"):
         (tmp_path / f"t{ext}").write_bytes((MEGATRON / f"tiny_uint16{ext}").read_bytes())

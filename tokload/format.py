@@ -546,7 +546,7 @@ def write_manifest(path: str | os.PathLike[str], manifest: Manifest) -> None:
     """
     manifest.check(str(path))
     directory = Path(path)
-    text = json.dumps(manifest.to_json(), indent=1) + "\n"
+    text = json.dumps(manifest.to_json(), indent=1, allow_nan=False) + "\n"  # (JSON only)
     fd, tmp = create_unique(directory, ".manifest-")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

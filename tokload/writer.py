@@ -10,6 +10,9 @@ crash never leaves a manifest that refers to data that is not on disk.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
+import operator
 import os
 import secrets
 from collections.abc import Mapping, Sequence
@@ -84,8 +87,10 @@ class Writer:
         name_prefix: shard names are ``f"{name_prefix}-{k:05d}"``; by default a
             random prefix, so writers running in parallel never collide. ``k``
             skips the names the manifest lists and those a killed writer's
-            files still use.
-        user: free-form JSON stored in the manifest (tokenizer, source, ...).
+            files still use. Not empty, no ``/`` or NUL, no leading ``.``.
+        user: a mapping of JSON values stored in the manifest (tokenizer,
+            source, ...); one that is not JSON (a set, NaN) is refused here,
+            before anything is written.
         durable: fsync each shard and the directory before listing it.
 
     Use as a context manager, or call ``close``: nothing is visible to
@@ -117,7 +122,9 @@ class Writer:
         has_field = METADATA_FIELD in (self.dtype.fields or {})
         appending = mode == "a" and (self.path / MANIFEST).exists()
         if metadata_layout is None and not has_field and appending:
-            metadata_layout = read_manifest(self.path).metadata_layout  # keep the dataset's
+            there = read_manifest(self.path)
+            if there.metadata:  # keep the dataset's (one without metadata is refused below)
+                metadata_layout = there.metadata_layout
         if metadata_layout is None:
             metadata_layout = "per_token" if has_field else DEFAULT_METADATA_LAYOUT
         if metadata_layout not in LAYOUTS:
@@ -135,6 +142,9 @@ class Writer:
                 f"Writer dtype: metadata_layout='per_token' needs a '<u4' field "
                 f"{METADATA_FIELD!r} in the dtype, got {self.dtype}"
             )
+        if name_prefix is not None:
+            _check_prefix(name_prefix)
+        _check_user(user)
         given_block = span_block
         span_block = checked_block(span_block, metadata_layout)
         self.layout = metadata_layout if metadata else "per_token"
@@ -195,6 +205,9 @@ class Writer:
         # Where the document being written in pieces began, and its last record.
         self._doc_mark: tuple[list[int], list[Any], list[Any]] | None = None
         self._tail: bytes | None = None
+        # shards finished but not in the manifest yet (its write failed: the next
+        # publish, or close, lists them)
+        self._pending: list[ShardInfo] = []
         self._closed = False
 
     def _name(self, seq: int) -> str:
@@ -240,7 +253,8 @@ class Writer:
                 name to a 1-D array (missing fields are 0).
             spans: for a dataset with metadata, ``(start, stop, payload)`` per
                 metadata record: rows ``[start, stop)`` of this document get
-                that record (``payload`` is bytes, stored as is). Spans must not
+                that record (``start``, ``stop`` integers; ``payload`` bytes or
+                another buffer, stored as is: a ``str`` or an ``int`` is refused). Spans must not
                 overlap; rows outside every span have no metadata. For a
                 piece, the spans are relative to the piece.
             end: whether these rows end the document (``False``: the next
@@ -252,10 +266,10 @@ class Writer:
         n = len(arr)
         payloads: list[bytes] = []
         runs: tuple[np.ndarray, np.ndarray] | None = None
-        ordered = sorted(spans or (), key=lambda s: s[0])
+        ordered = sorted((_span(s) for s in spans or ()), key=lambda s: s[0])
         # A piece whose first record is the one the previous piece ended with goes on
         # with that record (one record, one run), not a copy of it.
-        cont = bool(ordered) and ordered[0][0] == 0 and self._tail == bytes(ordered[0][2])
+        cont = bool(ordered) and ordered[0][0] == 0 and self._tail == ordered[0][2]
         if self.metadata and self.layout in ("spans", "blocks"):
             starts: list[int] = []
             records: list[int] = []
@@ -277,7 +291,7 @@ class Writer:
                     records.append(CONTINUED)
                     continue
                 records.append(len(payloads))  # renumbered to shard ids below
-                payloads.append(bytes(payload))
+                payloads.append(payload)
                 if self.layout == "blocks" and len(payloads[-1]) > MAX_RECORD:
                     raise ValueError(
                         f"span [{start}, {stop}): a record of {len(payloads[-1])} bytes; at most "
@@ -301,7 +315,7 @@ class Writer:
                     ids[start:stop] = CONTINUED
                     continue
                 ids[start:stop] = len(payloads)  # renumbered to shard ids below
-                payloads.append(bytes(payload))
+                payloads.append(payload)
         elif spans:
             raise ValueError("spans given, but the dataset was opened with metadata=False")
         nbytes = n * self.dtype.itemsize
@@ -349,7 +363,7 @@ class Writer:
         if self._doc_mark is None:
             self._doc_mark = mark
         last = ordered[-1] if ordered else None
-        self._tail = bytes(last[2]) if last is not None and last[1] == n else None
+        self._tail = last[2] if last is not None and last[1] == n else None
 
     def discard(self) -> None:
         """Drop the pieces of the document not ended yet (written with ``end=False``)."""
@@ -431,8 +445,11 @@ class Writer:
                 current.user.update(self._user)
                 self.manifest = current
             if info is not None:
-                self.manifest.shards.append(info)
-            write_manifest(self.path, self.manifest)
+                self._pending.append(info)
+            listed = dataclasses.replace(self.manifest, shards=[*self.manifest.shards])
+            listed.shards.extend(self._pending)
+            write_manifest(self.path, listed)
+            self.manifest, self._pending = listed, []
             self._seen = _version(self.path / MANIFEST)
 
     def flush(self) -> None:
@@ -444,17 +461,21 @@ class Writer:
     def close(self) -> None:
         """Publish what was written and release the files (idempotent).
 
-        The pieces of a document not ended are dropped (``discard``).
+        The pieces of a document not ended are dropped (``discard``). When
+        the manifest cannot be written (a full disk), ``close`` raises and
+        may be called again: the shards finished are listed then.
         """
         if self._closed:
             return
-        self._closed = True
+        self.discard()
         try:
-            self.discard()
-            self._close_shard()
+            self._close_shard()  # (a shard whose listing failed stays pending)
         finally:
-            if not (self.path / MANIFEST).exists():
+            if not self._pending and not (self.path / MANIFEST).exists():
                 self._publish(None)  # an empty dataset is still a dataset
+        if self._pending:  # (listings that failed before)
+            self._publish(None)
+        self._closed = True
 
     def __enter__(self) -> Self:
         return self
@@ -468,6 +489,70 @@ class Writer:
         # Every document ended so far is whole (write validates first), so
         # they are published even when the block raised.
         self.close()
+
+
+def _span(span: Any) -> Span:
+    """A ``(start, stop, payload)`` of ``write`` as ints and bytes: TypeError for
+    bounds that are not integers (a float was truncated) or a payload that is not
+    bytes (an int ``n`` became ``n`` zero bytes)."""
+    try:
+        start, stop, payload = span
+    except (TypeError, ValueError):
+        raise TypeError(f"a span is (start, stop, payload), got {span!r}") from None
+    try:
+        bounds = operator.index(start), operator.index(stop)
+    except TypeError:
+        raise TypeError(
+            f"span ({start!r}, {stop!r}, ...): start and stop must be integers"
+        ) from None
+    if isinstance(payload, str):
+        raise TypeError(
+            f"span [{bounds[0]}, {bounds[1]}): the payload is a str; records are bytes "
+            "(encode it, e.g. text.encode() or json.dumps(...).encode())"
+        )
+    try:
+        data = bytes(memoryview(payload))
+    except TypeError:
+        raise TypeError(
+            f"span [{bounds[0]}, {bounds[1]}): the payload must be bytes (or a buffer), "
+            f"got {type(payload).__name__}"
+        ) from None
+    return bounds[0], bounds[1], data
+
+
+def _check_prefix(prefix: Any) -> None:
+    """ValueError for a ``name_prefix`` that would put shards outside the
+    directory, in a subdirectory, or among the writer's hidden temporaries."""
+    if not isinstance(prefix, str):
+        raise TypeError(f"name_prefix must be a str, got {type(prefix).__name__}")
+    problem = (
+        "is empty"
+        if not prefix
+        else "contains a NUL character"
+        if "\0" in prefix
+        else "contains '/': shards go in the dataset's directory itself"
+        if "/" in prefix
+        else "starts with '.', as the writer's temporary files do"
+        if prefix.startswith(".")
+        else None
+    )
+    if problem is not None:
+        raise ValueError(f"name_prefix {prefix!r} {problem}")
+
+
+def _check_user(user: Any) -> None:
+    """TypeError or ValueError, before anything is written, for a ``user`` that
+    the manifest cannot hold: not a mapping, or not JSON (a set, NaN)."""
+    if user is None:
+        return
+    if not isinstance(user, Mapping):
+        raise TypeError(f"user must be a mapping (a JSON object), got {type(user).__name__}")
+    try:
+        json.dumps(dict(user), allow_nan=False)
+    except RecursionError:
+        raise ValueError("user is nested too deeply for the manifest's JSON") from None
+    except (TypeError, ValueError) as e:  # (a set, NaN or an infinity: not JSON)
+        raise type(e)(f"user is not JSON the manifest can hold: {e}") from None
 
 
 def _version(path: Path) -> tuple[int, ...] | None:

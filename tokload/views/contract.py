@@ -98,7 +98,7 @@ arrays with the group, and hands a task's gathered ones back to
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -115,6 +115,20 @@ RESERVED_KEYS = ("index", "position")
 ATTENTION_KEYS = ("position_ids", "segment_ids", "loss_mask", "cu_seqlens", "max_seqlen")
 """The attention keys that make each document attend only to itself
 (``TokenStream(boundaries=...)``, ``Fill(attention=...)``)."""
+
+
+def refuse_field_names(
+    description: str, fields: Sequence[str], keys: Collection[str], who: str, hint: str = ""
+) -> None:
+    """ValueError, naming the source, when one of ``fields`` has the name of one
+    of ``keys``, which ``who`` adds to each batch: the batch's own array would
+    replace the field's values, silently."""
+    clash = [f for f in fields if f in keys]
+    if clash:
+        raise ValueError(
+            f"{description}: a field named {clash[0]!r}, a key {who} adds to each batch: "
+            f"its values would be replaced by the batch's own (rename the field{hint})"
+        )
 
 
 @runtime_checkable

@@ -19,8 +19,11 @@ from tokload.format import (
     METADATA_FIELD,
 )
 from tokload.views.base import DataLike, _check_out, _field_layout
-from tokload.views.contract import Alloc
+from tokload.views.contract import Alloc, refuse_field_names
 from tokload.views.windows import _Windows
+
+METADATA_KEYS = ("metadata_positions", "metadata_bytes", "metadata_offsets", "metadata")
+"""The keys a stream with metadata adds to each batch beside its fields."""
 
 
 @dataclass
@@ -137,6 +140,9 @@ class StreamWithMetadata(_Windows):
         super().__init__(data, window, stride, storage_options)
         if self.source.meta is None and self.source.spans is None:
             raise FormatError(f"{self.source.description} has no metadata")
+        refuse_field_names(
+            self.source.description, self.source.dtype.names or (), METADATA_KEYS, "the view"
+        )
         self.deserialize = deserialize or bytes
         self._local = threading.local()  # per reader thread: the span reader's scratch
         self._hint_lock = ForkSafeLock()  # a forked child never finds it held

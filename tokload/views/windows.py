@@ -14,7 +14,13 @@ from tokload._rows import split_fields
 from tokload.arguments import positive_integer
 from tokload.errors import FormatError
 from tokload.views.base import DataLike, Fields, ReadPart, View, _check_rows_out, _field_layout
-from tokload.views.contract import ATTENTION_KEYS, Alloc, attention_keys, check_step_tokens
+from tokload.views.contract import (
+    ATTENTION_KEYS,
+    Alloc,
+    attention_keys,
+    check_step_tokens,
+    refuse_field_names,
+)
 
 
 def window_part(
@@ -262,6 +268,13 @@ class TokenStream(WindowBoundaries, _Windows):
     ) -> None:
         super().__init__(data, window, stride, storage_options)
         self._set_boundary_keys(_boundary_keys(boundaries))
+        refuse_field_names(
+            self.source.description,
+            self.source.dtype.names or (),
+            self.boundary_keys,
+            "boundaries=",
+            ", or leave it out of boundaries=[...]",
+        )
         if self.with_boundaries:
             docs = self.source.docs
             if docs is None or docs.total == 0:
