@@ -1243,6 +1243,46 @@ def test_keys_given_in_any_spelling_come_before_a_profile(
     assert provider is not None and "the AWS profile 'default'" in where
 
 
+@pytest.mark.parametrize(
+    ("profile", "env", "region"),
+    [
+        ("lab", {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}, "eu-central-1"),
+        (None, {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}, "eu-west-1"),
+        ("lab", {}, "eu-central-1"),
+        ("lab", {"AWS_DEFAULT_REGION": "ap-south-1"}, None),
+        ("lab", {"AWS_REGION": "ap-south-1"}, None),
+    ],
+)
+def test_the_profile_region_is_used_wherever_the_keys_come_from(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    profile: str | None,
+    env: dict[str, str],
+    region: str | None,
+) -> None:
+    """review51: with keys in the environment (or web identity, a task role), the
+    region of ``~/.aws/config``'s profile was ignored and requests were signed for
+    us-east-1, as the AWS CLI does not; a region in the environment still wins
+    (object_store reads it there itself)."""
+    from tokload.remote.client import _aws_credentials
+
+    _profile_only(monkeypatch, tmp_path, profile)
+    (tmp_path / "config").write_text(
+        "[default]\nregion = eu-west-1\n[profile lab]\nregion = eu-central-1\n"
+    )
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    config: dict[str, Any] = {}
+    _aws_credentials(config)
+    assert config.get("region") == region
+    config = {"region": "us-west-2"}  # given: kept
+    _aws_credentials(config)
+    assert config == {"region": "us-west-2"}
+    (tmp_path / "config").write_text("[default\nregion = x\n")
+    with pytest.raises(RemoteAccessError, match=r"config"):  # (named; by boto3 or here)
+        _aws_credentials({})
+
+
 def test_an_unknown_profile_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _profile_only(monkeypatch, tmp_path, "nosuch")
     with pytest.raises(

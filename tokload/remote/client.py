@@ -31,6 +31,7 @@ by the client's own threads; the answers wake the fetcher's event loop through i
 from __future__ import annotations
 
 import asyncio
+import configparser
 import os
 import re
 import urllib.parse
@@ -171,6 +172,43 @@ def _option(config: dict[str, Any], *names: str) -> Any:
     return None
 
 
+def _aws_files() -> list[str]:
+    """The AWS CLI's config and credentials files, where it reads them."""
+    home, env = os.path.expanduser("~"), os.environ
+    return [
+        env.get("AWS_CONFIG_FILE", os.path.join(home, ".aws", "config")),
+        env.get("AWS_SHARED_CREDENTIALS_FILE", os.path.join(home, ".aws", "credentials")),
+    ]
+
+
+def _profile_region(config: dict[str, Any]) -> None:
+    """Set ``config``'s region from the AWS profile's (``AWS_PROFILE``, else
+    ``default``, in ``~/.aws/config``) where neither ``config`` nor the environment
+    (``AWS_REGION``, ``AWS_DEFAULT_REGION``) gives one, as the AWS CLI does whatever
+    the credentials' source is (keys in the environment signed requests for
+    us-east-1 while the profile named another region)."""
+    env = os.environ
+    if _option(config, "region", "default_region") or env.get("AWS_REGION"):
+        return
+    if env.get("AWS_DEFAULT_REGION"):
+        return
+    path = _aws_files()[0]
+    if not os.path.isfile(path):
+        return
+    profile = env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE") or "default"
+    parser = configparser.RawConfigParser()
+    try:
+        parser.read(path, encoding="utf-8")
+    except (configparser.Error, UnicodeDecodeError) as e:
+        raise RemoteAccessError(f"{path}: not an AWS config file ({first_line(e)})") from None
+    sections = ["default", "profile default"] if profile == "default" else [f"profile {profile}"]
+    for section in sections:
+        region = parser.get(section, "region", fallback="").strip()
+        if region:
+            config["region"] = region
+            return
+
+
 def _aws_credentials(config: dict[str, Any]) -> tuple[Any, str]:
     """Where an S3 store's credentials come from: ``(credential provider or None, source)``.
 
@@ -180,8 +218,10 @@ def _aws_credentials(config: dict[str, Any]) -> tuple[Any, str]:
     where none of the first three is there and a profile is (``AWS_PROFILE``,
     ``~/.aws/config`` or ``~/.aws/credentials``), boto3's session provides the
     credentials (profiles, SSO, ``credential_process``, assumed roles; refreshed
-    as they expire), and the profile's region is used unless one is set.
+    as they expire). The profile's region is used unless one is set, wherever the
+    credentials come from (``_profile_region``).
     """
+    _profile_region(config)
     if str(_option(config, "skip_signature")).lower() == "true":
         return None, "nowhere (skip_signature: unsigned requests)"
     if _option(config, "access_key_id", "secret_access_key") is not None:
@@ -195,11 +235,7 @@ def _aws_credentials(config: dict[str, Any]) -> tuple[Any, str]:
         "AWS_CONTAINER_CREDENTIALS_FULL_URI"
     ):
         return None, "the container's task role (AWS_CONTAINER_CREDENTIALS_*)"
-    home = os.path.expanduser("~")
-    files = [
-        env.get("AWS_CONFIG_FILE", os.path.join(home, ".aws", "config")),
-        env.get("AWS_SHARED_CREDENTIALS_FILE", os.path.join(home, ".aws", "credentials")),
-    ]
+    files = _aws_files()
     profile = env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE")
     if profile or any(os.path.isfile(f) for f in files):
         try:
@@ -221,11 +257,6 @@ def _aws_credentials(config: dict[str, Any]) -> tuple[Any, str]:
                 f"files read: {', '.join(files)}"
             ) from None
         if found:
-            no_region = not _option(config, "region", "default_region") and not (
-                env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
-            )
-            if no_region and session.region_name:
-                config["region"] = session.region_name
             method = getattr(creds, "method", None)
             if method in ("iam-role", "container-role"):
                 # (as the AWS CLI does: a profile of a region alone, on EC2)
