@@ -15,6 +15,7 @@ import hashlib
 import json
 import pickle
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -1159,6 +1160,45 @@ def test_thirty_processes_that_fail_mid_read_all_exit_cleanly(
     assert [c for c, _ in codes] == [1] * 30, codes
     assert all("the trainer failed" in e and "still in flight" not in e for _, e in codes)
     assert s3.proxy.faults_done["delay"] >= 30
+
+
+def test_a_process_that_fails_while_the_store_hangs_abandons_its_reads(
+    s3: LocalS3, corpus: tuple[Path, str]
+) -> None:
+    """review51: at exit, reader threads waited up to 10 s for reads the fetcher kept
+    retrying (their batches alive, GETs sent again after each timeout), then the
+    process finalized with GETs in flight ("the process may abort"): 20 s with
+    ``timeout=5``, 45 s by default, where the guide says the longest timeout plus 5 s.
+    The reads in progress are abandoned first now: no GET is sent after, and the exit
+    waits only for those already sent."""
+    _, url = corpus
+    assert s3.proxy is not None
+    script = (
+        "import sys, time, tokload\n"
+        "view = tokload.TokenStream(sys.argv[1], 300, storage_options={'timeout': 2})\n"
+        "it = iter(tokload.DataLoader(view, 4, num_threads=2, device=None))\n"
+        "next(it)\n"
+        "print('first', flush=True)\n"
+        "time.sleep(1.0)\n"  # (the parent makes the store hang meanwhile)
+        "for _ in range(10**6): next(it)\n"  # (its reads all hang: interrupted below)
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, url], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == b"first\n"
+    s3.proxy.inject("delay", times=-1, match="GET .rows", seconds=120)
+    time.sleep(2.5)  # every reader inside a read that hangs, retried after 2 s
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    took = time.monotonic() - t0
+    text = err.decode()
+    assert "KeyboardInterrupt" in text, text[-2000:]
+    assert "still inside a read" not in text and "still in flight" not in text, text[-2000:]
+    assert took < 2 + 5, (took, text[-2000:])  # (the longest timeout plus 5 s, the guide's)
+    sent = s3.proxy.seen["GET"]
+    time.sleep(3)  # (no GET of the ended process arrives later)
+    assert s3.proxy.seen["GET"] == sent
 
 
 def test_the_command_line_takes_urls(

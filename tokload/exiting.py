@@ -9,9 +9,12 @@ aborts (SIGABRT, "terminate called without an active exception") after a run
 that did all its work, as a script that leaves its loop without
 ``loader.close()`` did. So, at exit:
 
-1. ``READERS``: the DataLoader's reader threads are told to stop and joined
+1. ``FETCHES``: the object-store reads in progress are abandoned: their batches
+   fail and no GET is sent after this (``tokload.remote.fetch``), so that no
+   reader thread waits on a store that answers slowly or not at all;
+2. ``READERS``: the DataLoader's reader threads are told to stop and joined
    (``tokload.prefetch``): no read starts after this;
-2. ``CLIENT``: the object-store client's requests in flight complete and its
+3. ``CLIENT``: the object-store client's requests in flight complete and its
    threads leave Python (``tokload.remote.loop.quiesce``).
 
 ``atexit`` runs its handlers last registered first, and these modules register
@@ -27,9 +30,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-READERS = 0
+FETCHES = 0
+"""Abandon the object-store reads in progress (no new GET)."""
+READERS = 1
 """Stop the reader threads (no new reads)."""
-CLIENT = 1
+CLIENT = 2
 """Let the object-store client's threads leave Python."""
 
 _steps: list[tuple[int, int, Callable[[], Any]]] = []

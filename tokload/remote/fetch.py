@@ -137,6 +137,32 @@ def _start(batch: Any) -> None:
     _BatchFetch(batch)
 
 
+def _abandoned_error(what: str) -> SystemExit:
+    """The error of a read abandoned at exit: ``SystemExit`` itself, so that the
+    thread that waited on it (a user's own, reading a view) ends without a
+    traceback, as threading passes over ``SystemExit`` (that type exactly), and no
+    ``except Exception`` in its code takes it for a failed read to retry."""
+    return SystemExit(f"the process is exiting: {what}")
+
+
+_live: set[_BatchFetch] = set()
+"""The batches not ended (event loop thread): one entry a batch, none a GET."""
+
+_abandoned = False
+"""Whether the process is exiting: no batch starts and no GET is sent any more."""
+
+
+def _abandon() -> None:
+    """At exit (``loop.serve_batches``, on the loop thread): every batch not ended
+    fails, so its reader returns at once, and none is started after; their GETs in
+    flight run to their end (``loop.quiesce`` waits for them) and none is sent or
+    retried after (an ended batch launches nothing)."""
+    global _abandoned
+    _abandoned = True
+    for b in list(_live):
+        b._fail(_abandoned_error("the object-store read was abandoned"), 0)
+
+
 class _Limit:
     """How many GETs the process keeps in flight, from the latency the GETs show.
 
@@ -393,6 +419,9 @@ class _BatchFetch:
         except BaseException as e:
             self._fail(e, getattr(e, "request", 0))
             return
+        if _abandoned:
+            self._fail(_abandoned_error("no object-store read starts"), 0)
+            return
         n = len(self.gets)
         self.bodies: list[Any] = [None] * n
         self.attempts = [0] * n
@@ -403,6 +432,7 @@ class _BatchFetch:
         if n == 0:
             self._finish()
         else:
+            _live.add(self)
             _flow.add(self)
 
     def launch(self) -> None:
@@ -516,11 +546,13 @@ class _BatchFetch:
             for i in g.requests(k):
                 out[i] = mv[offsets[i] - start : offsets[i] - start + lengths[i]]
         self.ended = True
+        _live.discard(self)
         self.bodies = []
         self.batch.finish(out)
 
     def _fail(self, e: BaseException, request: int) -> None:
         self.ended = True
+        _live.discard(self)
         self.batch.fail(e, request)
 
 
@@ -544,4 +576,4 @@ def _read(fut: asyncio.Future[Any]) -> None:
     b._read(b.asked.pop(fut), fut)
 
 
-loop.serve_batches(_start)
+loop.serve_batches(_start, _abandon)

@@ -56,11 +56,37 @@ class _Loop(asyncio.SelectorEventLoop):
     call_soon_threadsafe = _remote.loop_call_soon_threadsafe  # type: ignore[assignment]
 
 
-def serve_batches(start: Callable[[Any], None]) -> None:
+def serve_batches(start: Callable[[Any], None], abandon: Callable[[], None]) -> None:
     """What the loop does with each batch (``_remote.Batch``) a reader hands over:
-    ``start(batch)``, which must end the batch, now or later (``tokload.remote.fetch``)."""
-    global _start_batch
-    _start_batch = start
+    ``start(batch)``, which must end the batch, now or later; and at exit,
+    ``abandon()``, which must end every batch not ended and send no GET after
+    (``tokload.remote.fetch``)."""
+    global _start_batch, _abandon
+    _start_batch, _abandon = start, abandon
+
+
+_abandon: Callable[[], None] | None = None
+
+ABANDON_S = 2.0
+"""How long the exit waits, at most, for the loop to abandon its batches."""
+
+
+def _abandon_at_exit() -> None:
+    """At exit, first: the loop abandons the reads in progress (``serve_batches``), so
+    that reader threads waiting on one return at once, and sends no GET after."""
+    if _loop is None or _loop_pid != os.getpid() or _abandon is None:
+        return
+    done = threading.Event()
+
+    def abandon() -> None:
+        try:
+            if _abandon is not None:
+                _abandon()
+        finally:
+            done.set()
+
+    _loop.call_soon_threadsafe(abandon)
+    done.wait(ABANDON_S)
 
 
 def _on_wake() -> None:
@@ -86,6 +112,7 @@ def get_loop() -> asyncio.AbstractEventLoop:
             loop.add_reader(efd, _on_wake)
             threading.Thread(target=loop.run_forever, name="tokload-remote", daemon=True).start()
             if _loop is None:
+                exiting.at_exit(exiting.FETCHES, _abandon_at_exit)
                 exiting.at_exit(exiting.CLIENT, quiesce)
             _loop, _loop_pid = loop, os.getpid()
         return _loop
