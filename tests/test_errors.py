@@ -433,6 +433,51 @@ def test_a_field_named_as_a_key_the_view_adds_is_refused(tmp_path: Path) -> None
     tokload.TokenStream(p, window=4)
 
 
+def test_a_megatron_index_out_of_bin_order_is_refused_for_boundaries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """review52: an .idx whose sequences start at rows 0, 6, 8, 2 (Megatron's reader and
+    Documents read each one) gave windows with boundaries= whose position_ids missed
+    the document at row 2, silently; a search that came across the disorder raised
+    an error naming no file."""
+    import struct
+
+    np.arange(16, dtype=np.uint16).tofile(tmp_path / "m.bin")
+    lens = np.full(4, 4, np.int32)
+    ptrs = np.array([0, 12, 16, 4], np.int64)  # byte pointers: rows 0, 6, 8, 2
+    with open(tmp_path / "m.idx", "wb") as f:
+        f.write(struct.pack("<9sQBQQ", b"MMIDIDX\x00\x00", 1, 8, 4, 5))
+        f.write(lens.tobytes() + ptrs.tobytes() + np.arange(5, dtype=np.int64).tobytes())
+    docs: Any = Documents(tmp_path / "m")
+    assert docs[3].tolist() == [2, 3, 4, 5]
+    with pytest.raises(
+        CorruptDataError,
+        match=r"m\.idx: sequence 3 starts at row 2, before sequence 2 \(row 8\): windows "
+        r"with boundaries= need the sequences in the order of the \.bin",
+    ):
+        tokload.TokenStream(tmp_path / "m", window=8, boundaries=True)
+    # an index not held in memory: what a search comes across names the source
+    ptrs[:] = [0, 16, 8, 24]  # rows 0, 8, 4, 12
+    with open(tmp_path / "m.idx", "r+b") as f:
+        f.seek(34 + 16)
+        f.write(ptrs.tobytes())
+    monkeypatch.setenv("TOKLOAD_INDEX_MEMORY", "0")
+    view = tokload.TokenStream(tmp_path / "m", window=16, boundaries=True)
+    with pytest.raises(CorruptDataError, match=r"m: the document index is not sorted by row"):
+        view.read_batch(np.arange(1), np.empty)
+
+
+def test_a_megatron_prefix_that_ends_in_bin(tmp_path: Path) -> None:
+    """review52: ``open_megatron("corpus.bin")`` read the pair corpus.bin.bin and
+    corpus.bin.idx, but ``Documents("corpus.bin")`` took ``.bin`` for the data file's
+    suffix and found no dataset there."""
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"corpus.bin{ext}").write_bytes((MEGATRON / f"tiny_uint16{ext}").read_bytes())
+    want = len(Documents(MEGATRON / "tiny_uint16"))
+    for name in ("corpus.bin", "corpus.bin.idx", "corpus.bin.bin"):
+        assert len(Documents(tmp_path / name)) == want
+
+
 def test_bad_megatron_files(tmp_path: Path) -> None:
     for ext in (".bin", ".idx"):
         (tmp_path / f"t{ext}").write_bytes((MEGATRON / f"tiny_uint16{ext}").read_bytes())

@@ -429,6 +429,41 @@ def test_flat_files_npy_and_bin(tmp_path: Path) -> None:
         tokload.open_flat(tmp_path / "a.bin")
 
 
+@pytest.mark.filterwarnings("ignore:Stored array in format")
+def test_npy_headers_of_every_version_and_damaged_ones(tmp_path: Path) -> None:
+    """review52: a version 3.0 header (``np.save`` of field names outside Latin-1) was
+    decoded as Latin-1: the batch's keys were mojibake; a header over 64 KiB was "not
+    a .npy file"; a negative shape raised OverflowError naming no file; a 2-D
+    ``doc_index`` was called a token file."""
+    rows = np.zeros(6, dtype=[("词", "<u4"), ("label", "<u2")])
+    rows["词"], rows["label"] = np.arange(6), 7
+    np.save(tmp_path / "v3.npy", rows)
+    assert (tmp_path / "v3.npy").read_bytes()[6:8] == bytes([3, 0])
+    src = tokload.open_flat(tmp_path / "v3.npy")
+    assert src.dtype.names == ("词", "label")
+    got: Any = TokenStream(src, window=3).read([1])
+    assert got["词"].tolist() == [[3, 4, 5]] and got["label"].tolist() == [[7, 7, 7]]
+    wide = np.zeros(2, dtype=[(f"f{k:04d}", "<u2") for k in range(4000)])  # a 70 KiB header
+    wide["f3999"] = [5, 6]
+    np.save(tmp_path / "wide.npy", wide)
+    assert tokload.open_flat(tmp_path / "wide.npy").dtype == wide.dtype
+    np.save(tmp_path / "neg.npy", np.arange(4, dtype=np.uint32))
+    raw = (tmp_path / "neg.npy").read_bytes().replace(b"(4,)", b"(-4,)", 1)
+    (tmp_path / "neg.npy").write_bytes(raw)
+    with pytest.raises(tokload.FormatError, match=r"neg.npy: the header promises -4 rows"):
+        tokload.open_flat(tmp_path / "neg.npy")
+    (tmp_path / "v9.npy").write_bytes(b"\x93NUMPY\x09\x00" + raw[8:])
+    with pytest.raises(tokload.FormatError, match=r"v9.npy: not a .npy file: format version 9"):
+        tokload.open_flat(tmp_path / "v9.npy")
+    (tmp_path / "cut.npy").write_bytes(raw[:40])
+    with pytest.raises(tokload.FormatError, match=r"cut.npy: not a .npy file: .*cut short"):
+        tokload.open_flat(tmp_path / "cut.npy")
+    np.arange(4, dtype=np.uint32).tofile(tmp_path / "t.bin")
+    np.save(tmp_path / "idx.npy", np.zeros((2, 2), dtype=np.uint64))
+    with pytest.raises(tokload.FormatError, match=r"idx.npy: a document index must be 1-D"):
+        tokload.open_flat(tmp_path / "t.bin", np.uint32, doc_index=tmp_path / "idx.npy")
+
+
 def test_an_eos_cache_is_not_used_for_a_copy_that_kept_an_older_mtime(tmp_path: Path) -> None:
     """``cp -p``, ``rsync -a`` and ``tar x`` keep a file's older mtime; its ctime still
     says it changed after the cache was written, so the cache is recomputed."""

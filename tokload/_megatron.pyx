@@ -67,6 +67,31 @@ cdef class MegatronIndex(ExtentIndex):
                     self._table = (starts, lengths)
             return self._table
 
+    def check_sorted(self):
+        """``CorruptDataError`` naming the ``.idx`` where a sequence starts before the
+        one listed before it: ``boundaries=`` find a window's documents by a search
+        of the starts, which needs them in the ``.bin``'s order (Megatron's own
+        reader, one sequence at a time, does not, and neither do ``Documents``).
+        Checked once, where the index is held in memory; otherwise a batch's search
+        refuses what it comes across."""
+        if not (self.in_memory and self.total > 1):
+            return
+        table = self._loaded()
+        if table is False:
+            return
+        starts = table[0]
+        for a in range(0, self.total - 1, _LOAD_CHUNK):  # (bounded scratch memory)
+            e = min(a + _LOAD_CHUNK, self.total - 1)
+            bad = np.flatnonzero(starts[a + 1:e + 1] < starts[a:e])
+            if len(bad):
+                k = a + int(bad[0]) + 1
+                raise CorruptDataError(
+                    f"{self.file.paths[0]}: sequence {k} starts at row {int(starts[k])}, "
+                    f"before sequence {k - 1} (row {int(starts[k - 1])}): windows with "
+                    "boundaries= need the sequences in the order of the .bin (Documents "
+                    "read them in any order)"
+                )
+
     def _what(self):
         return "sequence"
 

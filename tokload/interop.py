@@ -16,7 +16,7 @@ before it is opened.
 
 from __future__ import annotations
 
-import io
+import ast
 import os
 import stat as statmod
 import struct
@@ -145,31 +145,44 @@ def _has_npy_magic(loc: Location, path: str) -> bool:
 
 
 def _npy_layout(loc: Location, path: str, what: str) -> tuple[np.dtype[Any], int, int]:
-    """(dtype, rows, data offset) of a 1-D ``.npy`` file, from its header alone."""
+    """(dtype, rows, data offset) of a 1-D ``.npy`` file, from its header alone
+    (versions 1.0 and 2.0, Latin-1, and 3.0, UTF-8: what ``np.save`` writes for
+    field names outside Latin-1; a header of any length)."""
     size = loc.size(path, what)
-    with io.BytesIO(_read_head(loc, path, what, 1 << 16)) as f:
-        try:
-            version = np.lib.format.read_magic(f)
-            reader = (
-                np.lib.format.read_array_header_1_0
-                if version == (1, 0)
-                else np.lib.format.read_array_header_2_0
+    head = _read_head(loc, path, what, 12)
+    try:
+        if len(head) < 10 or head[:6] != b"\x93NUMPY":
+            raise ValueError("the magic string is not \\x93NUMPY")
+        version = (head[6], head[7])
+        if version not in ((1, 0), (2, 0), (3, 0)):
+            raise ValueError(f"format version {version[0]}.{version[1]} is not one NumPy writes")
+        start = 10 if version == (1, 0) else 12
+        if len(head) < start:
+            raise ValueError("the header is cut short")
+        (length,) = struct.unpack("<H" if version == (1, 0) else "<I", head[8:start])
+        text = _read_head(loc, path, what, start + length)[start:]
+        if len(text) < length:
+            raise ValueError(f"the header is cut short ({len(text)} of its {length} bytes)")
+        header = ast.literal_eval(text.decode("utf-8" if version == (3, 0) else "latin-1"))
+        if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
+            raise ValueError(f"the header is not the dict of a .npy file: {header!r}")
+        shape = header["shape"]
+        if not isinstance(shape, tuple) or not all(isinstance(x, int) for x in shape):
+            raise ValueError(f"the header's shape is not a tuple of integers: {shape!r}")
+        dtype = np.lib.format.descr_to_dtype(header["descr"])
+    except Exception as e:  # (a malformed header: ValueError, SyntaxError, TypeError ...)
+        hint = ""
+        if not _has_npy_magic(loc, path):
+            hint = (
+                "; a headerless token file named .npy (as OLMo-core and dolma write "
+                "them) is read with tokload.open_flat(path, dtype=...)"
             )
-            shape, _fortran, dtype = reader(f)
-        except Exception as e:  # numpy's header parser raises ValueError, SyntaxError, ...
-            hint = ""
-            if not _has_npy_magic(loc, path):
-                hint = (
-                    "; a headerless token file named .npy (as OLMo-core and dolma write "
-                    "them) is read with tokload.open_flat(path, dtype=...)"
-                )
-            raise FormatError(f"{path}: not a .npy file: {e}{hint}") from None
-        offset = f.tell()
+        raise FormatError(f"{path}: not a .npy file: {e}{hint}") from None
+    offset = start + length
     if len(shape) != 1:
-        raise FormatError(f"{path}: a token file must be 1-D, got shape {shape}")
-    dtype = np.dtype(dtype)
-    rows = int(shape[0])
-    if dtype.itemsize == 0 or offset + rows * dtype.itemsize > size:
+        raise FormatError(f"{path}: a {what} must be 1-D, got shape {shape}")
+    rows = shape[0]
+    if rows < 0 or dtype.itemsize == 0 or offset + rows * dtype.itemsize > size:
         raise FormatError(
             f"{path}: the header promises {rows} rows of {dtype} after byte {offset}, "
             f"but the file has {size} bytes"

@@ -55,7 +55,9 @@ def _open_path(data: str | os.PathLike[str], storage_options: Mapping[str, Any] 
     if kind == "dataset":
         return open_dataset(path)
     if kind == "megatron":
-        return interop.open_megatron(path[:-4] if path.endswith((".idx", ".bin")) else path)
+        prefix = _megatron_prefix(path)
+        assert prefix is not None
+        return interop.open_megatron(prefix)
     if kind == "npy":
         return interop.open_flat(path)
     if os.path.isdir(path):
@@ -74,11 +76,21 @@ def local_kind(path: str) -> str | None:
     either file), ``"npy"`` (a ``.npy`` token file), or None."""
     if os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST)):
         return "dataset"
-    prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
-    if os.path.exists(prefix + ".idx"):
+    if _megatron_prefix(path) is not None:
         return "megatron"
     if path.endswith(".npy") and os.path.isfile(path):
         return "npy"
+    return None
+
+
+def _megatron_prefix(path: str) -> str | None:
+    """The Megatron prefix ``path`` names: itself where ``path.idx`` exists (a prefix
+    may end in ``.bin``), else ``path`` less its ``.bin``/``.idx`` (a file of the
+    pair); None where neither has an ``.idx``."""
+    if os.path.exists(path + ".idx"):
+        return path
+    if path.endswith((".idx", ".bin")) and os.path.exists(path[:-4] + ".idx"):
+        return path[:-4]
     return None
 
 

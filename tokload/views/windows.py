@@ -12,7 +12,7 @@ import numpy.typing as npt
 from tokload._docindex import boundary_arrays, split_cu_seqlens, window_cuts
 from tokload._rows import split_fields
 from tokload.arguments import positive_integer
-from tokload.errors import FormatError
+from tokload.errors import CorruptDataError, FormatError
 from tokload.views.base import DataLike, Fields, ReadPart, View, _check_rows_out, _field_layout
 from tokload.views.contract import (
     ATTENTION_KEYS,
@@ -188,7 +188,16 @@ class WindowBoundaries:
         starts, ncuts, cuts = self._window_cuts(indices)
         if whole and "cu_seqlens" in keys:
             check_step_tokens(len(starts), self.window)
-        return boundary_arrays(starts, self.window, ncuts, cuts, alloc, keys)
+        try:
+            got: tuple[dict[str, np.ndarray], np.ndarray, int] = boundary_arrays(
+                starts, self.window, ncuts, cuts, alloc, keys
+            )
+        except CorruptDataError as e:  # (an index out of order: say whose, where one is)
+            source = getattr(self, "source", None)
+            if source is None:
+                raise
+            raise CorruptDataError(f"{source.description}: {e}") from None
+        return got
 
     def boundaries(self, indices: npt.ArrayLike, alloc: Alloc = np.empty) -> dict[str, Any]:
         """Where documents start inside windows ``indices``, as attention metadata.
@@ -283,6 +292,9 @@ class TokenStream(WindowBoundaries, _Windows):
                     "and this source has none (flat files: open them with "
                     "tokload.open_flat(..., eos=...) or doc_index=)"
                 )
+            check_sorted = getattr(docs, "check_sorted", None)  # (a Megatron index's)
+            if check_sorted is not None:
+                check_sorted()
             first, _ = docs.extents([0])
             if int(first[0]) != 0:
                 raise FormatError(
@@ -295,15 +307,19 @@ class TokenStream(WindowBoundaries, _Windows):
         docs = self.source.docs
         if docs is None:
             raise ValueError(f"{self.source.description} has no document boundaries")
-        return window_cuts(
-            docs,
-            self._indices(indices),
-            self._lo,
-            len(self),
-            self.stride,
-            self.window,
-            self.source.num_rows,
-        )
+        try:
+            got: tuple[np.ndarray, np.ndarray, np.ndarray] = window_cuts(
+                docs,
+                self._indices(indices),
+                self._lo,
+                len(self),
+                self.stride,
+                self.window,
+                self.source.num_rows,
+            )
+        except CorruptDataError as e:  # (an index out of order: say whose)
+            raise CorruptDataError(f"{self.source.description}: {e}") from None
+        return got
 
     def __getitem__(self, i: int) -> Fields:
         out = self.read(self._index(i))
