@@ -930,6 +930,11 @@ def machine_line(doc: Doc) -> str:
     return "; ".join(parts)
 
 
+def _goal_state(g: Row) -> str:
+    """"met", or by how much the goal is missed."""
+    return "met" if g.get("met") else str(g.get("missed_by") or "missed")
+
+
 def goals_section(goals: list[Row]) -> str:
     body = []
     for g in goals:
@@ -1027,12 +1032,24 @@ def headline_rows(docs: dict[str, Doc]) -> list[list[str]]:
         )
     kept = _find(loader, label="tokload (1 thread)", group=_KEPT_GROUP)
     if kept:
+        meanwhile = next(
+            (
+                g
+                for g in docs.get("bench_loader", {}).get("goals", [])
+                if "delivers meanwhile" in str(g.get("what"))
+            ),
+            None,
+        )
+        rate_goal = (
+            f"; goal {meanwhile['target']} M, {_goal_state(meanwhile)}" if meanwhile else ""
+        )
         rows.append(
             [
                 "Main-thread Python loop kept while tokload loads",
                 pct(kept["loop_kept"]),
-                f"while delivering {mega(kept.get('tokens_per_s_meanwhile'), ' tokens/s')} "
-                "(goal: 97%)",
+                f"goal: 97%{' (over 100%: the noise of the run)' if kept['loop_kept'] > 1 else ''}"
+                f"; while delivering {mega(kept.get('tokens_per_s_meanwhile'), ' tokens/s')}"
+                f"{rate_goal}",
             ]
         )
     for g in docs.get("bench_cold", {}).get("goals", []):

@@ -9,7 +9,9 @@
 
 Opening reads headers only (the ``.idx`` header is 34 bytes; a ``.npy``
 header is one block) and, for the fingerprint, the first and last 4 KiB of
-each file; sequence pointers and lengths are read per access. Anything but a
+each file; sequence pointers and lengths are read once, when a batch first
+needs one, and held in memory within ``TOKLOAD_INDEX_MEMORY`` (else read per
+access). Anything but a
 regular file in a file's place (a FIFO, a device, a directory) is refused
 before it is opened.
 """

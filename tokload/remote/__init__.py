@@ -35,7 +35,8 @@ CLI's profiles (SSO, ``credential_process``) come from boto3's session as a
 credential provider.  Both are the optional extra ``tokload[cloud]``.  A plain
 ``http://`` endpoint (a local or on-premises S3-compatible server) is allowed.
 
-``storage_options`` (a dict, on every view, ``open_source``, ``tokload.build``)
+``storage_options`` (a dict, on every view, ``open_dataset``, ``open_megatron``,
+``open_flat``, ``tokload.build`` and ``tokload.merge``)
 overrides the environment: the store's own keys (``endpoint``, ``region``,
 ``access_key_id``, ``secret_access_key``, ``session_token``,
 ``skip_signature``, ... as obstore names them for the scheme) and these of

@@ -8,7 +8,7 @@ what its components are. One class per kind:
   them (the attention keys of ``boundaries=``);
 - ``RecordMix``: windows of ``StreamWithMetadata``s with their records;
 - ``DocumentMix``: documents (``Documents`` of any source, or a user's view
-  with the document contract of ``tokload.batching``), for the batching
+  with the document contract of ``tokload.views.contract``), for the batching
   policies.
 
 Each checks at construction that the components agree (window, dtype,
