@@ -298,16 +298,22 @@ segments = st.lists(
     epochs=st.integers(1, 3),
     seed=st.integers(0, 2**64 - 1),
     window=st.integers(5, 60),
+    block=st.sampled_from([1, 1, 2, 7, 64]),
 )
 def test_exactly_once_across_resumes_and_rescales(
-    corpus: Path, segs: list[Segment], epochs: int, seed: int, window: int
+    corpus: Path, segs: list[Segment], epochs: int, seed: int, window: int, block: int
 ) -> None:
     view = TokenStream(corpus, window=window, stride=max(1, window // 2))
     n = len(view)
 
     def make(**kw: Any) -> DataLoader:
         return DataLoader(
-            view, seed=seed, epochs=epochs, **kw, read=tokload.ReadOptions(prefetch=3)
+            view,
+            seed=seed,
+            epochs=epochs,
+            shuffle_block=block,
+            **kw,
+            read=tokload.ReadOptions(prefetch=3),
         )
 
     segs = [*segs, Segment(world_size=3, batch_size=4, steps=None)]  # finish the run
@@ -908,6 +914,57 @@ def test_len_is_the_number_of_steps_left(
         steps += 1
         at = sp[1]
     assert s.steps_left(c) == steps
+
+
+@given(
+    n=st.integers(1, 3000),
+    block=st.integers(1, 400),
+    seed=st.integers(0, 2**64 - 1),
+    epoch=st.integers(0, 5),
+)
+@settings(max_examples=200, deadline=None)
+def test_a_block_shuffle_is_a_permutation_of_whole_blocks_in_order(
+    n: int, block: int, seed: int, epoch: int
+) -> None:
+    """Every sample once an epoch; each block's samples in order, consecutive
+    positions; the blocks' order is the permutation of the blocks, the short one
+    (``n % block`` samples, numbered last) among them; block 1 is the plain shuffle."""
+    from tokload._permute import Permutation
+    from tokload.schedule import Schedule
+
+    s = Schedule(n, 4, seed=seed, shuffle_block=block)
+    got = s.indices(np.arange(epoch * n, (epoch + 1) * n, dtype=np.uint64))
+    assert sorted(got.tolist()) == list(range(n))
+    whole, rest = divmod(n, block)
+    sizes = [block] * whole + ([rest] if rest else [])
+    order = Permutation.for_epoch(len(sizes), seed, epoch)[:].tolist()
+    if block == 1:
+        assert got.tolist() == Permutation.for_epoch(n, seed, epoch)[:].tolist()
+    at = 0
+    for b in order:  # block b's samples, in order, at the slot the permutation gives it
+        assert got[at : at + sizes[b]].tolist() == list(range(b * block, b * block + sizes[b]))
+        at += sizes[b]
+
+
+def test_a_block_shuffle_is_recorded_and_checked_on_resume(corpus: Path) -> None:
+    view = TokenStream(corpus, window=9)
+    a = DataLoader(view, 4, seed=5, shuffle_block=16, device=None)
+    b = DataLoader(view, 4, seed=5, device=None)
+    state = a.state_dict()
+    assert state["shuffle_block"] == 16
+    with pytest.raises(StateError, match=r"saved for shuffle_block=16, this loader has "):
+        b.load_state_dict(state)
+    old = b.state_dict()
+    del old["shuffle_block"]  # (a state saved before the key: blocks of 1)
+    b.load_state_dict(old)
+    with pytest.raises(ValueError, match=r"shuffle_block=8 shuffles blocks .* shuffle=False"):
+        DataLoader(view, 4, shuffle=False, shuffle_block=8)
+    bad: Any
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=r"shuffle_block must be a positive integer"):
+            DataLoader(view, 4, shuffle_block=bad)
+    a.close()
+    b.close()
 
 
 def test_len_does_not_walk_the_steps(corpus: Path) -> None:

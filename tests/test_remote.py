@@ -1201,6 +1201,45 @@ def test_a_process_that_fails_while_the_store_hangs_abandons_its_reads(
     assert s3.proxy.seen["GET"] == sent
 
 
+@pytest.mark.parametrize("batching", [None, tokload.Fill(700)])
+def test_a_block_shuffle_reads_documents_with_fewer_gets(
+    corpus: tuple[Path, str], batching: Any
+) -> None:
+    """Shuffled documents of a few hundred tokens cost a GET each; with shuffle_block
+    a rank's documents of a step lie together and one GET serves several (merged
+    within merge_gap), for the same documents, each once."""
+    local, url = corpus
+
+    def epoch(view: Any, block: int) -> tuple[list[int], int]:
+        before = tokload.remote.counters()["gets"]
+        loader = DataLoader(
+            view,
+            8,
+            seed=4,
+            epochs=1,
+            shuffle_block=block,
+            batching=batching,
+            device=None,
+            read=tokload.ReadOptions(steps_per_task=1),  # (a task holds few documents)
+        )
+        seen: list[int] = []
+        for b in loader:
+            seen.extend(b["index"].tolist())
+        loader.close()
+        return seen, tokload.remote.counters()["gets"] - before
+
+    apart = {"merge_gap": 0}  # (the corpus is small: its shards would be read whole)
+    plain, plain_gets = epoch(Documents(url, storage_options=apart), 1)
+    blocks, block_gets = epoch(Documents(url, storage_options=apart), 32)
+    local_blocks, _ = epoch(Documents(local), 32)
+    assert sorted(plain) == sorted(blocks) == list(range(len(Documents(local))))
+    assert blocks == local_blocks and blocks != plain
+    if batching is None:
+        assert block_gets * 3 < plain_gets, (block_gets, plain_gets)
+    else:  # (best-fit fills a step's rows from the whole look-ahead group: fewer, not few)
+        assert block_gets < plain_gets, (block_gets, plain_gets)
+
+
 def test_the_command_line_takes_urls(
     s3: LocalS3, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

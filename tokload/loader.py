@@ -76,6 +76,13 @@ class DataLoader:
         seed: the run seed, an integer in [0, 2**64 - 1]; epoch ``e`` uses
             ``Permutation.for_epoch(n, seed, e)``.
         shuffle: False reads in order (evaluation: ``shuffle=False, epochs=1``).
+        shuffle_block: shuffle blocks of this many consecutive samples (each
+            block's samples in order) instead of single samples: a rank's samples
+            of a step then lie close together in the data, so that one request
+            of object storage serves several (documents of a few hundred tokens
+            otherwise cost a GET each). Default 1: every sample on its own. Every
+            sample still comes once an epoch; the state records the block, and a
+            resume with another is refused.
         rank: this rank. Default: from ``torch.distributed`` when it is
             initialized, else 0.
         world_size: the number of ranks. Default: from ``torch.distributed``
@@ -158,6 +165,7 @@ class DataLoader:
         batching: Batching | None = None,
         seed: int = 0,
         shuffle: bool = True,
+        shuffle_block: int = 1,
         rank: int | None = None,
         world_size: int | None = None,
         mesh: Any = None,
@@ -191,6 +199,12 @@ class DataLoader:
         if epochs is not None and (not is_integer(epochs) or epochs < 1):
             raise ValueError(f"epochs must be an integer >= 1 or None, got {epochs!r}")
         seed, rounds = seed_and_rounds(seed, rounds)
+        shuffle_block = positive_integer("shuffle_block", shuffle_block)
+        if shuffle_block > 1 and not shuffle:
+            raise ValueError(
+                f"shuffle_block={shuffle_block} shuffles blocks of samples; with "
+                "shuffle=False the samples come in order (leave shuffle_block at 1)"
+            )
         self.read = read
         # this loader's reads only: its reader threads read in this scope
         self._io = read.scope()
@@ -205,6 +219,7 @@ class DataLoader:
                 f"least that many samples, the view has {n}"
             )
         self.seed, self.shuffle, self.rounds = int(seed), bool(shuffle), int(rounds)
+        self.shuffle_block = int(shuffle_block)
         epochs = None if epochs is None else int(epochs)
         self.epochs, self.drop_last = epochs, bool(drop_last)
         self.total = None if epochs is None else epochs * n
@@ -227,6 +242,7 @@ class DataLoader:
             shuffle=self.shuffle,
             epochs=epochs,
             drop_last=self.drop_last,
+            shuffle_block=self.shuffle_block,
         )
         self.batching = resolve(batching, view)
         self._order = order
@@ -315,6 +331,7 @@ class DataLoader:
             "seed": self.seed,
             "rounds": self.rounds,
             "shuffle": self.shuffle,
+            "shuffle_block": self.shuffle_block,
             "fingerprint": self._fingerprint(self._cursor),
         }
 
@@ -333,7 +350,7 @@ class DataLoader:
         """Resume at ``state["cursor"]``; any world size and batch size may differ.
 
         Refuses (StateError) a state computed for another dataset, view size,
-        seed, rounds or shuffle setting, unless ``force=True``. Inside a running
+        seed, rounds, shuffle or shuffle_block setting, unless ``force=True``. Inside a running
         loop, the loop goes on from the state's cursor (as when setting
         ``cursor``).
         """
@@ -351,11 +368,13 @@ class DataLoader:
                 "seed": self.seed,
                 "rounds": self.rounds,
                 "shuffle": self.shuffle,
+                "shuffle_block": self.shuffle_block,
                 "fingerprint": self._fingerprint(cursor),
             }
             for key, value in mine.items():
-                if state.get(key) != value:
-                    saved, here = _shown_apart(state.get(key), value)
+                was = state.get(key, 1 if key == "shuffle_block" else None)  # (older states)
+                if was != value:
+                    saved, here = _shown_apart(was, value)
                     raise StateError(
                         f"the state was saved for {key}={saved}, this loader has "
                         f"{key}={here}; pass force=True to resume anyway"

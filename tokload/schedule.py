@@ -4,7 +4,12 @@ The one job of this module is the order of a training run (ARCHITECTURE.md,
 invariants 2-4), as pure arithmetic: it reads no data and holds no buffers.
 With ``n`` observations, position ``q >= 0`` is sample ``perm_e(q % n)`` of
 epoch ``e = q // n``, where ``perm_e = Permutation.for_epoch(n, seed, e,
-rounds)`` (the identity when ``shuffle=False``). The step at cursor ``c``
+rounds)`` (the identity when ``shuffle=False``). With ``shuffle_block = K > 1``
+the shuffle moves blocks of ``K`` consecutive samples instead (``block_sample``):
+the ``n // K`` whole blocks and the ``n % K`` samples left (a short block) are
+permuted by ``Permutation.for_epoch(blocks, seed, e, rounds)``, and each block's
+samples come in order, so that a rank's samples of one step lie close together
+in the data (one request serves several on object storage). The step at cursor ``c``
 covers the global batch ``[c, c + G)``, ``G = batch_size * world_size``
 (shortened at the end of the run, or moved to the next epoch's start with
 ``drop_last`` when the epoch has fewer than ``G`` positions left), and rank
@@ -40,6 +45,8 @@ class Schedule:
             up to ``2**64`` positions).
         drop_last: global batches never straddle an epoch's end (its last
             ``n % G`` positions are skipped), and a final partial batch is dropped.
+        shuffle_block: samples per block of the shuffle (module docstring); 1
+            (default): every sample on its own.
 
     Every method is a pure function of the arguments and safe to call from
     several threads (the per-epoch permutations are cached under a lock).
@@ -57,9 +64,13 @@ class Schedule:
         shuffle: bool = True,
         epochs: int | None = None,
         drop_last: bool = False,
+        shuffle_block: int = 1,
     ) -> None:
         if n < 1:
             raise ValueError(f"a schedule needs at least one observation, got n={n}")
+        self.block = int(shuffle_block)
+        # whole blocks, and the samples left over (the short block, numbered last)
+        self._whole, self._rest = divmod(int(n), self.block)
         self.n, self.batch_size = int(n), int(batch_size)
         self.rank, self.world_size = int(rank), int(world_size)
         self.global_batch = self.batch_size * self.world_size
@@ -162,11 +173,13 @@ class Schedule:
         return np.concatenate(parts), np.cumsum([len(p) for p in parts]).tolist()
 
     def perm(self, epoch: int) -> Permutation:
-        """The permutation of an epoch (the last few are cached)."""
+        """The permutation of an epoch: of its samples, or of its blocks with
+        ``shuffle_block`` (the last few are cached)."""
         with self._lock:
             p = self._perms.get(epoch)
             if p is None:
-                p = Permutation.for_epoch(self.n, self.seed, epoch, self.rounds)
+                m = self.n if self.block == 1 else self._whole + (self._rest > 0)
+                p = Permutation.for_epoch(m, self.seed, epoch, self.rounds)
                 self._perms[epoch] = p
                 while len(self._perms) > 4:  # a batch spans at most a few epochs
                     self._perms.popitem(last=False)
@@ -183,11 +196,36 @@ class Schedule:
         if not self.shuffle:
             return j.view(np.int64)
         first, last = int(positions[0]) // self.n, int(positions[-1]) // self.n
+        take = self._take if self.block == 1 else self.block_sample
         if first == last:
-            return self.perm(first).take(j, out=j).view(np.int64)
+            return take(first, j).view(np.int64)
         epochs = positions // n
         out = np.empty(len(positions), dtype=np.uint64)
         for e in range(first, last + 1):
             mask = epochs == e
-            out[mask] = self.perm(e).take(j[mask])
+            out[mask] = take(e, j[mask])
         return out.view(np.int64)
+
+    def _take(self, epoch: int, j: np.ndarray) -> np.ndarray:
+        out: np.ndarray = self.perm(epoch).take(j, out=j)
+        return out
+
+    def block_sample(self, epoch: int, j: np.ndarray) -> np.ndarray:
+        """Samples (uint64) at offsets ``j`` (uint64, < n) of an epoch shuffled by
+        blocks: offset ``j`` falls in slot ``j // K`` of the epoch's order of blocks
+        (slots before the short block's, ``s``), in it, or after it (shifted by its
+        ``r`` samples); the slot's block ``b = perm(slot)`` gives sample
+        ``b * K + j % K``, and the short block (numbered ``whole``) its own samples
+        from ``whole * K``. O(1) a position, with one ``inverse`` an epoch."""
+        k, whole, rest = np.uint64(self.block), self._whole, self._rest
+        p = self.perm(epoch)
+        s = np.uint64(p.inverse(whole) if rest else whole)  # the short block's slot
+        lo = s * k  # where it starts in the epoch's order
+        after = j >= lo + np.uint64(rest)
+        shifted = np.where(after, j - np.uint64(rest), j)
+        slot = shifted // k + after.astype(np.uint64)  # (the short block's: set below)
+        out: np.ndarray = p.take(slot) * k + shifted % k
+        short = (j >= lo) & ~after
+        if short.any():
+            out[short] = np.uint64(whole) * k + (j[short] - lo)
+        return out
