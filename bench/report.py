@@ -931,7 +931,7 @@ def machine_line(doc: Doc) -> str:
 
 
 def _goal_state(g: Row) -> str:
-    """"met", or by how much the goal is missed."""
+    """The word met, or by how much the goal is missed."""
     return "met" if g.get("met") else str(g.get("missed_by") or "missed")
 
 
@@ -1040,9 +1040,7 @@ def headline_rows(docs: dict[str, Doc]) -> list[list[str]]:
             ),
             None,
         )
-        rate_goal = (
-            f"; goal {meanwhile['target']} M, {_goal_state(meanwhile)}" if meanwhile else ""
-        )
+        rate_goal = f"; goal {meanwhile['target']} M, {_goal_state(meanwhile)}" if meanwhile else ""
         rows.append(
             [
                 "Main-thread Python loop kept while tokload loads",

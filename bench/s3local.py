@@ -47,10 +47,11 @@ ACCESS_DENIED = (
 
 @dataclass
 class Fault:
-    kind: str  # "503", "429", "500", "403", "drop", "truncate", "short", "norange", "delay"
+    kind: str  # "503", "429", "500", "403", "drop", "truncate", "short", "norange", "delay",
+    # "stall"
     times: int  # how many matching requests it applies to (-1: all)
     match: str  # "GET", "PUT", "HEAD", ... or "" for any; and an optional " key-substring"
-    seconds: float = 0.0  # for "delay"
+    seconds: float = 0.0  # for "delay" and "stall"
 
     def matches(self, method: str, path: str) -> bool:
         want_method, _, want_key = self.match.partition(" ")
@@ -98,7 +99,8 @@ class FaultProxy(ThreadingHTTPServer):
         then close), ``"short"`` (a complete answer of half the body: a server
         that returns fewer bytes than asked), ``"norange"`` (the request is sent on
         without its ``Range``: ``200`` and the whole object, as a server or proxy that
-        ignores ranges answers) or ``"delay"`` (wait ``seconds`` more)."""
+        ignores ranges answers), ``"delay"`` (wait ``seconds`` more) or ``"stall"`` (send
+        the headers and half the body, wait ``seconds``, then the rest)."""
         with self._lock:
             self._faults.append(Fault(kind, times, match, seconds))
 
@@ -192,6 +194,18 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.flush()
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            if fault and fault.kind == "stall" and len(data) > 1:
+                self.send_response(status)
+                for k, v in headers:
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                time.sleep(fault.seconds)
+                answered()
+                self.wfile.write(data[len(data) // 2 :])
                 return
             if fault and fault.kind == "short":
                 data = data[: len(data) // 2]

@@ -13,6 +13,7 @@ import _thread
 import asyncio
 import hashlib
 import json
+import logging
 import pickle
 import shutil
 import signal
@@ -1238,6 +1239,43 @@ def test_a_block_shuffle_reads_documents_with_fewer_gets(
         assert block_gets * 3 < plain_gets, (block_gets, plain_gets)
     else:  # (best-fit fills a step's rows from the whole look-ahead group: fewer, not few)
         assert block_gets < plain_gets, (block_gets, plain_gets)
+
+
+def test_a_body_that_stalls_holds_the_other_reads_once(
+    s3: LocalS3,
+    corpus: tuple[Path, str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """review51: a body of up to 256 KiB is taken from its answer at once, holding the
+    fetcher's event loop: one that stalled mid-way held every other read of the
+    process (7.5 s for 10 windows of another object while one body stalled 8 s), and
+    their GETs then timed out and went again. After one stall (warned), bodies are read
+    from their stream for a minute: a second stall holds only its own GET."""
+    from tokload.remote import fetch
+
+    local, url = corpus
+    monkeypatch.setattr(fetch, "_stream_until", 0.0)
+    ref = TokenStream(local, 32)
+    view = TokenStream(url, 32, storage_options={"merge_gap": 0})
+    assert s3.proxy is not None
+    s3.proxy.inject("stall", times=1, match="GET .rows", seconds=1.0)
+    with caplog.at_level(logging.WARNING, logger="tokload.remote"):
+        np.testing.assert_array_equal(view.read([0]), ref.read([0]))
+    assert fetch._stream_until > time.monotonic() + 50
+    assert any("arrived 1." in r.getMessage() for r in caplog.records), caplog.text
+    s3.proxy.inject("stall", times=1, match="GET .rows", seconds=4.0)
+    got: dict[str, Any] = {}
+    stalled = threading.Thread(target=lambda: got.update(w=view.read([7])))
+    stalled.start()
+    deadline = time.monotonic() + 2
+    while s3.proxy.faults_done["stall"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    others = np.arange(100, 400, 30)
+    np.testing.assert_array_equal(view.read(others), ref.read(others))
+    assert stalled.is_alive()  # the other reads came back while that body still stalled
+    stalled.join(timeout=30)
+    np.testing.assert_array_equal(got["w"], ref.read([7]))
 
 
 def test_the_command_line_takes_urls(

@@ -23,7 +23,7 @@ from typing import Any
 from tokload.errors import RemoteError
 from tokload.remote import client, loop
 from tokload.remote.failures import ShortBody, named, not_partial, retry_delay, span
-from tokload.remote.store import RemoteObject
+from tokload.remote.store import RemoteObject, log
 
 MAX_MERGED = 16 << 20
 """The largest range one GET reads when it merges requests."""
@@ -113,7 +113,35 @@ def plan(objs: Sequence[RemoteObject], offsets: Sequence[int], lengths: Sequence
 
 SYNC_BODY = 1 << 18
 """Bodies up to this many bytes are taken from an answer at once (they come with its
-headers); a larger one is read from the stream without holding the event loop."""
+headers, as a rule: one callback a GET, the client's plain loop's cost); a larger one is
+read from the stream without holding the event loop."""
+
+STALLED_S = 0.05
+"""A body taken at once that took longer than this to arrive held the event loop, and
+every other GET's answer with it (a stall mid-body: a lost packet, a slow server)."""
+
+STREAM_FOR_S = 60.0
+"""After such a stall, every body is read from its stream for this long (a callback
+more a GET, about 50 us of CPU), so that another stall holds only its own GET."""
+
+_stream_until = 0.0
+"""Until when (``time.monotonic``) bodies are streamed whatever their size."""
+
+
+def _stalled(waited: float, url: str) -> None:
+    """A body taken at once held the loop ``waited`` seconds: stream bodies for a while."""
+    global _stream_until
+    if time.monotonic() >= _stream_until:
+        log.warning(
+            "a GET's body (%s) arrived %.2f s after its headers, and "
+            "every other answer of the process waited meanwhile; bodies are read from "
+            "their stream for the next %g s",
+            url,
+            waited,
+            STREAM_FOR_S,
+        )
+    _stream_until = time.monotonic() + STREAM_FOR_S
+
 
 MIN_IN_FLIGHT = 16
 """The fewest GETs the process keeps in flight (when reads wait for them)."""
@@ -477,15 +505,24 @@ class _BatchFetch:
             self._error(k, e)
             return
         answer = fut.result()
-        if self.gets.size(k) > SYNC_BODY:  # a large body: stream it without holding the loop
+        t = time.monotonic()
+        if self.gets.size(k) > SYNC_BODY or t < _stream_until:
+            # a large body, or bodies have stalled lately: stream it, not holding the loop
             body = asyncio.ensure_future(client.body_async(answer))
             loop.pending.add(body)
             self._await(body, k, _read)
             return
         try:
-            self._got(k, client.body(answer))
+            got = client.body(answer)
         except Exception as err:
-            self._error(k, err)
+            got = err
+        waited = time.monotonic() - t
+        if waited > STALLED_S:
+            _stalled(waited, self.gets.objs[k].url)
+        if isinstance(got, Exception):
+            self._error(k, got)
+        else:
+            self._got(k, got)
 
     def _read(self, k: int, fut: asyncio.Future[Any]) -> None:
         loop.pending.discard(fut)
