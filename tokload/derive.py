@@ -315,10 +315,20 @@ def _every_part(manifests: list[tuple[str, Manifest]]) -> None:
     (the ``plan`` record of ``tokload build``, one per ``--part k/N`` split)
     leave some of its chunks out; FormatError when they planned other numbers
     of chunks from the same inputs (an input changed between the builds)."""
+
+    def pair(v: Any) -> bool:
+        return isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v)
+
     plans: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for path, m in manifests:
         p = m.user.get("plan") if m.user.get("built_by") == "tokload build" else None
-        if isinstance(p, dict) and isinstance(p.get("id"), str):
+        if (  # (a record of another shape, edited by hand: not checked)
+            isinstance(p, dict)
+            and isinstance(p.get("id"), str)
+            and type(p.get("chunks")) is int
+            and pair(p.get("span"))
+            and pair(p.get("part"))
+        ):
             plans.setdefault(p["id"], []).append((path, p))
     for parts in plans.values():
         (path0, p0), *rest = parts
