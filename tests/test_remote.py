@@ -1259,11 +1259,11 @@ def test_a_body_that_stalls_holds_the_other_reads_once(
     ref = TokenStream(local, 32)
     view = TokenStream(url, 32, storage_options={"merge_gap": 0})
     assert s3.proxy is not None
-    s3.proxy.inject("stall", times=1, match="GET .rows", seconds=1.0)
+    s3.proxy.inject("stall", times=1, match="GET .rows", seconds=2.0)
     with caplog.at_level(logging.WARNING, logger="tokload.remote"):
         np.testing.assert_array_equal(view.read([0]), ref.read([0]))
     assert fetch._stream_until > time.monotonic() + 50
-    assert any("arrived 1." in r.getMessage() for r in caplog.records), caplog.text
+    assert any("arrived 2." in r.getMessage() for r in caplog.records), caplog.text
     s3.proxy.inject("stall", times=1, match="GET .rows", seconds=4.0)
     got: dict[str, Any] = {}
     stalled = threading.Thread(target=lambda: got.update(w=view.read([7])))

@@ -116,9 +116,12 @@ SYNC_BODY = 1 << 18
 headers, as a rule: one callback a GET, the client's plain loop's cost); a larger one is
 read from the stream without holding the event loop."""
 
-STALLED_S = 0.05
+STALLED_S = 1.0
 """A body taken at once that took longer than this to arrive held the event loop, and
-every other GET's answer with it (a stall mid-body: a lost packet, a slow server)."""
+every other GET's answer with it (a stall mid-body: a slow server, a lost connection).
+The time includes taking the GIL back, which a busy process can hold for a few tenths
+of a second (a full garbage collection; at 100 ms, 1,000 GETs in flight took 0.1 to
+0.3 s): a shorter stall is not told from that."""
 
 STREAM_FOR_S = 60.0
 """After such a stall, every body is read from its stream for this long (a callback
