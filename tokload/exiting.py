@@ -17,6 +17,9 @@ that did all its work, as a script that leaves its loop without
 3. ``CLIENT``: the object-store client's requests in flight complete and its
    threads leave Python (``tokload.remote.loop.quiesce``).
 
+A Ctrl+C while a step waits ends the process at once (``os._exit(130)``): going
+on to finalize with the threads still running would abort it.
+
 ``atexit`` runs its handlers last registered first, and these modules register
 when first used, in no fixed order: hence one handler here, which runs the steps
 by stage.
@@ -25,6 +28,9 @@ by stage.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
+import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -56,5 +62,24 @@ def _run() -> None:
     for _, _, step in steps:
         try:
             step()
+        except KeyboardInterrupt:
+            _leave_now()
         except Exception:  # one step's failure does not skip the next
             traceback.print_exc()
+
+
+def _leave_now() -> None:
+    """A Ctrl+C while a step waits for tokload's threads (a second one, as a rule: the
+    first ended the program): the process ends at once, with status 130. Finalizing
+    the interpreter with those threads still running would make it abort (SIGABRT,
+    "terminate called without an active exception"), and skipping the steps left
+    would too; so the later exit handlers are skipped instead (stdout and stderr are
+    flushed)."""
+    print(
+        "tokload: interrupted while waiting for its threads at exit: leaving at once",
+        file=sys.stderr,
+    )
+    for f in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            f.flush()
+    os._exit(130)

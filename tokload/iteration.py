@@ -41,14 +41,15 @@ class LoaderIter:
     """
 
     def __init__(self, loader: DataLoader) -> None:
+        self._pf: Prefetcher | None = None
         self._loader = loader
         self._closed = False
+        self._consumer: int | None = None  # the thread inside next(), if one is
         self.replaced = False  # a newer iter(loader) took over the cursor
         self.failed: BaseException | None = None  # what ended the pass, if a failure did
         # the batches of the task being handed out, in order; _at: the next one
         self._ready: list[tuple[tuple[int, int], Any, Counted] | None] = []
         self._at = 0
-        self._pf: Prefetcher | None = None
         self._task = 0  # the prefetcher's step (reader task) to take next
         self._stale = False  # a restart began and has not finished: next() does it again
         self._gen = 0  # restarts so far: a task taken from an older prefetcher is dropped
@@ -108,7 +109,33 @@ class LoaderIter:
     def __iter__(self) -> LoaderIter:
         return self
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        raise TypeError(
+            "a DataLoader's iterator holds its reader threads and position and cannot be "
+            "copied or pickled: take loader.state_dict(), and call iter(loader) (in another "
+            "process, on a DataLoader made there, after load_state_dict)"
+        )
+
     def __next__(self) -> Any:
+        # One consumer at a time: two threads in next() took one task twice (one then
+        # waited forever for a step the other had dropped) or built one batch twice.
+        me = threading.get_ident()
+        with self._loader._lock:
+            other = self._consumer
+            if other is not None and other != me:  # (the same thread: a signal handler's)
+                raise RuntimeError(
+                    "this DataLoader iterator is in next() in another thread: one consumer "
+                    "per iterator (give each thread a loader of its own, or hand the "
+                    "batches over through a queue)"
+                )
+            self._consumer = me
+        try:
+            return self._next()
+        finally:
+            if self._consumer == me:
+                self._consumer = None
+
+    def _next(self) -> Any:
         # The loader's lock orders this with a cursor move, load_state_dict and close
         # from another thread (or a signal handler): it is not held while waiting for
         # a task or building a batch, and what a move made stale meanwhile is dropped.
@@ -320,6 +347,6 @@ class LoaderIter:
         # on their own once a read in progress returns. Nothing else holds this
         # iterator: no lock is needed (nor waited for).
         self._closed = True
-        pf = self._pf
+        pf = getattr(self, "_pf", None)  # (None: an __init__ that did not finish)
         if pf is not None and not pf.close(0.0):
             self._loader._still_stopping(pf)

@@ -136,6 +136,7 @@ class Prefetcher:
         self._cond = threading.Condition(self._lock)
         self._claim = first  # next step a thread may take
         self._next = first  # next step the consumer gets
+        self._dropped = first - 1  # the last step the consumer dropped (built no more)
         self._results: dict[int, Any] = {}
         self._closed = False
         self._forked = False
@@ -263,14 +264,16 @@ class Prefetcher:
                 "this prefetcher's reader threads did not survive fork(): make a new one "
                 "in the child (a DataLoader's iterator does so by itself)"
             )
-        if step < self._next - 1:
-            raise ValueError(f"step {step} was handed out and dropped (the next is {self._next})")
         cond = self._cond
         with self._lock:
             if self._stop is not None and step >= self._stop:
                 raise StopIteration
             self._results.pop(step - 1, None)  # the consumer has it (its drop was cut short)
             while step not in self._results:
+                if step < self._next - 1 or step <= self._dropped:  # (it is built no more)
+                    raise ValueError(
+                        f"step {step} was handed out and dropped (the next is {self._next})"
+                    )
                 if self._closed:
                     raise RuntimeError("the prefetcher was closed")
                 cond.wait(POLL_S)  # short waits: Ctrl+C is seen at once
@@ -284,6 +287,7 @@ class Prefetcher:
         """Forget step ``step``'s item: the consumer has stored it."""
         with self._lock:
             self._results.pop(step, None)
+            self._dropped = max(self._dropped, step)
 
     def close(self, timeout: float = CLOSE_S) -> bool:
         """Stop the threads and drop built items (idempotent).
