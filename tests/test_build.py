@@ -351,6 +351,11 @@ def test_a_merge_refuses_a_split_with_a_part_left_out(
     assert 0 < part.num_documents < whole.num_documents
     build(inputs, tmp_path / "single", **opts)
     assert sorted(_tokens(tmp_path / "all")) == sorted(_tokens(tmp_path / "single"))
+    # the inputs mounted at another path on the machine of part 1: one plan still
+    (tmp_path / "mnt").symlink_to(tmp_path / "in")
+    moved = [tmp_path / "mnt" / p.name for p in inputs]
+    build(moved, tmp_path / "q1", part=(1, 3), **opts)
+    tokload.merge(tmp_path / "mounts", [tmp_path / "p0", tmp_path / "q1", tmp_path / "p2"])
     # parts of two splits that hold no chunk twice, but leave some out: chunks named
     build(inputs, tmp_path / "h1", part=(1, 2), **opts)
     gap = rf"\(chunks {total // 3} to {total // 2 - 1}\): merged"
@@ -362,7 +367,7 @@ def test_a_merge_refuses_a_split_with_a_part_left_out(
     build(inputs, tmp_path / "late", part=(2, 3), **opts)
     late = tokload.format.read_manifest(tmp_path / "late").user["plan"]
     assert late["id"] == plan["id"] and late["chunks"] > total
-    with pytest.raises(tokload.FormatError, match=r"late and .*p0: built from the same inputs"):
+    with pytest.raises(tokload.FormatError, match=r"late and .*p0: built from inputs of the same"):
         tokload.merge(tmp_path / "m2", [tmp_path / "p0", tmp_path / "p1", tmp_path / "late"])
 
 

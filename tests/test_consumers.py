@@ -51,11 +51,13 @@ class GatedView:
 def test_a_second_thread_in_next_is_refused(threads: int) -> None:
     view = GatedView()
     loader = tokload.DataLoader(view, 2, num_threads=threads, device=None, seed=3)
-    it = iter(loader)
+    it: Any = iter(loader)
     got: list[Any] = []
     first = threading.Thread(target=lambda: got.append(next(it)))
     first.start()
-    time.sleep(0.3)  # (inside next(), waiting for its batch)
+    deadline = time.monotonic() + 10
+    while it._consumer is None and time.monotonic() < deadline:  # (inside next())
+        time.sleep(0.01)
     with pytest.raises(RuntimeError, match=r"iterator is in next\(\) in another thread"):
         next(it)
     view.gate.set()
@@ -63,6 +65,37 @@ def test_a_second_thread_in_next_is_refused(threads: int) -> None:
     assert not first.is_alive() and len(got) == 1
     second = next(it)  # (the same thread again, or another, once the first is out)
     assert second["position"].tolist() != got[0]["position"].tolist()
+    loader.close()
+
+
+def test_a_signal_handlers_next_gives_the_outer_call_its_mark_back() -> None:
+    """review55: a handler's next() in the same thread cleared the mark, and another
+    thread then got into the outer next()."""
+
+    class Slow(GatedView):
+        def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
+            time.sleep(0.4)
+            return super().read_batch(indices, alloc)
+
+    view = Slow()
+    view.gate.set()
+    loader = tokload.DataLoader(view, 2, num_threads=0, device=None)
+    it: Any = iter(loader)
+    seen: list[Any] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        next(it)
+        seen.append(it._consumer)
+
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        next(it)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert seen == [threading.get_ident()]  # (the outer next() still held it)
+    assert it._consumer is None
     loader.close()
 
 
@@ -82,7 +115,7 @@ def test_an_iterator_is_not_copied_or_pickled(monkeypatch: pytest.MonkeyPatch) -
     view = GatedView()
     view.gate.set()
     loader = tokload.DataLoader(view, 2, num_threads=1, device=None)
-    it = iter(loader)
+    it: Any = iter(loader)
     next(it)
     unraisable: list[Any] = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
@@ -132,6 +165,6 @@ def test_a_ctrl_c_while_the_exit_waits_for_reader_threads_leaves_at_once(
     time.sleep(0.7)  # (the exit waits for the reader threads' reads)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, (proc.returncode, err)
+    assert proc.returncode == -signal.SIGINT, (proc.returncode, err)  # (as Python's own)
     assert "interrupted while waiting for its threads at exit: leaving at once" in err
     assert "terminate called" not in err

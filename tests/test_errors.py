@@ -402,6 +402,27 @@ def test_a_writer_whose_manifest_write_failed_lists_its_shards_on_the_next_close
     assert [int(docs[k][0]) for k in range(len(docs))] == [0, 2, 3]
     with pytest.raises(ValueError, match="write to a closed Writer"):
         w.write([1])
+    # a write that failed after its rename (the directory's fsync: EIO), in either
+    # mode: the retry found its own manifest "created meanwhile", or listed the
+    # shard twice (review55)
+    late = {"n": 0}
+
+    def fails_late(path: Any, manifest: Any) -> None:
+        real(path, manifest)
+        if late["n"]:
+            late["n"] -= 1
+            raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr("tokload.writer.write_manifest", fails_late)
+    for mode, want in (("w", [7]), ("a", [7, 8])):
+        w = Writer(tmp_path / "late", "<u2", mode=mode, durable=False)
+        w.write(np.full(5, 7 if mode == "w" else 8, np.uint16))
+        late["n"] = 1
+        with pytest.raises(OSError, match="Input/output error"):
+            w.close()
+        w.close()
+        docs = Documents(tmp_path / "late")
+        assert [int(docs[k][0]) for k in range(len(docs))] == want
 
 
 def test_a_field_named_as_a_key_the_view_adds_is_refused(tmp_path: Path) -> None:

@@ -959,6 +959,8 @@ def test_a_block_shuffle_is_recorded_and_checked_on_resume(corpus: Path) -> None
     b.load_state_dict(old)
     with pytest.raises(ValueError, match=r"shuffle_block=8 shuffles blocks .* shuffle=False"):
         DataLoader(view, 4, shuffle=False, shuffle_block=8)
+    with pytest.raises(ValueError, match=rf"shuffle_block={len(view)} is at least the view's"):
+        DataLoader(view, 4, shuffle_block=len(view))  # (one block: no shuffle at all)
     bad: Any
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match=r"shuffle_block must be a positive integer"):

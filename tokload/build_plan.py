@@ -124,12 +124,14 @@ def plan_record(
     files: Sequence[Path], chunk_bytes: int, chunks: int, part: tuple[int, int]
 ) -> dict[str, Any]:
     """What a build's manifest records of the plan it took its chunks from: the
-    plan's ``id`` (a hash of the inputs' absolute paths and the chunk size, the
-    same for every part of one ``--part k/N`` split), its number of ``chunks``,
-    the ``part`` ``[k, N]`` and its ``span``, the plan's chunks ``[lo, hi)`` it
-    holds. ``tokload merge`` finds a part left out by it."""
+    plan's ``id`` (a hash of the inputs' file names, in order, and the chunk size:
+    the same for every part of one ``--part k/N`` split, wherever each machine
+    mounts the inputs; an input that changed between two parts' builds is told
+    by their numbers of chunks), its number of ``chunks``, the ``part`` ``[k, N]``
+    and its ``span``, the plan's chunks ``[lo, hi)`` it holds. ``tokload merge``
+    finds a part left out by it."""
     k, n = part
-    key = json.dumps([[os.path.abspath(f) for f in files], chunk_bytes])
+    key = json.dumps([[Path(f).name for f in files], chunk_bytes])
     return {
         "id": hashlib.sha256(key.encode()).hexdigest()[:16],
         "chunks": chunks,

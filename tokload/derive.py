@@ -168,8 +168,7 @@ def merge(
     if tok is not None:
         merged.user["tokenizer"] = tok[1]
     _same_build_options(manifests)
-    if not partial:
-        _every_part(manifests)
+    _every_part(manifests, partial)
     tok_file = None if tok is None else _tokenizer_file(tok[0], tok[1], output, storage_options)
     if top is None:
         _new_dataset_dir(output)  # (only now: a refused merge leaves no directory behind)
@@ -310,11 +309,12 @@ def _same_build_options(manifests: list[tuple[str, Manifest]]) -> None:
             held.setdefault(f, []).append((path, size, lo, hi))
 
 
-def _every_part(manifests: list[tuple[str, Manifest]]) -> None:
-    """UsageError when the inputs that took their chunks from one build plan
-    (the ``plan`` record of ``tokload build``, one per ``--part k/N`` split)
-    leave some of its chunks out; FormatError when they planned other numbers
-    of chunks from the same inputs (an input changed between the builds)."""
+def _every_part(manifests: list[tuple[str, Manifest]], partial: bool) -> None:
+    """FormatError when inputs planned other numbers of chunks from the same
+    inputs (an input changed between the builds); unless ``partial``, UsageError
+    when the inputs that took their chunks from one build plan (the ``plan``
+    record of ``tokload build``, one per ``--part k/N`` split) leave some of its
+    chunks out."""
 
     def pair(v: Any) -> bool:
         return isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v)
@@ -335,10 +335,13 @@ def _every_part(manifests: list[tuple[str, Manifest]]) -> None:
         for path, p in rest:
             if p.get("chunks") != p0.get("chunks"):
                 raise FormatError(
-                    f"{path} and {path0}: built from the same inputs, split into "
+                    f"{path} and {path0}: built from inputs of the same names, split into "
                     f"{p.get('chunks')} and {p0.get('chunks')} chunks: an input changed "
-                    "between the two builds; build every part again from the same inputs"
+                    "between the two builds (or they are other files of those names); "
+                    "build every part again from the same inputs"
                 )
+        if partial:
+            continue
         total = int(p0["chunks"])
         held = sorted(tuple(p["span"]) for _, p in parts)
         gaps, at = [], 0

@@ -17,8 +17,9 @@ that did all its work, as a script that leaves its loop without
 3. ``CLIENT``: the object-store client's requests in flight complete and its
    threads leave Python (``tokload.remote.loop.quiesce``).
 
-A Ctrl+C while a step waits ends the process at once (``os._exit(130)``): going
-on to finalize with the threads still running would abort it.
+A Ctrl+C while a step waits ends the process at once (killed by SIGINT, as an
+uncaught Ctrl+C ends Python): going on to finalize with the threads still running
+would abort it.
 
 ``atexit`` runs its handlers last registered first, and these modules register
 when first used, in no fixed order: hence one handler here, which runs the steps
@@ -30,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -70,11 +72,12 @@ def _run() -> None:
 
 def _leave_now() -> None:
     """A Ctrl+C while a step waits for tokload's threads (a second one, as a rule: the
-    first ended the program): the process ends at once, with status 130. Finalizing
-    the interpreter with those threads still running would make it abort (SIGABRT,
-    "terminate called without an active exception"), and skipping the steps left
-    would too; so the later exit handlers are skipped instead (stdout and stderr are
-    flushed)."""
+    first ended the program): the process ends at once, killed by SIGINT as Python
+    ends on an uncaught Ctrl+C (so that a shell loop stops too; status 130 where the
+    signal cannot be delivered). Finalizing the interpreter with those threads still
+    running would make it abort (SIGABRT, "terminate called without an active
+    exception"), and skipping the steps left would too; so the later exit handlers
+    are skipped instead (stdout and stderr are flushed)."""
     print(
         "tokload: interrupted while waiting for its threads at exit: leaving at once",
         file=sys.stderr,
@@ -82,4 +85,8 @@ def _leave_now() -> None:
     for f in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             f.flush()
+    with contextlib.suppress(Exception):
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        os.kill(os.getpid(), signal.SIGINT)
     os._exit(130)

@@ -119,21 +119,25 @@ class LoaderIter:
     def __next__(self) -> Any:
         # One consumer at a time: two threads in next() took one task twice (one then
         # waited forever for a step the other had dropped) or built one batch twice.
+        # (a signal handler's next() in the same thread goes in, and gives the outer
+        # call its mark back; no check of signals falls between the mark and "entered")
         me = threading.get_ident()
-        with self._loader._lock:
-            other = self._consumer
-            if other is not None and other != me:  # (the same thread: a signal handler's)
-                raise RuntimeError(
-                    "this DataLoader iterator is in next() in another thread: one consumer "
-                    "per iterator (give each thread a loader of its own, or hand the "
-                    "batches over through a queue)"
-                )
-            self._consumer = me
+        prev, entered = None, False
         try:
+            with self._loader._lock:
+                prev = self._consumer
+                if prev is not None and prev != me:
+                    raise RuntimeError(
+                        "this DataLoader iterator is in next() in another thread: one "
+                        "consumer per iterator (give each thread a loader of its own, or "
+                        "hand the batches over through a queue)"
+                    )
+                self._consumer = me
+                entered = True
             return self._next()
         finally:
-            if self._consumer == me:
-                self._consumer = None
+            if entered:
+                self._consumer = prev
 
     def _next(self) -> Any:
         # The loader's lock orders this with a cursor move, load_state_dict and close

@@ -78,9 +78,10 @@ class DataLoader:
         shuffle: False reads in order (evaluation: ``shuffle=False, epochs=1``).
         shuffle_block: shuffle blocks of this many consecutive samples (each
             block's samples in order) instead of single samples: a rank's samples
-            of a step then lie close together in the data, so that one request
-            of object storage serves several (documents of a few hundred tokens
-            otherwise cost a GET each). Default 1: every sample on its own. Every
+            of a step then lie close together in the data (every ``world_size``-th
+            sample of a block), so that one request of object storage serves
+            several (documents of a few hundred tokens otherwise cost a GET each).
+            Default 1: every sample on its own; less than ``len(view)``. Every
             sample still comes once an epoch; the state records the block, and a
             resume with another is refused.
         rank: this rank. Default: from ``torch.distributed`` when it is
@@ -204,6 +205,12 @@ class DataLoader:
             raise ValueError(
                 f"shuffle_block={shuffle_block} shuffles blocks of samples; with "
                 "shuffle=False the samples come in order (leave shuffle_block at 1)"
+            )
+        if shuffle_block > 1 and shuffle_block >= n:
+            raise ValueError(
+                f"shuffle_block={shuffle_block} is at least the view's {n} samples: one "
+                "block, read in order every epoch (no shuffle); take a block of a small "
+                "fraction of them"
             )
         self.read = read
         # this loader's reads only: its reader threads read in this scope

@@ -5,7 +5,8 @@ rows of ``window`` tokens (``DataLoader(..., batching=Fill(window))``), as pure
 arithmetic over the documents' lengths; the policy reads the rows it gives.
 
 The shuffle is the documents' one (``tokload.schedule``): position ``q`` is
-document ``perm_e(q % n)`` of epoch ``e = q // n``. Each epoch's positions are
+document ``perm_e(q % n)`` of epoch ``e = q // n`` (by blocks of documents with
+``shuffle_block``). Each epoch's positions are
 cut into groups of ``lookahead`` (the last one shorter), and each group is
 packed best-fit decreasing into rows (``tokload._pack.best_fit``: a row holds
 whole documents, in permutation order; only a document longer than ``window``

@@ -208,6 +208,7 @@ class Writer:
         # shards finished but not in the manifest yet (its write failed: the next
         # publish, or close, lists them)
         self._pending: list[ShardInfo] = []
+        self._tried = False  # whether this writer has begun a write of the manifest
         self._closed = False
 
     def _name(self, seq: int) -> str:
@@ -428,10 +429,14 @@ class Writer:
         directory: writers appending to one dataset at once (each its own
         shards) add to the manifest as it is on disk, which another writer may
         have rewritten since this one last did, instead of writing over it."""
+        if info is not None:
+            self._pending.append(info)  # (first: whatever fails below, it stays to list)
         with DirectoryLock(self.path):
             now = _version(self.path / MANIFEST)
             if now is not None and now != self._seen:
-                if self._seen is None and self._mode == "w":  # a dataset appeared meanwhile
+                # a dataset appeared meanwhile, unless this writer's own write of it
+                # failed after its rename (the directory's fsync): a retry finds it
+                if self._seen is None and self._mode == "w" and not self._tried:
                     raise FileExistsError(
                         17, "a dataset was created here meanwhile", str(self.path)
                     )
@@ -444,10 +449,11 @@ class Writer:
                     )
                 current.user.update(self._user)
                 self.manifest = current
-            if info is not None:
-                self._pending.append(info)
+                there = {s.name for s in current.shards}  # (a write that failed late)
+                self._pending = [s for s in self._pending if s.name not in there]
             listed = dataclasses.replace(self.manifest, shards=[*self.manifest.shards])
             listed.shards.extend(self._pending)
+            self._tried = True
             write_manifest(self.path, listed)
             self.manifest, self._pending = listed, []
             self._seen = _version(self.path / MANIFEST)

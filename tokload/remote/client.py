@@ -199,8 +199,8 @@ def _profile_region(config: dict[str, Any]) -> None:
     parser = configparser.RawConfigParser()
     try:
         parser.read(path, encoding="utf-8")
-    except (configparser.Error, UnicodeDecodeError) as e:
-        raise RemoteAccessError(f"{path}: not an AWS config file ({first_line(e)})") from None
+    except (configparser.Error, UnicodeDecodeError, OSError):
+        return  # (left to boto3 to say, where a profile gives the credentials)
     sections = ["default", "profile default"] if profile == "default" else [f"profile {profile}"]
     for section in sections:
         region = parser.get(section, "region", fallback="").strip()
