@@ -74,14 +74,18 @@ class DataLoader:
             (None): the view's ``batching`` attribute (``Pad()`` for
             ``Documents`` and blends of them), else ``Stack()``.
         seed: the run seed, an integer in [0, 2**64 - 1]; epoch ``e`` uses
-            ``Permutation.for_epoch(n, seed, e)``.
+            ``Permutation.for_epoch(n, seed, e)`` (of the blocks, with
+            ``shuffle_block``).
         shuffle: False reads in order (evaluation: ``shuffle=False, epochs=1``).
         shuffle_block: shuffle blocks of this many consecutive samples (each
             block's samples in order) instead of single samples: a rank's samples
             of a step then lie close together in the data (every ``world_size``-th
             sample of a block), so that one request of object storage serves
-            several (documents of a few hundred tokens otherwise cost a GET each).
-            Default 1: every sample on its own; less than ``len(view)``. Every
+            several (documents of a few hundred tokens otherwise cost a GET each),
+            for a view whose samples are stored in order (``Documents``,
+            ``TokenStream``; not a ``Blend``, which shuffles each component with its
+            own permutation). Default 1: every sample on its own; at most half of
+            ``len(view)`` (two blocks). Every
             sample still comes once an epoch; the state records the block, and a
             resume with another is refused.
         rank: this rank. Default: from ``torch.distributed`` when it is
@@ -206,11 +210,11 @@ class DataLoader:
                 f"shuffle_block={shuffle_block} shuffles blocks of samples; with "
                 "shuffle=False the samples come in order (leave shuffle_block at 1)"
             )
-        if shuffle_block > 1 and shuffle_block >= n:
+        if shuffle_block > 1 and n // shuffle_block < 2:
             raise ValueError(
-                f"shuffle_block={shuffle_block} is at least the view's {n} samples: one "
-                "block, read in order every epoch (no shuffle); take a block of a small "
-                "fraction of them"
+                f"shuffle_block={shuffle_block} leaves fewer than two whole blocks of the "
+                f"view's {n} samples: the epochs would come in (nearly) one order; take a "
+                "block of a small fraction of them"
             )
         self.read = read
         # this loader's reads only: its reader threads read in this scope
