@@ -184,7 +184,9 @@ class _Handler(BaseHTTPRequestHandler):
             status, headers, data = self._upstream(
                 body, ranged=not (fault and fault.kind == "norange")
             )
-            if fault and fault.kind == "truncate" and len(data) > 1:
+            if fault and fault.kind in ("truncate", "stall") and len(data) > 1:
+                # the whole body promised, half of it sent; then the connection closed,
+                # or, after a pause, the rest
                 self.send_response(status)
                 for k, v in headers:
                     self.send_header(k, v)
@@ -192,17 +194,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self.end_headers()
                 self.wfile.write(data[: len(data) // 2])
                 self.wfile.flush()
-                self.close_connection = True
-                self.connection.shutdown(socket.SHUT_RDWR)
-                return
-            if fault and fault.kind == "stall" and len(data) > 1:
-                self.send_response(status)
-                for k, v in headers:
-                    self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data[: len(data) // 2])
-                self.wfile.flush()
+                if fault.kind == "truncate":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 time.sleep(fault.seconds)
                 answered()
                 self.wfile.write(data[len(data) // 2 :])
