@@ -117,14 +117,25 @@ class LoaderIter:
         )
 
     def __next__(self) -> Any:
+        # The loader's lock orders this with a cursor move, load_state_dict and close
+        # from another thread (or a signal handler): it is not held while waiting for
+        # a task or building a batch, and what a move made stale meanwhile is dropped.
+        # A batch counts as delivered (leaves the queue, moves the cursor) in one
+        # statement after the lock is left, with no call between the test that no
+        # move came and the return: no other thread and no signal handler can run
+        # there, and an exception anywhere before leaves the batch to come again.
         # One consumer at a time: two threads in next() took one task twice (one then
         # waited forever for a step the other had dropped) or built one batch twice.
-        # (a signal handler's next() in the same thread goes in, and gives the outer
-        # call its mark back; no check of signals falls between the mark and "entered")
+        # A signal handler's next() in the same thread goes in, and gives the outer
+        # call its mark back. The mark is given back in the statement that delivers
+        # a batch (no point where a signal lands comes between them), or on the way
+        # out of an exception.
+        loader = self._loader
+        lock = loader._lock
         me = threading.get_ident()
-        prev, entered = None, False
+        entered = False
         try:
-            with self._loader._lock:
+            with lock:
                 prev = self._consumer
                 if prev is not None and prev != me:
                     raise RuntimeError(
@@ -134,101 +145,93 @@ class LoaderIter:
                     )
                 self._consumer = me
                 entered = True
-            return self._next()
-        finally:
-            if entered:
-                self._consumer = prev
-
-    def _next(self) -> Any:
-        # The loader's lock orders this with a cursor move, load_state_dict and close
-        # from another thread (or a signal handler): it is not held while waiting for
-        # a task or building a batch, and what a move made stale meanwhile is dropped.
-        # A batch counts as delivered (leaves the queue, moves the cursor) in one
-        # statement after the lock is left, with no call between the test that no
-        # move came and the return: no other thread and no signal handler can run
-        # there, and an exception anywhere before leaves the batch to come again.
-        loader = self._loader
-        lock = loader._lock
-        while True:
-            with lock:
-                if self._closed:
-                    self._ended()
-                if self._stale or (self._pf is not None and self._pf.forked):
-                    self.restart()  # cut short before, or in a forked child
-                # (read in one statement, without a call: a signal handler's move,
-                # which runs at calls, replaces these, and is seen by the test below)
-                gen, pf, at, queue, task = self._gen, self._pf, self._at, self._ready, self._task
-                ready = pf is not None and at < len(queue)
+            while True:
+                with lock:
+                    if self._closed:
+                        self._ended()
+                    if self._stale or (self._pf is not None and self._pf.forked):
+                        self.restart()  # cut short before, or in a forked child
+                    # (read with no call between: a signal handler's move,
+                    # which runs at calls, replaces these, and is seen by the test below)
+                    gen, pf, at = self._gen, self._pf, self._at
+                    queue, task = self._ready, self._task
+                    ready = pf is not None and at < len(queue)
+                    if ready:
+                        item, end = self._take(queue, (gen, task, at))
+                    elif pf is not None:
+                        if task and not queue:  # an empty task: the pass is over
+                            self.close()
+                            raise StopIteration
+                    else:
+                        # (in the loader's own io scope: a packed schedule reads lengths)
+                        with loader._io if loader._io is not None else contextlib.nullcontext():
+                            span = loader.schedule.span(loader.cursor)
+                        if span is None:
+                            self.close()
+                            raise StopIteration
                 if ready:
-                    item, end = self._take(queue, (gen, task, at))
-                elif pf is not None:
-                    if task and not queue:  # an empty task: the pass is over
-                        self.close()
-                        raise StopIteration
-                else:
-                    # (in the loader's own io scope: a packed schedule reads lengths)
-                    with loader._io if loader._io is not None else contextlib.nullcontext():
-                        span = loader.schedule.span(loader.cursor)
-                    if span is None:
-                        self.close()
-                        raise StopIteration
-            if ready:
-                if gen == self._gen and not self._stale:
-                    self._at, loader._cursor = at + 1, end
-                    return item
-                continue  # a move came after the lock was left: its batches instead
-            t0 = time.perf_counter()
-            if pf is None:
-                assert span is not None
-                # (a failure here is raised, the cursor before the batch: built in this
-                # thread, it cannot be told from an exception a signal handler raised,
-                # so the next next() builds the batch again)
-                items, tokens = loader._build([span])
+                    if gen == self._gen and not self._stale:
+                        self._at, loader._cursor, self._consumer = at + 1, end, prev
+                        return item
+                    continue  # a move came after the lock was left: its batches instead
+                t0 = time.perf_counter()
+                if pf is None:
+                    assert span is not None
+                    # (a failure here is raised, the cursor before the batch: built in this
+                    # thread, it cannot be told from an exception a signal handler raised,
+                    # so the next next() builds the batch again)
+                    items, tokens = loader._build([span])
+                    with lock:
+                        if gen != self._gen or self._stale or self._closed:
+                            continue
+                        item = items[0]
+                        key = (gen, span)
+                        self._delivered(key, span, tokens[0], item, time.perf_counter() - t0)
+                    if gen == self._gen and not self._stale:
+                        loader._cursor, self._consumer = span[1], prev
+                        return item
+                    continue
+                try:
+                    got = pf.get(task)
+                except StopIteration:
+                    self.close()
+                    raise
+                except RuntimeError:
+                    with lock:
+                        if self._closed or gen != self._gen:
+                            continue  # closed, replaced or moved meanwhile: said at the top
+                    raise
                 with lock:
                     if gen != self._gen or self._stale or self._closed:
+                        continue  # of the prefetcher a move replaced: dropped
+                    if isinstance(got, Failure):
+                        # A task that failed before its steps were known (a packed
+                        # schedule reads its documents' lengths): as for a Failed batch,
+                        # the cursor stays before it and a new iterator (or a resume)
+                        # builds it again.
+                        exc = got.exc
+                        exc.add_note(
+                            f"(raised in a tokload reader thread while building task {task})"
+                        )
+                        self._fail(exc)
+                        raise exc
+                    # taken: stored in one statement without a call (an exception before
+                    # it leaves the task to ask for again; a signal handler's cursor move,
+                    # which runs at calls, comes before the test or after the store)
+                    items = list(got)
+                    if gen != self._gen or self._stale:
                         continue
-                    item = items[0]
-                    key = (gen, span)
-                    self._delivered(key, span, tokens[0], item, time.perf_counter() - t0)
-                if gen == self._gen and not self._stale:
-                    loader._cursor = span[1]
-                    return item
-                continue
-            try:
-                got = pf.get(task)
-            except StopIteration:
-                self.close()
-                raise
-            except RuntimeError:
-                with lock:
-                    if self._closed or gen != self._gen:
-                        continue  # closed, replaced or moved meanwhile: said at the top
-                raise
-            with lock:
-                if gen != self._gen or self._stale or self._closed:
-                    continue  # of the prefetcher a move replaced: dropped
-                if isinstance(got, Failure):
-                    # A task that failed before its steps were known (a packed
-                    # schedule reads its documents' lengths): as for a Failed batch,
-                    # the cursor stays before it and a new iterator (or a resume)
-                    # builds it again.
-                    exc = got.exc
-                    exc.add_note(f"(raised in a tokload reader thread while building task {task})")
-                    self._fail(exc)
-                    raise exc
-                # taken: stored in one statement without a call (an exception before
-                # it leaves the task to ask for again; a signal handler's cursor move,
-                # which runs at calls, comes before the test or after the store)
-                items = list(got)
-                if gen != self._gen or self._stale:
-                    continue
-                self._ready, self._at, self._task = items, 0, task + 1
-                self._waited = time.perf_counter() - t0
-                pf.drop(task)
-                if self._auto and got:
-                    self._size_prefetch(got[0][1])
-                if loader.auto_threads:
-                    self._size_threads()
+                    self._ready, self._at, self._task = items, 0, task + 1
+                    self._waited = time.perf_counter() - t0
+                    pf.drop(task)
+                    if self._auto and got:
+                        self._size_prefetch(got[0][1])
+                    if loader.auto_threads:
+                        self._size_threads()
+        except BaseException:
+            if entered:
+                self._consumer = prev
+            raise
 
     def _ended(self) -> None:
         """Raise what ``next()`` of a closed iterator raises."""
