@@ -938,8 +938,9 @@ def _goal_state(g: Row) -> str:
 def goals_section(goals: list[Row]) -> str:
     body = []
     for g in goals:
-        status = "met" if g.get("met") else (g.get("missed_by") or "missed")
-        body.append([cell(g.get("what")), cell(g.get("target")), cell(g.get("measured")), status])
+        body.append(
+            [cell(g.get("what")), cell(g.get("target")), cell(g.get("measured")), _goal_state(g)]
+        )
     return "**Goals**\n\n" + table(["goal", "target", "measured", "result"], body)
 
 

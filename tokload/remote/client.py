@@ -188,9 +188,8 @@ def _profile_region(config: dict[str, Any]) -> None:
     the credentials' source is (keys in the environment signed requests for
     us-east-1 while the profile named another region)."""
     env = os.environ
-    if _option(config, "region", "default_region") or env.get("AWS_REGION"):
-        return
-    if env.get("AWS_DEFAULT_REGION"):
+    given = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+    if _option(config, "region", "default_region") or given:
         return
     path = _aws_files()[0]
     if not os.path.isfile(path):

@@ -78,14 +78,13 @@ def _abandon_at_exit() -> None:
         return
     done = threading.Event()
 
-    def abandon() -> None:
+    def abandon(step: Callable[[], None]) -> None:
         try:
-            if _abandon is not None:
-                _abandon()
+            step()
         finally:
             done.set()
 
-    _loop.call_soon_threadsafe(abandon)
+    _loop.call_soon_threadsafe(abandon, _abandon)
     done.wait(ABANDON_S)
 
 
