@@ -323,7 +323,7 @@ def test_extents_as_lists_of_int64_serve_every_policy(policy: Any) -> None:
 def test_a_field_named_as_a_key_the_policy_adds_is_refused(policy: Any, field: str) -> None:
     """An SFT dataset's own loss_mask was replaced by Fill's attention mask, silently."""
     view = OwnDocuments(8, fields={"tokens": np.dtype(np.uint32), field: np.dtype(np.uint32)})
-    with pytest.raises(ValueError, match=f"OwnDocuments has a field '{field}', a key"):
+    with pytest.raises(ValueError, match=f"OwnDocuments: a field named '{field}', a key "):
         DataLoader(view, 2, batching=policy, num_threads=0)
     if field == "loss_mask":  # without that key, the field is the batch's
         fill = tokload.Fill(64, attention=["position_ids", "cu_seqlens"])

@@ -71,6 +71,7 @@ from tokload.views.contract import (
     check_step_tokens,
     check_view,
     document_extents,
+    refuse_field_names,
 )
 
 PAD_KEYS = ("lengths",)
@@ -392,19 +393,12 @@ def _check_value_type(policy: str, value: object) -> None:
 def _check_keys(view: Any, policy: str, added: Collection[str]) -> None:
     """ValueError when a field of the view has the name of a key the policy adds to
     each batch (``added``) or the loader sets: the field would be replaced."""
-    clash = [f for f in view.fields if f in added or f in RESERVED_KEYS]
-    if clash:
-        f = clash[0]
-        who = "the loader sets" if f in RESERVED_KEYS else f"{policy} adds to each batch"
-        hint = (
-            f", or leave it out of {policy}(attention=[...])"
-            if f in ATTENTION_KEYS and policy == "Fill"
-            else ""
-        )
-        raise ValueError(
-            f"{type(view).__name__} has a field {f!r}, a key {who}: its values would be "
-            f"replaced by the batch's own (rename the field{hint})"
-        )
+    name = type(view).__name__
+    fields = list(view.fields)
+    refuse_field_names(name, fields, RESERVED_KEYS, "the loader")
+    hint = f", or leave it out of {policy}(attention=[...])" if policy == "Fill" else ""
+    refuse_field_names(name, fields, set(added) - set(ATTENTION_KEYS), policy)
+    refuse_field_names(name, fields, added, policy, hint)
 
 
 def _check_value(view: Any, value: int) -> None:
