@@ -1674,13 +1674,13 @@ def test_verify_needs_memory_for_the_records_used_not_the_manifests_count(
 def test_a_shard_that_fails_to_encode_leaves_nothing_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tokload import writer as writer_mod
+    from tokload import shardfiles
 
     def broken(*args: Any) -> Any:
         raise ValueError("the encoder failed")
 
     ds = tmp_path / "ds"
-    monkeypatch.setattr(writer_mod, "encode_blocks", broken)
+    monkeypatch.setattr(shardfiles, "encode_blocks", broken)
     with (
         pytest.raises(ValueError, match="the encoder failed"),
         Writer(ds, "<u2", metadata=True) as w,

@@ -549,10 +549,10 @@ def test_a_write_stopped_part_way_leaves_the_shard_whole(
     """Ctrl+C inside ``Writer.write`` (between the span table entries and the rows,
     or between the rows and the document index) publishes the documents before it,
     whole, and nothing of the one it stopped: the files go back to where they were."""
-    from tokload import writer as writer_mod
+    from tokload import shardfiles
 
     docs = make_docs(9, ndocs=12)
-    real_add = writer_mod.OpenShard.add
+    real_add = shardfiles.OpenShard.add
     calls = 0
 
     def add(self: Any, rows: np.ndarray, payloads: list[bytes], end: bool = True) -> None:
@@ -564,10 +564,10 @@ def test_a_write_stopped_part_way_leaves_the_shard_whole(
             raise KeyboardInterrupt
         real_add(self, rows, payloads, end)
 
-    monkeypatch.setattr(writer_mod.OpenShard, "add", add)
+    monkeypatch.setattr(shardfiles.OpenShard, "add", add)
     with pytest.raises(KeyboardInterrupt):
         write(tmp_path / "ds", docs, layout)
-    monkeypatch.setattr(writer_mod.OpenShard, "add", real_add)
+    monkeypatch.setattr(shardfiles.OpenShard, "add", real_add)
     assert read_manifest(tmp_path / "ds").num_documents == 7
     assert not list((tmp_path / "ds").glob(".*"))  # no hidden file left
     from tokload.tools import verify

@@ -1,7 +1,7 @@
 """Datasets made from datasets: the one job of this module is ``merge`` (one
 dataset that lists the shards of others, by writing a manifest only) and
 ``convert`` (a copy with its metadata in another layout, shard by shard through
-the writer's ``OpenShard``)."""
+``tokload.shardfiles.OpenShard``)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ from tokload.format import (
 )
 from tokload.inputs import BUILD_MARKER
 from tokload.location import Location
+from tokload.shardfiles import OpenShard
 from tokload.source import open_dataset
-from tokload.writer import OpenShard, checked_block
+from tokload.writer import checked_block
 
 
 def _refuse_output(out: Path) -> None:
