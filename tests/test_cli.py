@@ -701,6 +701,13 @@ def test_plan_and_inspect_say_what_the_data_cannot_give(
         ({"tokens_per_s": "5"}, "tokens_per_s must be a positive finite number, got '5'"),
         ({"world_size": 0}, "world_size must be a positive integer, got 0"),
         ({"world_size": 1.5}, "world_size must be a positive integer, got 1.5"),
+        ({"shuffle_block": 0}, "shuffle_block must be a positive integer, got 0"),
+        (
+            {"shuffle_block": 64},
+            "plan: with shuffle_block, give the batch size too: the GETs a block saves "
+            "depend on how many samples a reader task holds",
+        ),
+        ({"shuffle_block": 64, "batch_size": -1}, "batch_size must be a positive integer, got -1"),
     ]
     for kw, message in cases:
         args: dict[str, Any] = {"world_size": 2, "tokens_per_s": 5.0, "window": 10, **kw}
@@ -710,6 +717,12 @@ def test_plan_and_inspect_say_what_the_data_cannot_give(
     rate: Any = np.float32(5)  # NumPy numbers are numbers
     window: Any = np.int64(50)
     assert plan(tmp_path / "flat.npy", 2, rate, window)["gets_per_sample"] == 1
+    code, out, _ = cli(
+        ["plan", str(dataset), "--world-size", "2", "--tokens-per-s", "5", "--documents",
+         "--shuffle-block", "2", "--batch-size", "4"],
+        capsys,
+    )  # fmt: skip
+    assert code == 0 and "shuffled in blocks of 2 (which saves no GET: a rank reads 1 " in out
     n = len(tokload.Documents(dataset))
     code, out, _ = cli(["inspect", str(dataset), "--sample", str(n - 1)], capsys)
     assert code == 0 and f"document {n - 1}: " in out

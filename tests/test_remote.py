@@ -604,6 +604,49 @@ def test_plan_with_metadata_counts_the_gets_a_stream_with_metadata_sends(
         tokload.tools.plan(plain, 1, 1000.0, 8, metadata=True)
 
 
+@pytest.mark.parametrize(
+    ("world", "block", "length"),
+    [(1, 64, 60), (4, 64, 60), (4, 64, 9000), (64, 32, 60)],
+    ids=["one-rank", "four-ranks", "gaps-too-wide", "a-sample-a-block"],
+)
+def test_plan_with_shuffle_block_counts_the_gets_a_rank_sends(
+    s3: LocalS3, tmp_path: Path, world: int, block: int, length: int
+) -> None:
+    """``plan(shuffle_block=K)`` against the GETs one rank's loader sends (plan
+    knew no blocks: 1 GET a document, where a rank alone in blocks of 64 sends
+    about 0.03): the saving where a rank's documents of a block come in one GET,
+    none where the ranks' gaps exceed ``merge_gap`` or a rank gets one a block."""
+    rng = np.random.default_rng(4)
+    with Writer(tmp_path / "docs", "<u4", shard_bytes=200_000) as w:
+        for _ in range(3000 if length < 1000 else 400):
+            w.write(np.zeros(int(rng.integers(length // 2, 3 * length // 2)), np.uint32))
+    url = _upload(s3, tmp_path / "docs", f"plan-blocks-{world}-{block}-{length}")
+    batch, options = 4, {"merge_gap": 4096}  # (the data is small: blocks would merge)
+    planned = tokload.tools.plan(
+        url, world, 1000.0, None, options, shuffle_block=block, batch_size=batch
+    )["gets_per_sample"]
+    loader = DataLoader(
+        Documents(url, storage_options=options),
+        batch,
+        shuffle_block=block,
+        rank=world - 1,
+        world_size=world,
+        num_threads=1,
+        device=None,
+        seed=3,
+    )
+    it = iter(loader)
+    for _ in range(40):  # every shard's index, and the first task of one step
+        next(it)
+    before, n = remote.counters()["gets"], 160
+    for _ in range(n):
+        next(it)
+    loader.close()
+    sent = (remote.counters()["gets"] - before) / (n * batch)
+    assert planned == pytest.approx(sent, rel=0.2, abs=0.01)
+    assert (planned < 0.3) == (length < 1000 and block > world)
+
+
 def test_urls_are_normalized_as_the_store_names_its_objects() -> None:
     assert remote.normalize("S3://bkt//a/./b/../c/") == "s3://bkt/a/c"
     assert remote.normalize("s3://bkt/") == remote.normalize("s3://bkt") == "s3://bkt"

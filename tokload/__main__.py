@@ -418,6 +418,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="windows read with their metadata (StreamWithMetadata; metadata layout blocks)",
     )
+    q.add_argument(
+        "--shuffle-block",
+        type=_count(1),
+        default=1,
+        help="the DataLoader's shuffle_block (default 1: every sample shuffled on its own); "
+        "needs --batch-size",
+    )
+    q.add_argument("--batch-size", type=_count(1), default=None, help="samples per rank and step")
     q.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     s = command(
@@ -602,7 +610,15 @@ def _run(args: argparse.Namespace, started: float) -> int:
         if args.documents and args.window is not None:
             raise UsageError("--window and --documents contradict each other: give one")
         window = None if args.documents else (args.window or 4097)
-        result = plan(args.path, args.world_size, args.tokens_per_s, window, metadata=args.metadata)
+        result = plan(
+            args.path,
+            args.world_size,
+            args.tokens_per_s,
+            window,
+            metadata=args.metadata,
+            shuffle_block=args.shuffle_block,
+            batch_size=args.batch_size,
+        )
         print(json.dumps(result, indent=1) if args.json else plan_table(result))
         return 0
     if args.command == "bench":

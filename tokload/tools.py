@@ -16,6 +16,8 @@ from tokload.arguments import positive_integer
 from tokload.errors import TokloadError, UsageError
 from tokload.format import METADATA_FIELD
 from tokload.location import Location
+from tokload.reading import ReadOptions
+from tokload.remote.store import split_options
 from tokload.source import open_dataset
 from tokload.tokenizer import from_description
 
@@ -145,6 +147,8 @@ def plan(
     storage_options: dict[str, Any] | None = None,
     *,
     metadata: bool = False,
+    shuffle_block: int = 1,
+    batch_size: int | None = None,
 ) -> dict[str, Any]:
     """The ranged GETs a training run will ask of a store, per prefix.
 
@@ -165,6 +169,16 @@ def plan(
     of one reader task that fall close together in a file are merged into one
     GET (``ReadOptions``), which on a small dataset saves many.
 
+    With ``shuffle_block`` (the ``DataLoader``'s, ``K > 1``) and the run's
+    ``batch_size`` (required then), the samples of a block are neighbours in
+    the files: each rank reads ``K / world_size`` of a block's, every
+    ``world_size``-th, and where the gap between two of them (``world_size - 1``
+    samples' bytes) is at most the store's ``merge_gap`` they come in one GET
+    (one run a block, and one more a reader task: ``steps_per_task`` steps of
+    ``batch_size`` samples start inside a block). Where a rank gets one sample
+    a block or fewer, or the gap is wider, blocks save no GET, and ``reading``
+    says so. An estimate from the average sample, not a bound.
+
     Returns a dict: ``gets_per_s`` (the whole run), ``gets_per_sample``,
     ``tokens_per_sample``, ``prefixes`` (``{prefix: GETs/s}``, busiest first),
     ``busiest`` (its share of ``S3_GETS_PER_PREFIX``) and ``prefixes_needed``
@@ -184,6 +198,14 @@ def plan(
         window = positive_integer("window", window, UsageError)
     if metadata and window is None:
         raise UsageError("plan: metadata is read with windows (StreamWithMetadata), not documents")
+    shuffle_block = positive_integer("shuffle_block", shuffle_block, UsageError)
+    if batch_size is not None:
+        batch_size = positive_integer("batch_size", batch_size, UsageError)
+    elif shuffle_block > 1:
+        raise UsageError(
+            "plan: with shuffle_block, give the batch size too: the GETs a block saves "
+            "depend on how many samples a reader task holds"
+        )
     src = open_source(os.fspath(path), storage_options)
     try:
         paths = list(src.rows.files.paths)
@@ -251,6 +273,22 @@ def plan(
                 reading += " with their metadata" + (
                     "" if held else " (and index entries: the block index is not held in memory)"
                 )
+        if shuffle_block > 1:
+            assert batch_size is not None
+            extra = 0.0 if window is not None or held else 1.0  # a document's index entry
+            blocked, why = _in_blocks(
+                shuffle_block,
+                world_size,
+                batch_size * ReadOptions().steps_per_task,
+                per_sample,
+                src.dtype.itemsize,
+                split_options(storage_options)[0].merge_gap,
+                (gets_per_sample - extra, extra),
+                (max(int((rows > 0).sum()), 1) - 1) / total,
+            )
+            share *= blocked / gets_per_sample
+            gets_per_sample = blocked
+            reading += f", shuffled in blocks of {shuffle_block:,}" + why
     finally:
         src.close()
     samples = world_size * tokens_per_s / per_sample
@@ -279,6 +317,41 @@ def plan(
             math.ceil(len(ordered) * busiest / S3_GETS_PER_PREFIX - 1e-9),
         ),
     }
+
+
+def _in_blocks(
+    block: int,
+    world: int,
+    per_task: int,
+    sample_rows: float,
+    itemsize: int,
+    merge_gap: int,
+    gets: tuple[float, float],
+    crossings_per_row: float,
+) -> tuple[float, str]:
+    """``plan``'s GETs per sample with ``shuffle_block=block`` (see ``plan``):
+    ``gets`` are a sample's without blocks (its rows, and its index entry or
+    none), ``per_task`` a rank's samples in a reader task, ``crossings_per_row``
+    the file starts a row of the data meets. Returns the GETs and what
+    ``reading`` adds."""
+    rows_gets, entry_gets = gets
+    per_rank = block / world  # a rank's samples in a block
+    if per_rank <= 1:
+        return rows_gets + entry_gets, (
+            f" (which saves no GET: a rank reads {per_rank:.2g} sample of a block; "
+            "a block of many more samples than ranks does)"
+        )
+    gap = (world - 1) * sample_rows * itemsize
+    if gap > merge_gap:
+        return rows_gets + entry_gets, (
+            f" (which saves no GET: the {world - 1:,} samples between two of a rank's, "
+            f"{gap:,.0f} bytes, are more than merge_gap, {merge_gap:,})"
+        )
+    runs = 1 / per_rank + 1 / per_task  # a run a block, one more a task
+    run_rows = ((per_rank - 1) * world + 1) * sample_rows  # what one run's GET spans
+    per_run = 1 + (run_rows - 1) * crossings_per_row  # and the file starts it meets
+    entries = runs if entry_gets else 0.0  # neighbours' index entries: one GET a run
+    return min(rows_gets, runs * per_run) + min(entry_gets, entries), ""
 
 
 def _index_in_memory(docs: Any) -> bool:
