@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +359,26 @@ def test_damaged_record_index_names_the_file(tmp_path: Path) -> None:
     _poke(mdx, 8 * 2, 1 << 45, 8)
     with pytest.raises(CorruptDataError, match=rf"^{mdx}: metadata index entry 2 = 35184372088832"):
         read_all(ds)
+
+
+@pytest.mark.parametrize("layout", ["spans", "per_token"])
+def test_a_record_end_past_the_data_is_the_entry_named(tmp_path: Path, layout: str) -> None:
+    """Record 0's end past the ``.mdb`` (review57): the reader named entry 0 = 0 (a
+    valid value) and ``verify`` entry 2 = 10 (the valid last one) as the fault."""
+    fields = [("tokens", "<u2"), ("metadata_id", "<u4")] if layout == "per_token" else "<u2"
+    rows: Any = {"tokens": np.arange(10)} if layout == "per_token" else np.arange(10)
+    with tokload.Writer(tmp_path / "ds", fields, metadata=True, metadata_layout=layout) as w:
+        w.write(rows, spans=[(0, 5, b"hello"), (5, 10, b"world")])
+    (mdx,) = (tmp_path / "ds").glob("*.mdx")
+    _poke(mdx, 8, 1_000_000, 8)
+    fault = rf"^{mdx}: metadata index entry 1 = 1000000 breaks 0 = first <= \.\.\. <= last = 10"
+    read_fault = (
+        fault if layout == "spans" else rf"^{mdx}: the metadata index: bad value 1000000 at byte 8$"
+    )
+    with pytest.raises(CorruptDataError, match=read_fault):
+        StreamWithMetadata(tmp_path / "ds", window=4).read([0])
+    (problem,) = tokload.tools.verify(tmp_path / "ds")
+    assert re.match(fault, problem), problem
 
 
 @pytest.mark.parametrize("layout", ["blocks", "spans", "per_token"])

@@ -589,9 +589,10 @@ def _first_bad_offset(offsets: np.ndarray, last: int) -> tuple[int, int] | None:
     """The first (entry, value) of an offset index that is not 0, non-decreasing, ``last``."""
     if offsets[0] != 0:
         return 0, int(offsets[0])
-    down = np.flatnonzero(offsets[1:] < offsets[:-1])
-    if len(down):
-        return int(down[0]) + 1, int(offsets[down[0] + 1])
+    # an entry past the end is at fault, not the entry after it that goes down
+    bad = np.flatnonzero((offsets[1:] < offsets[:-1]) | (offsets[1:] > last))
+    if len(bad):
+        return int(bad[0]) + 1, int(offsets[bad[0] + 1])
     if offsets[-1] != last:
         return len(offsets) - 1, int(offsets[-1])
     return None

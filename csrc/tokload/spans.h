@@ -344,7 +344,8 @@ TL_INLINE int tl_spans_plan_data(const tl_span_set *s, const uint32_t *item_shar
         uint64_t bytes = s->mdb_cum[k + 1] - s->mdb_cum[k];
         uint64_t a = entries[item_ent[i]], b = entries[item_ent[i] + 1];
         if (TL_UNLIKELY(a > b || b > bytes || (item_id[i] == 0 && a != 0))) {
-            int first = a > b || item_id[i] == 0; /* the first entry is at fault */
+            /* the first entry is at fault (record 0's must be 0), else the second */
+            int first = a > b || (item_id[i] == 0 && a != 0);
             return tl_span_fail(err, TL_SPAN_BAD_OFFSET, k, (uint64_t)item_id[i] + !first,
                                 first ? a : b, bytes);
         }
