@@ -827,6 +827,98 @@ def test_a_truncated_compressed_input_keeps_the_records_before_the_damage(
         assert bytes(doc[:-1]).decode() == json.loads(lines[i])["text"]
 
 
+def _packed(suffix: str, data: bytes) -> bytes:
+    import bz2
+    import gzip
+    import lzma
+
+    import zstandard
+
+    if suffix == ".zst":
+        return zstandard.ZstdCompressor().compress(data)
+    packer: Any = {".gz": gzip, ".bz2": bz2, ".xz": lzma}[suffix]
+    return bytes(packer.compress(data))
+
+
+def _zstd_cut_at_a_block_end(data: bytes) -> bytes:
+    """A zstd frame written a third at a time (as a streaming writer flushes), cut
+    after its first third: what is left decompresses whole, to a block's end."""
+    import io
+
+    import zstandard
+
+    buf = io.BytesIO()
+    w = zstandard.ZstdCompressor().stream_writer(buf, closefd=False)
+    third = len(data) // 3
+    w.write(data[:third])
+    w.flush(zstandard.FLUSH_BLOCK)
+    cut = buf.tell()
+    w.write(data[third:])
+    w.close()  # type: ignore[no-untyped-call]
+    return buf.getvalue()[:cut]
+
+
+@pytest.mark.parametrize(
+    ("suffix", "damage"),
+    [
+        *[(suffix, "later stream") for suffix in (".gz", ".bz2", ".xz", ".zst")],
+        *[(suffix, "empty") for suffix in (".gz", ".bz2", ".xz", ".zst")],
+        (".zst", "cut at a block end"),
+        (".gz", "deflate"),
+    ],
+)
+def test_a_compressed_input_damaged_anywhere_is_unreadable(
+    tmp_path: Path, suffix: str, damage: str
+) -> None:
+    """review58: a damaged stream after the first (.bz2, .xz: taken for trailing
+    garbage), a zstd frame cut at a block's end, an empty .gz or .zst (a failed
+    download) were read as if the file ended there: records lost, nothing skipped,
+    exit 0; damaged deflate data was "a bug in tokload" (zlib.error). Each is one
+    unreadable input now; the records before the damage are built."""
+    lines = [json.dumps({"text": f"page {i} " * 20}) + "\n" for i in range(400)]
+    first, second = "".join(lines[:200]).encode(), "".join(lines[200:]).encode()
+    before = 0
+    if damage == "later stream":  # the second of two streams, its header damaged
+        later = bytearray(_packed(suffix, second))
+        later[1] ^= 0xFF
+        data, before = _packed(suffix, first) + bytes(later), 200
+    elif damage == "empty":
+        data = b""
+    elif damage == "deflate":
+        whole = bytearray(_packed(suffix, first))
+        whole[12] ^= 0xFF  # (zlib.error: "invalid code lengths set")
+        data = bytes(whole)
+    else:
+        data = _zstd_cut_at_a_block_end(first)
+    p = tmp_path / f"x.jsonl{suffix}"
+    p.write_bytes(data)
+    good = tmp_path / "good.jsonl"
+    good.write_text(lines[0])
+    with pytest.raises(BuildError, match=rf"x\.jsonl\{suffix}: unreadable"):
+        build([p, good], tmp_path / "stop", tokenizer="bytes", progress=False)
+    s = build([p, good], tmp_path / "o", tokenizer="bytes", on_error="skip", max_skipped=1.0,
+              progress=False)  # fmt: skip
+    assert s.skipped == {"unreadable input": 1}
+    if damage == "later stream":  # the first stream's records, every one
+        assert s.documents == before + 1
+    elif damage == "empty":
+        assert s.documents == 1
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".bz2", ".xz", ".zst"])
+def test_streams_one_after_another_and_zero_padding_are_read(tmp_path: Path, suffix: str) -> None:
+    """Several streams in one file (``cat a.gz b.gz``, pbzip2) are all read, and
+    zero bytes between and after them are padding (as gzip and xz allow)."""
+    lines = [json.dumps({"text": f"page {i}"}) + "\n" for i in range(30)]
+    parts = [_packed(suffix, "".join(lines[k : k + 10]).encode()) for k in (0, 10, 20)]
+    p = tmp_path / f"x.jsonl{suffix}"
+    p.write_bytes(parts[0] + parts[1] + bytes(8) + parts[2] + bytes(4))
+    s = build([p], tmp_path / "o", tokenizer="bytes", progress=False)
+    assert (s.documents, s.skipped) == (30, {})
+    docs = tokload.Documents(tmp_path / "o")
+    assert bytes(np.asarray(docs[29]).tolist()[:-1]).decode() == "page 29"
+
+
 def test_a_failure_to_write_is_raised_not_skipped_as_unreadable_input(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import bz2
 import codecs
 import contextlib
-import gzip
 import hashlib
 import io
 import json
 import lzma
 import os
 import re
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -43,11 +43,13 @@ def _json_loads() -> Callable[[bytes], Any]:
 _fast_loads = _json_loads()
 
 _READ_CHUNK = 1 << 20
-_COMPRESSED: dict[str, Callable[..., Any]] = {
-    ".gz": gzip.open,
-    ".bz2": bz2.open,
-    ".xz": lzma.open,
+_COMPRESSED: dict[str, Callable[[], Any]] = {
+    ".gz": lambda: zlib.decompressobj(16 + zlib.MAX_WBITS),  # a gzip member, checked
+    ".bz2": bz2.BZ2Decompressor,
+    ".xz": lzma.LZMADecompressor,
 }
+"""A new decompressor of one stream (a gzip member, a bzip2 or xz stream, a zstd
+frame), by the file's suffix (.zst: ``_zstd``)."""
 
 
 class _RangeReader(io.RawIOBase):
@@ -123,39 +125,103 @@ def _decompressed(inp: ChunkInput) -> IO[bytes]:
     raw = inp.binary()
     last = path.suffix.lower()
     if last in _COMPRESSED:
-        return io.BufferedReader(_UpToDamage(_COMPRESSED[last](raw, "rb")), _READ_CHUNK)
+        return io.BufferedReader(_Streams(raw, _COMPRESSED[last]), _READ_CHUNK)
     if last == ".zst":
-        try:
-            import zstandard
-        except ImportError:
-            raise BuildError(f"{path}: reading .zst needs the 'zstandard' package") from None
-        stream = zstandard.ZstdDecompressor().stream_reader(raw)
-        return io.BufferedReader(_UpToDamage(stream), _READ_CHUNK)
+        return io.BufferedReader(_Streams(raw, _zstd(path)), _READ_CHUNK)
     return raw
 
 
-class _UpToDamage(io.RawIOBase):
-    """A decompressor read with ``read1``: each read returns what one read of the
-    file decompressed to, so the lines before a truncated or damaged part are
-    read (and built) before its error is raised. A decompressor's ``read(n)``
-    gathers ``n`` bytes first, and loses them all to the error (the whole file,
-    when it decompresses to less than ``n``)."""
+def _zstd(path: Path) -> Callable[[], Any]:
+    try:
+        import zstandard
+    except ImportError:
+        raise BuildError(f"{path}: reading .zst needs the 'zstandard' package") from None
+    return lambda: zstandard.ZstdDecompressor().decompressobj()
 
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
+
+class _Streams(io.RawIOBase):
+    """The decompressed bytes of every stream of a compressed file, one after the
+    other (``cat a.gz b.gz``, pbzip2's and pzstd's files), from decompressor objects
+    (``new()`` makes one a stream): zero bytes between streams are padding. A file
+    that ends inside a stream (a copy cut short), holds no stream (an empty file)
+    or holds anything else after a stream raises, where the standard readers stop
+    quietly: zstandard's at a cut at a block's end, bz2's and lzma's at a damaged
+    later stream (taken for trailing garbage), gzip's and zstandard's on an empty
+    file; each stops the build or is one skipped record (``read_errors``).
+
+    Each read returns what one read of the file decompresses to, at most the
+    buffer's size (a decompressor's output is bounded so, but zstandard's, whose
+    input is fed a little at a time), so the lines before a damaged part are read
+    and built before its error is raised."""
+
+    _IN = 1 << 16
+    _ZSTD_IN = 1 << 12  # (zstandard bounds no output: 4 KiB of a crafted file make 128 MiB)
+
+    def __init__(self, raw: IO[bytes], new: Callable[[], Any]) -> None:
+        self.raw, self.new = raw, new
+        self.d: Any = None  # the stream being read; None between streams
+        self.data = b""  # input not yet given to a decompressor
+        self.out = b""  # output not yet returned (zstandard's)
+        self.streams = 0
+        self.ended = False  # the file is read
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b: Any) -> int:
-        data = self.stream.read1(len(b))
-        n = len(data)
-        b[:n] = data
+        want = len(b)
+        while not self.out:
+            if self.d is None and not self._next_stream():
+                return 0
+            self.out = self._decompress(want)
+            if self.d.eof:
+                self.data, self.d = self.d.unused_data + self.data, None
+        n = min(want, len(self.out))
+        b[:n], self.out = self.out[:n], self.out[n:]
         return n
 
-    def close(self) -> None:
-        self.stream.close()
-        super().close()
+    def _fill(self) -> bool:
+        """More input if ``data`` is empty; False at the file's end."""
+        if not self.data and not self.ended:
+            self.data = self.raw.read(self._IN)
+            self.ended = not self.data
+        return bool(self.data)
+
+    def _next_stream(self) -> bool:
+        """Start the next stream; False at the file's end, after one stream at least."""
+        while self._fill():
+            self.data = self.data.lstrip(b"\0")  # padding between streams
+            if self.data:
+                self.d, self.streams = self.new(), self.streams + 1
+                return True
+        if not self.streams:
+            raise EOFError("no compressed stream in the file (an empty file)")
+        return False
+
+    def _decompress(self, want: int) -> bytes:
+        """Some output of the stream being read: b"" where it took input and gave
+        nothing yet, or at its end."""
+        d = self.d
+        if isinstance(d, (bz2.BZ2Decompressor, lzma.LZMADecompressor)):
+            # (these hold the input they are given: more only when they need it)
+            if not d.needs_input:
+                return bytes(d.decompress(b"", want))
+            if not self._fill():
+                raise EOFError(_CUT_SHORT)
+            data, self.data = self.data, b""
+            return bytes(d.decompress(data, want))
+        if not self._fill():
+            raise EOFError(_CUT_SHORT)
+        if isinstance(d, _ZLIB):
+            out = d.decompress(self.data, want)
+            self.data = d.unconsumed_tail
+            return bytes(out)
+        data, self.data = self.data[: self._ZSTD_IN], self.data[self._ZSTD_IN :]
+        return bytes(d.decompress(data))
+
+
+_ZLIB = type(zlib.decompressobj())
+_CUT_SHORT = "the compressed file ends inside a stream (a file cut short)"
 
 
 def lines_before(path: Path, offset: int) -> int:
@@ -461,7 +527,13 @@ def _check_column(path: Path, schema: Any, field: str) -> None:
 
 def read_errors() -> tuple[type[BaseException], ...]:
     """What reading a damaged input raises (beyond ``OSError``)."""
-    errors: list[type[BaseException]] = [OSError, UnicodeDecodeError, EOFError, lzma.LZMAError]
+    errors: list[type[BaseException]] = [
+        OSError,
+        UnicodeDecodeError,
+        EOFError,
+        lzma.LZMAError,
+        zlib.error,
+    ]
     with contextlib.suppress(ImportError):
         import zstandard
 
