@@ -399,8 +399,9 @@ def text_pieces(f: IO[bytes], piece: int | None = None) -> Iterator[tuple[int, s
     """A plain-text file as pieces of about ``piece`` bytes, each with its place
     (``FIRST``/``LAST`` flags): memory stays bounded whatever the file's size.
 
-    A piece ends at a line break (``\\n`` or ``\\r\\n``) between two characters
-    that are not white space, else before a space between two words: a byte-level BPE
+    A piece ends at a line break between two characters that are not white space
+    (after a ``\\n``, before a ``\\r\\n`` that follows a letter or digit), else
+    before a space between two words: a byte-level BPE
     pre-tokenizer (GPT-2's and Llama 3's patterns, most tokenizer.json files)
     splits the text there anyway, so the pieces' tokens are the whole text's.
     (A tokenizer that treats the start of its input apart, as SentencePiece's
@@ -440,15 +441,19 @@ def text_pieces(f: IO[bytes], piece: int | None = None) -> Iterator[tuple[int, s
         carry = text[cut:]
 
 
-_LINE_BREAK = re.compile(r"(?<=\S)\r?\n(?=\S)")
-"""A line break (``\n`` or ``\r\n``) between two characters that are not white space."""
+_LINE_BREAK = re.compile(r"(?<=\S)\n(?=\S)|(?<=[^\W_])(?=\r\n\S)")
+"""Where a line break lets a text be cut: after a ``\n`` between two characters
+that are not white space, or before a ``\r\n`` after a letter or digit and before
+one that is not white space. (After a ``\r\n``, GPT-2's pattern would take it
+whole at a piece's end, where inside a text it splits ``\r`` from ``\n``; before
+one after punctuation, Llama 3's would split ``.\r\n``, which it takes whole.)"""
 _WORD_SPACE = re.compile(r"(?<=\S) (?=\S)")
 """A space between two words."""
 
 
 def _cut(text: str) -> int:
-    """Where ``text`` may be cut (see ``text_pieces``), or -1: after the last line
-    break (``\n`` or ``\r\n``) with no white space on either side, else before
+    """Where ``text`` may be cut (see ``text_pieces``), or -1: at the last line
+    break ``_LINE_BREAK`` finds, else before
     the last space between two words. The whole text is searched (the tail first):
     a table padded with spaces may hold its last such place far from its end."""
     for pattern, end in ((_LINE_BREAK, True), (_WORD_SPACE, False)):
