@@ -376,6 +376,38 @@ def test_a_directory_walk_follows_links_and_reads_no_file_twice(tmp_path: Path) 
     assert s.documents == 2
 
 
+def test_a_file_reached_again_through_a_link_from_another_input_is_read_once(
+    tmp_path: Path,
+) -> None:
+    """review58: inputs ``d1 d2`` with ``d2/link -> d1`` read d1's file twice (each
+    input's walk had its own record of the directories reached), as did ``'d/*'``
+    with a link in ``d/sub`` back to ``d``; the spelling that sorts first stands,
+    whatever the inputs' order. A link to a file is still a file of its own."""
+    (tmp_path / "d1").mkdir()
+    (tmp_path / "d2").mkdir()
+    (tmp_path / "d1" / "a.jsonl").write_text('{"text": "A"}\n')
+    (tmp_path / "d2" / "b.jsonl").write_text('{"text": "B"}\n')
+    (tmp_path / "d2" / "link").symlink_to(tmp_path / "d1", target_is_directory=True)
+    (tmp_path / "d2" / "again.jsonl").symlink_to(tmp_path / "d2" / "b.jsonl")  # upsampled
+    want = [
+        tmp_path / "d1" / "a.jsonl",
+        tmp_path / "d2" / "again.jsonl",
+        tmp_path / "d2" / "b.jsonl",
+    ]
+    for order in ([tmp_path / "d1", tmp_path / "d2"], [tmp_path / "d2", tmp_path / "d1"]):
+        found = find_inputs(order)
+        assert found.files == want
+        assert found.passed_over["files reached again through a link to a directory"] == 1
+        assert "e.g. " + str(tmp_path / "d2" / "link" / "a.jsonl") in found.describe()
+    d = tmp_path / "d"
+    (d / "sub").mkdir(parents=True)
+    (d / "top.jsonl").write_text('{"text": "T"}\n')
+    (d / "sub" / "loop").symlink_to(d, target_is_directory=True)
+    assert find_inputs([str(d / "*")]).files == [d / "top.jsonl"]
+    s = build([tmp_path / "d2", tmp_path / "d1"], tmp_path / "out")
+    assert s.documents == 3
+
+
 @pytest.mark.parametrize(
     ("name", "data"),
     [

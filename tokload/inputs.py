@@ -23,7 +23,8 @@ and what was passed over.
 - A path is read once however it is spelled (relative or absolute, with
   ``..``, a directory and a file in it): the first spelling in sorted order
   stands for it. Links are other paths: a file and a link to it are both read
-  (a link upsamples a file).
+  (a link upsamples a file); but a file reached again through a link to a
+  directory (from another input, or a loop) is read once.
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def find_inputs(
     """
     out = Path(output).resolve() if output is not None else None
     found = Found()
-    files: dict[str, Path] = {}  # by absolute path: each path once
+    files = _Files()  # by absolute path: each path once
     for spec in inputs:
         s = os.fspath(spec)
         # a path that exists is itself, whatever its name holds ("data[1].jsonl")
@@ -253,20 +254,54 @@ def _pattern(spec: str) -> str:
     return spec
 
 
-def _add(files: dict[str, Path], p: Path, found: Found) -> None:
-    """Add file ``p``, unless ``files`` has its path spelled otherwise (then the
+REACHED_AGAIN = "files reached again through a link to a directory"
+
+
+class _Files(dict[str, Path]):
+    """The input files found, by absolute path (links not followed): each path once
+    however spelled, and each file once however its directories were reached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.places: dict[str, str] = {}  # a file's place, its directories' links followed
+        self._real: dict[str, str] = {}  # a directory's real path
+
+    def place(self, key: str) -> str:
+        """Where the file ``key`` is, with the links to its directories followed but
+        not its own (a link to a file is a file of its own)."""
+        head, name = os.path.split(key)
+        real = self._real.get(head)
+        if real is None:
+            real = self._real[head] = os.path.realpath(head)
+        return os.path.join(real, name)
+
+
+def _add(files: _Files, p: Path, found: Found) -> None:
+    """Add file ``p``, unless ``files`` has it under another spelling (then the
     spelling that sorts first stands for it, whatever the order the inputs named
-    them in). The path is made absolute without following links, which are
-    other paths (the same on every machine of a ``--part`` build, whatever its
-    copy kept of hard links)."""
+    them in) or reached through a link to a directory (then the path without
+    one, else the one that sorts first). The path is made absolute
+    without following links, which are other paths (the same on every machine
+    of a ``--part`` build, whatever its copy kept of hard links)."""
     key = os.path.abspath(p)
-    seen = files.get(key)
-    if seen is None:
+    place = files.place(key)
+    other = files.places.setdefault(place, key)
+    if other != key:  # the file of another path: a directory reached twice
+        seen = files[other]
+        # the path that follows no link stands for it, else the one that sorts first
+        if (key != place, str(p)) < (other != place, str(seen)):
+            del files[other]
+            files[key], files.places[place] = p, key
+            p = seen
+        found.skip(REACHED_AGAIN, p)
+        return
+    seen_p = files.get(key)
+    if seen_p is None:
         files[key] = p
-    elif seen != p:
-        first, other = (p, seen) if str(p) < str(seen) else (seen, p)
+    elif seen_p != p:
+        first, again = (p, seen_p) if str(p) < str(seen_p) else (seen_p, p)
         files[key] = first
-        found.skip(SPELLED_AGAIN, other)
+        found.skip(SPELLED_AGAIN, again)
 
 
 def _walk(
@@ -275,13 +310,14 @@ def _walk(
     include: Sequence[str],
     exclude: Sequence[str],
     found: Found,
-    files: dict[str, Path],
+    files: _Files,
 ) -> None:
     """Add the data files under ``top`` to ``files``; count what is passed over.
 
     Links to directories are followed (corpora are often put together from
     them); a directory reached a second time, through a link or a loop of
-    links, is passed over, so no file is read twice."""
+    links, is passed over, and a file reached again through a link to a
+    directory, from this walk or another input, is one file (``_add``)."""
     walked: set[tuple[int, int]] = set()
     for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
         here = Path(dirpath)
