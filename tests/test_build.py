@@ -261,6 +261,30 @@ def test_a_merge_of_parts_keeps_their_tokenizer_and_refuses_another(tmp_path: Pa
     assert (tmp_path / "mine" / "tokenizer.json").read_text() == "{}"
 
 
+def test_a_part_of_empty_inputs_builds_and_merges(tmp_path: Path) -> None:
+    """review58: ``--part 1/2`` of ``[a.jsonl, empty.jsonl]`` failed ("the build
+    produced no documents: the inputs are empty"), so the split corpus could not be
+    merged; a whole build of empty inputs still fails, as does a part that skipped
+    every record."""
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    (tmp_path / "empty.jsonl").write_text("")
+    inputs = [tmp_path / "a.jsonl", tmp_path / "empty.jsonl"]
+    for k in range(2):
+        s = build(inputs, tmp_path / f"p{k}", tokenizer="bytes", part=(k, 2), progress=False)
+        assert s.documents == (2 if k == 0 else 0)
+    tokload.merge(tmp_path / "whole", [tmp_path / "p0", tmp_path / "p1"])
+    single = build(inputs, tmp_path / "single", tokenizer="bytes", progress=False)
+    a, b = Documents(tmp_path / "whole"), Documents(tmp_path / "single")
+    assert len(a) == len(b) == single.documents == 2
+    np.testing.assert_array_equal(a.read([0, 1]).values, b.read([0, 1]).values)
+    with pytest.raises(BuildError, match="produced no documents: the inputs are empty"):
+        build([tmp_path / "empty.jsonl"], tmp_path / "none", tokenizer="bytes", progress=False)
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    with pytest.raises(BuildError, match="produced no documents: all 1 records were skipped"):
+        build([tmp_path / "a.jsonl", tmp_path / "bad.jsonl"], tmp_path / "q", tokenizer="bytes",
+              part=(1, 2), on_error="skip", progress=False)  # fmt: skip
+
+
 def test_a_merge_refuses_parts_of_other_options_or_chunk_plans(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -427,7 +427,7 @@ def build(
             documents += int(stats.get("documents", 0))
         try:
             if mine:
-                _check_yield(documents, skipped, max_skipped, text_field)
+                _check_yield(documents, skipped, max_skipped, text_field, whole=n == 1)
             manifest = _assemble(out, opts, tok_record, tok.vocab_size, files, mine, planned)
             try:
                 open_dataset(out).close()  # the manifest agrees with the files (sizes: cheap)
@@ -471,12 +471,20 @@ def _nothing_found(found: Found) -> str:
 
 
 def _check_yield(
-    documents: int, skipped: Counter[str], max_skipped: float, text_field: str
+    documents: int,
+    skipped: Counter[str],
+    max_skipped: float,
+    text_field: str,
+    *,
+    whole: bool = True,
 ) -> None:
-    """Fail a build that made no documents, or skipped more than ``max_skipped`` of them."""
+    """Fail a build that made no documents, or skipped more than ``max_skipped`` of them.
+
+    A part of a split build (not ``whole``) may make none: its inputs may be empty
+    files that the whole corpus holds beside others (the merge has every part's)."""
     bad = sum(skipped.values())
     reasons = ", ".join(f"{r}: {n}" for r, n in skipped.most_common())
-    if documents == 0:
+    if documents == 0 and (whole or bad):
         why = f"all {bad} records were skipped ({reasons})" if bad else "the inputs are empty"
         hint = (
             f"; is the text in another field than {text_field!r}? (--text-field)"
