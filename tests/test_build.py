@@ -755,6 +755,34 @@ def test_parquet_nanosecond_times_and_unused_columns(tmp_path: Path) -> None:
     assert len(Documents(tmp_path / "plain")) == 2
 
 
+def test_a_parquet_string_that_is_not_utf8_is_a_bad_record(tmp_path: Path) -> None:
+    """review58: bytes that are not UTF-8 in a Parquet string column (writers that do
+    not check leave them) stopped the build blaming nanosecond times, naming a
+    batch of rows, and ``on_error='skip'`` could not skip them: the row is a bad
+    record now, named, and skipped like a JSONL line that is not Unicode."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    offsets = pa.py_buffer(np.array([0, 2, 6, 11], dtype=np.int32).tobytes())
+    text = pa.Array.from_buffers(pa.string(), 3, [None, offsets, pa.py_buffer(b"okbad\xffthird")])
+    pq.write_table(pa.table({"text": text, "id": [1, 2, 3]}), tmp_path / "x.parquet")
+    with pytest.raises(
+        BuildError,
+        match=r"x\.parquet:2: column 'text' is not UTF-8 at byte 3 of its string "
+        r"\(0xff: invalid start byte\)",
+    ):
+        build([tmp_path / "x.parquet"], tmp_path / "stop", tokenizer="bytes", progress=False)
+    s = build([tmp_path / "x.parquet"], tmp_path / "o", tokenizer="bytes", on_error="skip",
+              max_skipped=0.5, keep_fields=["id"], progress=False)  # fmt: skip
+    assert (s.documents, s.skipped) == (2, {"string not UTF-8": 1})
+    docs = Documents(tmp_path / "o")
+    view = tokload.StreamWithMetadata(tmp_path / "o", window=1, stride=1, deserialize=json.loads)
+    for d, want in ((0, {"text": "ok", "id": 1}), (1, {"text": "third", "id": 3})):
+        start, length = (int(a[0]) for a in docs.extents([d]))
+        tokens = view.read(np.arange(start, start + length - 1)).fields["token"][:, 0]
+        assert bytes(tokens.tolist()).decode() == want["text"]
+        assert view.read([start]).metadata[0] == {"document": {"id": want["id"]}}
+
+
 def test_nan_and_infinities_are_kept_as_null(tmp_path: Path) -> None:
     """A float column's missing values (NaN) and infinities, from Parquet or JSONL,
     were written as bare ``NaN``/``Infinity``, which strict JSON parsers (orjson,

@@ -248,6 +248,7 @@ ANNOTATION_OUTSIDE = "annotation outside the text"
 UNREADABLE = "unreadable input"
 NOT_JSON = "field without a JSON form"
 NOT_UNICODE = "lone surrogate in a string"
+NOT_UTF8 = "string not UTF-8"
 
 Record = tuple[int, dict[str, Any] | None, tuple[str, str] | None, int, str]
 """(line, record, (reason key, message), FIRST/LAST flags, context) of one input record;
@@ -361,7 +362,10 @@ def records(
             for batch in pf.iter_batches(batch_size=1024, row_groups=list(groups), columns=wanted):
                 for rec in _parquet_rows(batch, path, row):
                     row += 1
-                    yield row, rec, None, WHOLE, ""
+                    if isinstance(rec, str):  # a string that is not UTF-8
+                        yield row, None, (NOT_UTF8, rec), WHOLE, ""
+                    else:
+                        yield row, rec, None, WHOLE, ""
     else:
         with _decompressed(inp) as f:
             before = ""  # the end of the piece before (Record's context)
@@ -468,15 +472,20 @@ def _cut(text: str) -> int:
     return -1
 
 
-def _parquet_rows(batch: Any, path: Path, before: int) -> list[dict[str, Any]]:
+def _parquet_rows(batch: Any, path: Path, before: int) -> list[dict[str, Any] | str]:
     """The rows of a Parquet record batch as dicts (``before``: rows before it, for
-    errors). Nanosecond times, which Python's lack (pandas writes them), are ISO
-    8601 text with nine digits (``2024-01-02T03:04:05.123456789``, a zone as
-    ``+00:00``, as microsecond ones are), nanosecond durations seconds. Inside a
-    struct or list column they are refused, naming the column."""
+    errors), and in place of a row with a string column that is not UTF-8 (which
+    writers that do not check leave), what is wrong with it. Nanosecond times, which
+    Python's lack (pandas writes them), are ISO 8601 text with nine digits
+    (``2024-01-02T03:04:05.123456789``, a zone as ``+00:00``, as microsecond ones
+    are), nanosecond durations seconds. Inside a struct or list column they are
+    refused, naming the column, as are strings there that are not UTF-8."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    bad = _not_utf8(batch)
+    if bad:
+        batch = batch.take([i for i in range(batch.num_rows) if i not in bad])
     cols = []
     try:
         for col in batch.columns:
@@ -496,15 +505,59 @@ def _parquet_rows(batch: Any, path: Path, before: int) -> list[dict[str, Any]]:
         ).to_pylist()
     except (ValueError, pa.ArrowException) as e:
         column = next((n for n, c in zip(batch.schema.names, cols, strict=False) if _fails(c)), "")
-        rows_ = f"rows {before + 1} to {before + batch.num_rows}"
+        rows_ = f"rows {before + 1} to {before + batch.num_rows + len(bad)}"
         if not column:
             raise BuildError(f"{path}: {rows_}: {e}") from None
+        if isinstance(e, UnicodeDecodeError):
+            raise BuildError(
+                f"{path}: column {column!r}, {rows_}: a string inside a struct or list is "
+                f"not UTF-8 ({e}): do not keep the column, or mend the file"
+            ) from None
         raise BuildError(
             f"{path}: column {column!r}, {rows_}: a value Python cannot hold (nanosecond "
             "times inside a struct or list are not read): cast them to microseconds, or do "
             "not keep the column"
         ) from None
-    return rows
+    if not bad:
+        return list(rows)
+    out: list[dict[str, Any] | str] = []
+    kept = iter(rows)
+    for i in range(batch.num_rows + len(bad)):
+        out.append(bad[i] if i in bad else next(kept))
+    return out
+
+
+def _not_utf8(batch: Any) -> dict[int, str]:
+    """The rows of a record batch whose string column holds bytes that are not
+    UTF-8, each with what is wrong (a full check of each string column: the
+    conversion to Python raises for a batch, naming no row)."""
+    import pyarrow as pa
+
+    bad: dict[int, str] = {}
+    for name, col in zip(batch.schema.names, batch.columns, strict=True):
+        binary = _BINARY_OF.get(str(col.type))
+        if binary is None:
+            continue
+        try:
+            col.validate(full=True)
+            continue
+        except pa.ArrowInvalid:
+            pass
+        for i, v in enumerate(col.view(binary).to_pylist()):
+            if v is None or i in bad:
+                continue
+            try:
+                v.decode("utf-8")
+            except UnicodeDecodeError as e:
+                bad[i] = (
+                    f"column {name!r} is not UTF-8 at byte {e.start:,} of its string "
+                    f"({v[e.start]:#04x}: {e.reason})"
+                )
+    return bad
+
+
+_BINARY_OF = {"string": "binary", "large_string": "large_binary", "string_view": "binary_view"}
+"""The binary type of each Arrow string type (the same bytes, not checked)."""
 
 
 def _fails(col: Any) -> bool:
