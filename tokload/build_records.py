@@ -149,10 +149,10 @@ class _Streams(io.RawIOBase):
     later stream (taken for trailing garbage), gzip's and zstandard's on an empty
     file; each stops the build or is one skipped record (``read_errors``).
 
-    Each read returns what one read of the file decompresses to, at most the
-    buffer's size (a decompressor's output is bounded so, but zstandard's, whose
-    input is fed a little at a time), so the lines before a damaged part are read
-    and built before its error is raised."""
+    Each read returns what one read of the file decompresses to (at most 64 KiB
+    or the buffer's size: zstandard's output has no bound, its input is fed a
+    little at a time), so the lines before a damaged part are read and built
+    before its error is raised."""
 
     _IN = 1 << 16
     _ZSTD_IN = 1 << 12  # (zstandard bounds no output: 4 KiB of a crafted file make 128 MiB)
@@ -161,7 +161,7 @@ class _Streams(io.RawIOBase):
         self.raw, self.new = raw, new
         self.d: Any = None  # the stream being read; None between streams
         self.data = b""  # input not yet given to a decompressor
-        self.out = b""  # output not yet returned (zstandard's)
+        self.out = b""  # output not yet returned
         self.streams = 0
         self.ended = False  # the file is read
 
@@ -173,7 +173,7 @@ class _Streams(io.RawIOBase):
         while not self.out:
             if self.d is None and not self._next_stream():
                 return 0
-            self.out = self._decompress(want)
+            self.out = self._decompress(max(want, self._IN))  # (small reads: no n**2)
             if self.d.eof:
                 self.data, self.d = self.d.unused_data + self.data, None
         n = min(want, len(self.out))
@@ -210,12 +210,18 @@ class _Streams(io.RawIOBase):
                 raise EOFError(_CUT_SHORT)
             data, self.data = self.data, b""
             return bytes(d.decompress(data, want))
-        if not self._fill():
-            raise EOFError(_CUT_SHORT)
+        self._fill()
         if isinstance(d, _ZLIB):
+            # (at the file's end too: output held back by ``want`` comes without input)
             out = d.decompress(self.data, want)
-            self.data = d.unconsumed_tail
+            # (at the stream's end, what follows is in unused_data, and also in
+            # unconsumed_tail when there is some)
+            self.data = b"" if d.eof else d.unconsumed_tail
+            if not out and not d.eof and not self.data and self.ended:
+                raise EOFError(_CUT_SHORT)
             return bytes(out)
+        if not self.data:  # (zstandard gives all it can of what it is given)
+            raise EOFError(_CUT_SHORT)
         data, self.data = self.data[: self._ZSTD_IN], self.data[self._ZSTD_IN :]
         return bytes(d.decompress(data))
 
