@@ -515,6 +515,29 @@ def test_an_error_in_a_reader_thread_reaches_the_right_next(corpus: Path) -> Non
         next(iter(ld))  # ... and a new one starts at the batch that failed
 
 
+@pytest.mark.parametrize("threads", [0, 1, 3])
+def test_an_error_in_collate_over_a_blend_reaches_the_user(corpus: Path, threads: int) -> None:
+    """review59: over a ``Blend`` the collate error became tokload's own "zip()
+    argument 2 is longer than argument 1" (the per-component counts were not cut
+    to the steps delivered), and a reader thread lost the batch before it too."""
+    view = TokenStream(corpus, window=9)
+    blend = tokload.Blend([(view, 1.0), (view.subset(0, len(view) // 2), 1.0)], length=100)
+
+    def collate(raw: dict[str, Any]) -> int:
+        if int(raw["position"][0]) == 8:  # the third batch
+            raise KeyError("boom")
+        return int(raw["position"][0])
+
+    ld = DataLoader(blend, 4, num_threads=threads, collate=collate, seed=2)
+    it = iter(ld)
+    assert [next(it) for _ in range(2)] == [0, 4]
+    with pytest.raises(KeyError, match="boom"):
+        next(it)
+    assert ld.cursor == 8
+    assert ld.stats()["batches"] == 2
+    ld.close()
+
+
 def test_threads_stop_on_close_break_and_gc(corpus: Path) -> None:
     view = TokenStream(corpus, window=9)
     ld = DataLoader(view, 4, num_threads=3, read=tokload.ReadOptions(prefetch=8))

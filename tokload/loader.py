@@ -492,10 +492,11 @@ class DataLoader:
                     b.ready = whole.ready
             except Exception as e:
                 return [], [], (e, len(spans))
+        # (the steps delivered: fewer where collate or a step failed)
         counts = task.tokens[: len(out)]
         by = task.by_component
         tokens: list[Counted] = list(
-            zip(counts, by if by is not None else [None] * len(counts), strict=True)
+            zip(counts, by[: len(out)] if by is not None else [None] * len(counts), strict=True)
         )
         if out:
             self._stats.built(time.perf_counter() - t0, sum(counts))
