@@ -424,6 +424,36 @@ def test_the_ring_failure_hook_is_refused_in_release_builds() -> None:
 # ---- 3. fork ----------------------------------------------------------------------
 
 
+def test_a_read_the_close_of_its_dataset_overtakes_says_so(tmp_path: Path) -> None:
+    """review59: a read that passed the open check when another thread closed the
+    dataset (``view.close()`` while reader threads read ahead) got EBADF from the
+    descriptor cache for its next file, raised as an ``OSError`` naming a shard
+    and an offset (a damaged file, to the reader); it is the closed dataset's
+    ``ValueError`` now."""
+    paths, _ = _shards(tmp_path, [4096, 4096])
+    rows = _rows.RowSet(_io.FileSet(paths, io="sync"), [4096, 4096], 4)
+    blocked = _BlockedRead(2 * 1024 * 4)
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:  # a window of shard 0, then one of shard 1: one after the other (sync)
+            rows.read_windows([0, 4], 0, 8, 1024, 1024, blocked.out)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        blocked.wait_until_blocked()  # inside shard 0's read
+        rows.files.close()
+    finally:
+        blocked.release()
+        t.join(10)
+    assert not t.is_alive()
+    assert len(errors) == 1 and type(errors[0]) is ValueError, errors
+    assert str(errors[0]).startswith(f"I/O on a closed dataset ({paths[1]}: closed while reading")
+
+
 @pytest.mark.parametrize("io", ["sync", "threads", "uring"])
 @pytest.mark.parametrize("closed", [False, True], ids=["open", "closed"])
 def test_a_child_forked_during_a_read_holds_no_pins_of_the_parent(

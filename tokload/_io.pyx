@@ -423,6 +423,8 @@ cdef object _raise_io(lib.tl_io_error *err, list paths, str what):
     if err.code == lib.TL_ERR_CORRUPT:
         raise CorruptDataError(f"{path}: {what}: bad value {err.done} at byte {err.offset}")
     code = -err.code
+    if code == _errno.EBADF:  # fdcache.h: the dataset was closed while this read ran
+        raise ValueError(f"I/O on a closed dataset ({path}: closed while reading {what})")
     if code == _errno.ENOMEM:  # a table held in memory that could not be allocated
         raise MemoryError(f"{path}: out of memory while reading {what}")
     msg = f"{strerror(code).decode()} while reading {what} ({err.length} bytes at offset {err.offset})"
