@@ -460,3 +460,39 @@ def test_a_field_of_documents_holds_one_number_per_row(dtype: np.dtype[Any]) -> 
     view = OwnDocuments(8, fields={"tokens": np.dtype(np.uint32), "pair": dtype})
     with pytest.raises(TypeError, match=r"OwnDocuments's field 'pair' has the dtype .* one number"):
         DataLoader(view, 2, batching=tokload.Fill(64), num_threads=0)
+
+
+class Exhausted:
+    """A view whose ``read_batch`` calls ``next()`` on an iterator it ran dry."""
+
+    def __init__(self, n: int, dry_at: int) -> None:
+        self.n, self.dry_at, self.calls = n, dry_at, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def fingerprint(self) -> str:
+        return f"Exhausted({self.n})"
+
+    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
+        self.calls += 1
+        if self.calls == self.dry_at:
+            next(iter(()))  # StopIteration, from the view's own code
+        return {"x": np.asarray(indices, dtype=np.int64)}
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_a_stop_iteration_a_view_raises_is_no_end_of_the_epoch(threads: int) -> None:
+    """review60: a ``StopIteration`` raised inside ``read_batch`` left ``next()`` as
+    it was, so a ``for`` loop ended, silently, after 3 of 10 batches (1 with reader
+    threads), the cursor mid-epoch: it is a ``RuntimeError`` now (PEP 479's rule)."""
+    view = Exhausted(40, dry_at=4)
+    ld = DataLoader(view, 4, shuffle=False, num_threads=threads, device=None, epochs=1)
+    seen = []
+    with pytest.raises(RuntimeError, match=r"Exhausted \(or collate\) raised StopIteration") as e:
+        for b in ld:
+            seen.append(int(b["x"][0]))
+    assert isinstance(e.value.__cause__, StopIteration)
+    assert seen == [0, 4, 8][: len(seen)] and ld.cursor == 4 * len(seen)
+    ld.close()

@@ -451,6 +451,22 @@ class DataLoader:
         fewer batches and no failure; the caller drops them). A call in progress
         is not interrupted: the I/O engine has no way to abandon its reads.
         """
+        items, tokens, failure = self._build_steps(spans, cancel)
+        if failure is not None and isinstance(failure[0], StopIteration):
+            # (raised from next(), it would end the user's loop as the epoch's end)
+            e = RuntimeError(
+                f"{type(self.view).__name__} (or collate) raised StopIteration while "
+                "building a batch; it is not the end of the data (PEP 479 turns it into "
+                "this error inside generators, for the same reason)"
+            )
+            e.__cause__ = failure[0]
+            failure = (e, failure[1])
+        return items, tokens, failure
+
+    def _build_steps(
+        self, spans: list[tuple[int, int]], cancel: threading.Event | None
+    ) -> tuple[list[Any], list[Counted], tuple[BaseException, int] | None]:
+        """``_build_task``, raising what the view and collate raise."""
         t0 = time.perf_counter()
         if cancel is not None and cancel.is_set():
             return [], [], None
