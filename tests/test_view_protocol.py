@@ -496,3 +496,31 @@ def test_a_stop_iteration_a_view_raises_is_no_end_of_the_epoch(threads: int) -> 
     assert isinstance(e.value.__cause__, StopIteration)
     assert seen == [0, 4, 8][: len(seen)] and ld.cursor == 4 * len(seen)
     ld.close()
+
+
+class Uneven:
+    """Not rowwise: a batch holding an even index has a key more."""
+
+    def __len__(self) -> int:
+        return 20
+
+    @property
+    def fingerprint(self) -> str:
+        return "Uneven"
+
+    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
+        out: dict[str, Any] = {"x": 2 * np.asarray(indices, dtype=np.int64)}
+        if (np.asarray(indices) % 2 == 0).any():
+            out = {"extra": np.ones((len(indices), 3), np.int32), **out}
+        return out
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_batches_of_other_keys_are_counted_not_refused(threads: int) -> None:
+    """review60: the token count kept the key of the first batch it saw ('extra')
+    and raised ``KeyError`` from ``stats`` on a batch without it."""
+    ld = DataLoader(Uneven(), 1, seed=3, num_threads=threads, device=None, epochs=1)
+    got = sorted(int(b["x"][0]) // 2 for b in ld)
+    assert got == list(range(20))
+    st = ld.stats()
+    assert st["batches"] == 20 and 20 <= st["tokens"] <= 40  # each x's (1) or extra's (3)

@@ -205,7 +205,8 @@ class TokenCounter:
     ``"tokens"``, or else of their first array other than ``"index"``,
     ``"position"`` and ``"metadata*"`` (one field of a structured dtype). A view
     with no such array counts 0. Which key counts is decided from the first
-    arrays seen and kept, so a batch costs the reader a call or two.
+    arrays seen and kept (decided again for a batch without it), so a batch
+    costs the reader a call or two.
     """
 
     def __init__(self) -> None:
@@ -235,7 +236,8 @@ class TokenCounter:
 
     def one(self, raw: dict[str, Any]) -> int:
         """Tokens of one batch's arrays."""
-        if not self._known:
+        # (a view that is not rowwise may give batches of other keys; `in`: no call)
+        if not self._known or (self._key is not None and self._key not in raw):
             self._learn(raw)
         if self._key is None:
             return 0
@@ -245,7 +247,7 @@ class TokenCounter:
 
     def rows(self, raw: dict[str, Any], cuts: list[tuple[int, int]]) -> list[int]:
         """Tokens of each batch ``[a, e)`` of a task's rowwise arrays."""
-        if not self._known:
+        if not self._known or (self._key is not None and self._key not in raw):
             self._learn(raw)
         if self._key is None:
             return [0] * len(cuts)
