@@ -453,6 +453,45 @@ def test_read_steps_keys_the_loader_sets_are_refused(extra: dict[str, Any], mess
         next(iter(DataLoader(Steps(extra), 4, seed=1, num_threads=2)))
 
 
+class Unlike(Steps):
+    """``read_steps`` whose later steps give other keys or kinds than the first."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__({})
+        self.how = how
+
+    def read_steps(
+        self, indices: np.ndarray, cuts: list[tuple[int, int]], alloc: Any
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        raw, steps = super().read_steps(indices, cuts, alloc)
+        if len(steps) > 1:  # (the first task is one step)
+            if self.how == "a value where a slice was":
+                steps[-1]["n"] = 7
+            elif self.how == "a key more":
+                steps[-1]["tag"] = 101
+            else:
+                del steps[-1]["n"]
+        return raw, steps
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("a value where a slice was", r"gave step 15 a value of 'n', and step 0 a slice"),
+        ("a key more", r"gave step 15 a value of 'tag', and step 0 no value"),
+        ("a key less", r"gave step 15 no value of 'n', and step 0 a slice"),
+    ],
+)
+def test_read_steps_that_differ_from_the_first_are_refused(how: str, message: str) -> None:
+    """review60: a task's steps were cut by the first's keys and kinds: a later step's
+    own key was dropped, one it lacked was a bare ``KeyError``, and its value 7 where
+    the first gave a slice became element 7 of the array, silently."""
+    it = iter(DataLoader(Unlike(how), 2, seed=1, num_threads=2))
+    assert next(it)["n"].tolist() == [2]  # the first task: one step
+    with pytest.raises(ValueError, match=r"^Unlike\.read_steps " + message):
+        next(it)
+
+
 @pytest.mark.parametrize("dtype", [np.dtype(("f4", (2,))), np.dtype([("a", "u2"), ("b", "u2")])])
 def test_a_field_of_documents_holds_one_number_per_row(dtype: np.dtype[Any]) -> None:
     """A subarray field got a flat buffer of one element per row, and the view's own

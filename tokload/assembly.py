@@ -49,20 +49,45 @@ class Assembly:
         if len(steps) != len(cuts):
             raise TypeError(f"{name}.read_steps gave {len(steps)} steps for {len(cuts)}")
         out = self._finish(raw, indices, positions, "read_steps")
-        for st in steps:
+        # Every step the first's keys, each a slice in every step or a value in every
+        # one: the loader cuts a task's steps by the first's (no call a key or step).
+        first: dict[str, Any] = steps[0] if steps and isinstance(steps[0], dict) else {}
+        nkeys = len(first)
+        for j, st in enumerate(steps):
             if not isinstance(st, dict):
                 raise TypeError(f"{name}.read_steps gave a step of {type(st).__name__}, not a dict")
+            n = 0
             for key in st:
+                n += 1
                 if key in RESERVED_KEYS:
                     raise ValueError(
                         f"{name}.read_steps gave a step the key {key!r}, which the loader sets"
                     )
-                if isinstance(st[key], slice) and key not in out:
+                is_slice = st[key].__class__ is slice
+                if key not in first or (first[key].__class__ is slice) is not is_slice:
+                    self._unlike(j, key, first, st)
+                if is_slice and key not in out:
                     raise ValueError(
                         f"{name}.read_steps gave a step a slice of {key!r}, which its arrays "
                         f"lack (they hold {', '.join(map(repr, raw))})"
                     )
+            if n != nkeys:
+                self._unlike(j, next(k for k in first if k not in st), first, st)
         return out, steps
+
+    def _unlike(self, j: int, key: str, first: dict[str, Any], st: dict[str, Any]) -> None:
+        """ValueError: step ``j`` of ``read_steps`` gives ``key`` otherwise than step 0."""
+
+        def given(step: dict[str, Any]) -> str:
+            if key not in step:
+                return "no value"
+            return "a slice" if isinstance(step[key], slice) else "a value"
+
+        raise ValueError(
+            f"{type(self.view).__name__}.read_steps gave step {j} {given(st)} of {key!r}, "
+            f"and step 0 {given(first)}: every step gives the same keys (its batch_keys), "
+            "each a slice of an array in every step or a value in every step"
+        )
 
     def read_many(self, parts: list[tuple[np.ndarray, np.ndarray]]) -> list[dict[str, Any]]:
         """``read`` of each ``(indices, positions)``; one ``read_batches`` call

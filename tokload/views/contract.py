@@ -36,8 +36,9 @@ and, optionally,
   the loader uses instead of ``read_batch``: ``cuts`` gives each step's
   rows ``(a, e)`` of ``indices``; the dict holds the rows' arrays and arrays of
   any shape; the list, for each step, its per-batch values: a ``slice`` of one
-  of those arrays, or a value as it is. The loader gives each step its rows of
-  the rowwise arrays and those values;
+  of those arrays, or a value as it is (the same keys in every step, each a
+  slice in every one or a value in every one). The loader gives each step its
+  rows of the rowwise arrays and those values;
 - ``view.read_batches(list_of_indices, alloc) -> list[dict]``: ``read_batch``
   of each index array, in one call, for views that are not rowwise but can read
   several batches in one round of I/O (a stream with metadata blocks); the
