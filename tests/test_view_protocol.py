@@ -563,3 +563,47 @@ def test_batches_of_other_keys_are_counted_not_refused(threads: int) -> None:
     assert got == list(range(20))
     st = ld.stats()
     assert st["batches"] == 20 and 20 <= st["tokens"] <= 40  # each x's (1) or extra's (3)
+
+
+class OwnTensor:
+    """Sample ``i`` is row ``i`` of a ``[100, 3]`` torch tensor the view holds, given
+    as a slice of it (``rowwise``: by index, one row per sample)."""
+
+    def __init__(self, rowwise: bool) -> None:
+        self.corpus = torch.arange(300, dtype=torch.int64).reshape(100, 3)
+        self.rowwise = rowwise
+
+    def __len__(self) -> int:
+        return 100
+
+    @property
+    def fingerprint(self) -> str:
+        return f"OwnTensor({self.rowwise})"
+
+    def read_batch(self, indices: np.ndarray, alloc: Alloc) -> dict[str, Any]:
+        if self.rowwise:
+            return {"x": self.corpus[torch.from_numpy(indices)]}
+        a = int(indices[0])
+        return {"x": self.corpus[a : a + len(indices)]}
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["apart", "rowwise"])
+def test_a_views_own_torch_tensor_is_copied_as_its_arrays_are(rowwise: bool) -> None:
+    """review60: a tensor a view returned went out as the batch itself: a trainer's
+    in-place edit (label masking) rewrote the view's data, a device copy read memory
+    the backend does not track, and a rowwise view's was refused as having the
+    wrong rows. It is copied into the loader's memory, as a NumPy array is."""
+    view = OwnTensor(rowwise)
+    fd = FakeDevice(seed=3)
+    for device in (None, fd):
+        ld = DataLoader(view, 4, shuffle=False, num_threads=0, device=device, epochs=1)
+        for b in ld:
+            assert torch.equal(b["x"].cpu(), view.corpus[b["index"].cpu().long()])
+            b["x"].fill_(-100)  # the trainer's in-place edit
+        ld.close()
+    assert torch.equal(view.corpus.flatten(), torch.arange(300))
+    assert fd.violations == []
+    elsewhere = torch.zeros((4, 3), device="meta")  # (as a GPU's would be)
+    view.read_batch = lambda indices, alloc: {"x": elsewhere}  # type: ignore[method-assign]
+    with pytest.raises(TypeError, match=r"'x'.* is a tensor on meta: a view gives host memory"):
+        next(iter(DataLoader(view, 4, shuffle=False, num_threads=0, device=None)))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Protocol, SupportsIndex
@@ -88,6 +89,25 @@ class Batch(dict[str, Any]):
         out = Batch({k: copy.deepcopy(v, memo) for k, v in self.items()})
         out.ready = self.ready  # (an event is not copied: it says when the originals are ready)
         return out
+
+
+def is_tensor(v: Any) -> bool:
+    """Whether ``v`` is a torch tensor (without importing torch for other values)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(v, torch.Tensor)
+
+
+def host_array(t: Any, what: str) -> np.ndarray:
+    """The NumPy array a host tensor of a view's holds (its memory: ``tensor``
+    then copies it as any array not made by ``alloc``); a tensor elsewhere (a
+    GPU's) is refused, naming ``what``."""
+    if t.device.type != "cpu":
+        raise TypeError(
+            f"{what} is a tensor on {t.device}: a view gives host memory (NumPy arrays "
+            "from alloc, or tensors on the CPU); the loader copies batches to the device"
+        )
+    a: np.ndarray = t.detach().resolve_conj().resolve_neg().numpy()
+    return a
 
 
 class TransferBackend(Protocol):
@@ -392,12 +412,16 @@ class Transfer:
         return t
 
     def tensors(self, raw: dict[str, Any]) -> Batch:
-        """The raw arrays of a batch as tensors (other values are kept as they are)."""
+        """The raw arrays of a batch as tensors (other values are kept as they are;
+        a torch tensor of a view's is an array: copied, as its NumPy arrays are)."""
         out = Batch()
         for k, v in raw.items():
             if not isinstance(v, np.ndarray):
-                out[k] = v
-                continue
+                # (a records list, a number: kept; torch's classes by name, with no call)
+                if v.__class__.__module__[:5] != "torch" or not is_tensor(v):
+                    out[k] = v
+                    continue
+                v = host_array(v, f"the batch's {k!r}")
             try:
                 out[k] = self.tensor(v)
             except (TypeError, ValueError, RuntimeError) as e:  # a dtype torch lacks
