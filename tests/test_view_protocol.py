@@ -607,3 +607,34 @@ def test_a_views_own_torch_tensor_is_copied_as_its_arrays_are(rowwise: bool) -> 
     view.read_batch = lambda indices, alloc: {"x": elsewhere}  # type: ignore[method-assign]
     with pytest.raises(TypeError, match=r"'x'.* is a tensor on meta: a view gives host memory"):
         next(iter(DataLoader(view, 4, shuffle=False, num_threads=0, device=None)))
+
+
+class Hinted(OwnDocuments):
+    """Documents of one's own that record what read-ahead hints."""
+
+    def __init__(self) -> None:
+        super().__init__(200)
+        self.hinted: list[int] = []
+
+    def hint(self, indices: np.ndarray) -> None:
+        self.hinted.extend(np.asarray(indices).tolist())
+
+    def storage_paths(self) -> list[str]:
+        return []
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=repr)
+def test_read_ahead_hints_the_documents_every_policy_reads(policy: Any) -> None:
+    """review60: under ``Fill`` a view's ``hint`` was never called, read-ahead on or
+    not (the schedule of packed rows has no indices of positions, and the
+    ``TypeError`` was swallowed as advice): it hints the documents of the rows of
+    the tasks ahead, as the other policies hint theirs."""
+    view = Hinted()
+    read = tokload.ReadOptions(readahead=True, steps_per_task=2, prefetch=4)
+    ld = DataLoader(view, 2, batching=policy, seed=1, epochs=1, num_threads=2, read=read)
+    seen: list[int] = []
+    for b in ld:
+        seen.extend(b["index"].tolist())
+    ld.close()
+    assert len(view.hinted) > len(seen) // 4  # the tasks ahead of the first ones
+    assert set(view.hinted) <= set(seen) == set(range(len(view)))

@@ -361,6 +361,23 @@ class PackedSchedule(Schedule):
         parts = [self.positions(a, e) for a, e in spans]
         return np.concatenate(parts), np.cumsum([len(p) for p in parts]).tolist()
 
+    def task_indices(self, spans: list[tuple[int, int]]) -> np.ndarray:
+        """The documents (view indices, int64) of this rank's rows of consecutive
+        steps, as read-ahead hints them; the steps' rows are kept for their read."""
+        parts: list[tuple[_Group, int, int]] = []
+        for a, e in spans:
+            with self._glock:
+                kept = self._steps.get((a, e))
+            if kept is None:
+                step = self._step(a)
+                if step is None or step[1:] != (a, e):
+                    raise ValueError(f"[{a}, {e}) is not a step of this run")
+                kept = step[0]
+                self._keep({(a, e): kept})
+            parts += kept
+        ids: np.ndarray = self._rows_of(parts).ids
+        return ids
+
     def indices(self, positions: np.ndarray) -> np.ndarray:
         """Not a packed run's question (a row holds several documents): TypeError."""
         raise TypeError("the positions of a packed run are rows of documents: see rows()")

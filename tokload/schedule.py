@@ -172,6 +172,11 @@ class Schedule:
         parts = [self.positions(a, e) for a, e in spans]
         return np.concatenate(parts), np.cumsum([len(p) for p in parts]).tolist()
 
+    def task_indices(self, spans: list[tuple[int, int]]) -> np.ndarray:
+        """The samples (view indices, int64) this rank reads for consecutive steps:
+        what read-ahead hints (``tokload.tasks``)."""
+        return self.indices(self.task_positions(spans)[0])
+
     def perm(self, epoch: int) -> Permutation:
         """The permutation of an epoch: of its samples, or of its blocks with
         ``shuffle_block`` (the last few are cached)."""

@@ -151,7 +151,7 @@ def task_builder(
         spans = spans_of(task, keep=True)
         if not spans:
             return None
-        return schedule.indices(schedule.task_positions(spans)[0])
+        return schedule.task_indices(spans)
 
     ahead = ReadAhead(hint, indices_of) if hint is not None else None
     if lead is not None:
