@@ -161,7 +161,8 @@ class _Streams(io.RawIOBase):
         self.raw, self.new = raw, new
         self.d: Any = None  # the stream being read; None between streams
         self.data = b""  # input not yet given to a decompressor
-        self.out = b""  # output not yet returned
+        self.out = b""  # output, returned up to ``at``
+        self.at = 0
         self.streams = 0
         self.ended = False  # the file is read
 
@@ -170,14 +171,16 @@ class _Streams(io.RawIOBase):
 
     def readinto(self, b: Any) -> int:
         want = len(b)
-        while not self.out:
+        while self.at >= len(self.out):
             if self.d is None and not self._next_stream():
                 return 0
-            self.out = self._decompress(max(want, self._IN))  # (small reads: no n**2)
+            # (64 KiB at least: small reads would copy the input over and over)
+            self.out, self.at = self._decompress(max(want, self._IN)), 0
             if self.d.eof:
                 self.data, self.d = self.d.unused_data + self.data, None
-        n = min(want, len(self.out))
-        b[:n], self.out = self.out[:n], self.out[n:]
+        n = min(want, len(self.out) - self.at)
+        b[:n] = memoryview(self.out)[self.at : self.at + n]  # (no copy of the rest)
+        self.at += n
         return n
 
     def _fill(self) -> bool:
