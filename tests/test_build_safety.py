@@ -404,6 +404,13 @@ def test_a_file_reached_again_through_a_link_from_another_input_is_read_once(
     (d / "top.jsonl").write_text('{"text": "T"}\n')
     (d / "sub" / "loop").symlink_to(d, target_is_directory=True)
     assert find_inputs([str(d / "*")]).files == [d / "top.jsonl"]
+    # inside one walk too: a link met before the directory it leads to (review61)
+    e = tmp_path / "e"
+    (e / "z").mkdir(parents=True)
+    (e / "z" / "f.jsonl").write_text('{"text": "F"}\n')
+    (e / "a_link").symlink_to(e / "z", target_is_directory=True)
+    for inputs in ([e], [e, e / "z"], [e / "z", e]):
+        assert find_inputs(inputs).files == [e / "z" / "f.jsonl"]
     s = build([tmp_path / "d2", tmp_path / "d1"], tmp_path / "out")
     assert s.documents == 3
 

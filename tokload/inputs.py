@@ -304,6 +304,11 @@ def _add(files: _Files, p: Path, found: Found) -> None:
         found.skip(SPELLED_AGAIN, again)
 
 
+def _dir_id(path: str | Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
 def _walk(
     top: Path,
     out: Path | None,
@@ -319,6 +324,9 @@ def _walk(
     links, is passed over, and a file reached again through a link to a
     directory, from this walk or another input, is one file (``_add``)."""
     walked: set[tuple[int, int]] = set()
+    # The directories under ``top`` itself: a link to one of them is passed over
+    # wherever the walk meets it, so its files go by the path that follows no link.
+    own = {_dir_id(d) for d, _, _ in os.walk(top)}
     for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
         here = Path(dirpath)
         st = os.stat(here)
@@ -336,6 +344,8 @@ def _walk(
             sub = here / d
             if d.startswith("."):
                 found.skip("hidden directories", sub)
+            elif sub.is_symlink() and _dir_id(sub) in own:
+                found.skip("directories reached again through a link", sub)
             elif _inside(sub.resolve(), out):
                 found.skip("the output", sub)
             else:
