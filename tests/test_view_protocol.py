@@ -603,6 +603,14 @@ def test_a_views_own_torch_tensor_is_copied_as_its_arrays_are(rowwise: bool) -> 
         ld.close()
     assert torch.equal(view.corpus.flatten(), torch.arange(300))
     assert fd.violations == []
+    for dtype in (torch.bfloat16, torch.int8):  # (bfloat16: a dtype NumPy lacks, review61)
+        view.corpus = torch.arange(300).reshape(100, 3).to(dtype)
+        b = next(iter(DataLoader(view, 4, shuffle=False, num_threads=0, device=None)))
+        assert b["x"].dtype == dtype and torch.equal(b["x"], view.corpus[:4])
+    sparse = torch.eye(4).to_sparse()
+    view.read_batch = lambda indices, alloc: {"x": sparse}  # type: ignore[method-assign]
+    b = next(iter(DataLoader(view, 4, shuffle=False, num_threads=0, device=None)))
+    assert torch.equal(b["x"], torch.eye(4))  # made dense
     elsewhere = torch.zeros((4, 3), device="meta")  # (as a GPU's would be)
     view.read_batch = lambda indices, alloc: {"x": elsewhere}  # type: ignore[method-assign]
     with pytest.raises(TypeError, match=r"'x'.* is a tensor on meta: a view gives host memory"):

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from tokload.transfer import host_array, is_tensor
+from tokload.transfer import is_tensor
 from tokload.views.contract import RESERVED_KEYS, Alloc, check_view
 
 
@@ -141,9 +141,10 @@ class Assembly:
         for k, v in raw.items():
             if k in skip:
                 continue
-            if not isinstance(v, np.ndarray) and is_tensor(v):  # its memory: copied later
-                v = raw[k] = host_array(v, f"{type(self.view).__name__}.read_batch's {k!r}")
-            if not isinstance(v, np.ndarray) or v.shape[:1] != (rows,):
+            # (a tensor of the view's own: its rows are cut, then copied, as an array's)
+            if (not isinstance(v, np.ndarray) and not is_tensor(v)) or tuple(v.shape[:1]) != (
+                rows,
+            ):
                 got = getattr(v, "shape", type(v).__name__)
                 raise ValueError(
                     f"{type(self.view).__name__} is rowwise, but read_batch gave {k!r} "

@@ -33,6 +33,7 @@ fake one that completes copies asynchronously on CPU threads.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import sys
 import threading
@@ -97,17 +98,13 @@ def is_tensor(v: Any) -> bool:
     return torch is not None and isinstance(v, torch.Tensor)
 
 
-def host_array(t: Any, what: str) -> np.ndarray:
-    """The NumPy array a host tensor of a view's holds (its memory: ``tensor``
-    then copies it as any array not made by ``alloc``); a tensor elsewhere (a
-    GPU's) is refused, naming ``what``."""
+def check_host(t: Any, what: str) -> None:
+    """TypeError, naming ``what``, for a view's tensor that is not in host memory."""
     if t.device.type != "cpu":
         raise TypeError(
             f"{what} is a tensor on {t.device}: a view gives host memory (NumPy arrays "
             "from alloc, or tensors on the CPU); the loader copies batches to the device"
         )
-    a: np.ndarray = t.detach().resolve_conj().resolve_neg().numpy()
-    return a
 
 
 class TransferBackend(Protocol):
@@ -157,7 +154,12 @@ class HostBackend:
         # malloc, each batch would fault in and zero its pages anew.
         nd = self._np.get(dtype)
         if nd is None:
-            nd = self._np[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
+            try:
+                nd = self._np[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
+            except TypeError:  # a dtype NumPy lacks (bfloat16: a view's own tensor's)
+                size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+                raw = torch.from_numpy(_hostmem.empty((size,), np.dtype(np.uint8)))
+                return raw.view(dtype).reshape(shape)
         return torch.from_numpy(_hostmem.empty(shape, nd))
 
     def copy(self, batch: Batch) -> Batch:
@@ -411,6 +413,20 @@ class Transfer:
         t.numpy()[...] = a
         return t
 
+    def own_copy(self, t: Any, what: str) -> torch.Tensor:
+        """A view's own tensor copied into memory the backend tracks (as ``tensor``
+        copies arrays ``alloc`` did not make): never the view's data itself; any
+        dtype torch has (bfloat16 too), sparse ones made dense."""
+        import torch
+
+        check_host(t, what)
+        t = t.detach()
+        if t.layout != torch.strided:  # (sparse)
+            t = t.to_dense()
+        out = self.backend.host_empty(tuple(t.shape), t.dtype)
+        out.copy_(t)
+        return out
+
     def tensors(self, raw: dict[str, Any]) -> Batch:
         """The raw arrays of a batch as tensors (other values are kept as they are;
         a torch tensor of a view's is an array: copied, as its NumPy arrays are)."""
@@ -420,8 +436,9 @@ class Transfer:
                 # (a records list, a number: kept; torch's classes by name, with no call)
                 if v.__class__.__module__[:5] != "torch" or not is_tensor(v):
                     out[k] = v
-                    continue
-                v = host_array(v, f"the batch's {k!r}")
+                else:
+                    out[k] = self.own_copy(v, f"the batch's {k!r}")
+                continue
             try:
                 out[k] = self.tensor(v)
             except (TypeError, ValueError, RuntimeError) as e:  # a dtype torch lacks
