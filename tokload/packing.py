@@ -313,15 +313,18 @@ class PackedSchedule(Schedule):
         last = len(got.counts) - b * (len(spans) - 1)
         return got, [b] * (len(spans) - 1) + [last]
 
-    def _parts(self, start: int, end: int) -> list[tuple[_Group, int, int]]:
-        """The step ``[start, end)``'s rows, as ``_walk`` gives them."""
+    def _parts(self, start: int, end: int, keep: bool = False) -> list[tuple[_Group, int, int]]:
+        """The step ``[start, end)``'s rows, as ``_walk`` gives them: taken from those
+        kept, or kept (``keep``: a look ahead, whose read takes them later)."""
         with self._glock:
-            parts = self._steps.pop((start, end), None)
+            parts = self._steps.get((start, end)) if keep else self._steps.pop((start, end), None)
         if parts is None:
             step = self._step(start)
             if step is None or step[1:] != (start, end):
                 raise ValueError(f"[{start}, {end}) is not a step of this run")
             parts = step[0]
+            if keep:
+                self._keep({(start, end): parts})
         return parts
 
     def _rows_of(self, parts: list[tuple[_Group, int, int]]) -> PackedRows:
@@ -364,17 +367,7 @@ class PackedSchedule(Schedule):
     def task_indices(self, spans: list[tuple[int, int]]) -> np.ndarray:
         """The documents (view indices, int64) of this rank's rows of consecutive
         steps, as read-ahead hints them; the steps' rows are kept for their read."""
-        parts: list[tuple[_Group, int, int]] = []
-        for a, e in spans:
-            with self._glock:
-                kept = self._steps.get((a, e))
-            if kept is None:
-                step = self._step(a)
-                if step is None or step[1:] != (a, e):
-                    raise ValueError(f"[{a}, {e}) is not a step of this run")
-                kept = step[0]
-                self._keep({(a, e): kept})
-            parts += kept
+        parts = [p for a, e in spans for p in self._parts(a, e, keep=True)]
         ids: np.ndarray = self._rows_of(parts).ids
         return ids
 
