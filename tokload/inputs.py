@@ -304,11 +304,6 @@ def _add(files: _Files, p: Path, found: Found) -> None:
         found.skip(SPELLED_AGAIN, again)
 
 
-def _dir_id(path: str | Path) -> tuple[int, int]:
-    st = os.stat(path)
-    return st.st_dev, st.st_ino
-
-
 def _walk(
     top: Path,
     out: Path | None,
@@ -324,9 +319,9 @@ def _walk(
     links, is passed over, and a file reached again through a link to a
     directory, from this walk or another input, is one file (``_add``)."""
     walked: set[tuple[int, int]] = set()
-    # The directories under ``top`` itself: a link to one of them is passed over
-    # wherever the walk meets it, so its files go by the path that follows no link.
-    own = {_dir_id(d) for d, _, _ in os.walk(top)}
+    # A link to a directory under ``top`` itself is passed over wherever the walk
+    # meets it, so that directory's files go by the path that follows no link.
+    real_top = os.path.join(os.path.realpath(top), "")
     for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
         here = Path(dirpath)
         st = os.stat(here)
@@ -344,7 +339,7 @@ def _walk(
             sub = here / d
             if d.startswith("."):
                 found.skip("hidden directories", sub)
-            elif sub.is_symlink() and _dir_id(sub) in own:
+            elif sub.is_symlink() and os.path.join(os.path.realpath(sub), "").startswith(real_top):
                 found.skip("directories reached again through a link", sub)
             elif _inside(sub.resolve(), out):
                 found.skip("the output", sub)
