@@ -212,6 +212,7 @@ def plan(
         cum = np.asarray(src.rows.cum, dtype=np.float64)
         rows = np.diff(cum)
         total = float(cum[-1])
+        nonempty = max(int((rows > 0).sum()), 1)  # files with rows
         if total == 0:
             raise UsageError(f"{path}: the dataset has no rows: there is nothing to read")
         if window is None:
@@ -240,7 +241,6 @@ def plan(
                     f"{total:,.0f}: it has no sample to read"
                 )
             per_sample = float(window)
-            nonempty = max(int((rows > 0).sum()), 1)
             # a window takes one GET more for each of the nonempty - 1 boundaries
             # between files it runs across: each is crossed by the windows that
             # start in the window - 1 rows before it (files shorter than a window:
@@ -284,7 +284,7 @@ def plan(
                 src.dtype.itemsize,
                 split_options(storage_options)[0].merge_gap,
                 (gets_per_sample - extra, extra),
-                (max(int((rows > 0).sum()), 1) - 1) / total,
+                (nonempty - 1) / total,
             )
             share *= blocked / gets_per_sample
             gets_per_sample = blocked
