@@ -98,6 +98,25 @@ class _BlockedRead:
             os.close(self.fd)
             self.fd = -1
 
+    def read_windows(
+        self, rows: _rows.RowSet, windows: Any, first: int, count: int, stride: int, window: int
+    ) -> tuple[threading.Thread, list[BaseException], threading.Event]:
+        """``rows.read_windows(...)`` into ``out`` on a thread of its own, started:
+        (the thread, the exception it raised if any, set once it returned)."""
+        errors: list[BaseException] = []
+        returned = threading.Event()
+
+        def read() -> None:
+            try:
+                rows.read_windows(windows, first, count, stride, window, self.out)
+            except BaseException as e:
+                errors.append(e)
+            returned.set()
+
+        t = threading.Thread(target=read)
+        t.start()
+        return t, errors, returned
+
 
 def _io_uring_fds() -> int:
     n = 0
@@ -374,18 +393,7 @@ def test_a_failing_ring_waits_for_the_reads_the_kernel_has(tmp_path: Path, waits
     before = _io._debug_uring_broken()
     blocked = _BlockedRead(8 * 512 * 4)
     _io._debug_fail_enter_after(2, errno.EIO, waits=waits)  # 2 of 4 reach the kernel
-    got: list[BaseException] = []
-    returned = threading.Event()
-
-    def read() -> None:
-        try:
-            rows.read_windows(np.arange(8), 0, 16, 512, 512, blocked.out)
-        except BaseException as e:
-            got.append(e)
-        returned.set()
-
-    t = threading.Thread(target=read)
-    t.start()
+    t, got, returned = blocked.read_windows(rows, np.arange(8), 0, 16, 512, 512)
     try:
         # Two reads are in the kernel's hands: they reach the buffer (and wait there on
         # the fault) whenever the kernel's workers get to them, before or after the
@@ -433,16 +441,8 @@ def test_a_read_the_close_of_its_dataset_overtakes_says_so(tmp_path: Path) -> No
     paths, _ = _shards(tmp_path, [4096, 4096])
     rows = _rows.RowSet(_io.FileSet(paths, io="sync"), [4096, 4096], 4)
     blocked = _BlockedRead(2 * 1024 * 4)
-    errors: list[BaseException] = []
-
-    def read() -> None:
-        try:  # a window of shard 0, then one of shard 1: one after the other (sync)
-            rows.read_windows([0, 4], 0, 8, 1024, 1024, blocked.out)
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=read)
-    t.start()
+    # a window of shard 0, then one of shard 1: one after the other (sync)
+    t, errors, _ = blocked.read_windows(rows, [0, 4], 0, 8, 1024, 1024)
     try:
         blocked.wait_until_blocked()  # inside shard 0's read
         rows.files.close()
@@ -468,16 +468,8 @@ def test_a_child_forked_during_a_read_holds_no_pins_of_the_parent(
     rows = _rows.RowSet(_io.FileSet(paths, io=io, queue_depth=4), [4096, 4096], 4)
     rows.read_windows([0], 0, 8, 1024, 1024, np.zeros(1024, np.uint32))  # a ring, a pool
     blocked = _BlockedRead(2 * 1024 * 4)
-    errors: list[BaseException] = []
-
-    def read() -> None:
-        try:  # windows 0 and 1 of shard 0: two requests, so the backend runs them
-            rows.read_windows([0, 1], 0, 8, 1024, 1024, blocked.out)
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=read)
-    t.start()
+    # windows 0 and 1 of shard 0: two requests, so the backend runs them
+    t, errors, _ = blocked.read_windows(rows, [0, 1], 0, 8, 1024, 1024)
     try:
         blocked.wait_until_blocked()
         if closed:  # a closed set's pinned file closes when unpinned: in the child, at once
