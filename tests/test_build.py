@@ -785,6 +785,36 @@ def test_a_parquet_string_that_is_not_utf8_is_a_bad_record(tmp_path: Path) -> No
         assert view.read([start]).metadata[0] == {"document": {"id": want["id"]}}
 
 
+def test_a_dictionary_encoded_string_that_is_not_utf8_is_a_bad_record(tmp_path: Path) -> None:
+    """review61: a dictionary-encoded string column (pandas categoricals) with words
+    that are not UTF-8 stopped the build, blaming a struct or list: each row whose
+    word is not UTF-8 is a bad record, named, whether the column is the text or a
+    kept field, and the rows with good words (nulls included) are kept."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    words = pa.array([b"good", b"bad\xfe", b"fine"]).view(pa.string())
+    text = pa.DictionaryArray.from_arrays(pa.array([0, 1, 2, 1, 0], pa.int32()), words)
+    tags = pa.DictionaryArray.from_arrays(pa.array([0, 0, None, 2, 1], pa.int32()), words)
+    pq.write_table(pa.table({"text": text, "tag": tags}), tmp_path / "x.parquet")
+    assert pa.types.is_dictionary(pq.read_schema(tmp_path / "x.parquet").field("text").type)
+    with pytest.raises(
+        BuildError,
+        match=r"x\.parquet:2: column 'text' is not UTF-8 at byte 3 of its string "
+        r"\(0xfe: invalid start byte\)",
+    ):
+        build([tmp_path / "x.parquet"], tmp_path / "stop", tokenizer="bytes", progress=False)
+    s = build([tmp_path / "x.parquet"], tmp_path / "o", tokenizer="bytes", on_error="skip",
+              max_skipped=0.9, keep_fields=["tag"], progress=False)  # fmt: skip
+    assert (s.documents, s.skipped) == (2, {"string not UTF-8": 3})  # rows 2, 4 (text), 5 (tag)
+    docs = Documents(tmp_path / "o")
+    view = tokload.StreamWithMetadata(tmp_path / "o", window=1, stride=1, deserialize=json.loads)
+    for d, want in ((0, {"text": "good", "tag": "good"}), (1, {"text": "fine", "tag": None})):
+        start, length = (int(a[0]) for a in docs.extents([d]))
+        tokens = view.read(np.arange(start, start + length - 1)).fields["token"][:, 0]
+        assert bytes(tokens.tolist()).decode() == want["text"]
+        assert view.read([start]).metadata[0] == {"document": {"tag": want["tag"]}}
+
+
 def test_nan_and_infinities_are_kept_as_null(tmp_path: Path) -> None:
     """A float column's missing values (NaN) and infinities, from Parquet or JSONL,
     were written as bare ``NaN``/``Infinity``, which strict JSON parsers (orjson,

@@ -544,25 +544,42 @@ def _not_utf8(batch: Any) -> dict[int, str]:
 
     bad: dict[int, str] = {}
     for name, col in zip(batch.schema.names, batch.columns, strict=True):
-        binary = _BINARY_OF.get(str(col.type))
-        if binary is None:
+        if pa.types.is_dictionary(col.type):  # (pandas categoricals): check the words once
+            wrong = _wrong_strings(col.dictionary, name)
+            for i, w in enumerate(col.indices.to_pylist() if wrong else ()):
+                if w in wrong and i not in bad:
+                    bad[i] = wrong[w]
+        else:
+            for i, why in _wrong_strings(col, name).items():
+                bad.setdefault(i, why)
+    return bad
+
+
+def _wrong_strings(col: Any, name: str) -> dict[int, str]:
+    """The positions of an Arrow string array's values that are not UTF-8, each with
+    what is wrong (none for an array of another type)."""
+    import pyarrow as pa
+
+    binary = _BINARY_OF.get(str(col.type))
+    if binary is None:
+        return {}
+    try:
+        col.validate(full=True)
+        return {}
+    except pa.ArrowInvalid:
+        pass
+    wrong: dict[int, str] = {}
+    for i, v in enumerate(col.view(binary).to_pylist()):
+        if v is None:
             continue
         try:
-            col.validate(full=True)
-            continue
-        except pa.ArrowInvalid:
-            pass
-        for i, v in enumerate(col.view(binary).to_pylist()):
-            if v is None or i in bad:
-                continue
-            try:
-                v.decode("utf-8")
-            except UnicodeDecodeError as e:
-                bad[i] = (
-                    f"column {name!r} is not UTF-8 at byte {e.start:,} of its string "
-                    f"({v[e.start]:#04x}: {e.reason})"
-                )
-    return bad
+            v.decode("utf-8")
+        except UnicodeDecodeError as e:
+            wrong[i] = (
+                f"column {name!r} is not UTF-8 at byte {e.start:,} of its string "
+                f"({v[e.start]:#04x}: {e.reason})"
+            )
+    return wrong
 
 
 _BINARY_OF = {"string": "binary", "large_string": "large_binary", "string_view": "binary_view"}
