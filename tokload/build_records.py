@@ -155,12 +155,12 @@ class _Streams(io.RawIOBase):
     before its error is raised."""
 
     _IN = 1 << 16
-    _ZSTD_IN = 1 << 12  # (zstandard bounds no output: 4 KiB of a crafted file make 128 MiB)
+    _ZSTD_IN = 1 << 10  # (zstandard bounds no output: 1 KiB of a crafted file make 32 MiB)
 
     def __init__(self, raw: IO[bytes], new: Callable[[], Any]) -> None:
         self.raw, self.new = raw, new
         self.d: Any = None  # the stream being read; None between streams
-        self.data = b""  # input not yet given to a decompressor
+        self.data: bytes | memoryview = b""  # input not yet given to a decompressor
         self.out = b""  # output, returned up to ``at``
         self.at = 0
         self.streams = 0
@@ -193,7 +193,7 @@ class _Streams(io.RawIOBase):
     def _next_stream(self) -> bool:
         """Start the next stream; False at the file's end, after one stream at least."""
         while self._fill():
-            self.data = self.data.lstrip(b"\0")  # padding between streams
+            self.data = bytes(self.data).lstrip(b"\0")  # padding between streams
             if self.data:
                 self.d, self.streams = self.new(), self.streams + 1
                 return True
@@ -225,8 +225,9 @@ class _Streams(io.RawIOBase):
             return bytes(out)
         if not self.data:  # (zstandard gives all it can of what it is given)
             raise EOFError(_CUT_SHORT)
-        data, self.data = self.data[: self._ZSTD_IN], self.data[self._ZSTD_IN :]
-        return bytes(d.decompress(data))
+        data = memoryview(self.data)  # (slices of the input, not copies of its rest)
+        self.data = data[self._ZSTD_IN :]
+        return bytes(d.decompress(data[: self._ZSTD_IN]))
 
 
 _ZLIB = type(zlib.decompressobj())
