@@ -101,9 +101,12 @@ def test_an_interrupted_build_resumes_to_the_same_result(tmp_path: Path) -> None
     (half / BUILD_MARKER).write_text("{}")
     (half / "garbage.rows").write_bytes(b"x" * 10)
     shutil.rmtree(out / "parts" / "00003-00000")
+    # killed right after its mkdir, before the marker: empty, and removed too (review58)
+    (out / "parts" / "00002-00000.0badc0de.tmp").mkdir()
     (out / "manifest.json").unlink()
     summary = meta_build(inputs, out, workers=2)
     assert summary.built == 2 and summary.inputs == 5
+    assert not list((out / "parts").glob("*.tmp"))
     assert dataset_files(out) == dataset_files(tmp_path / "full")
 
 

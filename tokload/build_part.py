@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from tokload.build_output import MARKER_TEXT, PARTS, remove_dir, temporaries
+from tokload.build_output import MARKER_TEXT, PARTS, remove_temporaries
 from tokload.build_plan import BuildOptions, Chunk
 from tokload.build_records import (
     ANNOTATION_NO_SPAN,
@@ -111,8 +111,7 @@ def build_chunk(
     # With metadata, the Writer attaches it as a span table (FORMAT.md, version 2).
     dtype: Any = [("token", tdt.str)] if opts.metadata else tdt
     final = out / PARTS / chunk.name
-    for d in temporaries(out / PARTS, chunk.name):
-        remove_dir(d)  # left by a task that died (a Ray retry)
+    remove_temporaries(out / PARTS, [chunk.name])  # left by a task that died (a Ray retry)
     # A name of its own: a directory in the way, whoever made it, is never touched.
     tmp = out / PARTS / f"{chunk.name}.{secrets.token_hex(4)}.tmp"
     skipped: Counter[str] = Counter()

@@ -50,7 +50,6 @@ from tokload.build_output import (
     remove_dir,
     remove_temporaries,
     stale_parts,
-    temporaries,
     up_to_date,
 )
 from tokload.build_part import build_chunk
@@ -378,9 +377,8 @@ def build(
         copy_tokenizer(tok, out)
         for d in stale:
             remove_dir(d)
+        remove_temporaries(out / PARTS, [c.name for c in todo])  # (a killed run's)
         for c in todo:
-            for d in temporaries(out / PARTS, c.name):
-                remove_dir(d)
             remove_dir(out / PARTS / c.name)
         say(
             f"{len(mine)} chunks: {len(todo)} to build, {len(mine) - len(todo)} reused"
