@@ -617,6 +617,22 @@ def test_a_views_own_torch_tensor_is_copied_as_its_arrays_are(rowwise: bool) -> 
         next(iter(DataLoader(view, 4, shuffle=False, num_threads=0, device=None)))
 
 
+def test_a_views_big_endian_array_comes_in_the_machines_byte_order() -> None:
+    """review60: torch has no big-endian dtypes, and a view of one's own that read
+    big-endian data got torch's "byte order" ValueError: the array is copied in the
+    machine's byte order, the same values (and an array of a dtype torch lacks
+    still raises, naming the key)."""
+    view = OwnTensor(rowwise=False)
+    big = np.arange(12, dtype=">u4").reshape(4, 3)
+    view.read_batch = lambda indices, alloc: {"x": big}  # type: ignore[method-assign]
+    b = next(iter(DataLoader(view, 4, shuffle=False, num_threads=0, device=None)))
+    assert b["x"].dtype == torch.uint32 and b["x"].tolist() == big.tolist()
+    words = np.array([["a", "b", "c"]] * 4, dtype=">U1")  # (no torch dtype, either order)
+    view.read_batch = lambda indices, alloc: {"x": words}  # type: ignore[method-assign]
+    with pytest.raises(TypeError, match=r"the batch's 'x': a >U1 array of shape \(4, 3\)"):
+        next(iter(DataLoader(view, 4, shuffle=False, num_threads=0, device=None)))
+
+
 class Hinted(OwnDocuments):
     """Documents of one's own that record what read-ahead hints."""
 

@@ -429,7 +429,8 @@ class Transfer:
 
     def tensors(self, raw: dict[str, Any]) -> Batch:
         """The raw arrays of a batch as tensors (other values are kept as they are;
-        a torch tensor of a view's is an array: copied, as its NumPy arrays are)."""
+        a torch tensor of a view's is an array: copied, as its NumPy arrays are, and
+        an array in the other byte order is copied in the machine's)."""
         out = Batch()
         for k, v in raw.items():
             if not isinstance(v, np.ndarray):
@@ -442,9 +443,20 @@ class Transfer:
             try:
                 out[k] = self.tensor(v)
             except (TypeError, ValueError, RuntimeError) as e:  # a dtype torch lacks
-                e.add_note(f"(the batch's {k!r}: a {v.dtype} array of shape {v.shape})")
-                raise
+                out[k] = self._refused(k, v, e)
         return out
+
+    def _refused(self, k: str, v: np.ndarray, e: Exception) -> torch.Tensor:
+        """The tensor of an array ``tensor`` refused with ``e``: in the other byte
+        order (torch has none), copied in the machine's, the same values; else the
+        error, naming the key."""
+        if not v.dtype.isnative:
+            try:
+                return self.tensor(v.astype(v.dtype.newbyteorder("=")))
+            except (TypeError, ValueError, RuntimeError) as again:
+                e = again
+        e.add_note(f"(the batch's {k!r}: a {v.dtype} array of shape {v.shape})")
+        raise e
 
     def copy(self, batch: Batch) -> Batch:
         """The batch on the device (or itself when there is none)."""
