@@ -282,14 +282,20 @@ POLICIES = [tokload.Pad(), tokload.Pad(to=8), tokload.Pack(), tokload.Fill(64, l
         (lambda s, n: (s[:-1], n[:-1]), ValueError, r"shape \((\d+),\) for (?!\1 )\d+ documents"),
         (lambda s, n: (s, n.astype(np.int64) - 20), ValueError, r"a length of -\d+: lengths must"),
         (lambda s, n: (s, n.astype(np.float64)), TypeError, "lengths of dtype float64, not integ"),
+        (
+            lambda s, n: (s, n.astype(np.uint64) | np.uint64(1 << 63)),
+            ValueError,
+            r"a length of \d{19}: lengths must be >= 0 and below 2\*\*63",
+        ),
     ],
-    ids=["one short", "negative", "float"],
+    ids=["one short", "negative", "float", "past int64"],
 )
 def test_extents_that_break_the_contract_are_refused_by_every_policy(
     policy: Any, hook: Any, error: type[Exception], message: str, two: tuple[Path, Path]
 ) -> None:
     """Fill packed what it was given (a list one entry short lost 2 of 30 documents);
-    a negative length read 2**64 - 3 rows, or 64 through a Blend."""
+    a negative length read 2**64 - 3 rows, or 64 through a Blend; a uint64 length
+    past 2**63 failed inside Pad and Pack, naming no view (review60)."""
     view = OwnDocuments(16, hook)
     with pytest.raises(error, match=f"OwnDocuments.extents gave .*{message}"):
         list(DataLoader(view, 4, batching=policy, seed=3, epochs=1, num_threads=0))

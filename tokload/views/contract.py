@@ -67,7 +67,7 @@ batched by any policy of documents (``tokload.batching``: ``Pad``, ``Pack``,
 - ``view.extents(indices) -> (starts, lengths)``: two integer arrays (uint64
   or int64), one entry per document: a value per document that the view's own
   ``read_extents`` understands (its first row in the source, for tokload's
-  views) and the documents' lengths in rows, none below 0
+  views) and the documents' lengths in rows, none below 0 or from 2**63 up
   (``document_extents`` holds a view to this). ``Fill`` and a ``Blend`` hand
   the starts back to ``read_extents`` as uint64 (a negative start as its bit
   pattern: ``.view(np.int64)`` gives it back), ``Pad`` and ``Pack`` as they
@@ -218,7 +218,7 @@ def check_documents(view: object, policy: str) -> None:
 
 def document_extents(view: Any, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``view.extents(indices)``, held to the document contract: two integer arrays of
-    one entry per document, no length below 0; the lengths as uint64.
+    one entry per document, no length below 0 or past 2**63; the lengths as uint64.
 
     A view of your own that breaks it is refused here (ValueError or TypeError
     naming it), before any policy packs or reads: a list one entry short once
@@ -236,12 +236,15 @@ def document_extents(view: Any, indices: np.ndarray) -> tuple[np.ndarray, np.nda
     for what, a in (("starts", starts), ("lengths", lengths)):
         if n and a.dtype.kind not in "iu":
             raise TypeError(f"{name}.extents gave {what} of dtype {a.dtype}, not integers")
-    if n and lengths.dtype.kind == "i" and int(lengths.min()) < 0:
-        k = int(np.argmin(lengths))
-        raise ValueError(
-            f"{name}.extents gave document {int(indices[k])} a length of "
-            f"{int(lengths[k])}: lengths must be >= 0"
-        )
+    kind = lengths.dtype.kind
+    if n and (kind == "i" or lengths.itemsize == 8):  # (uint64 >= 2**63: negative as int64)
+        signed = lengths if kind == "i" else lengths.view(np.int64)
+        if signed.min() < 0:
+            k = int(np.argmin(signed))
+            raise ValueError(
+                f"{name}.extents gave document {int(indices[k])} a length of "
+                f"{int(lengths[k])}: lengths must be >= 0 and below 2**63"
+            )
     return starts, lengths.astype(np.uint64, copy=False)
 
 
