@@ -158,6 +158,26 @@ def test_a_schedule_change_leaves_earlier_positions_unchanged(views: list[TokenS
     assert one.fingerprint != two.fingerprint
 
 
+def test_a_state_is_refused_on_a_blend_of_other_rounds(views: list[TokenStream]) -> None:
+    """review62: a blend's ``rounds`` shuffle each component, but were not in its
+    fingerprint: a state saved on ``rounds=6`` resumed on ``rounds=8`` without a word
+    and read 13 of 50 samples twice. They are now; a blend with the default rounds
+    keeps the fingerprint it had, so states saved before still resume."""
+    def blend(rounds: int) -> Blend:
+        return Blend([(views[0], 1), (views[1], 1)], seed=1, length=50, block_size=10,
+                     rounds=rounds)  # fmt: skip
+
+    six, eight = blend(6), blend(8)
+    assert not np.array_equal(six.locate(np.arange(50))[1], eight.locate(np.arange(50))[1])
+    assert six.fingerprint != eight.fingerprint
+    ld = DataLoader(six, 10, shuffle=False, num_threads=0)
+    ld.cursor = 20
+    with pytest.raises(StateError, match="saved for fingerprint="):
+        DataLoader(eight, 10, shuffle=False, num_threads=0).load_state_dict(ld.state_dict())
+    parts = ",".join(v.fingerprint for v in views[:2])  # (the form states were saved in)
+    assert six.fingerprint == f"Blend({parts}):1:10:[(0, [1.0, 1.0])]:[]:0:50"
+
+
 def test_caps_redistribute_and_end_the_blend(views: list[TokenStream]) -> None:
     # component 2 (7 samples) capped at 3 epochs = 21 samples; its share then goes to the others
     capped = Blend(

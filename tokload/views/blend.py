@@ -680,7 +680,8 @@ class Blend(WindowBoundaries, View):
 
     @property
     def fingerprint(self) -> str:
-        """The components, the seed, the block size, every stage, the caps and the range."""
+        """The components, the seed (and the rounds, where not 6), the block size,
+        every stage, the caps and the range."""
         return f"{self._fingerprint(self.stages)}:{self._hi}"
 
     def fingerprint_upto(self, stop: int) -> str:
@@ -693,8 +694,11 @@ class Blend(WindowBoundaries, View):
 
     def _fingerprint(self, stages: list[tuple[int, list[float]]]) -> str:
         parts = ",".join(v.fingerprint for v in self.views)
+        # (the rounds shuffle each component: written where not the default, so the
+        # states of blends with the default, saved before they were, still resume)
+        rounds = "" if self.rounds == 6 else f"/{self.rounds}"
         return (
-            f"Blend({parts}):{self.seed}:{self.block_size}:{stages}:"
+            f"Blend({parts}):{self.seed}{rounds}:{self.block_size}:{stages}:"
             f"{sorted(self.max_epochs.items())}:{self._lo}"
         )
 
