@@ -134,21 +134,37 @@ def test_file_truncated_after_open(tmp_path: Path) -> None:
         last.read([99])
 
 
-def test_document_offsets_decreasing_or_past_the_end(tmp_path: Path) -> None:
-    ds = small(tmp_path / "ds")
+@pytest.mark.parametrize("held", [True, False], ids=["held", "per-read"])
+def test_document_offsets_decreasing_or_past_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: bool
+) -> None:
+    """Entries read per document are held to FORMAT.md's rules for the entries a
+    read uses: a shard's first must be 0 and its last its rows (review63: a first
+    of 2 read document 0 from row 2, a last short of the rows cut the last
+    document and left rows to no document, silently), and none may decrease or
+    pass the rows. A table held in memory is checked whole (test_index_memory)."""
+    if not held:
+        monkeypatch.setenv("TOKLOAD_INDEX_MEMORY", "0")
+    ds = small(tmp_path / "ds")  # two documents of 10 rows
     idx = np.fromfile(ds / "s-00000.docs", "<u8")
-    np.array([0, 11, 5], "<u8").tofile(ds / "s-00000.docs")  # 11 > 5: decreasing
-    with pytest.raises(
-        CorruptDataError,
-        match=r"s-00000\.docs: the document index entry of "
-        r"document 1: bad value 11 at byte 8",
-    ):
-        Documents(ds).read([1])
-    # each rewrite opened afresh: an opened dataset keeps a small index in memory
-    # once read (TOKLOAD_INDEX_MEMORY), and refuses a file written after it opened
-    np.array([0, 10, 21], "<u8").tofile(ds / "s-00000.docs")  # past the shard's 20 rows
-    with pytest.raises(CorruptDataError, match=r"bad value 21"):
-        Documents(ds).read([1])
+    # each rewrite opened afresh: an opened dataset refuses a file written after it opened
+    cases = [  # (entries, document read, blamed value and byte: per read, held whole)
+        ([0, 11, 5], 1, ("11", 8), ("5", 16)),  # decreasing
+        ([0, 10, 21], 1, ("21", 16), ("21", 16)),  # past the shard's 20 rows
+        ([2, 10, 20], 0, ("2", 0), ("2", 0)),  # the first is not 0
+        ([0, 10, 18], 1, ("18", 16), ("18", 16)),  # the last is short of the rows
+    ]
+    for entries, doc, per_read, whole in cases:
+        np.array(entries, "<u8").tofile(ds / "s-00000.docs")
+        value, at = whole if held else per_read
+        what = "the document index" if held else f"the document index entry of document {doc}"
+        with pytest.raises(
+            CorruptDataError, match=rf"s-00000\.docs: {what}: bad value {value} at byte {at}$"
+        ):
+            Documents(ds).read([doc])
+    np.array([0, 10, 18], "<u8").tofile(ds / "s-00000.docs")
+    if not held:  # (the entries a read uses are checked: document 0's are right)
+        np.testing.assert_array_equal(Documents(ds)[0], np.arange(10))
     idx.tofile(ds / "s-00000.docs")
     np.testing.assert_array_equal(Documents(ds)[1], np.arange(10) + 100)
 
@@ -171,6 +187,18 @@ def test_metadata_offsets_and_ids(tmp_path: Path) -> None:
     np.array([0, 4, 10, 14, 99], "<u8").tofile(ds / "s-00000.mdx")
     with pytest.raises(CorruptDataError, match=r"bad value 99 at byte 32"):
         view().read([1])
+    # review63: a first entry of 1 read record 0 from its second byte, silently (and
+    # 128 named the next entry); a last short of the data cut the last record
+    for entries, window, value, at in (([1, 4, 10, 14, 20], 0, 1, 0),
+                                       ([128, 4, 10, 14, 20], 0, 128, 0),
+                                       ([0, 4, 10, 14, 19], 1, 19, 32)):  # fmt: skip
+        np.array(entries, "<u8").tofile(ds / "s-00000.mdx")
+        with pytest.raises(
+            CorruptDataError,
+            match=rf"s-00000\.mdx: the metadata index: bad value {value} at "
+            rf"byte {at}$",
+        ):
+            view().read([window])
     good.tofile(ds / "s-00000.mdx")
     assert view()[1].metadata == [b"abcd", b"efghij"]
     rows = np.fromfile(ds / "s-00001.rows", np.dtype(META_DT))

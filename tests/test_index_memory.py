@@ -3,8 +3,7 @@
 An opened dataset whose document index fits the budget reads each shard's
 index whole, once, when a batch first needs it; one that does not reads two
 entries per document. Both give the same documents, a table that fails to
-load names its file, and damaged entries in a table held in memory are still
-refused at every read.
+load names its file, and a damaged table is refused whole as it loads.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokload import Documents, Writer
+from tokload import Documents, TokenStream, Writer
 from tokload._docindex import DocIndex
 from tokload._tables import ShardTables
 from tokload.errors import CorruptDataError, TruncatedFileError
@@ -124,21 +123,43 @@ def test_a_table_that_fails_to_load_names_its_file(tmp_path: Path) -> None:
     assert tables(view).loaded() == [0]
 
 
-def test_damaged_entries_in_a_held_table_fail_every_read(tmp_path: Path) -> None:
+def test_a_damaged_table_is_refused_whole_when_it_loads(tmp_path: Path) -> None:
+    """A table held in memory is checked whole as it loads (from 0, never
+    decreasing, up to the shard's rows): review63 found windows' boundaries read
+    from an unchecked table without a word (``cu_seqlens`` that left documents out
+    or ran past the shard), where the reads per entry refuse it. Every read of the
+    shard fails, naming the file, the entry's byte and its value, as ``tokload
+    verify`` names it; nothing is held."""
     ds, _ = corpus(tmp_path / "ds", seed=5)
-    idx = np.fromfile(ds / "s-00000.docs", "<u8")
-    idx[3] = idx[4] + 1  # document 2 ends after document 3 starts... and 3 decreases
-    idx.tofile(ds / "s-00000.docs")
+    path = ds / "s-00000.docs"
+    good = np.fromfile(path, "<u8")
+    rows = int(good[-1])
+    last = len(good) - 1
+    cases = {  # damage: (entry set, its value, entry blamed)
+        "decreasing": (3, good[4] + 1, 4),
+        "past the rows": (2, rows + 7, 2),
+        "first not 0": (0, 1, 0),
+        "last short": (last, rows - 1, last),
+    }
+    for name, (at, value, entry) in cases.items():
+        idx = good.copy()
+        idx[at] = value
+        idx.tofile(path)
+        view = Documents(ds)  # (opened anew: a view refuses a file written after it opened)
+        assert tables(view).enabled
+        for d in (0, 3, 5):
+            with pytest.raises(
+                CorruptDataError,
+                match=rf"s-00000\.docs: the document index: bad value {idx[entry]} at byte "
+                rf"{8 * entry}$",
+            ):
+                view.read([d])
+        assert tables(view).loaded() == [], name
+        with pytest.raises(CorruptDataError, match=r"s-00000\.docs: the document index: "):
+            TokenStream(ds, window=64, boundaries=True).read_batch(np.arange(4), np.empty)
+    good.tofile(path)
     view = Documents(ds)
-    assert tables(view).enabled
-    for _ in range(2):  # loaded once, checked at each read
-        with pytest.raises(
-            CorruptDataError,
-            match=rf"s-00000\.docs: the document index entry of document 3: bad value "
-            rf"{idx[3]} at byte 24",
-        ):
-            view.read([3])
-    np.testing.assert_array_equal(view.read([0]).values, view.read([0]).values)
+    np.testing.assert_array_equal(view.read([3]).values, view.read([3]).values)
 
 
 def _overcommit_refuses_huge() -> str | None:

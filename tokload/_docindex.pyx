@@ -151,6 +151,7 @@ cdef class DocIndex(ExtentIndex):
         cdef lib.tl_engine eng
         cdef size_t failed = 0
         cdef int rc = 0
+        cdef bint loading = False  # a table failed as it was loaded
         # one allocation: the requests, two index entries and a shard per document
         cdef char *mem = <char *>PyMem_Malloc(n * (sizeof(lib.tl_ioreq) + 16 + 4))
         if mem is NULL:
@@ -165,6 +166,7 @@ cdef class DocIndex(ExtentIndex):
                 if tables.enabled:
                     lib.tl_docs_shards(&self._doc_cum[0], self.files.nfiles, ids, n, shards)
                     rc = tables.need(&eng, shards, n, &err, &failed)
+                    loading = rc != 0
                     if rc == 0:
                         lib.tl_docs_copy(&self._doc_cum[0], shards,
                                          <const uint64_t *const *>tables.tabs, ids, n, ent)
@@ -181,6 +183,8 @@ cdef class DocIndex(ExtentIndex):
                                             &self._row_cum[0], self.files.nfiles, ids, n,
                                             ent, starts, lengths, &err, &failed)
             self.files.engine_end(&eng)
+            if rc == lib.TL_ERR_CORRUPT and loading:  # (a table is checked whole)
+                _raise_io(&err, self.files.paths, "the document index")
             if rc:
                 _raise_io(&err, self.files.paths,
                           f"the document index entry of document {ids[failed]}")

@@ -209,6 +209,7 @@ cdef extern from "tokload/bounds.h" nogil:
                         size_t *bad) noexcept
     unsigned tl_dir_shift(uint64_t rows, uint64_t ndocs) noexcept
     uint64_t tl_dir_entries(uint64_t rows, uint64_t ndocs) noexcept
+    uint64_t tl_docs_table_bad(const uint64_t *t, uint64_t ndocs, uint64_t rows) noexcept
     void tl_dir_build(const uint64_t *t, uint64_t ndocs, uint64_t rows, uint64_t *dir) noexcept
     uint64_t tl_bounds_cuts_tables(const uint64_t *row_cum, const uint64_t *doc_cum,
                                    size_t nfiles, const uint64_t *const *tables,

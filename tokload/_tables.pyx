@@ -31,10 +31,13 @@ cdef class ShardTables:
             metadata block index does) instead of as it is (8 bytes an
             entry); callers then decode the entries they need.
         directory: for document tables (each shard's ``documents + 1`` row
-            offsets), the rows of each shard: each table is then followed by
-            its directory (``tl_dir_build`` in ``csrc/tokload/bounds.h``: a
-            uint64 per 4 documents or fewer), which finds the documents of a
-            row range without a search of the whole table.
+            offsets), the rows of each shard: each table is then checked whole
+            when read (``tl_docs_table_bad``: from 0, never decreasing, up to the
+            rows; else ``need`` fails with ``TL_ERR_CORRUPT`` naming the entry)
+            and followed by its directory (``tl_dir_build`` in
+            ``csrc/tokload/bounds.h``: a uint64 per 4 documents or fewer), which
+            finds the documents of a row range without a search of the whole
+            table.
     """
 
     def __cinit__(self, RowSet rs not None, bint enabled, bint compress=False, directory=None):
@@ -126,6 +129,7 @@ cdef class ShardTables:
         cdef lib.tl_ioreq *reqs
         cdef void **bufs
         cdef size_t nfailed = 0
+        cdef uint64_t ndocs, bad
         if not self.enabled:
             return 0
         for i in range(count):  # the common case: every table is there already
@@ -160,10 +164,20 @@ cdef class ShardTables:
             if rc:
                 failed[0] = reqs[nfailed].item
         if rc == 0 and self.rows != NULL:
-            for j in range(m):
+            for j in range(m):  # document tables: checked whole before they are held
                 k = reqs[j].item
-                bufs[j] = _with_directory(bufs[j], self.rs.rs.cum[k + 1] - self.rs.rs.cum[k] - 1,
-                                          self.rows[k], self._dir_entries(k))
+                ndocs = self.rs.rs.cum[k + 1] - self.rs.rs.cum[k] - 1
+                bad = lib.tl_docs_table_bad(<uint64_t *>bufs[j], ndocs, self.rows[k])
+                if bad <= ndocs:
+                    err.code = lib.TL_ERR_CORRUPT
+                    err.file = <int32_t>k
+                    err.offset = self.rs.files.files[k].base + 8 * bad
+                    err.length = 8
+                    err.done = (<uint64_t *>bufs[j])[bad]
+                    failed[0] = k
+                    rc = lib.TL_ERR_CORRUPT
+                    break
+                bufs[j] = _with_directory(bufs[j], ndocs, self.rows[k], self._dir_entries(k))
                 if bufs[j] == NULL:
                     rc = _nomem(err, k, failed)  # the others are freed below
                     break

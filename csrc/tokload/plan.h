@@ -229,8 +229,9 @@ TL_INLINE void tl_fill_rows(uint8_t *dst, uint64_t nrows, const uint8_t *pattern
  * tl_docs_plan writes one 16-byte request per id (its two index entries, into
  * entries[2i], entries[2i + 1]); after they ran, tl_docs_finish gives each
  * document's first global row (out_start) and rows (out_len).  Offsets that
- * decrease or pass the shard's end give TL_ERR_CORRUPT, with err->offset the
- * byte offset of the bad entry and *failed_item the id's position.
+ * decrease or pass the shard's end, a shard's first that is not 0 and its last
+ * that is not its rows give TL_ERR_CORRUPT, with err->offset the byte offset of
+ * the bad entry, err->done its value and *failed_item the id's position.
  */
 TL_INLINE void tl_docs_plan(tl_fent *idx_files, const uint64_t *doc_cum, size_t nfiles,
                             const uint64_t *ids, size_t count, uint64_t *entries,
@@ -276,13 +277,19 @@ TL_INLINE int tl_docs_finish(const tl_fent *idx_files, const uint64_t *doc_cum,
     for (size_t i = 0; i < count; i++) {
         size_t k = tl_shards_locate(doc_cum, nfiles, ids[i]);
         const uint64_t *e = &entries[2 * i];
-        uint64_t rows = row_cum[k + 1] - row_cum[k];
-        if (TL_UNLIKELY(e[0] > e[1] || e[1] > rows)) {
+        const uint64_t rows = row_cum[k + 1] - row_cum[k], local = ids[i] - doc_cum[k];
+        const int last = local + 1 == doc_cum[k + 1] - doc_cum[k];
+        if (TL_UNLIKELY(e[0] > e[1] || e[1] > rows || (local == 0 && e[0] != 0) ||
+                        (last && e[1] != rows))) {
+            /* the offending entry: the shard's first when not 0, else the second
+             * when past the shard's rows, else the first of two that decrease,
+             * else the shard's last, short of its rows */
+            const int second = !(local == 0 && e[0] != 0) && (e[1] > rows || e[0] <= e[1]);
             err->code = TL_ERR_CORRUPT;
             err->file = (int32_t)k;
-            err->offset = idx_files[k].base + 8 * (ids[i] - doc_cum[k]);
-            err->length = 16;
-            err->done = e[0] > e[1] ? e[0] : e[1]; /* the offending value */
+            err->offset = idx_files[k].base + 8 * (local + (uint64_t)second);
+            err->length = 8;
+            err->done = e[second];
             *failed_item = i;
             return TL_ERR_CORRUPT;
         }
@@ -540,9 +547,10 @@ TL_INLINE int tl_meta_plan(const tl_meta_shard *shards, const uint64_t *row_cum,
  * every record its extent and place in the batch blob, and plan the data
  * reads: one span per dense segment (the bytes of records lo .. hi), one per
  * record otherwise.  spans needs as many entries as items.  Returns 0 and
- * sets *nspans and *blob_bytes, or TL_ERR_CORRUPT (err->offset the entry's
- * byte offset in the index file, err->done its value; *failed_item the
- * window).
+ * sets *nspans and *blob_bytes, or TL_ERR_CORRUPT for entries that decrease or
+ * pass the data, a shard's first that is not 0 or its last that is not the
+ * data's size (err->offset the entry's byte offset in the index file,
+ * err->done its value; *failed_item the window).
  */
 TL_INLINE int tl_meta_finish(const tl_meta_shard *shards, const tl_meta_seg *segs, size_t nsegs,
                              const uint64_t *entries, tl_meta_item *items, tl_meta_span *spans,
@@ -557,16 +565,22 @@ TL_INLINE int tl_meta_finish(const tl_meta_shard *shards, const tl_meta_seg *seg
         const uint64_t *e = entries + sg->ent;
         if (sg->dense) {
             uint64_t n = sg->hi - sg->lo + 2;
-            for (uint64_t j = 0; j + 1 < n; j++) {
-                if (TL_UNLIKELY(e[j] > e[j + 1] || e[j + 1] > ms->data_bytes)) {
-                    err->code = TL_ERR_CORRUPT;
-                    err->file = (int32_t)sg->shard;
-                    err->offset = ms->index->base + 8 * (sg->lo + j + 1);
-                    err->length = ms->data_bytes;
-                    err->done = e[j + 1];
-                    *failed_item = sg->window;
-                    return TL_ERR_CORRUPT;
-                }
+            /* the first entry that breaks a rule (n: none): the shard's first
+             * when not 0, one that decreases or passes the data, the shard's
+             * last when not the data's size */
+            uint64_t bad = n;
+            if (sg->lo == 0 && e[0] != 0) bad = 0;
+            for (uint64_t j = 0; bad == n && j + 1 < n; j++)
+                if (e[j] > e[j + 1] || e[j + 1] > ms->data_bytes) bad = j + 1;
+            if (bad == n && sg->hi + 1 == ms->nrec && e[n - 1] != ms->data_bytes) bad = n - 1;
+            if (TL_UNLIKELY(bad < n)) {
+                err->code = TL_ERR_CORRUPT;
+                err->file = (int32_t)sg->shard;
+                err->offset = ms->index->base + 8 * (sg->lo + bad);
+                err->length = ms->data_bytes;
+                err->done = e[bad];
+                *failed_item = sg->window;
+                return TL_ERR_CORRUPT;
             }
             /* one coalesced span: bytes of records lo..hi */
             spans[ns].shard = sg->shard;
@@ -583,12 +597,17 @@ TL_INLINE int tl_meta_finish(const tl_meta_shard *shards, const tl_meta_seg *seg
             continue;
         }
         for (size_t it = sg->first_item; it < sg->end_item; it++, e += 2) {
-            if (TL_UNLIKELY(e[0] > e[1] || e[1] > ms->data_bytes)) {
+            const uint64_t id = items[it].id;
+            const int first = id == 0 && e[0] != 0, last = id + 1 == ms->nrec;
+            if (TL_UNLIKELY(first || e[0] > e[1] || e[1] > ms->data_bytes ||
+                            (last && e[1] != ms->data_bytes))) {
+                /* the offending entry, as tl_docs_finish names it */
+                const int second = !first && (e[1] > ms->data_bytes || e[0] <= e[1]);
                 err->code = TL_ERR_CORRUPT;
                 err->file = (int32_t)sg->shard;
-                err->offset = ms->index->base + 8 * (uint64_t)items[it].id;
+                err->offset = ms->index->base + 8 * (id + (uint64_t)second);
                 err->length = ms->data_bytes;
-                err->done = e[0] > e[1] ? e[0] : e[1];
+                err->done = e[second];
                 *failed_item = sg->window;
                 return TL_ERR_CORRUPT;
             }
