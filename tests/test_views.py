@@ -484,6 +484,30 @@ def test_an_eos_cache_is_not_used_for_a_copy_that_kept_an_older_mtime(tmp_path: 
     np.testing.assert_array_equal(np.fromfile(cache, "<u8"), [0, 2, 5, 7])  # rewritten
 
 
+def test_a_damaged_eos_cache_is_recomputed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """review63: a cache was checked at its ends only (0 first, the rows last), so
+    one with entries that decrease in between was used, and every read of the
+    file then failed naming the cache: a cache that is not whole is recomputed,
+    as the guide says, in blocks of any size."""
+    from tokload import interop
+
+    train = tmp_path / "train.bin"
+    tokens = np.array([1, 2, 0, 3, 4, 0, 5, 6, 7, 0, 8], np.uint16)
+    tokens.tofile(train)
+    want = [[1, 2, 0], [3, 4, 0], [5, 6, 7, 0], [8]]
+    cache = tmp_path / "train.bin.eos0.docs"
+    monkeypatch.setattr(interop, "_CACHE_CHECK", 16)  # (two entries a block: the seams too)
+    for damaged in ([0, 3, 2, 10, 11], [0, 3, 6, 5, 11], [0, 3, 6, 10, 11, 11, 9, 11]):
+        docs = Documents(tokload.open_flat(train, np.uint16, eos=0))
+        assert [np.asarray(docs[i]).tolist() for i in range(len(docs))] == want
+        mtime = os.stat(cache).st_mtime_ns
+        np.array(damaged, "<u8").tofile(cache)
+        os.utime(cache, ns=(mtime, mtime))  # (as fresh as the one it replaces)
+        docs = Documents(tokload.open_flat(train, np.uint16, eos=0))
+        assert [np.asarray(docs[i]).tolist() for i in range(len(docs))] == want, damaged
+        np.testing.assert_array_equal(np.fromfile(cache, "<u8"), [0, 3, 6, 10, 11])
+
+
 @pytest.mark.parametrize("through", ["file", "directory"])
 def test_an_eos_cache_is_not_used_once_a_link_on_the_way_is_re_pointed(
     tmp_path: Path, through: str

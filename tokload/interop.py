@@ -392,8 +392,8 @@ def _eos_index(
     Several processes may open the same file at once (every rank of a job
     does): each writes the cache under a unique temporary name and renames it
     into place atomically, so a reader sees no cache or a whole one. A cache
-    is used only when it is a regular file of the right shape (0 first, the
-    file's rows last) whose mtime is the version of the data it was computed
+    is used only when it is a regular file of the right shape (0 first, never
+    decreasing, the file's rows last) whose mtime is the version of the data it was computed
     from (the data's last change, by its mtime or its ctime: a copy that keeps
     an older mtime still sets the ctime) or later; otherwise the index is
     recomputed. A cache is written with the scanned version as its mtime, so a
@@ -512,7 +512,8 @@ def _links_changed_ns(path: Path) -> int:
 def _cache_ok(cache: Path, rows: int, data_changed_ns: int) -> bool:
     """Whether ``cache`` is a usable document index of a file of ``rows`` rows that
     last changed at ``data_changed_ns`` (``_changed_ns``): computed from that
-    version or a later one (its mtime)."""
+    version or a later one (its mtime), and whole (0 first, never decreasing,
+    ``rows`` last: read through, ~0.4% of the bytes of data it saves scanning)."""
     try:
         fd = open_regular(cache, "document index cache")
     except (OSError, TokloadError):
@@ -521,8 +522,19 @@ def _cache_ok(cache: Path, rows: int, data_changed_ns: int) -> bool:
         st = os.fstat(fd)
         if st.st_mtime_ns < data_changed_ns or st.st_size < 8 or st.st_size % 8:
             return False
-        first = int.from_bytes(os.pread(fd, 8, 0), "little")
-        last = int.from_bytes(os.pread(fd, 8, st.st_size - 8), "little")
-        return first == 0 and last == rows
+        with open(fd, "rb", closefd=False) as f:
+            prev, at = -1, 0
+            while block := f.read(_CACHE_CHECK):
+                t = np.frombuffer(block, dtype="<u8")
+                if len(block) % 8 or (at == 0 and t[0] != 0):
+                    return False
+                if int(t[0]) < prev or bool(np.any(t[1:] < t[:-1])):
+                    return False
+                prev, at = int(t[-1]), at + len(block)
+        return at == st.st_size and prev == rows
     finally:
         os.close(fd)
+
+
+_CACHE_CHECK = 8 << 20
+"""Bytes of an eos index cache checked at a time."""
