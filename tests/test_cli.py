@@ -447,6 +447,35 @@ def test_verify_deep_notices_overwritten_token_bytes(
     assert str(rows) in one_line(err)
 
 
+@pytest.mark.parametrize("suffix", [".rows", ".docs"])
+def test_verify_names_a_file_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, suffix: str
+) -> None:
+    """review63: a shard whose rows could not be read (permissions) passed ``verify``
+    as "ok (structure)" while every read of it failed, and ``tools.verify`` raised
+    for an unreadable document index: each is a problem, named (exit 1). (Faults
+    injected: tests run as root, whom permissions do not stop.)"""
+    from tokload.location import Location
+
+    inputs = write_corpus(tmp_path / "in", files=2)
+    out = tmp_path / "ds"
+    tokload.build(inputs, out, progress=False)
+    m = tokload.open_dataset(out).manifest
+    assert m is not None
+    locked = str(out / (m.shards[-1].name + suffix))
+    read = Location.read
+
+    def refused(self: Location, path: str, what: str, *args: Any) -> bytes:
+        if path == locked:
+            raise PermissionError(13, "Permission denied", path)
+        return read(self, path, what, *args)
+
+    monkeypatch.setattr(Location, "read", refused)
+    assert tokload.tools.verify(out) == [f"{locked}: Permission denied"]
+    code, stdout, err = cli(["verify", str(out)], capsys)
+    assert code == 1 and stdout == "" and err == f"tokload verify: {locked}: Permission denied\n"
+
+
 def test_the_readme_walk_through_shows_no_traceback(tmp_path: Path) -> None:
     """build, verify (plain and deep), inspect, bench: real processes, as a user runs them."""
     inputs = write_corpus(tmp_path / "data", files=3)

@@ -14,7 +14,7 @@ import numpy as np
 
 from tokload.arguments import positive_integer
 from tokload.errors import TokloadError, UsageError
-from tokload.format import METADATA_FIELD
+from tokload.format import METADATA_FIELD, Manifest
 from tokload.location import Location
 from tokload.reading import ReadOptions
 from tokload.remote.store import split_options
@@ -408,8 +408,9 @@ def verify(
 ) -> list[str]:
     """Check every file of a dataset; returns the problems found (empty: sound).
 
-    Checks, reading the files: sizes against the manifest; each document
-    index starts at 0, never decreases and ends at the shard's rows; each
+    Checks, reading the files: sizes against the manifest; each shard's rows can
+    be read; each document index starts at 0, never decreases and ends at the
+    shard's rows; each
     metadata index starts at 0, never decreases and ends at the data size;
     every row's metadata id is a record of its shard (or none). With
     ``deep=True``, first recomputes every file's checksum against the one the
@@ -437,9 +438,22 @@ def verify(
         return [error_message(e)]
     m = src.manifest
     assert m is not None
-    loc = Location(path)
+    try:
+        problems = _verify_shards(Location(path), m, chunk_rows)
+    except (TokloadError, OSError) as e:  # (a file that cannot be read: the problem)
+        problems = [error_message(e)]
+    src.close()
+    return problems
+
+
+def _verify_shards(loc: Location, m: Manifest, chunk_rows: int) -> list[str]:
+    """``verify``'s checks of the shards' files: the first problem found, or none;
+    a file that cannot be read raises."""
+    problems: list[str] = []
     for s in m.shards:
         base = loc.join(s.name)
+        if s.rows:  # (readable: the rows themselves are not read but by --deep)
+            loc.read(base + ".rows", "shard rows", 0, m.dtype.itemsize)
         if m.documents:
             p = base + ".docs"
             bad = _first_bad_offset(_array(loc, p, "<u8", "document index"), s.rows)
@@ -488,7 +502,6 @@ def verify(
                     break
         if problems:
             break  # the first problem is what a user needs; verify again after fixing it
-    src.close()
     return problems
 
 
