@@ -163,6 +163,7 @@ def test_a_state_is_refused_on_a_blend_of_other_rounds(views: list[TokenStream])
     fingerprint: a state saved on ``rounds=6`` resumed on ``rounds=8`` without a word
     and read 13 of 50 samples twice. They are now; a blend with the default rounds
     keeps the fingerprint it had, so states saved before still resume."""
+
     def blend(rounds: int) -> Blend:
         return Blend([(views[0], 1), (views[1], 1)], seed=1, length=50, block_size=10,
                      rounds=rounds)  # fmt: skip
