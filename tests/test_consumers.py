@@ -130,6 +130,40 @@ def test_an_iterator_is_not_copied_or_pickled(monkeypatch: pytest.MonkeyPatch) -
     loader.close()
 
 
+def test_a_thread_waiting_for_a_batch_at_exit_ends_quietly(tmp_path: Path) -> None:
+    """review65: a thread of one's own waiting in ``next()`` when the script ended
+    printed ``RuntimeError: the prefetcher was closed`` with its traceback (exit 0):
+    the exit closes the readers, and the waiting thread ends quietly, as one
+    waiting on a raw read does (``SystemExit``); a close by hand still raises."""
+    script = tmp_path / "waiting.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, threading, time, numpy as np, tokload
+
+            class Slow:
+                fingerprint = "slow"
+                def __len__(self):
+                    return 1000
+                def read_batch(self, indices, alloc):
+                    time.sleep(0.3 if indices[0] else 0)
+                    return {"tokens": np.zeros((len(indices), 4), np.int64)}
+
+            it = iter(tokload.DataLoader(Slow(), 2, num_threads=1, device=None))
+            next(it)
+            def consume():
+                while True:
+                    next(it)
+            threading.Thread(target=consume, daemon=True).start()
+            time.sleep(0.5)
+            print("leaving", flush=True)
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "leaving\n", "")
+
+
 @pytest.mark.slow
 def test_a_ctrl_c_while_the_exit_waits_for_reader_threads_leaves_at_once(
     tmp_path: Path,

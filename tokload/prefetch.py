@@ -85,6 +85,7 @@ EXIT_S = 10.0
 def _close_all_at_exit() -> None:
     live = list(_live)
     for pf in live:  # every thread told first, then one deadline for them all
+        pf._exiting = True  # (a thread of one's own waiting in get() ends quietly)
         pf.close(timeout=0)
     deadline = time.monotonic() + EXIT_S
     if not all([pf.close(max(0.0, deadline - time.monotonic())) for pf in live]):
@@ -139,6 +140,7 @@ class Prefetcher:
         self._dropped = first - 1  # the last step the consumer dropped (built no more)
         self._results: dict[int, Any] = {}
         self._closed = False
+        self._exiting = False  # closed as the interpreter ends
         self._forked = False
         self.cancel = cancel if cancel is not None else threading.Event()
         self._name = name
@@ -275,6 +277,8 @@ class Prefetcher:
                         f"step {step} was handed out and dropped (the next is {self._next})"
                     )
                 if self._closed:
+                    if self._exiting:  # (as a thread waiting on a raw read does: no traceback)
+                        raise SystemExit
                     raise RuntimeError("the prefetcher was closed")
                 cond.wait(POLL_S)  # short waits: Ctrl+C is seen at once
             item = self._results[step]  # (before a call: a handler may close it there)
