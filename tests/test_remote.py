@@ -402,13 +402,35 @@ _SLOWDOWN = (
 )
 
 
+# (the transport errors' texts as obstore words them, their debug sources cut short)
+_REFUSED = (
+    "Generic S3 error: Error performing GET http://h/b/k in 1ms - HTTP error: error sending "
+    "request\n\nDebug source:\nHttpError { kind: Connect, source: reqwest::Error { kind: "
+    'Request, source: ConnectError("tcp connect error", Os { code: 111, kind: '
+    "ConnectionRefused })"
+)
+_RESET = (  # (review65: the request sent, the connection reset before an answer)
+    "Generic S3 error: Error performing GET http://h/b/k in 1ms - HTTP error: error sending "
+    "request\n\nDebug source:\nHttpError { kind: Interrupted, source: reqwest::Error { kind: "
+    "Request, source: hyper_util::client::legacy::Error(SendRequest, hyper::Error(Io, Os { "
+    "code: 104, kind: ConnectionReset }))"
+)
+_CUT = (  # (review65: a body cut short)
+    "Generic S3 error: HTTP error: request or response body error\n\nDebug source:\nHttpError "
+    "{ kind: Interrupted, source: reqwest::Error { kind: Body, source: hyper::Error(Body, Os { "
+    "code: 104, kind: ConnectionReset }))"
+)
+
+
 @pytest.mark.parametrize(
     ("error", "kind", "retried", "named"),
     [
         ("GenericError", _SLOWDOWN, True, RemoteError),
         ("GenericError", "status code: 500 Internal Server Error", True, RemoteError),
         ("GenericError", "status code: 400 Bad Request", False, RemoteError),
-        ("GenericError", "error sending request for url", True, RemoteError),
+        ("GenericError", _REFUSED, True, RemoteError),
+        ("GenericError", _RESET, True, RemoteError),
+        ("GenericError", _CUT, True, RemoteError),
         ("GenericError", "kind: Timeout, operation timed out", True, RemoteError),
         ("GenericError", "timeout error: HTTP error: error sending request", True, RemoteError),
         ("GenericError", "Generic error: non-partial response", True, RangesIgnoredError),
@@ -447,7 +469,9 @@ def test_what_the_clients_errors_mean(error: str, kind: str, retried: bool, name
     # a timeout is worded "error sending request" too: it is a timeout, not unreachable
     timed_out = "timeout" in kind.lower() or "timed out" in kind
     assert ("timed out after 3 attempts" in str(err)) is (timed_out and named is RemoteError)
-    assert ("endpoint unreachable" in str(err)) is (kind == "error sending request for url")
+    # only a connection that could not be made is unreachable (review65: a reset and a
+    # body cut short, from a server that answered, were named so)
+    assert ("endpoint unreachable" in str(err)) is (kind is _REFUSED)
 
 
 def test_persistent_throttling_names_the_url_range_and_cause(

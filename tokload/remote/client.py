@@ -54,7 +54,7 @@ TRANSIENT = "transient"  # throttled, a server error, a dropped connection
 _STATUS = re.compile(r"status code: (\d{3})")
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _TIMEOUT = re.compile(r"kind: Timeout|timed out|timeout error", re.I)
-_CONNECT = re.compile(r"kind: Connect|error sending request")
+_CONNECT = re.compile(r"kind: Connect\b|ConnectError")  # (not ConnectionReset: an answer cut)
 _TRANSPORT = re.compile(
     r"kind: (Connect|Timeout|Request|Body|Decode|Interrupted)|error sending request"
     r"|connection (reset|closed)|IncompleteMessage|operation timed out",
