@@ -595,6 +595,24 @@ def test_storage_options_override_the_environment(
         TokenStream(url, 50, storage_options={"retries": "many"})
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "expected"),
+    [
+        ("timeout", 0, "a number of seconds > 0"),  # (review65: every request timed out)
+        ("connect_timeout", float("inf"), "a number of seconds > 0"),
+        ("timeout", float("nan"), "a number of seconds > 0"),
+        ("retry_seconds", float("nan"), "a number >= 0"),
+        ("retries", -1, "a number >= 0"),
+    ],
+)
+def test_storage_options_out_of_range_are_refused(option: str, value: Any, expected: str) -> None:
+    from tokload.remote.store import split_options
+
+    with pytest.raises(ValueError, match=rf"storage_options\['{option}'\]=.*: expected {expected}"):
+        split_options({option: value})
+    assert split_options({"timeout": 0.5, "retries": 0})[0].timeout == 0.5
+
+
 @pytest.mark.parametrize("held", [True, False])
 def test_plan_with_metadata_counts_the_gets_a_stream_with_metadata_sends(
     s3: LocalS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: bool

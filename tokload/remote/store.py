@@ -6,6 +6,7 @@ it was listed (``RemoteObject``)."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import threading
@@ -46,11 +47,15 @@ _OWN = {
 }
 
 
+_POSITIVE = frozenset({"timeout", "connect_timeout"})
+
+
 def split_options(options: Mapping[str, Any] | None) -> tuple[Settings, dict[str, Any]]:
     """``storage_options`` as tokload's ``Settings`` and the client's own options.
 
     Raises:
-        ValueError: one of tokload's options that is not a number >= 0.
+        ValueError: one of tokload's options that is not a number >= 0 (a
+            timeout: > 0, finite).
     """
     own: dict[str, Any] = {}
     store: dict[str, Any] = {}
@@ -60,7 +65,9 @@ def split_options(options: Mapping[str, Any] | None) -> tuple[Settings, dict[str
                 own[k] = _OWN[k](v)
             except (TypeError, ValueError):
                 raise ValueError(f"storage_options[{k!r}]={v!r}: expected a number") from None
-            if own[k] < 0:
+            if k in _POSITIVE and not 0 < own[k] < math.inf:  # (0: every request times out)
+                raise ValueError(f"storage_options[{k!r}]={v!r}: expected a number of seconds > 0")
+            if not own[k] >= 0:  # (NaN too)
                 raise ValueError(f"storage_options[{k!r}]={v!r}: expected a number >= 0")
         else:
             store[k] = v
