@@ -770,22 +770,33 @@ def test_a_parquet_string_that_is_not_utf8_is_a_bad_record(tmp_path: Path) -> No
     offsets = pa.py_buffer(np.array([0, 2, 6, 11], dtype=np.int32).tobytes())
     text = pa.Array.from_buffers(pa.string(), 3, [None, offsets, pa.py_buffer(b"okbad\xffthird")])
     pq.write_table(pa.table({"text": text, "id": [1, 2, 3]}), tmp_path / "x.parquet")
+    _builds_skipping_bad_utf8(
+        tmp_path, "0xff", 1, [{"text": "ok", "id": 1}, {"text": "third", "id": 3}]
+    )
+
+
+def _builds_skipping_bad_utf8(
+    tmp_path: Path, byte: str, skipped: int, want: list[dict[str, Any]]
+) -> None:
+    """``x.parquet`` (row 2 not UTF-8 at byte 3 of its text) stops a build, naming the
+    row; skipping, the rows ``want`` (text and one kept field each) are built."""
     with pytest.raises(
         BuildError,
-        match=r"x\.parquet:2: column 'text' is not UTF-8 at byte 3 of its string "
-        r"\(0xff: invalid start byte\)",
+        match=rf"x\.parquet:2: column 'text' is not UTF-8 at byte 3 of its string "
+        rf"\({byte}: invalid start byte\)",
     ):
         build([tmp_path / "x.parquet"], tmp_path / "stop", tokenizer="bytes", progress=False)
+    field = [k for k in want[0] if k != "text"]
     s = build([tmp_path / "x.parquet"], tmp_path / "o", tokenizer="bytes", on_error="skip",
-              max_skipped=0.5, keep_fields=["id"], progress=False)  # fmt: skip
-    assert (s.documents, s.skipped) == (2, {"string not UTF-8": 1})
+              max_skipped=0.9, keep_fields=field, progress=False)  # fmt: skip
+    assert (s.documents, s.skipped) == (len(want), {"string not UTF-8": skipped})
     docs = Documents(tmp_path / "o")
     view = tokload.StreamWithMetadata(tmp_path / "o", window=1, stride=1, deserialize=json.loads)
-    for d, want in ((0, {"text": "ok", "id": 1}), (1, {"text": "third", "id": 3})):
+    for d, row in enumerate(want):
         start, length = (int(a[0]) for a in docs.extents([d]))
         tokens = view.read(np.arange(start, start + length - 1)).fields["token"][:, 0]
-        assert bytes(tokens.tolist()).decode() == want["text"]
-        assert view.read([start]).metadata[0] == {"document": {"id": want["id"]}}
+        assert bytes(tokens.tolist()).decode() == row["text"]
+        assert view.read([start]).metadata[0] == {"document": {field[0]: row[field[0]]}}
 
 
 def test_a_dictionary_encoded_string_that_is_not_utf8_is_a_bad_record(tmp_path: Path) -> None:
@@ -800,22 +811,9 @@ def test_a_dictionary_encoded_string_that_is_not_utf8_is_a_bad_record(tmp_path: 
     tags = pa.DictionaryArray.from_arrays(pa.array([0, 0, None, 2, 1], pa.int32()), words)
     pq.write_table(pa.table({"text": text, "tag": tags}), tmp_path / "x.parquet")
     assert pa.types.is_dictionary(pq.read_schema(tmp_path / "x.parquet").field("text").type)
-    with pytest.raises(
-        BuildError,
-        match=r"x\.parquet:2: column 'text' is not UTF-8 at byte 3 of its string "
-        r"\(0xfe: invalid start byte\)",
-    ):
-        build([tmp_path / "x.parquet"], tmp_path / "stop", tokenizer="bytes", progress=False)
-    s = build([tmp_path / "x.parquet"], tmp_path / "o", tokenizer="bytes", on_error="skip",
-              max_skipped=0.9, keep_fields=["tag"], progress=False)  # fmt: skip
-    assert (s.documents, s.skipped) == (2, {"string not UTF-8": 3})  # rows 2, 4 (text), 5 (tag)
-    docs = Documents(tmp_path / "o")
-    view = tokload.StreamWithMetadata(tmp_path / "o", window=1, stride=1, deserialize=json.loads)
-    for d, want in ((0, {"text": "good", "tag": "good"}), (1, {"text": "fine", "tag": None})):
-        start, length = (int(a[0]) for a in docs.extents([d]))
-        tokens = view.read(np.arange(start, start + length - 1)).fields["token"][:, 0]
-        assert bytes(tokens.tolist()).decode() == want["text"]
-        assert view.read([start]).metadata[0] == {"document": {"tag": want["tag"]}}
+    # rows 2 and 4 (the text) and 5 (the tag) skipped
+    want: list[dict[str, Any]] = [{"text": "good", "tag": "good"}, {"text": "fine", "tag": None}]
+    _builds_skipping_bad_utf8(tmp_path, "0xfe", 3, want)
 
 
 def test_nan_and_infinities_are_kept_as_null(tmp_path: Path) -> None:
