@@ -82,6 +82,33 @@ def test_positions_map_to_epoch_permutations(corpus: Path) -> None:
         np.testing.assert_array_equal(tokens[b], view[i])
 
 
+def test_a_global_batch_asked_for_by_hand_is_held_to_the_run(corpus: Path) -> None:
+    """review68: ``raw_batch(0, 8)`` on a global batch of 4 gave 4 rows (positions
+    4 to 7 dropped without a word), ``positions(0.5, 4.5)`` was taken, ``raw_batch(4,
+    0)`` gave an empty batch, ``build_steps([])`` an IndexError. A span must be a
+    global batch of the run (for packed rows: one of its steps)."""
+    ld = DataLoader(TokenStream(corpus, window=8), 4, seed=1, num_threads=0, epochs=1)
+    assert ld.raw_batch(0, 4)["tokens"].shape == (4, 8)
+    assert ld.positions(1, 3).tolist() == [1, 2]  # (a part of one: as the last step is)
+    bad: list[tuple[Any, Any, type[Exception]]] = [
+        (0, 8, ValueError), (4, 0, ValueError), (-1, 3, ValueError), (0.5, 4.5, TypeError),
+        (True, 4, TypeError), (10**9, 10**9 + 4, ValueError)]  # fmt: skip
+    for a, e, error in bad:
+        for what, call in (("raw_batch", ld.raw_batch), ("positions", ld.positions)):
+            with pytest.raises(error, match=rf"^{what}: "):
+                call(a, e)
+        with pytest.raises(error, match=r"^build_steps: "):
+            ld.build_steps([(a, e)])
+    with pytest.raises(ValueError, match=r"build_steps: no steps given"):
+        ld.build_steps([])
+    packed = DataLoader(Documents(corpus), 4, batching=tokload.Fill(32), num_threads=0, epochs=1)
+    steps = packed.schedule.spans(0, 2)
+    assert len(packed.build_steps(steps)) == 2
+    a, e = steps[1]
+    with pytest.raises(ValueError, match=rf"build_steps: \[{a + 1}, {e}\) is not a step"):
+        packed.build_steps([(a + 1, e)])
+
+
 @pytest.mark.parametrize("kind", ["stream", "documents", "metadata"])
 def test_global_batches_do_not_depend_on_the_number_of_ranks(
     kind: str, corpus: Path, meta_corpus: Path

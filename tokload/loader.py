@@ -396,7 +396,20 @@ class DataLoader:
 
     def positions(self, start: int, end: int) -> np.ndarray:
         """This rank's positions (uint64) in the global batch [start, end)."""
-        return self.schedule.positions(start, end)
+        return self.schedule.positions(*self._span(start, end, "positions"))
+
+    def _span(self, start: object, end: object, what: str) -> tuple[int, int]:
+        """``[start, end)`` as a global batch of this loader's (a step, or the last
+        one cut short by the end of the run), else ValueError or TypeError naming
+        ``what`` (a wider one was cut to the global batch without a word)."""
+        if not (is_integer(start) and is_integer(end)):
+            raise TypeError(f"{what}: start and end must be integers, got {start!r} and {end!r}")
+        a, e = int(start), int(end)
+        try:
+            self.schedule.check_span(a, e)
+        except ValueError as err:
+            raise ValueError(f"{what}: {err}") from None
+        return a, e
 
     def build_steps(self, spans: list[tuple[int, int]]) -> list[Any]:
         """This rank's batches of consecutive global batches ``spans``, finished, in
@@ -414,6 +427,9 @@ class DataLoader:
         stream switch and an event is paid per task, not per step); a rowwise
         task's batches are slices of its device tensors.
         """
+        if not spans:
+            raise ValueError("build_steps: no steps given (a list of (start, end) spans)")
+        spans = [self._span(a, e, "build_steps") for a, e in spans]
         out = self._build(spans)[0]
         if self.device is not None:
             for b in out:
@@ -593,10 +609,11 @@ class DataLoader:
         (for ``Stack``, the view's ``read_batch`` result) plus ``"index"`` and
         ``"position"``.
         """
+        span = self._span(start, end, "raw_batch")
         if self._io is None:
-            return read_step(self._reader, (start, end))
+            return read_step(self._reader, span)
         with self._io:
-            got = read_step(self._reader, (start, end))
+            got = read_step(self._reader, span)
         return got
 
     # ---- iteration -----------------------------------------------------------------------

@@ -257,6 +257,15 @@ class PackedSchedule(Schedule):
 
     # ---- steps ---------------------------------------------------------------------------
 
+    def check_span(self, start: int, end: int) -> None:
+        """ValueError unless ``[start, end)`` is a step of this run (a ``span``)."""
+        step = self._step(start) if 0 <= start < self.end else None
+        if step is None or step[1:] != (start, end):
+            raise ValueError(
+                f"[{start}, {end}) is not a step of this run (its steps: "
+                "loader.schedule.spans(cursor, count))"
+            )
+
     def span(self, c: int) -> tuple[int, int] | None:
         """The step at cursor ``c``: ``(its first row's position, the position after
         its last row)``; None past the end."""

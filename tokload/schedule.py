@@ -99,6 +99,16 @@ class Schedule:
             )
         return c
 
+    def check_span(self, start: int, end: int) -> None:
+        """ValueError unless ``[start, end)`` is a global batch of this run: 1 to
+        ``global_batch`` consecutive positions from a start >= 0, within the run."""
+        if not 0 <= start < end <= min(start + self.global_batch, self.end):
+            raise ValueError(
+                f"[{start}, {end}) is not a global batch of this run: 1 to "
+                f"{self.global_batch} consecutive positions from a start >= 0, within its "
+                f"{self.end} positions"
+            )
+
     def span(self, c: int) -> tuple[int, int] | None:
         """The global batch ``[start, end)`` of the step at cursor ``c``; None past the end."""
         n, g = self.n, self.global_batch
