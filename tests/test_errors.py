@@ -148,15 +148,18 @@ def test_document_offsets_decreasing_or_past_the_end(
     ds = small(tmp_path / "ds")  # two documents of 10 rows
     idx = np.fromfile(ds / "s-00000.docs", "<u8")
     # each rewrite opened afresh: an opened dataset refuses a file written after it opened
-    cases = [  # (entries, document read, blamed value and byte: per read, held whole)
-        ([0, 11, 5], 1, ("11", 8), ("5", 16)),  # decreasing
-        ([0, 10, 21], 1, ("21", 16), ("21", 16)),  # past the shard's 20 rows
-        ([2, 10, 20], 0, ("2", 0), ("2", 0)),  # the first is not 0
-        ([0, 10, 18], 1, ("18", 16), ("18", 16)),  # the last is short of the rows
+    cases = [  # (entries, document read, the entry blamed (value, byte), as verify names it)
+        ([0, 11, 5], 1, ("5", 16)),  # decreasing: the second of the two
+        ([0, 10, 5], 1, ("5", 16)),  # the last below the one before (review66)
+        ([0, 25, 20], 1, ("25", 8)),  # past the shard's 20 rows, read as a first
+        ([0, 10, 21], 1, ("21", 16)),  # past the shard's 20 rows
+        ([2, 10, 20], 0, ("2", 0)),  # the first is not 0
+        ([0, 10, 18], 1, ("18", 16)),  # the last is short of the rows
     ]
-    for entries, doc, per_read, whole in cases:
+    for entries, doc, (value, at) in cases:
         np.array(entries, "<u8").tofile(ds / "s-00000.docs")
-        value, at = whole if held else per_read
+        (problem,) = tokload.tools.verify(ds)
+        assert f"document index entry {at // 8} = {value} breaks" in problem
         what = "the document index" if held else f"the document index entry of document {doc}"
         with pytest.raises(
             CorruptDataError, match=rf"s-00000\.docs: {what}: bad value {value} at byte {at}$"

@@ -381,6 +381,34 @@ def test_a_record_end_past_the_data_is_the_entry_named(tmp_path: Path, layout: s
     assert re.match(fault, problem), problem
 
 
+@pytest.mark.parametrize("layout", ["spans", "per_token"])
+@pytest.mark.parametrize(
+    ("entry", "value"), [(0, 1), (2, 9), (2, 4)], ids=["first", "last short", "last below"]
+)
+def test_a_record_index_that_does_not_span_the_data_is_refused(
+    tmp_path: Path, layout: str, entry: int, value: int
+) -> None:
+    """review63, review66: a first entry other than 0 read record 0 from its second
+    byte, and a last short of the data cut the last record (``b'worl'``), silently;
+    every read refuses them, naming the entry ``verify`` names."""
+    fields = [("tokens", "<u2"), ("metadata_id", "<u4")] if layout == "per_token" else "<u2"
+    rows: Any = {"tokens": np.arange(10)} if layout == "per_token" else np.arange(10)
+    with tokload.Writer(tmp_path / "ds", fields, metadata=True, metadata_layout=layout) as w:
+        w.write(rows, spans=[(0, 5, b"hello"), (5, 10, b"world")])
+    (mdx,) = (tmp_path / "ds").glob("*.mdx")
+    _poke(mdx, 8 * entry, value, 8)
+    (problem,) = tokload.tools.verify(tmp_path / "ds")
+    assert problem.startswith(f"{mdx}: metadata index entry {entry} = {value} breaks"), problem
+    read_fault = (
+        rf"^{mdx}: metadata index entry {entry} = {value} breaks"
+        if layout == "spans"
+        else rf"^{mdx}: the metadata index: bad value {value} at byte {8 * entry}$"
+    )
+    for windows in ([0] if entry == 0 else [1], [0, 1]):  # the record's window, both
+        with pytest.raises(CorruptDataError, match=read_fault):
+            StreamWithMetadata(tmp_path / "ds", window=5).read(windows)
+
+
 @pytest.mark.parametrize("layout", ["blocks", "spans", "per_token"])
 def test_positions_given_to_read_are_filled_or_refused_whatever_the_layout(
     tmp_path: Path, layout: str

@@ -281,10 +281,11 @@ TL_INLINE int tl_docs_finish(const tl_fent *idx_files, const uint64_t *doc_cum,
         const int last = local + 1 == doc_cum[k + 1] - doc_cum[k];
         if (TL_UNLIKELY(e[0] > e[1] || e[1] > rows || (local == 0 && e[0] != 0) ||
                         (last && e[1] != rows))) {
-            /* the offending entry: the shard's first when not 0, else the second
-             * when past the shard's rows, else the first of two that decrease,
-             * else the shard's last, short of its rows */
-            const int second = !(local == 0 && e[0] != 0) && (e[1] > rows || e[0] <= e[1]);
+            /* the offending entry, as tokload verify names it: the first when it
+             * is the shard's first and not 0 or it passes the rows, else the
+             * second (past the rows, below the first, or the shard's last short
+             * of the rows) */
+            const int second = !(local == 0 && e[0] != 0) && e[0] <= rows;
             err->code = TL_ERR_CORRUPT;
             err->file = (int32_t)k;
             err->offset = idx_files[k].base + 8 * (local + (uint64_t)second);
@@ -565,11 +566,11 @@ TL_INLINE int tl_meta_finish(const tl_meta_shard *shards, const tl_meta_seg *seg
         const uint64_t *e = entries + sg->ent;
         if (sg->dense) {
             uint64_t n = sg->hi - sg->lo + 2;
-            /* the first entry that breaks a rule (n: none): the shard's first
-             * when not 0, one that decreases or passes the data, the shard's
-             * last when not the data's size */
+            /* the first entry that breaks a rule (n: none), as tokload verify
+             * names it: the shard's first when not 0, one that passes the data
+             * or decreases, the shard's last when not the data's size */
             uint64_t bad = n;
-            if (sg->lo == 0 && e[0] != 0) bad = 0;
+            if ((sg->lo == 0 && e[0] != 0) || e[0] > ms->data_bytes) bad = 0;
             for (uint64_t j = 0; bad == n && j + 1 < n; j++)
                 if (e[j] > e[j + 1] || e[j + 1] > ms->data_bytes) bad = j + 1;
             if (bad == n && sg->hi + 1 == ms->nrec && e[n - 1] != ms->data_bytes) bad = n - 1;
@@ -602,7 +603,7 @@ TL_INLINE int tl_meta_finish(const tl_meta_shard *shards, const tl_meta_seg *seg
             if (TL_UNLIKELY(first || e[0] > e[1] || e[1] > ms->data_bytes ||
                             (last && e[1] != ms->data_bytes))) {
                 /* the offending entry, as tl_docs_finish names it */
-                const int second = !first && (e[1] > ms->data_bytes || e[0] <= e[1]);
+                const int second = !first && e[0] <= ms->data_bytes;
                 err->code = TL_ERR_CORRUPT;
                 err->file = (int32_t)sg->shard;
                 err->offset = ms->index->base + 8 * (id + (uint64_t)second);

@@ -343,9 +343,13 @@ TL_INLINE int tl_spans_plan_data(const tl_span_set *s, const uint32_t *item_shar
         size_t k = item_shard[i];
         uint64_t bytes = s->mdb_cum[k + 1] - s->mdb_cum[k];
         uint64_t a = entries[item_ent[i]], b = entries[item_ent[i] + 1];
-        if (TL_UNLIKELY(a > b || b > bytes || (item_id[i] == 0 && a != 0))) {
-            /* the first entry is at fault (record 0's must be 0), else the second */
-            int first = a > b || (item_id[i] == 0 && a != 0);
+        const int last = (uint64_t)item_id[i] + 2 == s->mdx_cum[k + 1] - s->mdx_cum[k];
+        if (TL_UNLIKELY(a > b || b > bytes || (item_id[i] == 0 && a != 0) ||
+                        (last && b != bytes))) {
+            /* as tokload verify names it: the first entry when record 0's is not 0
+             * or it passes the data, else the second (past the data, below the
+             * first, or the shard's last short of the data) */
+            int first = (item_id[i] == 0 && a != 0) || a > bytes;
             return tl_span_fail(err, TL_SPAN_BAD_OFFSET, k, (uint64_t)item_id[i] + !first,
                                 first ? a : b, bytes);
         }
