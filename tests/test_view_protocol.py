@@ -305,11 +305,19 @@ def test_extents_that_break_the_contract_are_refused_by_every_policy(
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=repr)
-def test_extents_as_lists_of_int64_serve_every_policy(policy: Any) -> None:
-    def as_lists(s: np.ndarray, n: np.ndarray) -> tuple[list[int], list[int]]:
-        return s.astype(np.int64).tolist(), n.astype(np.int64).tolist()
+@pytest.mark.parametrize("given", ["lists", ">u8", ">i8"])
+def test_extents_as_lists_or_big_endian_arrays_serve_every_policy(policy: Any, given: str) -> None:
+    """Extents as lists of int64, or as big-endian arrays (read from a big-endian
+    index: review66 found ``>u8`` lengths with a low byte from 0x80 up refused as
+    past 2**63), are the same documents."""
 
-    view = OwnDocuments(30, as_lists)
+    def convert(s: np.ndarray, n: np.ndarray) -> tuple[Any, Any]:
+        if given == "lists":
+            return s.astype(np.int64).tolist(), n.astype(np.int64).tolist()
+        return s.astype(given), (n + np.uint64(200)).astype(given)  # (lengths from 201)
+
+    view = OwnDocuments(30, convert)
+    view.flat = np.resize(view.flat, len(view.flat) + 30 * 200)  # (room for the longer ones)
     ld = DataLoader(view, 4, batching=policy, seed=3, epochs=1, num_threads=0)
     seen = sorted(i for b in ld for i in b["index"].tolist())
     assert seen == list(range(30))

@@ -238,7 +238,7 @@ def document_extents(view: Any, indices: np.ndarray) -> tuple[np.ndarray, np.nda
             raise TypeError(f"{name}.extents gave {what} of dtype {a.dtype}, not integers")
     kind = lengths.dtype.kind
     if n and (kind == "i" or lengths.itemsize == 8):  # (uint64 >= 2**63: negative as int64)
-        signed = lengths if kind == "i" else lengths.view(np.int64)
+        signed = lengths if kind == "i" else lengths.astype(np.int64)  # (any byte order)
         if signed.min() < 0:
             k = int(np.argmin(signed))
             raise ValueError(
