@@ -598,9 +598,11 @@ def test_storage_options_override_the_environment(
 @pytest.mark.parametrize(
     ("option", "value", "expected"),
     [
-        ("timeout", 0, "a number of seconds > 0"),  # (review65: every request timed out)
-        ("connect_timeout", float("inf"), "a number of seconds > 0"),
-        ("timeout", float("nan"), "a number of seconds > 0"),
+        ("timeout", 0, "a number of seconds from 0.001"),  # (review65: all timed out)
+        ("connect_timeout", float("inf"), "a number of seconds from 0.001 to 31,536,000"),
+        ("timeout", float("nan"), "a number of seconds from"),
+        ("timeout", 1e-5, "a number of seconds from"),  # (review66: "1e-05s", unparsed)
+        ("timeout", 1e20, "a number of seconds from"),
         ("retry_seconds", float("nan"), "a number >= 0"),
         ("retries", -1, "a number >= 0"),
     ],

@@ -109,7 +109,11 @@ def connect(
     endpoint = str(given or "")
     if endpoint:
         _check_endpoint(f"{scheme}://{bucket}", endpoint, source)
-    client: dict[str, Any] = {"timeout": f"{timeout}s", "connect_timeout": f"{connect_timeout}s"}
+    # (fixed-point: obstore parses no exponent, "1e-05s"; split_options bounds them)
+    client: dict[str, Any] = {
+        "timeout": f"{timeout:.3f}s",
+        "connect_timeout": f"{connect_timeout:.3f}s",
+    }
     if endpoint.lower().startswith("http://"):
         client["allow_http"] = True
     provider = None

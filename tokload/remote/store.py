@@ -6,7 +6,6 @@ it was listed (``RemoteObject``)."""
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import threading
@@ -47,7 +46,9 @@ _OWN = {
 }
 
 
-_POSITIVE = frozenset({"timeout", "connect_timeout"})
+_TIMEOUTS = (0.001, 86_400 * 365)
+"""The bounds of a timeout option, in seconds (0: every request times out; the
+client counts milliseconds)."""
 
 
 def split_options(options: Mapping[str, Any] | None) -> tuple[Settings, dict[str, Any]]:
@@ -55,7 +56,7 @@ def split_options(options: Mapping[str, Any] | None) -> tuple[Settings, dict[str
 
     Raises:
         ValueError: one of tokload's options that is not a number >= 0 (a
-            timeout: > 0, finite).
+            timeout: 1 ms to a year).
     """
     own: dict[str, Any] = {}
     store: dict[str, Any] = {}
@@ -65,8 +66,11 @@ def split_options(options: Mapping[str, Any] | None) -> tuple[Settings, dict[str
                 own[k] = _OWN[k](v)
             except (TypeError, ValueError):
                 raise ValueError(f"storage_options[{k!r}]={v!r}: expected a number") from None
-            if k in _POSITIVE and not 0 < own[k] < math.inf:  # (0: every request times out)
-                raise ValueError(f"storage_options[{k!r}]={v!r}: expected a number of seconds > 0")
+            if k in ("timeout", "connect_timeout") and not _TIMEOUTS[0] <= own[k] <= _TIMEOUTS[1]:
+                raise ValueError(
+                    f"storage_options[{k!r}]={v!r}: expected a number of seconds from "
+                    f"{_TIMEOUTS[0]} to {_TIMEOUTS[1]:,}"
+                )
             if not own[k] >= 0:  # (NaN too)
                 raise ValueError(f"storage_options[{k!r}]={v!r}: expected a number >= 0")
         else:
