@@ -309,6 +309,9 @@ def test_through_the_dataloader_resume_and_rescale(views: list[TokenStream]) -> 
         ({"schedule": [(200, [1, 1]), (100, [1, 2])]}, ValueError, r"out of order: stage 2"),
         ({"schedule": [(150, [1, 1])]}, ValueError, r"starts at position 150, not a multiple"),
         ({"schedule": [(200, [1])]}, ValueError, r"stage 1 gives 1 weights for 2 components"),
+        # review68: 1024.7 was stage 1024, "1024" a string position
+        ({"schedule": [(200.7, [1, 1])]}, TypeError, r"stage 1: its position must be an integ"),
+        ({"schedule": [("200", [1, 1])]}, TypeError, r"stage 1: .* got '200'"),
         ({"length": None}, ValueError, r"length is required unless every component is capped"),
         ({"max_epochs": {5: 1}}, ValueError, r"max_epochs: need a component in \[0, 2\)"),
         # a float cap failed inside the layout with "slice indices must be integers"

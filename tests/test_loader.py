@@ -677,6 +677,10 @@ def test_bad_arguments(corpus: Path) -> None:
     assert len(DataLoader(view, 2, epochs=two, num_threads=0)) == len(
         DataLoader(view, 2, epochs=2, num_threads=0)
     )
+    for every in (float("nan"), float("inf"), 0, True):  # (review68: NaN logged nothing)
+        with pytest.raises(ValueError, match=r"log_every must be a positive number of seconds"):
+            DataLoader(view, 2, log_every=every)
+    assert DataLoader(view, 2, log_every=two, num_threads=0).log_every == 2  # (was refused)
     with pytest.raises(ValueError, match="drop_last with a global batch of 8000"):
         DataLoader(view, 1000, rank=0, world_size=8, drop_last=True)
     with pytest.raises(ValueError, match="the view is empty"):

@@ -442,6 +442,10 @@ def test_huge_n_len_raises_but_n_works() -> None:
         ((10, -3), {}, ValueError, r"seed must be in \[0, 2\*\*64 - 1\], got -3"),
         ((10, "a"), {}, TypeError, r"seed must be an integer, got str"),
         ((10, 0, 2**16 + 1), {}, ValueError, r"rounds must be in \[0, 65536\], got 65537"),
+        ((10, 0, -1), {}, ValueError, r"rounds must be in \[0, 65536\], got -1"),  # (review68)
+        ((True,), {}, TypeError, r"n must be an integer, got bool"),  # (was n=1)
+        ((10, True), {}, TypeError, r"seed must be an integer, got bool"),
+        ((10, 0, np.bool_(True)), {}, TypeError, r"rounds must be an integer, got bool"),
         ((10,), {"table": "yes"}, TypeError, r"table must be True, False or None, got 'yes'"),
     ],
 )
@@ -462,6 +466,10 @@ def test_bad_indices() -> None:
         p[-101]
     with pytest.raises(TypeError, match=r"indices must be integers or slices, not float"):
         p[1.0]  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"indices must be integers or slices, not bool"):
+        p[True]  # (review68: was p[1])
+    with pytest.raises(TypeError, match=r"epoch must be an integer, got bool"):
+        epoch_seed(3, True)
     with pytest.raises(
         IndexError, match=r"value 100 is out of range .* \(valid: 0 <= value < 100\)"
     ):

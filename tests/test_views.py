@@ -874,8 +874,14 @@ def test_document_batches_refuse_bad_arguments(tmp_path: Path) -> None:
         docs.read([0.5])
     with pytest.raises(IndexError, match=r"observation 9223372036854775808 is out of range"):
         docs.read(np.array([1 << 63], dtype=np.uint64))  # not wrapped to a negative index
-    with pytest.raises(ValueError, match=r"length must be positive, got 0"):
+    with pytest.raises(ValueError, match=r"length must be a positive integer, got 0"):
         docs.read_padded([0], 0)
+    for length in (2.5, True, "4"):  # (review68: 2.5 was 2, True 1, "4" a bare TypeError)
+        with pytest.raises(ValueError, match=rf"length must be a positive integer, got {length!r}"):
+            docs.read_padded([0], length)  # type: ignore[arg-type]
+    for pad in (1.5, True):  # (review68: both padded with 1)
+        with pytest.raises(TypeError, match=rf"pad must be an integer token, got {pad!r}"):
+            docs.read_padded([0], 4, pad=pad)  # type: ignore[arg-type]
     with pytest.raises(OverflowError):
         docs.read_padded([0], pad=70000)  # does not fit uint16
     padded, plen = docs.read_padded([1, 0], pad=65535)

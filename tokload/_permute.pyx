@@ -32,14 +32,18 @@ MAX_ROUNDS = 1 << 16
 _U64_LIMIT = 1 << 64
 
 
-cdef uint64_t _as_u64(object value, str name, int lo=0) except? 0xFFFFFFFFFFFFFFFF:
-    """Convert a Python integer in [lo, 2**64 - 1] or raise naming the argument."""
+cdef uint64_t _as_u64(object value, str name, int lo=0, object hi=None) except? 0xFFFFFFFFFFFFFFFF:
+    """Convert a Python integer in [lo, hi] (hi: 2**64 - 1 by default) or raise
+    naming the argument; a bool is not an integer here (``True`` as n=1)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
     try:
         v = operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-    if not lo <= v < _U64_LIMIT:
-        raise ValueError(f"{name} must be in [{lo}, 2**64 - 1], got {v}")
+    if not lo <= v < _U64_LIMIT or (hi is not None and v > hi):
+        raise ValueError(f"{name} must be in [{lo}, {'2**64 - 1' if hi is None else hi}], "
+                         f"got {v}")
     return <uint64_t>v
 
 
@@ -130,9 +134,7 @@ def take_many(ns, seeds, indices, rounds=6, tables=None):
     lock (each step is one dict operation under the GIL), and a table is a pure
     function of its key, so a forked child may use it.
     """
-    cdef uint64_t crounds = _as_u64(rounds, "rounds")
-    if crounds > MAX_ROUNDS:
-        raise ValueError(f"rounds must be in [0, {MAX_ROUNDS}], got {crounds}")
+    cdef uint64_t crounds = _as_u64(rounds, "rounds", 0, MAX_ROUNDS)
     n = np.ascontiguousarray(ns, dtype=np.uint64)
     s = np.ascontiguousarray(seeds, dtype=np.uint64)
     x = np.ascontiguousarray(indices, dtype=np.uint64)
@@ -302,9 +304,7 @@ cdef class Permutation:
         self._table = NULL
         cdef uint64_t cn = _as_u64(n, "n", 1)
         cdef uint64_t cseed = _as_u64(seed, "seed")
-        cdef uint64_t crounds = _as_u64(rounds, "rounds")
-        if crounds > MAX_ROUNDS:
-            raise ValueError(f"rounds must be in [0, {MAX_ROUNDS}], got {crounds}")
+        cdef uint64_t crounds = _as_u64(rounds, "rounds", 0, MAX_ROUNDS)
         if table is not None and not isinstance(table, bool):
             raise TypeError(f"table must be True, False or None, got {table!r}")
         self._table_mode = table
@@ -382,6 +382,8 @@ cdef class Permutation:
         if isinstance(key, slice):
             return self._slice(key)
         try:
+            if isinstance(key, (bool, np.bool_)):  # (p[True] was p[1])
+                raise TypeError
             i = operator.index(key)
         except TypeError:
             raise TypeError(

@@ -23,6 +23,8 @@ steps a task builds, how many tasks ahead and on how many threads is
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import os
 import threading
 import time
@@ -238,7 +240,9 @@ class DataLoader:
         self.prefetch_bytes, self.num_threads = read.prefetch_bytes, int(num_threads)
         self.steps_per_task = read.steps_per_task
         if log_every is not None and (
-            isinstance(log_every, bool) or not isinstance(log_every, (int, float)) or log_every <= 0
+            isinstance(log_every, (bool, np.bool_))
+            or not isinstance(log_every, numbers.Real)
+            or not 0 < log_every < math.inf  # (NaN too: nothing was ever logged)
         ):
             raise ValueError(
                 f"log_every must be a positive number of seconds or None, got {log_every!r}"

@@ -243,7 +243,9 @@ class Blend(WindowBoundaries, View):
         self.seed, self.block_size, self.rounds = int(seed), int(block_size), int(rounds)
         k = len(self.views)
         stages = [(0, list(map(float, (w for _, w in components))))]
-        for pos, weights in schedule:
+        for i, (pos, weights) in enumerate(schedule, 1):
+            if not is_integer(pos):  # (1024.7 was stage 1024, "1024" a string)
+                raise TypeError(f"stage {i}: its position must be an integer, got {pos!r}")
             stages.append((int(pos), list(map(float, weights))))
         for i, (pos, weights) in enumerate(stages):
             if len(weights) != k:

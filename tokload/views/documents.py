@@ -11,7 +11,7 @@ import numpy.typing as npt
 
 from tokload._docindex import read_documents
 from tokload._rows import read_ranges, split_fields
-from tokload.arguments import check_fits
+from tokload.arguments import check_fits, is_integer, positive_integer
 from tokload.errors import FormatError
 from tokload.views.base import (
     DataLike,
@@ -241,8 +241,8 @@ class Documents(View):
         For a plain dtype this is one compiled call: the index entries, then
         the padding and the rows' reads, without the GIL.
         """
-        if length is not None and length < 1:
-            raise ValueError(f"length must be positive, got {length}")
+        if length is not None:
+            length = positive_integer("length", length)  # (2.5 was 2, True 1)
         dt = self.source.dtype
         docs = self.source.docs
         assert docs is not None
@@ -265,6 +265,8 @@ class Documents(View):
     def _pad_row(self, pad: int) -> bytes:
         """One row of ``pad`` in the dataset's dtype (OverflowError if it does not fit)."""
         dt = self.source.dtype
+        if not is_integer(pad):  # (1.5 and True padded with 1)
+            raise TypeError(f"pad must be an integer token, got {pad!r}")
         return np.array(check_fits(pad, dt, "the padding value"), dtype=dt).tobytes()
 
     def _read_fields(
