@@ -375,6 +375,15 @@ def test_read_into_out_checks_it_against_the_components(
         fields.read(np.arange(3), out=np.zeros((3, 4), np.uint32))
 
 
+def test_proportions_take_integer_positions(views: list[TokenStream]) -> None:
+    """review68: ``proportions(0.5, 10)`` blamed an "epoch", and True ran as 1."""
+    blend = Blend([(views[0], 1), (views[1], 1)], length=100, block_size=10)
+    assert blend.proportions(np.int64(0), 10).tolist() == [5, 5]  # type: ignore[arg-type]
+    for start, stop in ((0.5, 10), (True, 10), (0, "10")):
+        with pytest.raises(TypeError, match=r"start and stop must be integers"):
+            blend.proportions(start, stop)  # type: ignore[arg-type]
+
+
 def test_bad_components(views: list[TokenStream], tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="component 1 is empty"):
         Blend([(views[0], 1), (views[1].subset(0, 0), 1)], length=10)

@@ -677,6 +677,23 @@ def test_bad_arguments(corpus: Path) -> None:
     assert len(DataLoader(view, 2, epochs=two, num_threads=0)) == len(
         DataLoader(view, 2, epochs=2, num_threads=0)
     )
+    # review68: each failed later, or with an error that named something else
+    with pytest.raises(TypeError, match=r"read must be a tokload\.ReadOptions\(\.\.\.\)"):
+        DataLoader(view, 2, read={"prefetch": 2})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"write batching=tokload\.Pad\(\.\.\.\), not the cl"):
+        DataLoader(Documents(corpus), 2, batching=tokload.Pad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"collate must be a function of a batch's arrays, got 5"):
+        DataLoader(view, 2, collate=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"batch_size must be below 2\*\*40, got 10{30}"):
+        DataLoader(view, 10**30)
+    with pytest.raises(ValueError, match=r"Pad\(to=\.\.\.\) must be a positive integer below"):
+        DataLoader(Documents(corpus), 2, batching=tokload.Pad(to=2**70))
+    with pytest.raises(
+        ValueError, match=r"^window must be below 2\*\*64, got 18446744073709551616"
+    ):
+        TokenStream(corpus, window=2**64)
+    with pytest.raises(TypeError, match=r"deserialize must be a function of a record's bytes"):
+        StreamWithMetadata(corpus, window=4, deserialize=5)  # type: ignore[arg-type]
     for every in (float("nan"), float("inf"), 0, True):  # (review68: NaN logged nothing)
         with pytest.raises(ValueError, match=r"log_every must be a positive number of seconds"):
             DataLoader(view, 2, log_every=every)

@@ -582,7 +582,10 @@ def test_bad_options_are_refused(tmp_path: Path) -> None:
         (lambda: tokload.Fill(True), r"window must be a positive integer, got True"),
         (lambda: tokload.Fill(8, attention=["labels"]), r"unknown keys \['labels'\]"),
         (lambda: tokload.Fill(8, attention=[]), r"attention: an empty list of keys"),
-        (lambda: tokload.Pad(to=0), r"Pad\(to=...\) must be a positive integer or None, got 0"),
+        (
+            lambda: tokload.Pad(to=0),
+            r"Pad\(to=...\) must be a positive integer below 2\*\*63 or None, got 0",
+        ),
     ):
         with pytest.raises(ValueError, match=message):
             make()

@@ -91,7 +91,7 @@ class io_scope:
     backend (``"auto"``, ``"uring"``, ``"threads"``, ``"sync"``; objects in an
     object store keep theirs) and reads in flight, whatever each FileSet's own
     settings are; None leaves a setting to the FileSet. A DataLoader's reader
-    threads read in its scope, so ``DataLoader(io=...)`` changes no other
+    threads read in its scope, so ``DataLoader(read=ReadOptions(io=...))`` changes no other
     loader of the same dataset. Scopes nest; each restores the one it replaced."""
 
     def __init__(self, io=None, queue_depth=None):

@@ -179,6 +179,11 @@ def resolve(batching: Any, view: Any) -> Any:
     (``view.batching``), or ``Stack()``; checked against the view."""
     if batching is None:
         batching = getattr(view, "batching", None) or Stack()
+    if isinstance(batching, type):  # (its methods are callable on the class too)
+        raise TypeError(
+            f"batching must be a policy, an instance: write batching=tokload.{batching.__name__}"
+            f"(...), not the class {batching.__name__}"
+        )
     for name in ("check", "schedule", "reader"):
         if not callable(getattr(batching, name, None)):
             raise TypeError(
@@ -479,8 +484,10 @@ class Pad(_BySample):
     value: int = 0
 
     def __post_init__(self) -> None:
-        if self.to is not None and (not is_integer(self.to) or self.to < 1):
-            raise ValueError(f"Pad(to=...) must be a positive integer or None, got {self.to!r}")
+        if self.to is not None and (not is_integer(self.to) or not 1 <= self.to < 1 << 63):
+            raise ValueError(
+                f"Pad(to=...) must be a positive integer below 2**63 or None, got {self.to!r}"
+            )
         _check_value_type("Pad", self.value)
 
     def check(self, view: Any) -> None:

@@ -192,6 +192,8 @@ class DataLoader:
         read = from_retired(read, retired)
         check_view(view)
         batch_size = positive_integer("batch_size", batch_size)
+        if batch_size >= 1 << 40:  # (an array of them per step: NumPy's bare size error)
+            raise ValueError(f"batch_size must be below 2**40, got {batch_size}")
         n = len(view)
         if n == 0:
             raise ValueError(f"the view is empty: {view!r}")
@@ -248,6 +250,8 @@ class DataLoader:
                 f"log_every must be a positive number of seconds or None, got {log_every!r}"
             )
         self.readahead = wanted(view) if read.readahead is None else read.readahead
+        if collate is not None and not callable(collate):  # (it failed at the first batch)
+            raise TypeError(f"collate must be a function of a batch's arrays, got {collate!r}")
         self.collate = collate
         order: dict[str, Any] = dict(
             rank=self.rank,

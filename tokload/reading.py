@@ -110,6 +110,11 @@ def from_retired(read: ReadOptions | None, given: Mapping[str, Any]) -> ReadOpti
     unknown = sorted(k for k in given if k not in NAMES)
     if unknown:
         raise TypeError(f"DataLoader() got unexpected keyword arguments: {', '.join(unknown)}")
+    if read is not None and not isinstance(read, ReadOptions):
+        raise TypeError(
+            f"read must be a tokload.ReadOptions(...) (or None), got {read!r}: write "
+            "read=tokload.ReadOptions(prefetch=..., io=...)"
+        )
     base = ReadOptions() if read is None else read
     if not given:
         return base

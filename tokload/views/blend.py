@@ -509,6 +509,9 @@ class Blend(WindowBoundaries, View):
 
     def proportions(self, start: int, stop: int) -> np.ndarray:
         """How many of positions ``[start, stop)`` each component gets (int64 counts)."""
+        if not (is_integer(start) and is_integer(stop)):  # (0.5 blamed "epoch", True was 1)
+            raise TypeError(f"start and stop must be integers, got {start!r} and {stop!r}")
+        start, stop = int(start), int(stop)
         if not 0 <= start <= stop <= len(self):
             raise IndexError(f"range [{start}, {stop}) is not within [0, {len(self)}]")
         counts: np.ndarray = self._count_before(stop) - self._count_before(start)

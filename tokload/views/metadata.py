@@ -137,6 +137,10 @@ class StreamWithMetadata(_Windows):
         *,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
+        if deserialize is not None and not callable(deserialize):  # (it failed at a record)
+            raise TypeError(
+                f"deserialize must be a function of a record's bytes, got {deserialize!r}"
+            )
         super().__init__(data, window, stride, storage_options)
         if self.source.meta is None and self.source.spans is None:
             raise FormatError(f"{self.source.description} has no metadata")

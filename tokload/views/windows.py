@@ -46,10 +46,11 @@ class _Windows(View):
         stride: int | None,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        stride = window if stride is None else stride
-        window, stride = positive_integer("window", window), positive_integer("stride", stride)
-        if stride >= 1 << 64:  # (read as a 64-bit row count)
-            raise ValueError(f"stride must be below 2**64, got {stride}")
+        window = positive_integer("window", window)
+        stride = window if stride is None else positive_integer("stride", stride)
+        for name, value in (("window", window), ("stride", stride)):
+            if value >= 1 << 64:  # (read as a 64-bit row count)
+                raise ValueError(f"{name} must be below 2**64, got {value}")
         super().__init__(data, storage_options)
         self.window, self.stride = window, stride
         rows = self.source.num_rows
