@@ -704,6 +704,10 @@ def test_bad_arguments(corpus: Path) -> None:
         DataLoader(view.subset(0, 0), 2)
     with pytest.raises(TypeError, match=r"Documents\(data, batch='ragged'\) was retired"):
         Documents(view.source, batch="ragged")
+    for retired in ("read_rows", "packing"):  # (review68: a bare AttributeError)
+        with pytest.raises(AttributeError, match=rf"Documents\.{retired} was retired in.*Fill"):
+            getattr(Documents(corpus), retired)
+        assert getattr(Documents(corpus), retired, None) is None  # (hasattr: False, as before)
     with pytest.raises(ValueError, match="past the end"):
         DataLoader(view, 2, epochs=1).cursor = len(view) + 1
     with pytest.raises(ValueError, match=r"prefetch must be >= 1 or None, got 0"):

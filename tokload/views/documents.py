@@ -137,6 +137,23 @@ class Documents(View):
         self._init_range()
 
     @property
+    def read_rows(self) -> Any:
+        """Retired in 0.2: AttributeError naming what to write."""
+        raise AttributeError(
+            "Documents.read_rows was retired in tokload 0.2: rows filled with documents "
+            "come from DataLoader(docs, B, batching=tokload.Fill(window)) (or "
+            "tokload.Fill(window).reader(...) for one step)"
+        )
+
+    @property
+    def packing(self) -> Any:
+        """Retired in 0.2: AttributeError naming what to write."""
+        raise AttributeError(
+            "Documents.packing was retired in tokload 0.2: packing is the loader's policy, "
+            "DataLoader(docs, B, batching=tokload.Fill(window)) or tokload.Pack()"
+        )
+
+    @property
     def fields(self) -> dict[str, np.dtype[Any]]:
         """The document contract (``tokload.batching``): ``{"tokens": dtype}``, or
         one entry per field of a structured dtype."""
