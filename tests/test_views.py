@@ -861,6 +861,20 @@ def test_values_are_range_checked_and_structured_input_accepted(tmp_path: Path) 
     assert np.asarray(docs[1]).tolist() == [1, 0]
 
 
+def test_a_views_repr_shows_its_part_and_boundaries(tmp_path: Path) -> None:
+    """review68: a ``Documents`` repr had a double space, a part of a view showed no
+    range, and boundaries did not show (the fingerprint is unchanged by them)."""
+    with Writer(tmp_path / "d", "<u2") as w:
+        for n in (3, 5, 2):
+            w.write(np.arange(n, dtype=np.uint16))
+    d = str(tmp_path / "d")
+    assert repr(Documents(d)) == f"Documents({d!r}, n=3)"
+    assert repr(Documents(d).subset(1, 3)) == f"Documents({d!r}, n=2 of [1, 3))"
+    ts = TokenStream(d, window=4, boundaries=["cu_seqlens"])
+    assert repr(ts) == f"TokenStream({d!r}, window=4, stride=4, boundaries=['cu_seqlens'], n=2)"
+    assert ts.fingerprint == TokenStream(d, window=4).fingerprint
+
+
 def test_document_batches_refuse_bad_arguments(tmp_path: Path) -> None:
     with Writer(tmp_path / "d", "<u2") as w:
         for n in (3, 5, 2):

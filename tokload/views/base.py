@@ -228,7 +228,15 @@ class View:
                 f.configure(io=io, queue_depth=queue_depth)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.source.description!r}, {self._config()} n={len(self)})"
+        # (_config is the fingerprint's: what a repr adds more goes here)
+        config = self._config()
+        keys = getattr(self, "boundary_keys", ())
+        config += f" boundaries={list(keys)}," if keys else ""
+        part = "" if (self._lo, self._hi) == (0, self._total) else f" of [{self._lo}, {self._hi})"
+        return (
+            f"{type(self).__name__}({self.source.description!r}, "
+            f"{config + ' ' if config else ''}n={len(self)}{part})"
+        )
 
 
 def _reopen_view(
