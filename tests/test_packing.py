@@ -632,13 +632,19 @@ def test_bad_options_are_refused(tmp_path: Path) -> None:
         (dict(batch="pack"), r"batching=tokload.Pack\(\)"),
         (dict(batch="pad", pad_to=16), r"batching=tokload.Pad\(to=16\)"),
         (dict(pad_value=3), r"batching=tokload.Pad\(value=3\)"),
+        # review68: window and lookahead alone were told Pad() (dropped), a "fill" with
+        # no window Fill(window=None) (which raises), an unknown batch Pad()
+        (dict(window=64), r"batching=tokload.Fill\(window=64\)\)$"),
+        (dict(lookahead=8), r"batching=tokload.Fill\(W, lookahead=8\)\) \(W: the tokens"),
+        (dict(batch="fill"), r"batching=tokload.Fill\(W\)\) \(W: the tokens of a row\)$"),
+        (dict(batch="bogus"), r"\(and 'bogus' was never a batch\): batching is the DataLoader"),
     ],
 )
 def test_the_retired_batch_arguments_say_what_replaces_them(
     tmp_path: Path, kwargs: dict[str, Any], new: str
 ) -> None:
     corpus(tmp_path / "ds", 4, seed=8)
-    with pytest.raises(TypeError, match=r"was retired in tokload 0.2: batching is the DataLoader"):
+    with pytest.raises(TypeError, match=r"was retired in tokload 0.2.*batching is the DataLoader"):
         tokload.Documents(tmp_path / "ds", **kwargs)
     with pytest.raises(TypeError, match=new):
         tokload.Documents(tmp_path / "ds", **kwargs)

@@ -58,9 +58,17 @@ def _retired_documents_args(given: Mapping[str, Any]) -> str:
     unknown = sorted(k for k in given if k not in _RETIRED_DOCUMENTS_ARGS)
     if unknown:
         return f"Documents() got unexpected keyword arguments: {', '.join(unknown)}"
-    batch = given.get("batch", "pad")
+    # (window and lookahead meant something only to "fill": review68 found them dropped)
+    batch = given.get("batch", "fill" if {"window", "lookahead"} & set(given) else "pad")
+    if batch not in ("fill", "pack", "pad"):
+        return (
+            f"Documents(data, batch={batch!r}) was retired in tokload 0.2 (and {batch!r} was "
+            "never a batch): batching is the DataLoader's policy now, "
+            "DataLoader(Documents(data), batch_size, batching=tokload.Pad(), Pack() or Fill(W))"
+        )
     if batch == "fill":
-        args = [f"window={given.get('window')!r}"]
+        window = given.get("window")
+        args = ["W" if window is None else f"window={window!r}"]
         if "lookahead" in given:
             args.append(f"lookahead={given['lookahead']!r}")
         if "pad_value" in given:
@@ -82,6 +90,7 @@ def _retired_documents_args(given: Mapping[str, Any]) -> str:
         "in tokload 0.2: "
         "batching is the DataLoader's policy now. Write "
         f"DataLoader(Documents(data), batch_size, batching=tokload.{new})"
+        + (" (W: the tokens of a row)" if new.startswith("Fill(W") else "")
     )
 
 
