@@ -873,6 +873,29 @@ def test_a_views_repr_shows_its_part_and_boundaries(tmp_path: Path) -> None:
     ts = TokenStream(d, window=4, boundaries=["cu_seqlens"])
     assert repr(ts) == f"TokenStream({d!r}, window=4, stride=4, boundaries=['cu_seqlens'], n=2)"
     assert ts.fingerprint == TokenStream(d, window=4).fingerprint
+    blend = tokload.Blend([(ts, 1)], length=8, block_size=2).subset(2, 6)  # (review69)
+    assert repr(blend) == (
+        "Blend(1 component, stages=1, block_size=2, boundaries=['cu_seqlens'], n=4 of [2, 6))"
+    )
+
+
+def test_read_padded_refuses_a_pad_that_is_not_an_integer_whatever_the_dtype(
+    tmp_path: Path,
+) -> None:
+    """review68, review69: pad=1.5 padded with 1, and the first fix held for a plain
+    dtype only (a structured one took its own path)."""
+    for dtype, rows in (("<u2", np.arange(3)), ([("tokens", "<u2"), ("mask", "<u1")], None)):
+        path = tmp_path / str(len(str(dtype)))
+        with Writer(path, dtype) as w:
+            for n in (3, 1):
+                w.write(np.arange(n) if rows is not None else
+                        {"tokens": np.arange(n), "mask": np.ones(n, np.uint8)})  # fmt: skip
+        for pad in (1.5, True):
+            with pytest.raises(TypeError, match=rf"pad must be an integer token, got {pad!r}"):
+                Documents(path).read_padded([0, 1], pad=pad)  # type: ignore[arg-type]
+        values, _ = Documents(path).read_padded([1, 0], pad=7)
+        first = values if rows is not None else values["tokens"]
+        assert np.asarray(first)[0].tolist() == [0, 7, 7]
 
 
 def test_document_batches_refuse_bad_arguments(tmp_path: Path) -> None:

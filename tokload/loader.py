@@ -59,6 +59,17 @@ MAX_THREADS = 256
 that would end in the system refusing threads."""
 
 
+def _positive_seconds(value: object) -> bool:
+    """Whether ``value`` is a number of seconds > 0 a float holds (not a bool, NaN,
+    infinity or an int past a float's range)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return 0 < float(value) < math.inf
+    except OverflowError:
+        return False
+
+
 class DataLoader:
     """Batches of a view, shuffled globally, split across ranks, resumable exactly.
 
@@ -241,11 +252,7 @@ class DataLoader:
         self.prefetch = read.prefetch
         self.prefetch_bytes, self.num_threads = read.prefetch_bytes, int(num_threads)
         self.steps_per_task = read.steps_per_task
-        if log_every is not None and (
-            isinstance(log_every, (bool, np.bool_))
-            or not isinstance(log_every, numbers.Real)
-            or not 0 < log_every < math.inf  # (NaN too: nothing was ever logged)
-        ):
+        if log_every is not None and not _positive_seconds(log_every):
             raise ValueError(
                 f"log_every must be a positive number of seconds or None, got {log_every!r}"
             )
@@ -413,8 +420,10 @@ class DataLoader:
         if not (is_integer(start) and is_integer(end)):
             raise TypeError(f"{what}: start and end must be integers, got {start!r} and {end!r}")
         a, e = int(start), int(end)
+        check = getattr(self.schedule, "check_span", None)  # (a policy's own may lack it)
         try:
-            self.schedule.check_span(a, e)
+            if check is not None:
+                check(a, e)
         except ValueError as err:
             raise ValueError(f"{what}: {err}") from None
         return a, e
@@ -435,7 +444,7 @@ class DataLoader:
         stream switch and an event is paid per task, not per step); a rowwise
         task's batches are slices of its device tensors.
         """
-        if not spans:
+        if len(spans) == 0:  # (spans may be an array)
             raise ValueError("build_steps: no steps given (a list of (start, end) spans)")
         spans = [self._span(a, e, "build_steps") for a, e in spans]
         out = self._build(spans)[0]

@@ -269,6 +269,8 @@ class Documents(View):
         """
         if length is not None:
             length = positive_integer("length", length)  # (2.5 was 2, True 1)
+        if not is_integer(pad):  # (1.5 and True padded with 1; fields too)
+            raise TypeError(f"pad must be an integer token, got {pad!r}")
         dt = self.source.dtype
         docs = self.source.docs
         assert docs is not None
@@ -291,8 +293,6 @@ class Documents(View):
     def _pad_row(self, pad: int) -> bytes:
         """One row of ``pad`` in the dataset's dtype (OverflowError if it does not fit)."""
         dt = self.source.dtype
-        if not is_integer(pad):  # (1.5 and True padded with 1)
-            raise TypeError(f"pad must be an integer token, got {pad!r}")
         return np.array(check_fits(pad, dt, "the padding value"), dtype=dt).tobytes()
 
     def _read_fields(
