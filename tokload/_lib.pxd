@@ -209,7 +209,6 @@ cdef extern from "tokload/bounds.h" nogil:
                         size_t *bad) noexcept
     unsigned tl_dir_shift(uint64_t rows, uint64_t ndocs) noexcept
     uint64_t tl_dir_entries(uint64_t rows, uint64_t ndocs) noexcept
-    uint64_t tl_docs_table_bad(const uint64_t *t, uint64_t ndocs, uint64_t rows) noexcept
     void tl_dir_build(const uint64_t *t, uint64_t ndocs, uint64_t rows, uint64_t *dir) noexcept
     uint64_t tl_bounds_cuts_tables(const uint64_t *row_cum, const uint64_t *doc_cum,
                                    size_t nfiles, const uint64_t *const *tables,
@@ -537,3 +536,8 @@ cdef extern from "tokload/slots.h" nogil:
 cdef extern from "tokload/sort.h" nogil:
     void tl_sort_pairs(uint64_t *key, uint64_t *val, size_t n, uint64_t *key2,
                        uint64_t *val2) noexcept
+
+
+cdef extern from "tokload/offsets.h" nogil:
+    size_t tl_offsets_bad(const uint64_t *t, size_t n, uint64_t limit, int first,
+                          int last) noexcept

@@ -32,7 +32,7 @@ cdef class ShardTables:
             entry); callers then decode the entries they need.
         directory: for document tables (each shard's ``documents + 1`` row
             offsets), the rows of each shard: each table is then checked whole
-            when read (``tl_docs_table_bad``: from 0, never decreasing, up to the
+            when read (``tl_offsets_bad``: from 0, never decreasing, up to the
             rows; else ``need`` fails with ``TL_ERR_CORRUPT`` naming the entry)
             and followed by its directory (``tl_dir_build`` in
             ``csrc/tokload/bounds.h``: a uint64 per 4 documents or fewer), which
@@ -167,7 +167,7 @@ cdef class ShardTables:
             for j in range(m):  # document tables: checked whole before they are held
                 k = reqs[j].item
                 ndocs = self.rs.rs.cum[k + 1] - self.rs.rs.cum[k] - 1
-                bad = lib.tl_docs_table_bad(<uint64_t *>bufs[j], ndocs, self.rows[k])
+                bad = lib.tl_offsets_bad(<uint64_t *>bufs[j], ndocs + 1, self.rows[k], 1, 1)
                 if bad <= ndocs:
                     err.code = lib.TL_ERR_CORRUPT
                     err.file = <int32_t>k

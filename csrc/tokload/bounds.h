@@ -175,22 +175,6 @@ TL_INLINE uint64_t tl_dir_entries(uint64_t rows, uint64_t ndocs)
     return (rows >> tl_dir_shift(rows, ndocs)) + 2;
 }
 
-/*
- * Checks a shard's document table as read from its index file (ndocs + 1 local
- * row offsets) before it is held: the first is 0, each is at most the shard's
- * rows and none decreases, the last is the rows.  Returns the number of the
- * first entry that breaks a rule (of two that decrease, the second: as
- * tokload verify names it), or ndocs + 1 when none does.
- */
-TL_INLINE uint64_t tl_docs_table_bad(const uint64_t *t, uint64_t ndocs, uint64_t rows)
-{
-    if (t[0] != 0) return 0;
-    for (uint64_t j = 1; j <= ndocs; j++) {
-        if (t[j] > rows || t[j] < t[j - 1]) return j;
-    }
-    return t[ndocs] != rows ? ndocs : ndocs + 1;
-}
-
 /* Builds the directory of the n = ndocs + 1 entries of t into dir. */
 TL_INLINE void tl_dir_build(const uint64_t *t, uint64_t ndocs, uint64_t rows, uint64_t *dir)
 {

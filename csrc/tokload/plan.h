@@ -22,6 +22,7 @@
 #include "common.h"
 #include "engine.h"
 #include "io.h"
+#include "offsets.h"
 #include "shards.h"
 
 #include <string.h>
@@ -278,19 +279,14 @@ TL_INLINE int tl_docs_finish(const tl_fent *idx_files, const uint64_t *doc_cum,
         size_t k = tl_shards_locate(doc_cum, nfiles, ids[i]);
         const uint64_t *e = &entries[2 * i];
         const uint64_t rows = row_cum[k + 1] - row_cum[k], local = ids[i] - doc_cum[k];
-        const int last = local + 1 == doc_cum[k + 1] - doc_cum[k];
-        if (TL_UNLIKELY(e[0] > e[1] || e[1] > rows || (local == 0 && e[0] != 0) ||
-                        (last && e[1] != rows))) {
-            /* the offending entry, as tokload verify names it: the first when it
-             * is the shard's first and not 0 or it passes the rows, else the
-             * second (past the rows, below the first, or the shard's last short
-             * of the rows) */
-            const int second = !(local == 0 && e[0] != 0) && e[0] <= rows;
+        const size_t bad = tl_offsets_bad(e, 2, rows, local == 0,
+                                          local + 1 == doc_cum[k + 1] - doc_cum[k]);
+        if (TL_UNLIKELY(bad < 2)) {
             err->code = TL_ERR_CORRUPT;
             err->file = (int32_t)k;
-            err->offset = idx_files[k].base + 8 * (local + (uint64_t)second);
+            err->offset = idx_files[k].base + 8 * (local + bad);
             err->length = 8;
-            err->done = e[second];
+            err->done = e[bad];
             *failed_item = i;
             return TL_ERR_CORRUPT;
         }
@@ -566,14 +562,8 @@ TL_INLINE int tl_meta_finish(const tl_meta_shard *shards, const tl_meta_seg *seg
         const uint64_t *e = entries + sg->ent;
         if (sg->dense) {
             uint64_t n = sg->hi - sg->lo + 2;
-            /* the first entry that breaks a rule (n: none), as tokload verify
-             * names it: the shard's first when not 0, one that passes the data
-             * or decreases, the shard's last when not the data's size */
-            uint64_t bad = n;
-            if ((sg->lo == 0 && e[0] != 0) || e[0] > ms->data_bytes) bad = 0;
-            for (uint64_t j = 0; bad == n && j + 1 < n; j++)
-                if (e[j] > e[j + 1] || e[j + 1] > ms->data_bytes) bad = j + 1;
-            if (bad == n && sg->hi + 1 == ms->nrec && e[n - 1] != ms->data_bytes) bad = n - 1;
+            const size_t bad = tl_offsets_bad(e, (size_t)n, ms->data_bytes, sg->lo == 0,
+                                              sg->hi + 1 == ms->nrec);
             if (TL_UNLIKELY(bad < n)) {
                 err->code = TL_ERR_CORRUPT;
                 err->file = (int32_t)sg->shard;
@@ -599,16 +589,13 @@ TL_INLINE int tl_meta_finish(const tl_meta_shard *shards, const tl_meta_seg *seg
         }
         for (size_t it = sg->first_item; it < sg->end_item; it++, e += 2) {
             const uint64_t id = items[it].id;
-            const int first = id == 0 && e[0] != 0, last = id + 1 == ms->nrec;
-            if (TL_UNLIKELY(first || e[0] > e[1] || e[1] > ms->data_bytes ||
-                            (last && e[1] != ms->data_bytes))) {
-                /* the offending entry, as tl_docs_finish names it */
-                const int second = !first && e[0] <= ms->data_bytes;
+            const size_t bad = tl_offsets_bad(e, 2, ms->data_bytes, id == 0, id + 1 == ms->nrec);
+            if (TL_UNLIKELY(bad < 2)) {
                 err->code = TL_ERR_CORRUPT;
                 err->file = (int32_t)sg->shard;
-                err->offset = ms->index->base + 8 * (id + (uint64_t)second);
+                err->offset = ms->index->base + 8 * (id + bad);
                 err->length = ms->data_bytes;
-                err->done = e[second];
+                err->done = e[bad];
                 *failed_item = sg->window;
                 return TL_ERR_CORRUPT;
             }

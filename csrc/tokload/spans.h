@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "offsets.h"
 #include "shards.h"
 
 #define TL_SPAN_NONE 0xFFFFFFFFu
@@ -342,17 +343,13 @@ TL_INLINE int tl_spans_plan_data(const tl_span_set *s, const uint32_t *item_shar
     for (size_t i = 0; i < nitems; i++) {
         size_t k = item_shard[i];
         uint64_t bytes = s->mdb_cum[k + 1] - s->mdb_cum[k];
-        uint64_t a = entries[item_ent[i]], b = entries[item_ent[i] + 1];
-        const int last = (uint64_t)item_id[i] + 2 == s->mdx_cum[k + 1] - s->mdx_cum[k];
-        if (TL_UNLIKELY(a > b || b > bytes || (item_id[i] == 0 && a != 0) ||
-                        (last && b != bytes))) {
-            /* as tokload verify names it: the first entry when record 0's is not 0
-             * or it passes the data, else the second (past the data, below the
-             * first, or the shard's last short of the data) */
-            int first = (item_id[i] == 0 && a != 0) || a > bytes;
-            return tl_span_fail(err, TL_SPAN_BAD_OFFSET, k, (uint64_t)item_id[i] + !first,
-                                first ? a : b, bytes);
-        }
+        const uint64_t *e = &entries[item_ent[i]], a = e[0], b = e[1];
+        const uint64_t nrec = s->mdx_cum[k + 1] - s->mdx_cum[k] - 1;
+        const size_t bad =
+            tl_offsets_bad(e, 2, bytes, item_id[i] == 0, (uint64_t)item_id[i] + 1 == nrec);
+        if (TL_UNLIKELY(bad < 2))
+            return tl_span_fail(err, TL_SPAN_BAD_OFFSET, k, (uint64_t)item_id[i] + bad, e[bad],
+                                bytes);
         offsets[i + 1] = (int64_t)(at + (b - a));
         if (b > a) {
             /* Bytes that follow the previous read's in the file and in the
