@@ -228,15 +228,20 @@ class View:
                 f.configure(io=io, queue_depth=queue_depth)
 
     def __repr__(self) -> str:
-        # (_config is the fingerprint's: what a repr adds more goes here)
-        config = self._config()
-        keys = getattr(self, "boundary_keys", ())
-        config += f" boundaries={list(keys)}," if keys else ""
-        part = "" if (self._lo, self._hi) == (0, self._total) else f" of [{self._lo}, {self._hi})"
+        config = self._config() + self._shown_boundaries()  # (_config: the fingerprint's)
         return (
             f"{type(self).__name__}({self.source.description!r}, "
-            f"{config + ' ' if config else ''}n={len(self)}{part})"
+            f"{config + ' ' if config else ''}n={len(self)}{self._shown_part()})"
         )
+
+    def _shown_boundaries(self) -> str:
+        """For a repr: the boundaries a view gives (``" boundaries=[...],"``), or ""."""
+        keys = getattr(self, "boundary_keys", ())
+        return f" boundaries={list(keys)}," if keys else ""
+
+    def _shown_part(self) -> str:
+        """For a repr: the part of its data a view is (``" of [lo, hi)"``), or ""."""
+        return "" if (self._lo, self._hi) == (0, self._total) else f" of [{self._lo}, {self._hi})"
 
 
 def _reopen_view(

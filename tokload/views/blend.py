@@ -725,14 +725,10 @@ class Blend(WindowBoundaries, View):
     def __repr__(self) -> str:
         if not hasattr(self, "_total"):  # (half made: a failed __init__'s error)
             return f"Blend({len(getattr(self, 'views', ()))} components, n=?)"
-        keys = getattr(self, "boundary_keys", ())
-        whole = (self._lo, self._hi) == (0, self._total)
         return (
             f"Blend({len(self.views)} component{'s' if len(self.views) != 1 else ''}, "
-            f"stages={len(self.stages)}, "
-            f"block_size={self.block_size}, "
-            + (f"boundaries={list(keys)}, " if keys else "")
-            + f"n={len(self)}{'' if whole else f' of [{self._lo}, {self._hi})'})"
+            f"stages={len(self.stages)}, block_size={self.block_size},"
+            f"{self._shown_boundaries()} n={len(self)}{self._shown_part()})"
         )
 
 
