@@ -8,6 +8,7 @@ from an array), never a ``bool`` (``window=True`` is a mistake, not a window of
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, TypeGuard
 
@@ -22,6 +23,17 @@ def is_integer(value: object) -> TypeGuard[int]:
     Typed as a guard for ``int``: a NumPy integer compares and converts as one.
     """
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def is_positive_seconds(value: object) -> bool:
+    """Whether ``value`` is a number of seconds > 0 a float holds (not a bool, NaN,
+    infinity or an int past a float's range)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return 0 < float(value) < math.inf
+    except OverflowError:
+        return False
 
 
 def positive_integer(name: str, value: object, error: type[ValueError] = ValueError) -> int:

@@ -23,8 +23,6 @@ steps a task builds, how many tasks ahead and on how many threads is
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 import os
 import threading
 import time
@@ -34,7 +32,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from tokload.arguments import is_integer, positive_integer, seed_and_rounds
+from tokload.arguments import is_integer, is_positive_seconds, positive_integer, seed_and_rounds
 from tokload.batching import Batching, cut, read_step, resolve
 from tokload.errors import StateError
 from tokload.iteration import LoaderIter
@@ -57,17 +55,6 @@ STATE_VERSION = 1
 MAX_THREADS = 256
 """The most reader threads a loader takes (``num_threads``): more is a mistake
 that would end in the system refusing threads."""
-
-
-def _positive_seconds(value: object) -> bool:
-    """Whether ``value`` is a number of seconds > 0 a float holds (not a bool, NaN,
-    infinity or an int past a float's range)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        return False
-    try:
-        return 0 < float(value) < math.inf
-    except OverflowError:
-        return False
 
 
 class DataLoader:
@@ -252,7 +239,7 @@ class DataLoader:
         self.prefetch = read.prefetch
         self.prefetch_bytes, self.num_threads = read.prefetch_bytes, int(num_threads)
         self.steps_per_task = read.steps_per_task
-        if log_every is not None and not _positive_seconds(log_every):
+        if log_every is not None and not is_positive_seconds(log_every):
             raise ValueError(
                 f"log_every must be a positive number of seconds or None, got {log_every!r}"
             )
